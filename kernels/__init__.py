@@ -1,0 +1,28 @@
+"""Single-device FlashAttention: Triton kernels on CUDA, a blockwise PyTorch twin elsewhere.
+
+Knows nothing of torch.distributed. ``flash_attn`` is the differentiable op;
+``flash_attn_fwd`` / ``flash_attn_bwd`` / ``attn_delta`` are the per-block entry
+points of one (query block, key block) pair that the ring calls at every step.
+"""
+
+from .interface import (
+    SUPPORTED_DTYPES,
+    attn_delta,
+    check_causal,
+    check_qkv,
+    flash_attn,
+    flash_attn_bwd,
+    flash_attn_fwd,
+    resolve_scale,
+)
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "attn_delta",
+    "check_causal",
+    "check_qkv",
+    "flash_attn",
+    "flash_attn_bwd",
+    "flash_attn_fwd",
+    "resolve_scale",
+]

@@ -1,0 +1,357 @@
+"""FlashAttention-2 forward and backward in Triton, one (query block, key block) pair.
+
+The math, per query row i, with s_ij = q_i . k_j * scale (base-2 internally:
+``qk_scale = scale * log2(e)`` is folded into one multiply):
+
+    forward   m = max_j s_ij,  l = sum_j exp(s_ij - m),  o = sum_j exp(s_ij - m) v_j / l,
+              lse = m + log(l); key tiles in the inner loop, normalization by l once.
+    backward  p_ij = exp(s_ij - lse_i) from the saved lse, delta_i = do_i . o_i,
+              ds_ij = p_ij (do_i . v_j - delta_i);
+              dq_i = scale sum_j ds_ij k_j,  dk_j = scale sum_i ds_ij q_i,  dv_j = sum_i p_ij do_i.
+
+Masks are a description, never a tensor: ``CAUSAL`` with an integer diagonal
+offset, key j visible to query i iff j <= i + offset. Tiles that no query of the
+program can see are never loaded; tiles every query sees skip the mask.
+
+Layouts: q, o, do (B, Sq, H, D); k, v, dk, dv (B, Sk, Hkv, D), H a multiple of Hkv;
+lse, delta (B, H, Sq). Any of them may be a strided view (last dim contiguous).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+def _interpreting() -> bool:
+    return triton.knobs.runtime.interpret
+
+
+def block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def fwd_config(head_dim: int, causal: bool) -> dict:
+    """Tile shape and launch parameters of the forward kernel (measured on H200)."""
+    if _interpreting():
+        return dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)
+    if head_dim <= 64:
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
+    if head_dim <= 128:
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+
+
+def bwd_config(head_dim: int, causal: bool) -> dict:
+    """Tiles of the two backward kernels: BLOCK_M x BLOCK_N for dK/dV (key tile outer)
+    and for dQ (query tile outer) alike."""
+    if _interpreting():
+        return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)
+    if head_dim <= 64:
+        return dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2)
+    if head_dim <= 128:
+        return dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2)
+    return dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=1)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs follow torch's TF32 switch; half types ignore it."""
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+@triton.jit
+def _load_rows(base, rows, stride, n_rows, offs_d, HEAD_DIM: tl.constexpr, other):
+    """Load a (rows, BLOCK_D) tile; rows past n_rows and columns past HEAD_DIM read `other`."""
+    ptrs = base + rows[:, None] * stride + offs_d[None, :]
+    return tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=other)
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+@triton.jit
+def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, start_n, offs_m, offs_n,
+              offs_d, seqlen_k, qk_scale, causal_offset, HEAD_DIM: tl.constexpr,
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+    cols = start_n + offs_n
+    k = _load_rows(k_base, cols, stride_ks, seqlen_k, offs_d, HEAD_DIM, 0.0)
+    v = _load_rows(v_base, cols, stride_vs, seqlen_k, offs_d, HEAD_DIM, 0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+    if MASKED:
+        visible = cols[None, :] < seqlen_k
+        if CAUSAL:
+            visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASKED:  # a row may still have seen nothing: keep exp2 away from (-inf) - (-inf)
+        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new_safe = m_new
+    p = tl.math.exp2(s - m_new_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_new_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE,
+                stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
+                stride_lb, stride_lh,
+                H, GROUP, seqlen_q, seqlen_k, qk_scale, causal_offset,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr,
+                PRECISION: tl.constexpr):
+    start_m = tl.program_id(0) * BLOCK_M
+    off_b = tl.program_id(1) // H
+    off_h = tl.program_id(1) % H
+    off_hk = off_h // GROUP
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < seqlen_q
+
+    q = _load_rows(Q + off_b * stride_qb + off_h * stride_qh, offs_m, stride_qs, seqlen_q, offs_d,
+                   HEAD_DIM, 0.0)
+    k_base = K + off_b * stride_kb + off_hk * stride_kh
+    v_base = V + off_b * stride_vb + off_hk * stride_vh
+    o_base = O + off_b * stride_ob + off_h * stride_oh
+    lse_ptrs = LSE + off_b * stride_lb + off_h * stride_lh + offs_m
+
+    if ACCUMULATE:  # resume the online softmax from a previous partial (o, lse): m = lse, l = 1
+        m_i = tl.load(lse_ptrs, mask=row_ok, other=float("-inf")) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+        acc = _load_rows(o_base, offs_m, stride_os, seqlen_q, offs_d, HEAD_DIM, 0.0).to(tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # Key tiles [0, full_end) are seen whole by every row; [full_end, end) need the mask.
+    if CAUSAL:
+        end = tl.maximum(tl.minimum(seqlen_k, start_m + BLOCK_M + causal_offset), 0)
+        full_end = tl.maximum(start_m + causal_offset + 1, 0) // BLOCK_N * BLOCK_N
+        full_end = tl.minimum(full_end, seqlen_k // BLOCK_N * BLOCK_N)
+    else:
+        end = seqlen_k
+        full_end = seqlen_k // BLOCK_N * BLOCK_N
+    for start_n in range(0, full_end, BLOCK_N):
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, start_n,
+                                  offs_m, offs_n, offs_d, seqlen_k, qk_scale, causal_offset,
+                                  HEAD_DIM, False, CAUSAL, PRECISION)
+    for start_n in range(full_end, end, BLOCK_N):
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, start_n,
+                                  offs_m, offs_n, offs_d, seqlen_k, qk_scale, causal_offset,
+                                  HEAD_DIM, True, CAUSAL, PRECISION)
+
+    empty = l_i == 0.0  # saw no key at all: out 0, lse -inf
+    l_safe = tl.where(empty, 1.0, l_i)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    o = acc / l_safe[:, None]
+    tl.store(lse_ptrs, lse, mask=row_ok)
+    o_ptrs = o_base + offs_m[:, None] * stride_os + offs_d[None, :]
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+
+
+def fwd(q, k, v, out, lse, *, softmax_scale: float, causal_offset: int | None, accumulate: bool):
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    cfg = fwd_config(d, causal_offset is not None)
+    grid = (triton.cdiv(sq, cfg["BLOCK_M"]), b * h)
+    _fwd_kernel[grid](
+        q, k, v, out, lse,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1),
+        h, h // hkv, sq, sk, softmax_scale * LOG2E, causal_offset or 0,
+        HEAD_DIM=d, BLOCK_D=block_d(d), CAUSAL=causal_offset is not None, ACCUMULATE=accumulate,
+        PRECISION=_dot_precision(q.dtype), **cfg)
+    return out, lse
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+@triton.jit
+def _load_stats(LSE, DELTA, rows, seqlen_q):
+    """lse in base 2 (a row that saw no key gets +inf, so its p is 0) and delta."""
+    ok = rows < seqlen_q
+    lse = tl.load(LSE + rows, mask=ok, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    return lse, tl.load(DELTA + rows, mask=ok, other=0.0)
+
+
+@triton.jit
+def _dkdv_tile(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qs, stride_dos, start_m,
+               offs_m, cols, offs_d, seqlen_q, qk_scale, causal_offset, HEAD_DIM: tl.constexpr,
+               MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    rows = start_m + offs_m
+    q = _load_rows(q_base, rows, stride_qs, seqlen_q, offs_d, HEAD_DIM, 0.0)
+    do = _load_rows(do_base, rows, stride_dos, seqlen_q, offs_d, HEAD_DIM, 0.0)
+    lse, delta = _load_stats(LSE, DELTA, rows, seqlen_q)
+    # Transposed scores (keys x queries) so the tile products need no transposed store.
+    pT = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse[None, :])
+    if MASKED:
+        pT = tl.where(cols[:, None] <= rows[None, :] + causal_offset, pT, 0.0)
+    dv += tl.dot(pT.to(do.dtype), do, input_precision=PRECISION)
+    dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+    dsT = pT * (dpT - delta[None, :])
+    dk += tl.dot(dsT.to(q.dtype), q, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _store_grad(ptrs, mask, grad, ACCUMULATE: tl.constexpr):
+    if ACCUMULATE:
+        grad += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(ptrs, grad.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
+                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                 stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
+                 stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+                 stride_lb, stride_lh, stride_deltab, stride_deltah,
+                 HKV, GROUP, seqlen_q, seqlen_k, qk_scale, sm_scale, causal_offset,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """One key tile of one kv head; loops over the query heads of its group and over
+    the query tiles that see it, so dK and dV are written once, without atomics."""
+    start_n = tl.program_id(0) * BLOCK_N
+    off_b = tl.program_id(1) // HKV
+    off_hk = tl.program_id(1) % HKV
+    offs_m = tl.arange(0, BLOCK_M)
+    cols = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    k = _load_rows(K + off_b * stride_kb + off_hk * stride_kh, cols, stride_ks, seqlen_k, offs_d,
+                   HEAD_DIM, 0.0)
+    v = _load_rows(V + off_b * stride_vb + off_hk * stride_vh, cols, stride_vs, seqlen_k, offs_d,
+                   HEAD_DIM, 0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    # Query tiles [begin, full_begin) straddle the diagonal; from full_begin on, all visible.
+    if CAUSAL:
+        begin = tl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M
+        full_begin = tl.maximum(start_n + BLOCK_N - 1 - causal_offset, 0)
+        full_begin = tl.minimum(tl.cdiv(full_begin, BLOCK_M) * BLOCK_M, seqlen_q)
+        full_begin = tl.maximum(full_begin, begin)
+    else:
+        begin = 0
+        full_begin = 0
+    for g in range(0, GROUP):
+        off_h = off_hk * GROUP + g
+        q_base = Q + off_b * stride_qb + off_h * stride_qh
+        do_base = DO + off_b * stride_dob + off_h * stride_doh
+        lse_base = LSE + off_b * stride_lb + off_h * stride_lh
+        delta_base = DELTA + off_b * stride_deltab + off_h * stride_deltah
+        for start_m in range(begin, full_begin, BLOCK_M):
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs,
+                                stride_dos, start_m, offs_m, cols, offs_d, seqlen_q, qk_scale,
+                                causal_offset, HEAD_DIM, True, PRECISION)
+        for start_m in range(full_begin, seqlen_q, BLOCK_M):
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs,
+                                stride_dos, start_m, offs_m, cols, offs_d, seqlen_q, qk_scale,
+                                causal_offset, HEAD_DIM, False, PRECISION)
+
+    mask = (cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+    dk_ptrs = DK + off_b * stride_dkb + off_hk * stride_dkh + cols[:, None] * stride_dks + offs_d[None, :]
+    dv_ptrs = DV + off_b * stride_dvb + off_hk * stride_dvh + cols[:, None] * stride_dvs + offs_d[None, :]
+    _store_grad(dk_ptrs, mask, dk * sm_scale, ACCUMULATE)
+    _store_grad(dv_ptrs, mask, dv, ACCUMULATE)
+
+
+@triton.jit
+def _dq_tile(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, start_n, rows, offs_n,
+             offs_d, seqlen_k, qk_scale, causal_offset, HEAD_DIM: tl.constexpr,
+             MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    # Keys past seqlen_k load as zeros, so they add nothing to dq: no bounds mask needed.
+    cols = start_n + offs_n
+    k = _load_rows(k_base, cols, stride_ks, seqlen_k, offs_d, HEAD_DIM, 0.0)
+    v = _load_rows(v_base, cols, stride_vs, seqlen_k, offs_d, HEAD_DIM, 0.0)
+    p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse[:, None])
+    if MASKED:
+        p = tl.where(cols[None, :] <= rows[:, None] + causal_offset, p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    ds = p * (dp - delta[:, None])
+    dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    return dq
+
+
+@triton.jit
+def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
+               stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+               stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
+               stride_dqb, stride_dqs, stride_dqh,
+               stride_lb, stride_lh, stride_deltab, stride_deltah,
+               H, GROUP, seqlen_q, seqlen_k, qk_scale, sm_scale, causal_offset,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr,
+               PRECISION: tl.constexpr):
+    start_m = tl.program_id(0) * BLOCK_M
+    off_b = tl.program_id(1) // H
+    off_h = tl.program_id(1) % H
+    off_hk = off_h // GROUP
+    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    q = _load_rows(Q + off_b * stride_qb + off_h * stride_qh, rows, stride_qs, seqlen_q, offs_d,
+                   HEAD_DIM, 0.0)
+    do = _load_rows(DO + off_b * stride_dob + off_h * stride_doh, rows, stride_dos, seqlen_q,
+                    offs_d, HEAD_DIM, 0.0)
+    lse, delta = _load_stats(LSE + off_b * stride_lb + off_h * stride_lh,
+                             DELTA + off_b * stride_deltab + off_h * stride_deltah, rows, seqlen_q)
+    k_base = K + off_b * stride_kb + off_hk * stride_kh
+    v_base = V + off_b * stride_vb + off_hk * stride_vh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    if CAUSAL:
+        end = tl.maximum(tl.minimum(seqlen_k, start_m + BLOCK_M + causal_offset), 0)
+        full_end = tl.minimum(tl.maximum(start_m + causal_offset + 1, 0) // BLOCK_N * BLOCK_N, end)
+    else:
+        end = seqlen_k
+        full_end = seqlen_k
+    for start_n in range(0, full_end, BLOCK_N):
+        dq = _dq_tile(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, start_n, rows,
+                      offs_n, offs_d, seqlen_k, qk_scale, causal_offset, HEAD_DIM, False, PRECISION)
+    for start_n in range(full_end, end, BLOCK_N):
+        dq = _dq_tile(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, start_n, rows,
+                      offs_n, offs_d, seqlen_k, qk_scale, causal_offset, HEAD_DIM, True, PRECISION)
+
+    mask = (rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+    dq_ptrs = DQ + off_b * stride_dqb + off_h * stride_dqh + rows[:, None] * stride_dqs + offs_d[None, :]
+    _store_grad(dq_ptrs, mask, dq * sm_scale, ACCUMULATE)
+
+
+def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, causal_offset: int | None,
+        accumulate: bool):
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    cfg = bwd_config(d, causal_offset is not None)
+    common = dict(HEAD_DIM=d, BLOCK_D=block_d(d), CAUSAL=causal_offset is not None,
+                  ACCUMULATE=accumulate, PRECISION=_dot_precision(q.dtype), **cfg)
+    scalars = (h // hkv, sq, sk, softmax_scale * LOG2E, softmax_scale, causal_offset or 0)
+    qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                   v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
+    stat_strides = (lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1))
+    _dkdv_kernel[(triton.cdiv(sk, cfg["BLOCK_N"]), b * hkv)](
+        q, k, v, do, lse, delta, dk, dv, *qkv_strides,
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        *stat_strides, hkv, *scalars, **common)
+    _dq_kernel[(triton.cdiv(sq, cfg["BLOCK_M"]), b * h)](
+        q, k, v, do, lse, delta, dq, *qkv_strides, dq.stride(0), dq.stride(1), dq.stride(2),
+        *stat_strides, h, *scalars, **common)
+    return dq, dk, dv
