@@ -1,6 +1,15 @@
-"""ringflash: exact attention over sequences sharded across a process group."""
+"""ringflash: exact attention over sequences sharded across a process group.
 
+    out = ringflash.ring_flash_attn(q, k, v, causal=True, layout="zigzag")
+
+q, k, v are this rank's shards (batch, seqlen_local, heads, head_dim); K/V shards
+travel around the ring of ranks while each rank runs a FlashAttention kernel on its
+queries against the visiting keys.
+"""
+
+from .api import positions, ring_flash_attn, shard, unshard
 from .kernels import flash_attn
+from .layouts import LAYOUTS
 
 __version__ = "0.1.0"
-__all__ = ["flash_attn"]
+__all__ = ["LAYOUTS", "flash_attn", "positions", "ring_flash_attn", "shard", "unshard"]

@@ -1,0 +1,145 @@
+"""Public functions of the distributed layer, and their argument checks."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import torch
+import torch.distributed as dist
+
+from .exchange import Ring
+from .kernels import SUPPORTED_DTYPES, check_causal, check_qkv, resolve_scale
+from .layouts import LAYOUTS, check_layout, check_seqlen, global_positions, split_factor
+from .ring import RingAttention
+
+# Set RINGFLASH_RANK_CHECK=0 to skip the cross-rank agreement check (see _check_ranks_agree).
+_RANK_CHECK = os.environ.get("RINGFLASH_RANK_CHECK", "1") != "0"
+
+
+def _signature(q, k, causal, layout, scale, needs_grad) -> list[int]:
+    """A few integers that every rank of the ring must agree on."""
+    scale_bits = struct.unpack("<q", struct.pack("<d", scale))[0]
+    return [*q.shape, k.shape[2], SUPPORTED_DTYPES.index(q.dtype), int(causal),
+            LAYOUTS.index(layout), scale_bits, int(needs_grad)]
+
+
+_SIGNATURE_FIELDS = ("batch", "seqlen_local", "heads", "head_dim", "kv_heads", "dtype", "causal",
+                     "layout", "softmax_scale", "requires_grad")
+
+
+def _check_ranks_agree(ring: Ring, signature: list[int], device: torch.device) -> None:
+    """Raise the same ValueError on every rank if the ranks disagree about the call.
+
+    Costs one all-gather of 10 int64 and one host synchronization per call. It runs on
+    every call rather than once per signature: a rank that skipped it because its own
+    signature was cached while another rank's changed would leave that rank waiting in a
+    collective nobody else joins. The ring itself would then hang or compute garbage.
+    """
+    everyone = ring.all_gather_ints(signature, device)
+    for field, values in zip(_SIGNATURE_FIELDS, zip(*everyone)):
+        if len(set(values)) > 1:
+            shown = values if field != "softmax_scale" else [
+                struct.unpack("<d", struct.pack("<q", x))[0] for x in values]
+            if field == "dtype":
+                shown = [str(SUPPORTED_DTYPES[x]) for x in values]
+            if field == "layout":
+                shown = [LAYOUTS[x] for x in values]
+            raise ValueError(f"ranks disagree on {field}: {list(shown)} (rank i's value at index i); "
+                             "every rank must call ring_flash_attn with the same arguments and shapes")
+
+
+def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
+                    group=None, layout: str = "contiguous", return_lse: bool = False):
+    """Exact attention of this rank's queries over the keys of every rank in ``group``.
+
+    Args:
+        q: (batch, seqlen_local, heads, head_dim), this rank's shard of the queries.
+        k, v: (batch, seqlen_local, kv_heads, head_dim), this rank's shards; heads a
+            multiple of kv_heads. Same shapes and dtype (fp16, bf16, fp32) on every rank.
+        causal: causal mask on GLOBAL positions, as given by ``layout``.
+        softmax_scale: defaults to head_dim ** -0.5.
+        group: the process group forming the ring (default: the world; without an
+            initialized process group, a ring of one).
+        layout: how the global sequence is split ("contiguous", "zigzag", "stripe"; see
+            ``shard``). It only matters with causal=True.
+        return_lse: also return lse.
+
+    Returns:
+        out (batch, seqlen_local, heads, head_dim) in q's dtype: rows of
+        softmax(q K^T * scale) V over the whole sequence; with return_lse also
+        lse (batch, heads, seqlen_local), fp32, natural log. Both are differentiable
+        in q, k and v.
+    """
+    check_qkv(q, k, v)
+    causal = check_causal(causal)
+    layout = check_layout(layout)
+    scale = resolve_scale(softmax_scale, q.shape[-1])
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"q and k must hold the same number of local tokens, got {q.shape[1]} and {k.shape[1]}")
+    if layout == "zigzag" and q.shape[1] % 2:
+        raise ValueError(f"layout 'zigzag' needs an even seqlen_local (two chunks a rank), got {q.shape[1]}")
+    ring = Ring(group)
+    if ring.world > 1 and _RANK_CHECK:
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        _check_ranks_agree(ring, _signature(q, k, causal, layout, scale, needs_grad), q.device)
+    out, lse = RingAttention.apply(q, k, v, scale, causal, layout, ring)
+    return (out, lse) if return_lse else out
+
+
+def _check_dim(x: torch.Tensor, dim: int) -> int:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim must be an int in [{-x.dim()}, {x.dim()}), got {dim!r}")
+    return dim % x.dim()
+
+
+def positions(seqlen: int, layout: str = "contiguous", group=None, *, device=None) -> torch.Tensor:
+    """Global token ids of this rank's tokens, in local order (int64, (seqlen // W,)).
+
+    For rotary embeddings, labels and masks. ``seqlen`` is the GLOBAL length; it must
+    be a multiple of W (2W for zigzag).
+    """
+    if isinstance(seqlen, bool) or not isinstance(seqlen, int) or seqlen < 1:
+        raise ValueError(f"seqlen must be a positive int, got {seqlen!r}")
+    layout = check_layout(layout)
+    ring = Ring(group)
+    return global_positions(seqlen, layout, ring.rank, ring.world).to(device)
+
+
+def shard(x: torch.Tensor, dim: int = 1, layout: str = "contiguous", group=None) -> torch.Tensor:
+    """This rank's part of the full-sequence tensor ``x`` along ``dim`` (a new tensor)."""
+    dim = _check_dim(x, dim)
+    layout = check_layout(layout)
+    ring = Ring(group)
+    check_seqlen(x.shape[dim], layout, ring.world)
+    if layout == "stripe":  # rank r takes every W-th token from r
+        return x.unflatten(dim, (-1, ring.world)).select(dim + 1, ring.rank).contiguous()
+    chunks = x.chunk(split_factor(layout, ring.world), dim=dim)
+    if layout == "contiguous":
+        return chunks[ring.rank].contiguous()
+    return torch.cat([chunks[ring.rank], chunks[2 * ring.world - 1 - ring.rank]], dim=dim)
+
+
+def unshard(x_local: torch.Tensor, dim: int = 1, layout: str = "contiguous", group=None) -> torch.Tensor:
+    """Gather every rank's shard along ``dim`` back into the full sequence, in order.
+
+    The inverse of ``shard``; every rank gets the whole tensor. Not differentiable.
+    """
+    dim = _check_dim(x_local, dim)
+    layout = check_layout(layout)
+    ring = Ring(group)
+    if ring.world == 1:
+        return x_local.clone()
+    local = x_local.contiguous()
+    parts = [torch.empty_like(local) for _ in range(ring.world)]
+    dist.all_gather(parts, local, group=ring.group)
+    n = local.shape[dim]
+    seqlen = n * ring.world
+    full = torch.empty((*local.shape[:dim], seqlen, *local.shape[dim + 1:]),
+                       device=local.device, dtype=local.dtype)
+    for rank, part in enumerate(parts):
+        index = global_positions(seqlen, layout, rank, ring.world).to(local.device)
+        full.index_copy_(dim, index, part)
+    return full
