@@ -70,6 +70,13 @@ def _rowmajor(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _check_outputs(**tensors) -> None:
+    """Destinations the kernels write through strides: the last one must be 1."""
+    for name, t in tensors.items():
+        if t is not None and t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
+
+
 # ----------------------------------------------------------------------------- per-block entry points
 
 
@@ -90,9 +97,10 @@ def flash_attn_fwd(q, k, v, *, softmax_scale: float, causal_offset: Optional[int
     """
     if accumulate and (out is None or lse is None):
         raise ValueError("accumulate=True needs the running out and lse")
+    _check_outputs(out=out, lse=lse)
     b, sq, h, d = q.shape
     if out is None:
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     if lse is None:
         lse = torch.empty((b, h, sq), device=q.device, dtype=torch.float32)
     _backend(q).fwd(_rowmajor(q), _rowmajor(k), _rowmajor(v), out, lse, softmax_scale=softmax_scale,
@@ -121,6 +129,7 @@ def flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: floa
     the FINAL lse of these queries over every key block, and ``attn_delta`` of the FINAL
     out. Accumulators should be fp32; views are fine.
     """
+    _check_outputs(lse=lse, delta=delta, dq=dq, dk=dk, dv=dv)
     _backend(q).bwd(_rowmajor(dout), _rowmajor(q), _rowmajor(k), _rowmajor(v), lse, delta, dq, dk,
                     dv, softmax_scale=softmax_scale, causal_offset=causal_offset,
                     accumulate=accumulate)
@@ -139,7 +148,7 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale
 @_forward_op.register_fake
 def _(q, k, v, softmax_scale, causal_offset):
     b, sq, h, _ = q.shape
-    return torch.empty_like(q), q.new_empty((b, h, sq), dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
 
 
 @torch.library.custom_op("ringflash::flash_attn_backward", mutates_args=())
@@ -148,14 +157,14 @@ def _backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                  softmax_scale: float, causal_offset: Optional[int]
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     delta = attn_delta(out, dout, dlse)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
     return flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale=softmax_scale,
                           causal_offset=causal_offset)
 
 
 @_backward_op.register_fake
 def _(dout, q, k, v, out, lse, dlse, softmax_scale, causal_offset):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):

@@ -37,27 +37,33 @@ def block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def fwd_config(head_dim: int, causal: bool) -> dict:
-    """Tile shape and launch parameters of the forward kernel (measured on H200)."""
+def fwd_config(head_dim: int, dtype: torch.dtype) -> dict:
+    """Tile shape and launch parameters of the forward kernel, from benchmarks/tune_kernel.py
+    on an H200 (bf16, 32 heads; see benchmarks/NOTES.md). fp32 tiles take twice the
+    shared memory, so fp32 runs small unpipelined tiles: it is the exact path, not the fast one."""
     if _interpreting():
         return dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)
+    if dtype == torch.float32:
+        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1)
     if head_dim <= 64:
-        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4)
     if head_dim <= 128:
         return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
-    return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+    return dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3)
 
 
-def bwd_config(head_dim: int, causal: bool) -> dict:
+def bwd_config(head_dim: int, dtype: torch.dtype) -> dict:
     """Tiles of the two backward kernels: BLOCK_M x BLOCK_N for dK/dV (key tile outer)
-    and for dQ (query tile outer) alike."""
+    and for dQ (query tile outer) alike. Same provenance as fwd_config."""
     if _interpreting():
         return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)
+    if dtype == torch.float32:
+        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
     if head_dim <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2)
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2)
     if head_dim <= 128:
-        return dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2)
-    return dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=1)
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -165,7 +171,7 @@ def _fwd_kernel(Q, K, V, O, LSE,
 def fwd(q, k, v, out, lse, *, softmax_scale: float, causal_offset: int | None, accumulate: bool):
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    cfg = fwd_config(d, causal_offset is not None)
+    cfg = fwd_config(d, q.dtype)
     grid = (triton.cdiv(sq, cfg["BLOCK_M"]), b * h)
     _fwd_kernel[grid](
         q, k, v, out, lse,
@@ -340,7 +346,7 @@ def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, causal_off
         accumulate: bool):
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    cfg = bwd_config(d, causal_offset is not None)
+    cfg = bwd_config(d, q.dtype)
     common = dict(HEAD_DIM=d, BLOCK_D=block_d(d), CAUSAL=causal_offset is not None,
                   ACCUMULATE=accumulate, PRECISION=_dot_precision(q.dtype), **cfg)
     scalars = (h // hkv, sq, sk, softmax_scale * LOG2E, softmax_scale, causal_offset or 0)

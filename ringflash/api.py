@@ -17,6 +17,10 @@ from .ring import RingAttention
 _RANK_CHECK = os.environ.get("RINGFLASH_RANK_CHECK", "1") != "0"
 
 
+_SIGNATURE_FIELDS = ("batch", "seqlen_local", "heads", "head_dim", "kv_heads", "dtype", "causal",
+                     "layout", "softmax_scale", "requires_grad")
+
+
 def _signature(q, k, causal, layout, scale, needs_grad) -> list[int]:
     """A few integers that every rank of the ring must agree on."""
     scale_bits = struct.unpack("<q", struct.pack("<d", scale))[0]
@@ -24,29 +28,50 @@ def _signature(q, k, causal, layout, scale, needs_grad) -> list[int]:
             LAYOUTS.index(layout), scale_bits, int(needs_grad)]
 
 
-_SIGNATURE_FIELDS = ("batch", "seqlen_local", "heads", "head_dim", "kv_heads", "dtype", "causal",
-                     "layout", "softmax_scale", "requires_grad")
+def _shown(field: str, values) -> list:
+    if field == "softmax_scale":
+        return [struct.unpack("<d", struct.pack("<q", x))[0] for x in values]
+    if field == "dtype":
+        return [str(SUPPORTED_DTYPES[x]) for x in values]
+    if field == "layout":
+        return [LAYOUTS[x] for x in values]
+    return list(values)
 
 
-def _check_ranks_agree(ring: Ring, signature: list[int], device: torch.device) -> None:
-    """Raise the same ValueError on every rank if the ranks disagree about the call.
+def _check_ranks_agree(ring: Ring, signature: list[int] | None, error: Exception | None) -> None:
+    """Raise on every rank if any rank rejected its arguments or the ranks disagree.
 
-    Costs one all-gather of 10 int64 and one host synchronization per call. It runs on
+    ``signature`` is None on a rank whose own checks failed with ``error``: it still joins
+    the all-gather, so the other ranks learn of it instead of waiting in the ring.
+    Costs one all-gather of 11 int64 and one host synchronization per call. It runs on
     every call rather than once per signature: a rank that skipped it because its own
-    signature was cached while another rank's changed would leave that rank waiting in a
-    collective nobody else joins. The ring itself would then hang or compute garbage.
+    signature was cached, while another rank's changed, would leave that rank waiting in a
+    collective nobody else joins.
     """
-    everyone = ring.all_gather_ints(signature, device)
-    for field, values in zip(_SIGNATURE_FIELDS, zip(*everyone)):
+    mine = [1, *signature] if signature is not None else [0] * (1 + len(_SIGNATURE_FIELDS))
+    everyone = ring.all_gather_ints(mine, ring.collective_device())
+    rejected = [rank for rank, row in enumerate(everyone) if row[0] == 0]
+    if error is not None:
+        raise error
+    if rejected:
+        raise ValueError(f"rank(s) {rejected} of the ring rejected their arguments to ring_flash_attn "
+                         "(see the error raised there); every rank must pass valid, matching arguments")
+    for field, values in zip(_SIGNATURE_FIELDS, list(zip(*everyone))[1:]):
         if len(set(values)) > 1:
-            shown = values if field != "softmax_scale" else [
-                struct.unpack("<d", struct.pack("<q", x))[0] for x in values]
-            if field == "dtype":
-                shown = [str(SUPPORTED_DTYPES[x]) for x in values]
-            if field == "layout":
-                shown = [LAYOUTS[x] for x in values]
-            raise ValueError(f"ranks disagree on {field}: {list(shown)} (rank i's value at index i); "
-                             "every rank must call ring_flash_attn with the same arguments and shapes")
+            raise ValueError(f"ranks disagree on {field}: {_shown(field, values)} (rank i's value at "
+                             "index i); every rank must call ring_flash_attn with the same arguments and shapes")
+
+
+def _check_local(q, k, v, causal, layout, softmax_scale):
+    check_qkv(q, k, v)
+    causal = check_causal(causal)
+    layout = check_layout(layout)
+    scale = resolve_scale(softmax_scale, q.shape[-1])
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"q and k must hold the same number of local tokens, got {q.shape[1]} and {k.shape[1]}")
+    if layout == "zigzag" and q.shape[1] % 2:
+        raise ValueError(f"layout 'zigzag' needs an even seqlen_local (two chunks a rank), got {q.shape[1]}")
+    return causal, layout, scale
 
 
 def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
@@ -70,19 +95,21 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
         softmax(q K^T * scale) V over the whole sequence; with return_lse also
         lse (batch, heads, seqlen_local), fp32, natural log. Both are differentiable
         in q, k and v.
+
+    Invalid arguments raise ValueError/TypeError on every rank of the ring, including
+    ranks whose own arguments were fine (see ``_check_ranks_agree`` for the cost).
     """
-    check_qkv(q, k, v)
-    causal = check_causal(causal)
-    layout = check_layout(layout)
-    scale = resolve_scale(softmax_scale, q.shape[-1])
-    if q.shape[1] != k.shape[1]:
-        raise ValueError(f"q and k must hold the same number of local tokens, got {q.shape[1]} and {k.shape[1]}")
-    if layout == "zigzag" and q.shape[1] % 2:
-        raise ValueError(f"layout 'zigzag' needs an even seqlen_local (two chunks a rank), got {q.shape[1]}")
     ring = Ring(group)
-    if ring.world > 1 and _RANK_CHECK:
+    check_everywhere = ring.world > 1 and _RANK_CHECK
+    try:
+        causal, layout, scale = _check_local(q, k, v, causal, layout, softmax_scale)
+    except (TypeError, ValueError) as error:
+        if not check_everywhere:
+            raise
+        _check_ranks_agree(ring, None, error)
+    if check_everywhere:
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        _check_ranks_agree(ring, _signature(q, k, causal, layout, scale, needs_grad), q.device)
+        _check_ranks_agree(ring, _signature(q, k, causal, layout, scale, needs_grad), None)
     out, lse = RingAttention.apply(q, k, v, scale, causal, layout, ring)
     return (out, lse) if return_lse else out
 

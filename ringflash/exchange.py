@@ -43,6 +43,12 @@ class Ring:
         for work in pending:
             work.wait()
 
+    def collective_device(self) -> torch.device:
+        """Where this group's collectives take their tensors: the current GPU on NCCL."""
+        if "nccl" in str(dist.get_backend(self.group)).lower():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
     def all_gather_ints(self, values: list[int], device: torch.device) -> list[list[int]]:
         """Every rank's ``values`` (same length everywhere); one small collective."""
         mine = torch.tensor(values, dtype=torch.int64, device=device)

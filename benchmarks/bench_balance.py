@@ -1,0 +1,96 @@
+"""Causal load balance of the layouts: per-rank compute time and whole-ring time.
+
+    torchrun --nproc-per-node=4 benchmarks/bench_balance.py [--seqlen-local 16384]
+
+For each layout, every rank first replays its own part of one causal forward+backward
+(the exact kernel calls the ring schedules for it, each transfer replaced by a local
+copy), so the time is that rank's compute alone; then the real ring runs forward+backward with
+communication. Writes benchmarks/results/balance_h200x<W>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness as H  # noqa: E402
+
+import ringflash  # noqa: E402
+from ringflash.exchange import Ring  # noqa: E402
+from ringflash.ring import ring_backward, ring_forward  # noqa: E402
+
+
+class ComputeOnly(Ring):
+    """This rank's place in the ring with the network switched off: each "transfer" is a
+    local copy, so the kernels see real data and no rank waits for another."""
+
+    def exchange(self, *pairs):
+        for send, recv in pairs:
+            recv.copy_(send)
+        return []
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seqlen-local", type=int, default=16384)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--head-dim", type=int, default=128)
+    args = p.parse_args()
+
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(minutes=5))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n, h, d = args.seqlen_local, args.heads, args.head_dim
+    scale = d ** -0.5
+    gen = torch.Generator(device=device).manual_seed(rank)
+    q, k, v, dout = (torch.randn(1, n, h, d, device=device, dtype=torch.bfloat16, generator=gen)
+                     for _ in range(4))
+    H.init_l2_flush(device)
+    local_ring = ComputeOnly(None)
+
+    def compute_only(layout):
+        out, lse = ring_forward(q, k, v, softmax_scale=scale, causal=True, layout=layout, ring=local_ring)
+        ring_backward(dout, q, k, v, out, lse, None, softmax_scale=scale, causal=True, layout=layout,
+                      ring=local_ring)
+
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
+    def whole_ring(layout):
+        out = ringflash.ring_flash_attn(*leaves, causal=True, layout=layout)
+        out.backward(dout)
+
+    records = []
+    for layout in ringflash.LAYOUTS:
+        mine = H.bench_ms(lambda: compute_only(layout), device=device, group=None)
+        per_rank = [0.0] * world
+        per_rank[rank] = mine
+        per_rank = H.allreduce_sum(per_rank, dist.group.WORLD, device)
+        ring_ms = H.bench_ms(lambda: whole_ring(layout), device=device, grad_to_none=leaves,
+                             group=dist.group.WORLD)
+        records.append(dict(layout=layout, seqlen_local=n, world=world, heads=h, head_dim=d,
+                            compute_ms_per_rank=per_rank,
+                            imbalance=max(per_rank) / min(per_rank), ring_fwdbwd_ms=ring_ms))
+    if rank == 0:
+        base = next(r["ring_fwdbwd_ms"] for r in records if r["layout"] == "contiguous")
+        print(f"causal fwd+bwd, {world} GPUs, seqlen_local {n}, {h} heads, head_dim {d}, bf16")
+        print(f"{'layout':<11} {'compute ms per rank':<36} {'max/min':>7} {'ring ms':>8} {'vs contiguous':>13}")
+        for r in records:
+            r["ring_vs_contiguous"] = r["ring_fwdbwd_ms"] / base
+            ranks = " ".join(f"{x:7.1f}" for x in r["compute_ms_per_rank"])
+            print(f"{r['layout']:<11} {ranks:<36} {r['imbalance']:7.2f} {r['ring_fwdbwd_ms']:8.1f} "
+                  f"{r['ring_vs_contiguous']:13.2f}")
+        path = H.write_results(f"balance_h200x{world}", H.collect_meta(device), records)
+        print(f"wrote {path}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

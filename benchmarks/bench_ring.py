@@ -1,0 +1,840 @@
+"""Multi-GPU ring benchmark: ringflash ``ring_flash_attn`` against torch's context parallel
+(SDPA flash and cuDNN backends) and against ringflash's own kernel on one GPU holding the
+whole sequence, forward and forward+backward, side by side in one run.
+
+    torchrun --nproc-per-node=4 benchmarks/bench_ring.py              # seqlen 32k, 64k
+    torchrun --nproc-per-node=4 benchmarks/bench_ring.py --add-128k   # and 128k
+    torchrun --nproc-per-node=4 benchmarks/bench_ring.py --profile-only --profile trace.json
+
+Writes benchmarks/results/ring_h200x<N>.json (+ .png) and prints a table on rank 0.
+Throughput is per GPU: FLOPs of the global problem / world size / time, time being the max
+over ranks of each rank's median. Efficiency = ringflash per-GPU TFLOP/s / ringflash_1gpu
+TFLOP/s. At the smallest seqlen every implementation is checked against ringflash's kernel
+on the full sequence (out, dq, dk, dv); ringflash aborts the run on a mismatch, a peer that
+mismatches is reported as null.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gzip
+import json
+import math
+import os
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+import _harness as H
+
+IMPLS = ("ringflash", "torch_cp_flash", "torch_cp_cudnn", "ringflash_1gpu")
+LAYOUTS = ("contiguous", "zigzag", "stripe")
+CP_BACKENDS = {"torch_cp_flash": "FLASH_ATTENTION", "torch_cp_cudnn": "CUDNN_ATTENTION"}
+MULTI_GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--seqlens", nargs="+", default=["32k,64k"], help="global sequence lengths")
+    p.add_argument("--add-128k", action="store_true", help="also run global seqlen 128k")
+    p.add_argument("--heads", type=int, default=32, help="query heads")
+    p.add_argument("--gqa-kv-heads", type=int, default=8,
+                   help="kv heads of the extra GQA row (0: no GQA row)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--causal", choices=("both", "causal", "noncausal"), default="both")
+    p.add_argument("--impls", nargs="+", default=[",".join(IMPLS)], help=f"subset of {','.join(IMPLS)}")
+    p.add_argument("--causal-layouts", nargs="+", default=["zigzag"],
+                   help="ringflash layout(s) for causal runs, one record each")
+    p.add_argument("--noncausal-layouts", nargs="+", default=["contiguous"],
+                   help="ringflash layout(s) for non-causal runs")
+    p.add_argument("--rotate-method", choices=("allgather", "alltoall"), default="allgather",
+                   help="torch context parallel K/V rotation")
+    p.add_argument("--no-rank-check", action="store_true",
+                   help="set RINGFLASH_RANK_CHECK=0 (skip ringflash's per-call cross-rank argument check)")
+    p.add_argument("--dtype", choices=sorted(H.DTYPES), default="bf16")
+    p.add_argument("--quick", action="store_true", help="smallest seqlen only, shorter timing")
+    p.add_argument("--out-name", default=None, help="results/<out-name>.json (default ring_h200x<N>)")
+    p.add_argument("--out-dir", default=None, help="directory for the results (default benchmarks/results)")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--warmup-ms", type=float, default=25.0)
+    p.add_argument("--rep-ms", type=float, default=100.0)
+    p.add_argument("--min-reps", type=int, default=3)
+    p.add_argument("--max-reps", type=int, default=50)
+    p.add_argument("--tol", type=float, default=2e-2, help="max relative error of out at the check")
+    p.add_argument("--grad-tol", type=float, default=5e-2, help="max relative error of dq, dk, dv")
+    p.add_argument("--timeout-min", type=float, default=10.0, help="process group timeout (minutes)")
+    p.add_argument("--profile", metavar="PATH", default=None,
+                   help="also write a chrome trace of one ringflash fwd+bwd to PATH (rank r>0: PATH.rank<r>)")
+    p.add_argument("--profile-only", action="store_true", help="with --profile: skip the benchmark")
+    p.add_argument("--profile-seqlen", default="64k")
+    p.add_argument("--profile-layout", default=None, choices=LAYOUTS,
+                   help="default: first of --causal-layouts / --noncausal-layouts")
+    p.add_argument("--profile-noncausal", action="store_true", help="profile the non-causal case")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu: gloo, for a smoke test of the script")
+    args = p.parse_args(argv)
+    try:
+        args.impls = H.parse_names(args.impls, IMPLS)
+        args.causal_layouts = H.parse_names(args.causal_layouts, LAYOUTS)
+        args.noncausal_layouts = H.parse_names(args.noncausal_layouts, LAYOUTS)
+        seqlens = H.parse_sizes(args.seqlens)
+        if args.add_128k and 128 * 1024 not in seqlens:
+            seqlens = sorted(seqlens + [128 * 1024])
+        if args.quick:
+            seqlens = seqlens[:1]
+            args.rep_ms, args.warmup_ms = min(args.rep_ms, 50.0), min(args.warmup_ms, 10.0)
+        args.seqlens = seqlens
+        args.profile_seqlen = H.parse_size(args.profile_seqlen)
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.profile_only and not args.profile:
+        p.error("--profile-only needs --profile PATH")
+    if args.gqa_kv_heads >= args.heads:
+        args.gqa_kv_heads = 0  # no GQA row possible with so few heads
+    if args.gqa_kv_heads < 0 or (args.gqa_kv_heads and args.heads % args.gqa_kv_heads):
+        p.error(f"--gqa-kv-heads must divide --heads ({args.heads}), got {args.gqa_kv_heads}")
+    return args
+
+
+# ----------------------------------------------------------------------------- process group
+
+
+@dataclass
+class Ctx:
+    rank: int
+    world: int
+    device: torch.device
+    group: object
+    mesh: object = None
+    mesh_error: Optional[str] = None
+    # torch CP modes found wrong at the checked seqlen, never used unchecked later:
+    # (impl, heads, kv_heads, causal) -> {mode, ...}
+    cp_wrong_modes: dict = None
+
+    def __post_init__(self):
+        self.cp_wrong_modes = {}
+
+    def log(self, *a, **kw):
+        if self.rank == 0:
+            print(*a, **kw, flush=True)
+
+
+def setup(args) -> Ctx:
+    for k, v in MULTI_GPU_ENV.items():
+        os.environ.setdefault(k, v)
+    if args.no_rank_check:
+        os.environ["RINGFLASH_RANK_CHECK"] = "0"
+    # Also runs without torchrun, as a ring of one.
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    timeout = datetime.timedelta(minutes=args.timeout_min)
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("ERROR: no CUDA device; use --device cpu for a smoke test")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device, timeout=timeout)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timeout)
+    return Ctx(rank=dist.get_rank(), world=dist.get_world_size(), device=device, group=dist.group.WORLD)
+
+
+def get_mesh(ctx: Ctx):
+    if ctx.mesh is None and ctx.mesh_error is None:
+        try:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            ctx.mesh = init_device_mesh(ctx.device.type, (ctx.world,), mesh_dim_names=("cp",))
+        except Exception as exc:  # noqa: BLE001 - the torch CP rows become null
+            ctx.mesh_error = f"DeviceMesh: {H.short_error(exc)}"
+    if ctx.mesh is None:
+        raise RuntimeError(ctx.mesh_error)
+    return ctx.mesh
+
+
+def broadcast_obj(obj, ctx: Ctx, src: int = 0):
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=ctx.group)
+    return box[0]
+
+
+def gather_objs(obj, ctx: Ctx) -> list:
+    out = [None] * ctx.world
+    dist.all_gather_object(out, obj, group=ctx.group)
+    return out
+
+
+class Abort(RuntimeError):
+    """ringflash gave a wrong result: every rank raises it together."""
+
+
+# ----------------------------------------------------------------------------- configurations and data
+
+
+@dataclass(frozen=True)
+class Cfg:
+    batch: int
+    seqlen: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    causal: bool
+
+    @property
+    def tag(self) -> str:
+        kv = f"/{self.kv_heads}" if self.kv_heads != self.heads else ""
+        return (f"S={H.fmt_size(self.seqlen)} h={self.heads}{kv} d={self.head_dim} "
+                f"{'causal' if self.causal else 'full'}")
+
+    def flops(self, mode: str) -> float:
+        return H.attn_flops(self.batch, self.heads, self.seqlen, self.seqlen, self.head_dim,
+                            causal=self.causal, mode=mode)
+
+
+def make_full(cfg: Cfg, dtype, device, seed: int) -> tuple[torch.Tensor, ...]:
+    """Full-sequence q, dout (B, S, H, D) and k, v (B, S, Hkv, D), identical on every rank."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    qshape = (cfg.batch, cfg.seqlen, cfg.heads, cfg.head_dim)
+    kshape = (cfg.batch, cfg.seqlen, cfg.kv_heads, cfg.head_dim)
+    q = torch.randn(qshape, generator=gen, device=device, dtype=dtype)
+    k = torch.randn(kshape, generator=gen, device=device, dtype=dtype)
+    v = torch.randn(kshape, generator=gen, device=device, dtype=dtype)
+    do = torch.randn(qshape, generator=gen, device=device, dtype=dtype)
+    return q, k, v, do
+
+
+def reference(full, causal: bool) -> dict:
+    """out, dq, dk, dv of ringflash's single-device kernel on the whole sequence (B, S, H, D)."""
+    from ringflash.kernels import flash_attn
+
+    q, k, v, do = full
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = flash_attn(*leaves, causal=causal)
+    out.backward(do)
+    return {"out": out.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
+
+
+def global_rel_errs(pairs: dict, ctx: Ctx) -> dict:
+    """Relative Frobenius error of sharded tensors over the whole sequence (same on every rank)."""
+    names = list(pairs)
+    sums = []
+    for n in names:
+        sums.extend(H.sq_norms(*pairs[n]))
+    sums = H.allreduce_sum(sums, ctx.group, ctx.device)
+    out = {}
+    for i, n in enumerate(names):
+        num, den = sums[2 * i], sums[2 * i + 1]
+        out[n] = math.sqrt(num / den) if den > 0 and math.isfinite(num) else float("inf")
+    return out
+
+
+def failed_checks(errs: dict, args) -> list[str]:
+    return [f"{n} rel err {e:.3g} > {args.tol if n == 'out' else args.grad_tol:g}"
+            for n, e in errs.items() if not e <= (args.tol if n == "out" else args.grad_tol)]
+
+
+def bench_opts(ctx: Ctx, args, group) -> dict:
+    return dict(device=ctx.device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
+                min_reps=args.min_reps, max_reps=args.max_reps, group=group)
+
+
+def time_phases(call, inputs, dout, ctx: Ctx, args, group) -> dict:
+    """Forward (no grad) and forward+backward of ``call`` on this rank's inputs.
+
+    Returns fwd_ms, fwdbwd_ms (max over ranks of medians), peak_bytes (working set plus the
+    inputs, max over ranks) and error. A phase that fails on any rank is None on all.
+    """
+    res = {"fwd_ms": None, "fwdbwd_ms": None, "peak_bytes": None, "error": None}
+    errors = []
+    opts = bench_opts(ctx, args, group)
+    with H.PeakMemory(ctx.device) as mem:
+        try:
+            with torch.no_grad():
+                ms = H.bench_ms(lambda: call(*inputs), **opts)
+        except Exception as exc:  # noqa: BLE001
+            ms = None
+            errors.append(f"fwd: {H.short_error(exc)}")
+            H.free_memory(ctx.device)
+        res["fwd_ms"] = ms if _agree(ms is not None, ctx, group) else None
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        try:
+            ms = H.bench_ms(lambda: call(*leaves).backward(dout), grad_to_none=leaves, **opts)
+        except Exception as exc:  # noqa: BLE001
+            ms = None
+            errors.append(f"fwd+bwd: {H.short_error(exc)}")
+        res["fwdbwd_ms"] = ms if _agree(ms is not None, ctx, group) else None
+        leaves = None  # drop the grads' owners before the next impl
+    if mem.working_set is not None:
+        local = mem.working_set + H.tensor_bytes(*inputs, dout)
+        res["peak_bytes"] = H.allreduce_max(float(local), ctx.group, ctx.device) if group is not None else float(local)
+    if errors:
+        res["error"] = "; ".join(errors)
+    elif res["fwd_ms"] is None or res["fwdbwd_ms"] is None:
+        res["error"] = "failed on another rank"
+    H.free_memory(ctx.device)
+    return res
+
+
+def _agree(ok: bool, ctx: Ctx, group) -> bool:
+    return H.all_ranks_ok(ok, ctx.group, ctx.device) if group is not None else ok
+
+
+# ----------------------------------------------------------------------------- ringflash
+
+
+def ringflash_api():
+    import ringflash.api as api  # imported late: --help must work without a built ringflash
+
+    return api
+
+
+def run_ringflash(cfg: Cfg, layout: str, full, ref: Optional[dict], ctx: Ctx, args) -> dict:
+    api = ringflash_api()
+    res = {"layout": layout, "note": None}
+    try:
+        q, k, v, do = (api.shard(t, dim=1, layout=layout, group=ctx.group) for t in full)
+    except Exception as exc:  # noqa: BLE001 - e.g. seqlen not divisible: same on every rank
+        return {**res, "error": f"shard: {H.short_error(exc)}"}
+
+    def call(q_, k_, v_):
+        return api.ring_flash_attn(q_, k_, v_, causal=cfg.causal, group=ctx.group, layout=layout)
+
+    if ref is not None:
+        errs, error = None, None
+        try:
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            out = call(*leaves)
+            out.backward(do)
+            got = {"out": out.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
+            del out, leaves
+        except Exception as exc:  # noqa: BLE001
+            got, error = None, H.short_error(exc)
+        if not H.all_ranks_ok(got is not None, ctx.group, ctx.device):
+            return {**res, "error": f"check: {error or 'failed on another rank'}"}
+        want = {n: api.shard(t, dim=1, layout=layout, group=ctx.group) for n, t in ref.items()}
+        errs = global_rel_errs({n: (got[n], want[n]) for n in got}, ctx)
+        bad = failed_checks(errs, args)
+        if bad:
+            raise Abort(f"ringflash ring_flash_attn (layout {layout}) is WRONG at {cfg.tag}: " + "; ".join(bad))
+        res["rel_err"] = errs["out"]
+        del got, want
+    res.update(time_phases(call, (q, k, v), do, ctx, args, ctx.group))
+    return res
+
+
+def run_ringflash_1gpu(cfg: Cfg, full, ctx: Ctx, args) -> dict:
+    """ringflash's kernel on rank 0 over the whole sequence; the other ranks wait."""
+    res = {"layout": "full", "note": "one GPU, whole sequence"}
+    if ctx.rank == 0:
+        from ringflash.kernels import flash_attn
+
+        def call(q_, k_, v_):
+            return flash_attn(q_, k_, v_, causal=cfg.causal)
+
+        try:
+            res.update(time_phases(call, tuple(full[:3]), full[3], ctx, args, None))
+        except Exception as exc:  # noqa: BLE001 - out of memory and the like: null
+            res["error"] = H.short_error(exc)
+            H.free_memory(ctx.device)
+    H.barrier(ctx.group)
+    return broadcast_obj(res, ctx)
+
+
+# ----------------------------------------------------------------------------- torch context parallel
+
+
+def _cp_modules():
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental import _attention as cp_attention
+
+    return context_parallel, cp_attention
+
+
+def _headtail_positions(seqlen: int, world: int, rank: int, load_balanced: bool) -> torch.Tensor:
+    """Global positions of a rank's tokens under torch CP's sharding (head-tail = zigzag)."""
+    if not load_balanced:
+        n = seqlen // world
+        return torch.arange(rank * n, (rank + 1) * n)
+    c = seqlen // (2 * world)
+    first, second = rank * c, (2 * world - 1 - rank) * c
+    return torch.cat([torch.arange(first, first + c), torch.arange(second, second + c)])
+
+
+def _cp_unshard(tensors: list, seqlen: int, load_balanced: bool, ctx: Ctx, cp_attention):
+    """Full-sequence (B, H, S, D) copies of CP's local outputs, on every rank."""
+    try:
+        return list(cp_attention.context_parallel_unshard(get_mesh(ctx), tensors, [2] * len(tensors))), "torch"
+    except Exception:  # noqa: BLE001 - fall back to our own copy of its sharding rule
+        fulls = []
+        for t in tensors:
+            t = t.contiguous()
+            parts = [torch.empty_like(t) for _ in range(ctx.world)]
+            dist.all_gather(parts, t, group=ctx.group)
+            full = torch.empty((*t.shape[:2], seqlen, *t.shape[3:]), device=t.device, dtype=t.dtype)
+            for r, part in enumerate(parts):
+                full.index_copy_(2, _headtail_positions(seqlen, ctx.world, r, load_balanced).to(t.device), part)
+            fulls.append(full)
+        return fulls, "own head-tail rule"
+
+
+def run_torch_cp(impl: str, cfg: Cfg, full, ref: Optional[dict], ctx: Ctx, args) -> dict:
+    """torch context_parallel over a 1-D mesh, SDPA restricted to one backend.
+
+    GQA: tries SDPA's enable_gqa=True first; if that fails or gives a wrong result, repeats
+    K/V to the query heads (what a user of torch CP would do) and says so in the note.
+    """
+    modes = ["enable_gqa", "repeat_kv"] if cfg.kv_heads != cfg.heads else ["mha"]
+    wrong = ctx.cp_wrong_modes.setdefault((impl, cfg.heads, cfg.kv_heads, cfg.causal), set())
+    notes = [f"{m}: skipped, wrong at the checked seqlen" for m in modes if m in wrong]
+    modes = [m for m in modes if m not in wrong]
+    partial = None  # a failed attempt that still timed one phase
+    res = {"layout": None, "error": "not run"}
+    for mode in modes:
+        try:
+            res = _run_torch_cp_once(impl, mode, cfg, full, ref, ctx, args)
+        except Exception as exc:  # noqa: BLE001 - never crash the run for a peer
+            res = {"layout": None, "error": H.short_error(exc)}
+            H.free_memory(ctx.device)
+        ok = res.get("error") is None and not res.get("wrong")
+        if not H.all_ranks_ok(ok, ctx.group, ctx.device):
+            why = res.get("wrong") or res.get("error") or "failed on another rank"
+            notes.append(f"{mode}: {why}")
+            ctx.log(f"  {cfg.tag} {impl} [{mode}] failed: {why}")
+            if res.get("wrong"):
+                wrong.add(mode)
+            if partial is None and not res.get("wrong") and (res.get("fwd_ms") or res.get("fwdbwd_ms")):
+                partial = dict(res, note=f"mode {mode}")
+            continue
+        if mode == "repeat_kv":
+            notes.append("repeat_kv: K/V repeated to the query heads (enable_gqa path unusable)")
+        elif mode == "enable_gqa":
+            notes.append("enable_gqa=True")
+        res["note"] = "; ".join(notes) or None
+        return res
+    if partial is not None:  # keep the phase that worked, say why the other is missing
+        partial["error"] = "; ".join(notes)
+        return partial
+    return {"layout": res.get("layout"), "error": "; ".join(notes) or res.get("error")}
+
+
+def _run_torch_cp_once(impl: str, mode: str, cfg: Cfg, full, ref, ctx: Ctx, args) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    context_parallel, cp_attention = _cp_modules()
+    mesh = get_mesh(ctx)
+    cp_attention.set_rotate_method(args.rotate_method)
+    # Its load balancer (head-tail) requires is_causal=True; off for non-causal runs.
+    cp_attention._cp_options.enable_load_balance = cfg.causal
+    backend = getattr(SDPBackend, CP_BACKENDS[impl])
+    group_size = cfg.heads // cfg.kv_heads
+    sdpa_kwargs = {"enable_gqa": True} if mode == "enable_gqa" else {}
+
+    q, k, v, do = full
+    if mode == "repeat_kv":
+        k, v = (t.repeat_interleave(group_size, dim=2) for t in (k, v))
+    # Plain full-sequence tensors in SDPA's layout (B, H, S, D); the context manager shards
+    # them in place along dim 2 (no_restore: nobody uses them after the context).
+    bufs = [t.transpose(1, 2).contiguous() for t in (q, k, v, do)]
+    del k, v
+
+    def call(q_, k_, v_):
+        return torch.nn.functional.scaled_dot_product_attention(q_, k_, v_, is_causal=cfg.causal, **sdpa_kwargs)
+
+    res = {"error": None}
+    with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2, 2, 2, 2], no_restore_buffers=set(bufs)):
+        load_balanced = bool(cp_attention._cp_options.enable_load_balance)
+        res["layout"] = "headtail" if load_balanced else "contiguous"
+        qs, ks, vs, dos = bufs
+        with sdpa_kernel(backend):
+            if ref is not None:
+                leaves = [t.detach().requires_grad_() for t in (qs, ks, vs)]
+                out = call(*leaves)
+                out.backward(dos)
+                got, how = _cp_unshard([out.detach()] + [t.grad for t in leaves], cfg.seqlen, load_balanced,
+                                       ctx, cp_attention)
+                del out, leaves
+                out_f, dq_f, dk_f, dv_f = got
+                if mode == "repeat_kv":  # the repeated heads' grads add up to the kv head's grad
+                    dk_f, dv_f = (g.unflatten(1, (cfg.kv_heads, group_size)).sum(2) for g in (dk_f, dv_f))
+                errs = {n: H.rel_err(a.transpose(1, 2), ref[n])
+                        for n, a in (("out", out_f), ("dq", dq_f), ("dk", dk_f), ("dv", dv_f))}
+                errs = {n: H.allreduce_max(e, ctx.group, ctx.device) for n, e in errs.items()}
+                del got, out_f, dq_f, dk_f, dv_f
+                res["rel_err"] = errs["out"]
+                bad = failed_checks(errs, args)
+                if bad:
+                    res["wrong"] = "WRONG RESULT: " + "; ".join(bad) + f" (unshard: {how})"
+                    return res
+            # Inputs of the timed calls are CP's local shards, views of the resized buffers.
+            res.update(time_phases(call, (qs, ks, vs), dos, ctx, args, ctx.group))
+    return res
+
+
+# ----------------------------------------------------------------------------- the benchmark
+
+
+def configs(args) -> list[Cfg]:
+    head_cfgs = [(args.heads, args.heads)]
+    if args.gqa_kv_heads and args.gqa_kv_heads != args.heads:
+        head_cfgs.append((args.heads, args.gqa_kv_heads))
+    return [Cfg(args.batch, s, h, kvh, args.head_dim, c)
+            for s in args.seqlens for (h, kvh) in head_cfgs for c in H.causal_modes(args.causal)]
+
+
+def make_record(impl: str, cfg: Cfg, res: dict, ctx: Ctx) -> dict:
+    per_gpu = 1 if impl == "ringflash_1gpu" else ctx.world
+    fwd_ms, fwdbwd_ms = res.get("fwd_ms"), res.get("fwdbwd_ms")
+    peak = res.get("peak_bytes")
+    rec = {
+        "impl": impl, "layout": res.get("layout"), "seqlen": cfg.seqlen, "heads": cfg.heads,
+        "kv_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "causal": cfg.causal,
+        "fwd_tflops_per_gpu": H.tflops(cfg.flops("fwd") / per_gpu, fwd_ms),
+        "fwdbwd_tflops_per_gpu": H.tflops(cfg.flops("fwdbwd") / per_gpu, fwdbwd_ms),
+        "peak_mem_gib": None if peak is None else peak / H.GIB,
+        "efficiency": None, "fwd_efficiency": None,
+        "gpus": per_gpu, "batch": cfg.batch, "fwd_ms": fwd_ms, "fwdbwd_ms": fwdbwd_ms,
+    }
+    for key in ("rel_err", "note", "error"):
+        if res.get(key) is not None:
+            rec[key] = res[key]
+    return rec
+
+
+def add_efficiency(records: list[dict]) -> None:
+    """ringflash rows: per-GPU TFLOP/s over ringflash_1gpu's on the same problem."""
+    base = {}
+    for r in records:
+        if r["impl"] == "ringflash_1gpu":
+            base[_problem(r)] = r
+    for r in records:
+        b = base.get(_problem(r))
+        if b is None or r["impl"] not in ("ringflash", "ringflash_1gpu"):
+            continue
+        for key, src in (("efficiency", "fwdbwd_tflops_per_gpu"), ("fwd_efficiency", "fwd_tflops_per_gpu")):
+            if r.get(src) is not None and b.get(src):
+                r[key] = r[src] / b[src]
+
+
+def _problem(r: dict) -> tuple:
+    return (r["seqlen"], r["heads"], r["kv_heads"], r["head_dim"], r["causal"])
+
+
+def progress_line(rec: dict, tag: str) -> str:
+    def f(x, spec):
+        return "-" if x is None else format(x, spec)
+    impl = rec["impl"] + (f"[{rec['layout']}]" if rec.get("layout") else "")
+    line = (f"  {tag:<32} {impl:<28} fwd {f(rec['fwd_tflops_per_gpu'], '6.1f')}  "
+            f"f+b {f(rec['fwdbwd_tflops_per_gpu'], '6.1f')} TFLOP/s/GPU  "
+            f"mem {f(rec['peak_mem_gib'], '.2f')} GiB")
+    if rec.get("error"):
+        line += f"  ERROR {rec['error']}"
+    elif rec.get("note"):
+        line += f"  ({rec['note']})"
+    return line
+
+
+TABLE = [("impl", "impl"), ("layout", "layout"), ("seqlen", "seqlen", H.fmt_size), ("heads", "heads"),
+         ("kv_heads", "kv"), ("causal", "causal"), ("fwd_tflops_per_gpu", "fwd TF/GPU", ".1f"),
+         ("fwdbwd_tflops_per_gpu", "f+b TF/GPU", ".1f"), ("peak_mem_gib", "mem GiB", ".2f"),
+         ("efficiency", "eff f+b", ".2f"), ("fwd_efficiency", "eff fwd", ".2f"), ("remark", "remark")]
+
+
+def table_rows(records: list[dict]) -> list[dict]:
+    rows = []
+    for r in records:
+        text = r.get("error") or (r.get("note") if r["impl"] != "ringflash_1gpu" else None)
+        rows.append({**r, "remark": None if not text else (text if len(text) <= 60 else text[:57] + "...")})
+    return rows
+
+
+def benchmark(args, ctx: Ctx) -> list[dict]:
+    dtype = H.DTYPES[args.dtype]
+    cfgs = configs(args)
+    check_seqlen = min(args.seqlens)
+    records = []
+    for cfg in cfgs:
+        full = make_full(cfg, dtype, ctx.device, args.seed + cfg.seqlen + cfg.kv_heads)
+        ref = None
+        if cfg.seqlen == check_seqlen:
+            try:
+                ref = reference(full, cfg.causal)
+            except Exception as exc:  # noqa: BLE001 - without a reference nothing can be reported
+                raise Abort(f"the reference (flash_attn on the full sequence, {cfg.tag}) failed: "
+                            f"{H.short_error(exc)}") from exc
+            H.free_memory(ctx.device)
+        for impl in args.impls:
+            if impl == "ringflash":
+                layouts = args.causal_layouts if cfg.causal else args.noncausal_layouts
+                results = [run_ringflash(cfg, layout, full, ref, ctx, args) for layout in layouts]
+            elif impl == "ringflash_1gpu":
+                results = [run_ringflash_1gpu(cfg, full, ctx, args)]
+            else:
+                results = [run_torch_cp(impl, cfg, full, ref, ctx, args)]
+            for res in results:
+                rec = make_record(impl, cfg, res, ctx)
+                records.append(rec)
+                ctx.log(progress_line(rec, cfg.tag))
+            H.free_memory(ctx.device)
+        del full, ref
+        H.free_memory(ctx.device)
+    add_efficiency(records)
+    return records
+
+
+# ----------------------------------------------------------------------------- profile
+
+
+def classify_kernel(name: str) -> str:
+    n = name.lower()
+    if "nccl" in n:
+        return "comm"
+    if "merge" in n:
+        return "merge"
+    if any(s in n for s in ("_fwd_kernel", "_dkdv_kernel", "_dq_kernel", "attn", "attention", "flash", "fmha")):
+        return "attention"
+    return "other"
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, -math.inf
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
+
+
+def _clip(intervals, lo, hi):
+    return [(max(s, lo), min(e, hi)) for s, e in intervals if e > lo and s < hi]
+
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def trace_breakdown(trace: dict, wall_ms: Optional[float] = None, phases=("ringflash.fwd", "ringflash.bwd")) -> dict:
+    """GPU time of one profiled step from a chrome trace, in ms.
+
+    attention / merge / other / comm: summed kernel durations by class (NCCL kernels are
+    comm; copies and memsets count as other). exposed_comm: time when an NCCL kernel runs
+    and nothing else does, i.e. communication the compute did not hide. idle: wall time
+    with no kernel running (launch gaps, host work). Per phase too when the trace has
+    the phases' GPU annotations.
+    """
+    events = [e for e in trace.get("traceEvents", []) if isinstance(e, dict) and e.get("ph") == "X"]
+    kernels = [(e.get("name", ""), float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e.get("cat"))
+               for e in events if e.get("cat") in GPU_CATS and "ts" in e]
+
+    def summarize(lo=-math.inf, hi=math.inf, wall=None) -> dict:
+        by_class = defaultdict(list)
+        for name, s, e, cat in kernels:
+            cls = classify_kernel(name) if cat == "kernel" else "other"
+            by_class[cls].extend(_clip([(s, e)], lo, hi))
+        total = {c: sum(e - s for s, e in iv) / 1e3 for c, iv in by_class.items()}
+        all_iv = [iv for ivs in by_class.values() for iv in ivs]
+        non_comm = [iv for c, ivs in by_class.items() if c != "comm" for iv in ivs]
+        busy = _union_us(all_iv) / 1e3
+        out = {c: total.get(c, 0.0) for c in ("attention", "merge", "other", "comm")}
+        out["exposed_comm"] = busy - _union_us(non_comm) / 1e3
+        out["gpu_busy"] = busy
+        if all_iv:
+            out["gpu_span"] = (max(e for _, e in all_iv) - min(s for s, _ in all_iv)) / 1e3
+        else:
+            out["gpu_span"] = 0.0
+        if wall is None and math.isfinite(lo) and math.isfinite(hi):
+            wall = (hi - lo) / 1e3
+        out["wall"] = wall
+        out["idle"] = None if wall is None else max(wall - busy, 0.0)
+        return out
+
+    result = {"step": summarize(wall=wall_ms)}
+    for ph in phases:
+        windows = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
+                   if e.get("name") == ph and e.get("cat") == "gpu_user_annotation"]
+        if windows:
+            result[ph] = summarize(min(s for s, _ in windows), max(e for _, e in windows))
+    return result
+
+
+def key_averages_breakdown(prof) -> dict:
+    """Self device time (ms) of the profiler's key_averages, by kernel class."""
+    from torch.autograd import DeviceType
+
+    totals = defaultdict(float)
+    for evt in prof.key_averages():
+        if getattr(evt, "device_type", None) != DeviceType.CUDA:
+            continue
+        t = getattr(evt, "self_device_time_total", None)
+        if t is None:
+            t = getattr(evt, "self_cuda_time_total", 0.0)
+        totals[classify_kernel(evt.key)] += float(t) / 1e3
+    return {c: totals.get(c, 0.0) for c in ("attention", "merge", "other", "comm")}
+
+
+def trace_path(path: str, rank: int) -> str:
+    if rank == 0:
+        return path
+    for ext in (".json.gz", ".json"):
+        if path.endswith(ext):
+            return path[: -len(ext)] + f".rank{rank}" + ext
+    return path + f".rank{rank}"
+
+
+def load_trace(path: str) -> dict:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def profile(args, ctx: Ctx) -> None:
+    from torch.profiler import ProfilerActivity, profile as torch_profile, record_function
+
+    api = ringflash_api()
+    causal = not args.profile_noncausal
+    layout = args.profile_layout or (args.causal_layouts if causal else args.noncausal_layouts)[0]
+    cfg = Cfg(args.batch, args.profile_seqlen, args.heads, args.heads, args.head_dim, causal)
+    full = make_full(cfg, H.DTYPES[args.dtype], ctx.device, args.seed)
+    q, k, v, do = (api.shard(t, dim=1, layout=layout, group=ctx.group) for t in full)
+    del full
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        with record_function("ringflash.fwd"):
+            out = api.ring_flash_attn(*leaves, causal=causal, group=ctx.group, layout=layout)
+        with record_function("ringflash.bwd"):
+            out.backward(do)
+
+    for _ in range(3):  # compile, communicators, allocator
+        step()
+    H._sync(ctx.device)
+    H.barrier(ctx.group)
+    H._sync(ctx.device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        step()
+        H._sync(ctx.device)
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    path = trace_path(args.profile, ctx.rank)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    prof.export_chrome_trace(path)
+    info = {"rank": ctx.rank, "path": path, "wall_ms": wall_ms}
+    try:
+        info["trace"] = trace_breakdown(load_trace(path), wall_ms)
+    except Exception as exc:  # noqa: BLE001
+        info["trace_error"] = H.short_error(exc)
+    try:
+        info["key_averages"] = key_averages_breakdown(prof)
+    except Exception as exc:  # noqa: BLE001
+        info["key_averages_error"] = H.short_error(exc)
+    table = None
+    if ctx.rank == 0:
+        for sort_by in ("self_device_time_total", "self_cuda_time_total", "self_cpu_time_total"):
+            try:
+                table = prof.key_averages().table(sort_by=sort_by, row_limit=25)
+                break
+            except Exception:  # noqa: BLE001 - older/newer names of the sort key
+                continue
+    infos = gather_objs(info, ctx)
+    if ctx.rank == 0:
+        print(f"\n== profile: ringflash fwd+bwd, {cfg.tag}, layout {layout}, {ctx.world} rank(s) ==")
+        if table:
+            print(table)
+        print(profile_report(infos))
+        print("traces: " + ", ".join(i["path"] for i in infos), flush=True)
+
+
+def profile_report(infos: list[dict]) -> str:
+    rows = []
+    for info in infos:
+        for phase, b in (info.get("trace") or {}).items():
+            rows.append({"rank": info["rank"], "phase": phase, **b})
+    cols = [("rank", "rank"), ("phase", "phase"), ("wall", "wall ms", ".2f"),
+            ("attention", "attn kern ms", ".2f"), ("merge", "merge ms", ".2f"), ("other", "other ms", ".2f"),
+            ("comm", "nccl kern ms", ".2f"), ("exposed_comm", "exposed comm ms", ".2f"),
+            ("idle", "gpu idle ms", ".2f")]
+    lines = ["From the trace (kernel time by class; exposed comm = NCCL running while no other kernel is):"]
+    lines.append(H.format_table(rows, cols) if rows else "  (no trace breakdown)")
+    ka_rows = [{"rank": i["rank"], **i["key_averages"]} for i in infos if "key_averages" in i]
+    if ka_rows:
+        lines.append("From key_averages (self device time by class, ms):")
+        lines.append(H.format_table(ka_rows, [("rank", "rank"), ("attention", "attention", ".2f"),
+                                              ("merge", "merge", ".2f"), ("other", "other", ".2f"),
+                                              ("comm", "nccl", ".2f")]))
+    for i in infos:
+        for key in ("trace_error", "key_averages_error"):
+            if key in i:
+                lines.append(f"rank {i['rank']} {key}: {i[key]}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def run(args, ctx: Ctx) -> int:
+    H.init_l2_flush(ctx.device)
+    ctx.log(f"# ring benchmark: {ctx.world} rank(s), device {ctx.device.type}, impls {', '.join(args.impls)}")
+    if not args.profile_only:
+        records = benchmark(args, ctx)
+        if ctx.rank == 0:
+            meta = H.collect_meta(ctx.device, world_size=ctx.world, bench="ring", dtype=args.dtype,
+                                  batch=args.batch, head_dim=args.head_dim,
+                                  torch_cp_rotate_method=args.rotate_method,
+                                  ringflash_rank_check=os.environ.get("RINGFLASH_RANK_CHECK", "1") != "0",
+                                  timing=(f"per-rank median of >= {args.min_reps} reps "
+                                          f"({'CUDA events, L2 flushed' if ctx.device.type == 'cuda' else 'wall clock'}), "
+                                          "max over ranks; TFLOP/s per GPU = global FLOPs / world / time"),
+                                  peak_mem=("max over ranks of (peak allocated during the impl's runs minus "
+                                            "memory live before them + this rank's q, k, v, dout)"),
+                                  check=f"at seqlen {H.fmt_size(min(args.seqlens))} vs ringflash flash_attn on "
+                                        f"the full sequence: out rel err <= {args.tol}, grads <= {args.grad_tol}")
+            name = args.out_name or f"ring_h200x{ctx.world}"
+            path = H.write_results(name, meta, records, args.out_dir)
+            print(f"\nwrote {path}", flush=True)
+            if not args.no_plot:
+                H.try_plot(path)
+            print()
+            print("TFLOP/s per GPU (higher is better); eff = ringflash / ringflash_1gpu")
+            print(H.format_table(table_rows(records), TABLE), flush=True)
+    if args.profile:
+        profile(args, ctx)
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    ctx = setup(args)
+    code = 0
+    try:
+        code = run(args, ctx)
+    except Abort as exc:
+        if ctx.rank == 0:
+            print("\n" + "!" * 78 + f"\nABORT: {exc}\nNo numbers are reported for a ring that is not correct.\n"
+                  + "!" * 78, file=sys.stderr, flush=True)
+        code = 3
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""Draw which global tokens each rank holds under every layout.
+
+    python benchmarks/plot_layouts.py   # -> benchmarks/results/layouts.png
+
+The picture is computed from ringflash.layouts, the same code the ring runs.
+"""
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from ringflash.layouts import LAYOUTS, global_positions, step_pairs  # noqa: E402
+
+WORLD, SEQLEN = 4, 32
+COLORS = plt.get_cmap("tab10").colors
+
+
+def owner_map(layout):
+    owner = np.zeros(SEQLEN, dtype=int)
+    for rank in range(WORLD):
+        owner[global_positions(SEQLEN, layout, rank, WORLD).numpy()] = rank
+    return owner
+
+
+def causal_work(layout):
+    """Visible (query, key) elements each rank computes: the causal triangle split by rank."""
+    n = SEQLEN // WORLD
+    work = []
+    for rank in range(WORLD):
+        total = 0
+        for src in range(WORLD):
+            for pair in step_pairs(layout, rank, src, n, causal=True):
+                rows = range(n)[pair.q]
+                cols = range(n)[pair.k]
+                off = pair.causal_offset
+                total += sum(1 for i in rows for j in cols if off is None or j <= i + off)
+        work.append(total)
+    return work
+
+
+def main():
+    fig, axes = plt.subplots(len(LAYOUTS), 2, figsize=(10, 1.6 * len(LAYOUTS)),
+                             gridspec_kw={"width_ratios": [4, 1]})
+    for row, layout in enumerate(LAYOUTS):
+        ax = axes[row, 0]
+        owner = owner_map(layout)
+        for t in range(SEQLEN):
+            ax.add_patch(plt.Rectangle((t, 0), 1, 1, color=COLORS[owner[t]], ec="white"))
+            ax.text(t + 0.5, 0.5, str(owner[t]), ha="center", va="center", fontsize=7, color="white")
+        ax.set_xlim(0, SEQLEN)
+        ax.set_ylim(0, 1)
+        ax.set_yticks([])
+        ax.set_xticks(range(0, SEQLEN + 1, SEQLEN // WORLD))
+        ax.set_title(f"{layout}: owner rank of each of {SEQLEN} tokens ({WORLD} ranks)",
+                     fontsize=9, loc="left")
+        work = causal_work(layout)
+        axes[row, 1].bar(range(WORLD), work, color=COLORS[:WORLD])
+        axes[row, 1].set_title("causal work per rank", fontsize=9)
+        axes[row, 1].set_xticks(range(WORLD))
+    axes[-1, 0].set_xlabel("global token position")
+    fig.tight_layout()
+    out = Path(__file__).resolve().parent / "results" / "layouts.png"
+    out.parent.mkdir(exist_ok=True)
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""The float64 oracle: naive attention on the full sequence, a few lines of plain torch.
+
+Layout as everywhere in ringflash: q (B, Sq, H, D); k, v (B, Sk, Hkv, D), H a multiple
+of Hkv (query head h reads kv head h // (H // Hkv)); lse (B, H, Sq), natural log.
+Masks: ``causal_offset`` None sees every key; an integer o lets query i see key j iff
+j <= i + o. A row that sees no key has out 0 and lse -inf, and gradients 0 (no NaN).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def visible_mask(seqlen_q: int, seqlen_k: int, causal_offset: int | None, device=None):
+    """(Sq, Sk) bool, True where query i sees key j; None when every key is visible."""
+    if causal_offset is None:
+        return None
+    rows = torch.arange(seqlen_q, device=device)[:, None]
+    cols = torch.arange(seqlen_k, device=device)[None, :]
+    return cols <= rows + causal_offset
+
+
+def attention_oracle(q, k, v, causal_offset: int | None = None, softmax_scale: float | None = None):
+    """(out (B, Sq, H, D), lse (B, H, Sq)), both float64; differentiable without NaN."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[2] // k.shape[2]
+    k = k.repeat_interleave(group, dim=2)
+    v = v.repeat_interleave(group, dim=2)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    mask = visible_mask(q.shape[1], k.shape[1], causal_offset, q.device)
+    if mask is None:
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - lse[..., None])
+    else:
+        # Rows that see nothing get finite stand-in scores, then are zeroed: logsumexp of an
+        # all -inf row is fine forward but its backward is NaN.
+        seen = mask.any(dim=-1)[:, None]  # (Sq, 1)
+        s = torch.where(mask, s, torch.where(seen, -math.inf, 0.0))
+        lse = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - lse[..., None]) * seen
+        lse = torch.where(seen[:, 0], lse, -math.inf)
+    out = torch.einsum("bhqk,bkhd->bqhd", p, v)
+    return out, lse
+
+
+def oracle_grads(q, k, v, dout, causal_offset: int | None = None, softmax_scale: float | None = None,
+                 dlse=None):
+    """(dq, dk, dv) in float64 of sum(out * dout) [+ sum(lse * dlse) over rows that see a key]."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out, lse = attention_oracle(q, k, v, causal_offset, softmax_scale)
+    loss = (out * dout.double()).sum()
+    if dlse is not None:
+        loss = loss + torch.where(torch.isinf(lse), 0.0, lse * dlse.double()).sum()
+    return torch.autograd.grad(loss, (q, k, v))
+
+
+def rel_err(a, b) -> float:
+    """Relative Frobenius error ||a - b|| / ||b|| in float64 (absolute when b is all zero).
+
+    -inf entries (lse of rows that see nothing) must sit at the same places in both; the
+    finite parts are then compared. Any NaN, or a -inf mismatch, gives inf.
+    """
+    a, b = a.detach().double(), b.detach().double()
+    if a.shape != b.shape:
+        raise ValueError(f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
+    if torch.isnan(a).any() or torch.isnan(b).any():
+        return math.inf
+    ninf_a, ninf_b = torch.isneginf(a), torch.isneginf(b)
+    if not torch.equal(ninf_a, ninf_b) or torch.isposinf(a).any() or torch.isposinf(b).any():
+        return math.inf
+    a, b = a[~ninf_b], b[~ninf_b]
+    diff = torch.linalg.vector_norm(a - b).item()
+    norm = torch.linalg.vector_norm(b).item()
+    return diff / norm if norm > 0 else diff
+
+
+def torch_attention(q, k, v, dout, causal_offset: int | None = None,
+                    softmax_scale: float | None = None):
+    """torch's own attention (scaled_dot_product_attention) in q's dtype, on q's device:
+    (out, dq, dk, dv), the yardstick of the "no worse than 2x torch" rule.
+
+    Rows that see no key are left out of the call (torch's backends disagree on them)
+    and get out 0 and dq 0, as in the contract. K/V are repeated for grouped heads
+    rather than passed with enable_gqa, so every backend accepts them.
+    """
+    b, sq, h, d = q.shape
+    sk, group = k.shape[1], h // k.shape[2]
+    out, dq = torch.zeros_like(q), torch.zeros_like(q)
+    first = 0 if causal_offset is None else max(0, -causal_offset)  # first row that sees a key
+    if first >= sq:
+        return out, dq, torch.zeros_like(k), torch.zeros_like(v)
+    qs, ks, vs = (t.detach().transpose(1, 2).requires_grad_() for t in (q[:, first:], k, v))
+    mask, is_causal = None, False
+    if causal_offset is not None:
+        if causal_offset + first == 0:
+            is_causal = True  # top-left aligned, as torch's is_causal
+        else:
+            mask = visible_mask(sq - first, sk, causal_offset + first, q.device)
+    o = F.scaled_dot_product_attention(qs, ks.repeat_interleave(group, dim=1),
+                                       vs.repeat_interleave(group, dim=1), attn_mask=mask,
+                                       is_causal=is_causal, scale=softmax_scale)
+    o.backward(dout[:, first:].transpose(1, 2).to(o.dtype))
+    out[:, first:] = o.detach().transpose(1, 2)
+    dq[:, first:] = qs.grad.transpose(1, 2)
+    return out, dq, ks.grad.transpose(1, 2), vs.grad.transpose(1, 2)

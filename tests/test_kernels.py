@@ -1,0 +1,473 @@
+"""Single-device kernels against the float64 oracle, on the CPU.
+
+Two implementations of one contract are checked: the PyTorch twin (kernels/reference.py)
+and the Triton kernels (kernels/triton_attn.py). Without CUDA the Triton kernels run on
+CPU tensors through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1);
+with CUDA they run compiled, at the same small sizes. The interpreter takes seconds for a
+few hundred tokens, so the Triton shapes stay tiny; realistic sizes are in
+test_kernels_gpu.py. The interpreter gets bf16 tl.dot wrong, so Triton is checked
+here in fp32 and fp16 only; the twin in all three dtypes.
+
+Every output is pre-filled with NaN so that a tile the kernel forgets to write fails.
+Errors are relative Frobenius errors against the float64 oracle (DESIGN.md, Testing):
+fp32 <= 1e-5, fp16/bf16 <= 2e-2 and no more than twice torch's own attention
+(scaled_dot_product_attention) in the same dtype. CPU SDPA supports fp16 and bf16
+directly, so the yardstick is torch's real half-precision kernel, not an upcast.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import pytest
+import torch
+import torch.nn.functional as F
+from oracle import attention_oracle, oracle_grads, rel_err, torch_attention, visible_mask
+
+from ringflash.kernels import (attn_delta, flash_attn, flash_attn_bwd, flash_attn_fwd, interface,
+                               reference, triton_attn)
+
+HAS_CUDA = torch.cuda.is_available()
+TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+DTYPE_ID = {F32: "fp32", F16: "fp16", BF16: "bf16"}
+TOL = {F32: 1e-5, F16: 2e-2, BF16: 2e-2}
+LSE_TOL = 1e-5  # lse is fp32 whatever the inputs: scores of half inputs are exact in fp32
+# An error below this is rounding noise on a quantity that is (almost) exactly zero, e.g. dq
+# with a single key, where the softmax is constant; comparing it with torch's is meaningless.
+NOISE_FLOOR = 1e-5
+NAN = float("nan")
+
+
+@dataclass(frozen=True)
+class Case:
+    b: int
+    sq: int
+    sk: int
+    h: int
+    hkv: int
+    d: int
+    offset: Optional[int] = None  # causal diagonal offset; None = no mask
+    scale: Optional[float] = None
+
+    @property
+    def id(self) -> str:
+        mask = "full" if self.offset is None else f"causal{self.offset:+d}"
+        scale = "" if self.scale is None else f"-scale{self.scale:g}"
+        return f"b{self.b}-q{self.sq}-k{self.sk}-h{self.h}kv{self.hkv}-d{self.d}-{mask}{scale}"
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.d ** -0.5 if self.scale is None else self.scale
+
+
+def make_inputs(case: Case, dtype, device, seed: int = 0):
+    """q, k, v, dout of the case, drawn on the CPU (same numbers on every device)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    q = randn(case.b, case.sq, case.h, case.d)
+    k = randn(case.b, case.sk, case.hkv, case.d)
+    v = randn(case.b, case.sk, case.hkv, case.d)
+    dout = randn(case.b, case.sq, case.h, case.d)
+    return q, k, v, dout
+
+
+# ----------------------------------------------------------------------------- implementations
+
+
+def kernel_module(name: str, monkeypatch):
+    """(module with fwd/bwd, device) of an implementation id."""
+    if name == "triton":
+        return triton_attn, TRITON_DEVICE
+    if name == "triton-gpu-tiles":  # interpreted, with the tile shapes chosen for the GPU
+        monkeypatch.setattr(triton_attn, "_interpreting", lambda: False)
+        return triton_attn, TRITON_DEVICE
+    if name == "twin-bn16":  # small key tiles: the twin's tile skipping and masking at small sizes
+        monkeypatch.setattr(reference, "BLOCK_N", 16)
+    return reference, "cpu"
+
+
+def use_backend(name: str, monkeypatch) -> str:
+    """Route flash_attn to one implementation; returns the device to put tensors on."""
+    if name == "twin":
+        return "cpu"
+    if not HAS_CUDA:  # the dispatcher sends CPU tensors to the twin; send them to Triton
+        monkeypatch.setattr(interface, "_backend", lambda t: triton_attn)
+    return TRITON_DEVICE
+
+
+def run_block(mod, q, k, v, dout, case: Case):
+    """Forward then backward of one block pair into NaN-filled buffers (grads in fp32)."""
+    b, sq, h, _ = q.shape
+    out = torch.full_like(q, NAN)
+    lse = torch.full((b, h, sq), NAN, device=q.device)
+    mod.fwd(q, k, v, out, lse, softmax_scale=case.softmax_scale, causal_offset=case.offset,
+            accumulate=False)
+    delta = attn_delta(out, dout)
+    dq = torch.full(q.shape, NAN, device=q.device)
+    dk = torch.full(k.shape, NAN, device=q.device)
+    dv = torch.full(v.shape, NAN, device=q.device)
+    mod.bwd(dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale=case.softmax_scale,
+            causal_offset=case.offset, accumulate=False)
+    return out, lse, dq, dk, dv
+
+
+def assert_empty_rows_exact(case: Case, out, lse, dq, dk, dv):
+    """Rows that see no key: out 0, lse -inf, dq 0; keys no row sees: dk = dv = 0. Exactly."""
+    mask = visible_mask(case.sq, case.sk, case.offset, out.device)
+    if mask is None:
+        return
+    empty_rows, unseen_keys = ~mask.any(dim=1), ~mask.any(dim=0)
+    assert (out[:, empty_rows] == 0).all()
+    assert torch.isneginf(lse[:, :, empty_rows]).all()
+    assert torch.isfinite(lse[:, :, ~empty_rows]).all()
+    if dq is not None:
+        assert (dq[:, empty_rows] == 0).all()
+        assert (dk[:, unseen_keys] == 0).all() and (dv[:, unseen_keys] == 0).all()
+
+
+def assert_matches_oracle(case: Case, inputs, got, *, dlse=None):
+    """got = (out, lse, dq, dk, dv); lse or grads may be None when not produced."""
+    q, k, v, dout = inputs
+    dtype = q.dtype
+    out, lse, dq, dk, dv = got
+    ref_out, ref_lse = attention_oracle(q, k, v, case.offset, case.softmax_scale)
+    errs = {"out": rel_err(out, ref_out)}
+    if lse is not None:
+        errs["lse"] = rel_err(lse, ref_lse)
+    if dq is not None:
+        ref_grads = oracle_grads(q, k, v, dout, case.offset, case.softmax_scale, dlse=dlse)
+        errs.update({name: rel_err(g, r) for name, g, r in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads)})
+    report = ", ".join(f"{name} {err:.2e}" for name, err in errs.items())
+    for name, err in errs.items():
+        assert err <= (LSE_TOL if name == "lse" else TOL[dtype]), f"{name}: {report}"
+    if dtype != F32 and dlse is None:
+        torch_out = torch_attention(q, k, v, dout, case.offset, case.softmax_scale)
+        torch_refs = (ref_out,) + (tuple(ref_grads) if dq is not None else ())
+        for name, t, r in zip(("out", "dq", "dk", "dv"), torch_out, torch_refs):
+            torch_err = rel_err(t, r)
+            assert errs[name] <= max(2 * torch_err, NOISE_FLOOR), \
+                f"{name}: {errs[name]:.2e} > 2 x torch's {torch_err:.2e} ({report})"
+    return errs
+
+
+# ----------------------------------------------------------------------------- one block pair
+
+BLOCK_CASES = [
+    Case(1, 1, 1, 2, 1, 64),              # a single token; MQA
+    Case(1, 1, 77, 2, 1, 64, 76),         # one query at the end of its keys (decoding)
+    Case(1, 63, 63, 2, 2, 64, 0),         # MHA, causal, odd length
+    Case(1, 77, 77, 4, 2, 32, 0),         # GQA, causal
+    Case(1, 257, 40, 1, 1, 32),           # many queries, few keys
+    Case(1, 40, 257, 1, 1, 32, None, 0.5),  # few queries, many keys, explicit scale
+    Case(1, 37, 100, 2, 1, 128, 40),      # positive offset: queries later than the keys
+    Case(1, 100, 37, 2, 1, 96, -20),      # negative offset: the first 20 rows see nothing
+    Case(1, 50, 64, 2, 1, 64, -60),       # so negative that no row sees a key
+    Case(1, 64, 64, 2, 1, 64, -1),        # the stripe layout's offset: row 0 sees nothing
+    Case(1, 40, 70, 2, 1, 64, 100),       # offset past every key: the mask changes nothing
+    Case(1, 48, 48, 2, 1, 256, 0),        # the largest head_dim
+    Case(1, 16, 300, 2, 1, 32, 250),      # queries at the end of a long key block: tile skipping
+    Case(2, 33, 47, 2, 1, 64, 5, 1.0),    # batch 2
+]
+LARGE_CASES = [  # too slow for the interpreter
+    Case(1, 600, 600, 2, 1, 64, 0),       # several of the twin's default 256-key tiles
+    Case(2, 300, 520, 4, 2, 128, 200),
+]
+GPU_TILE_CASES = [  # a few tiles of each GPU config: head_dim <= 64, <= 128, 256
+    Case(1, 200, 150, 2, 1, 64, 0),
+    Case(1, 130, 200, 2, 1, 128, 60),
+    Case(1, 100, 70, 1, 1, 256, -10),
+]
+
+
+def block_params():
+    """Which implementation runs which cases, in which dtypes. "triton-gpu-tiles" interprets
+    the kernels with the tile shapes they use on a GPU (fp32 only: it is about tile logic)."""
+    combos = [("twin", BLOCK_CASES + LARGE_CASES, (F32, F16, BF16)),
+              ("twin-bn16", BLOCK_CASES, (F32, F16, BF16))]
+    if HAS_CUDA:
+        combos.append(("triton", BLOCK_CASES + LARGE_CASES + GPU_TILE_CASES, (F32, F16)))
+    else:
+        combos += [("triton", BLOCK_CASES, (F32, F16)), ("triton-gpu-tiles", GPU_TILE_CASES, (F32,))]
+    return [pytest.param(kernel, dtype, c, id=f"{kernel}-{DTYPE_ID[dtype]}-{c.id}")
+            for kernel, cases, dtypes in combos for dtype in dtypes for c in cases]
+
+
+@pytest.mark.parametrize("kernel,dtype,case", block_params())
+def test_block_matches_oracle(kernel, dtype, case, monkeypatch):
+    mod, device = kernel_module(kernel, monkeypatch)
+    inputs = make_inputs(case, dtype, device)
+    out, lse, dq, dk, dv = got = run_block(mod, *inputs, case)
+    assert out.dtype == dtype and lse.dtype == F32
+    assert_empty_rows_exact(case, out, lse, dq, dk, dv)
+    assert_matches_oracle(case, inputs, got)
+
+
+# ----------------------------------------------------------------------------- accumulate
+
+SPLIT_CASES = [  # (case, first key of the second part)
+    (Case(1, 40, 70, 2, 1, 64), 30),
+    (Case(1, 64, 64, 2, 1, 32, 0), 32),    # the second part is invisible to rows 0..31
+    (Case(1, 50, 50, 2, 1, 64, -10), 20),  # rows 0..9 see neither part, 10..29 only the first
+]
+
+
+@pytest.mark.parametrize("order", ["ascending", "descending"])
+@pytest.mark.parametrize("case,split", SPLIT_CASES, ids=[f"{c.id}-split{s}" for c, s in SPLIT_CASES])
+@pytest.mark.parametrize("kernel,dtype", [pytest.param(k, d, id=f"{k}-{DTYPE_ID[d]}")
+                                          for k in ("twin", "triton") for d in (F32, F16)])
+def test_split_keys_accumulate(kernel, dtype, case, split, order, monkeypatch):
+    """The ring's use: merge partials over key ranges into a running (out, lse) that starts
+    at (0, -inf), then add each range's gradients into buffers that already hold some."""
+    mod, device = kernel_module(kernel, monkeypatch)
+    q, k, v, dout = make_inputs(case, dtype, device)
+    parts = [(0, split), (split, case.sk)]
+    if order == "descending":
+        parts.reverse()
+
+    def part_offset(start):
+        return None if case.offset is None else case.offset - start
+
+    out = torch.zeros(q.shape, device=device)  # the running out stays fp32
+    lse = torch.full((case.b, case.h, case.sq), -math.inf, device=device)
+    for start, end in parts:
+        mod.fwd(q, k[:, start:end], v[:, start:end], out, lse, softmax_scale=case.softmax_scale,
+                causal_offset=part_offset(start), accumulate=True)
+
+    delta = attn_delta(out, dout)
+    gen = torch.Generator().manual_seed(1)
+    before = [torch.randn(t.shape, generator=gen).to(device) for t in (q, k, v)]
+    dq, dk, dv = (t.clone() for t in before)
+    for start, end in parts:
+        mod.bwd(dout, q, k[:, start:end], v[:, start:end], lse, delta, dq, dk[:, start:end],
+                dv[:, start:end], softmax_scale=case.softmax_scale, causal_offset=part_offset(start),
+                accumulate=True)
+    added = tuple(g - b for g, b in zip((dq, dk, dv), before))
+
+    ref_out, ref_lse = attention_oracle(q, k, v, case.offset, case.softmax_scale)
+    assert_empty_rows_exact(case, out, lse, None, None, None)
+    assert rel_err(lse, ref_lse) <= LSE_TOL
+    assert rel_err(out, ref_out) <= TOL[dtype]
+    ref_grads = oracle_grads(q, k, v, dout, case.offset, case.softmax_scale)
+    for name, g, r in zip(("dq", "dk", "dv"), added, ref_grads):
+        assert rel_err(g, r) <= TOL[dtype], name
+
+
+@pytest.mark.parametrize("kernel", ["twin", "triton"])
+def test_accumulate_into_empty_state_is_plain_forward(kernel, monkeypatch):
+    """Merging one block into (out 0, lse -inf) gives exactly what accumulate=False gives."""
+    mod, device = kernel_module(kernel, monkeypatch)
+    case = Case(1, 45, 33, 2, 1, 64, 3)
+    q, k, v, _ = make_inputs(case, F32, device)
+    out = torch.zeros_like(q)
+    lse = torch.full((1, 2, 45), -math.inf, device=device)
+    mod.fwd(q, k, v, out, lse, softmax_scale=case.softmax_scale, causal_offset=3, accumulate=True)
+    plain_out, plain_lse = torch.full_like(q, NAN), torch.full_like(lse, NAN)
+    mod.fwd(q, k, v, plain_out, plain_lse, softmax_scale=case.softmax_scale, causal_offset=3,
+            accumulate=False)
+    assert rel_err(out, plain_out) <= 1e-6 and rel_err(lse, plain_lse) <= 1e-6
+
+
+@pytest.mark.parametrize("kernel", ["twin", "triton"])
+def test_strided_views(kernel, monkeypatch):
+    """Inputs sliced out of a packed qkv tensor; outputs written into views of larger buffers."""
+    mod, device = kernel_module(kernel, monkeypatch)
+    case = Case(2, 45, 45, 2, 2, 32, 0)
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(2, 45, 3, 2, 32, generator=gen).to(device)
+    q, k, v = qkv.unbind(dim=2)
+    dout = torch.randn(2, 45, 2, 32, generator=gen).to(device)
+    assert not q.is_contiguous()
+    out_buf = torch.full((2, 45, 2, 48), NAN, device=device)
+    lse_buf = torch.full((2, 2, 50), NAN, device=device)
+    out, lse = out_buf[..., :32], lse_buf[..., 3:48]
+    mod.fwd(q, k, v, out, lse, softmax_scale=case.softmax_scale, causal_offset=0, accumulate=False)
+    grad_buf = torch.full((2, 45, 3, 2, 40), NAN, device=device)
+    dq, dk, dv = grad_buf[..., :32].unbind(dim=2)
+    mod.bwd(dout, q, k, v, lse, attn_delta(out, dout), dq, dk, dv,
+            softmax_scale=case.softmax_scale, causal_offset=0, accumulate=False)
+    assert_matches_oracle(case, (q, k, v, dout), (out, lse, dq, dk, dv))
+    # Nothing outside the views was touched.
+    assert out_buf[..., 32:].isnan().all() and lse_buf[..., :3].isnan().all()
+    assert lse_buf[..., 48:].isnan().all() and grad_buf[..., 32:].isnan().all()
+
+
+def test_block_entry_points_on_cpu():
+    """flash_attn_fwd / attn_delta / flash_attn_bwd, as the ring calls them on CPU tensors."""
+    case = Case(1, 30, 50, 4, 2, 32, 20)
+    q, k, v, dout = make_inputs(case, F32, "cpu")
+    out, lse = flash_attn_fwd(q, k, v, softmax_scale=case.softmax_scale, causal_offset=20)
+    assert out.shape == q.shape and out.dtype == F32
+    assert lse.shape == (1, 4, 30) and lse.dtype == F32
+    dlse = torch.randn(1, 4, 30)
+    delta = attn_delta(out, dout, dlse)
+    assert torch.allclose(delta, (out * dout).sum(-1).transpose(1, 2) - dlse, atol=1e-5)
+    dq, dk, dv = (torch.full(t.shape, NAN) for t in (q, k, v))
+    flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale=case.softmax_scale,
+                   causal_offset=20)
+    assert_matches_oracle(case, (q, k, v, dout), (out, lse, dq, dk, dv), dlse=dlse)
+    with pytest.raises(ValueError, match="accumulate"):
+        flash_attn_fwd(q, k, v, softmax_scale=1.0, accumulate=True)
+
+
+# ----------------------------------------------------------------------------- the differentiable op
+
+OP_CASES = [  # (case, causal); causal means offset 0, top-left aligned
+    (Case(1, 77, 77, 4, 2, 64, 0), True),
+    (Case(2, 37, 80, 2, 1, 32, 0), True),   # fewer queries than keys
+    (Case(1, 80, 37, 2, 2, 128, 0), True),  # more queries than keys
+    (Case(1, 65, 65, 2, 1, 96), False),
+]
+OP_DTYPES = {"twin": (F32, F16, BF16), "triton": (F32, F16)}
+
+
+def op_params():
+    return [pytest.param(backend, dt, case, causal, id=f"{backend}-{DTYPE_ID[dt]}-{case.id}")
+            for backend in ("twin", "triton") for dt in OP_DTYPES[backend] for case, causal in OP_CASES]
+
+
+def leaf_inputs(case, dtype, device):
+    q, k, v, dout = make_inputs(case, dtype, device)
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), dout
+
+
+@pytest.mark.parametrize("backend,dtype,case,causal", op_params())
+def test_flash_attn_matches_oracle(backend, dtype, case, causal, monkeypatch):
+    device = use_backend(backend, monkeypatch)
+    q, k, v, dout = leaf_inputs(case, dtype, device)
+    out = flash_attn(q, k, v, causal=causal)
+    out.backward(dout)
+    assert out.dtype == dtype and out.shape == q.shape
+    for t in (q, k, v):
+        assert t.grad.dtype == dtype and t.grad.shape == t.shape
+    assert_matches_oracle(case, (q, k, v, dout), (out, None, q.grad, k.grad, v.grad))
+
+
+@pytest.mark.parametrize("backend,dtype", [pytest.param(b, d, id=f"{b}-{DTYPE_ID[d]}")
+                                           for b in ("twin", "triton") for d in (F32, F16)])
+def test_flash_attn_lse_gradient(backend, dtype, monkeypatch):
+    """return_lse: lse (B, H, Sq) fp32, and a loss that uses lse gets the oracle's gradient."""
+    device = use_backend(backend, monkeypatch)
+    case = Case(1, 70, 50, 2, 1, 64, 0)
+    q, k, v, dout = leaf_inputs(case, dtype, device)
+    dlse = torch.randn(1, 2, 70, generator=torch.Generator().manual_seed(2)).to(device)
+    out, lse = flash_attn(q, k, v, causal=True, return_lse=True)
+    assert lse.shape == (1, 2, 70) and lse.dtype == F32
+    ((out.float() * dout.float()).sum() + (lse * dlse).sum()).backward()
+    assert_matches_oracle(case, (q, k, v, dout), (out, lse, q.grad, k.grad, v.grad), dlse=dlse)
+
+
+@pytest.mark.parametrize("backend", ["twin", "triton"])
+@pytest.mark.parametrize("sq,sk", [(20, 50), (50, 20)], ids=["q20-k50", "q50-k20"])
+def test_causal_is_top_left_like_sdpa(backend, sq, sk, monkeypatch):
+    device = use_backend(backend, monkeypatch)
+    case = Case(1, sq, sk, 2, 2, 32, 0)
+    q, k, v, dout = leaf_inputs(case, F32, device)
+    out = flash_attn(q, k, v, causal=True)
+    expected = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              is_causal=True).transpose(1, 2)
+    assert rel_err(out, expected) <= 1e-5
+    assert rel_err(out, attention_oracle(q, k, v, 0)[0]) <= 1e-5
+
+
+@pytest.mark.parametrize("backend", ["twin", "triton"])
+def test_flash_attn_heads_major_layout(backend, monkeypatch):
+    """q, k, v, dout living in (B, H, S, D) memory order, as a model that transposes hands them over."""
+    device = use_backend(backend, monkeypatch)
+    gen = torch.Generator().manual_seed(0)
+
+    def heads_major(b, h, s, d):
+        return torch.randn(b, h, s, d, generator=gen).to(device).transpose(1, 2)
+
+    q = heads_major(1, 4, 40, 32).requires_grad_()
+    k, v = heads_major(1, 2, 40, 32).requires_grad_(), heads_major(1, 2, 40, 32).requires_grad_()
+    dout = heads_major(1, 4, 40, 32)
+    out = flash_attn(q, k, v, causal=True, softmax_scale=0.25)
+    out.backward(dout)
+    case = Case(1, 40, 40, 4, 2, 32, 0, 0.25)
+    assert_matches_oracle(case, (q, k, v, dout), (out, None, q.grad, k.grad, v.grad))
+
+
+@pytest.mark.parametrize("backend", ["twin", "triton"])
+def test_flash_attn_non_unit_last_stride(backend, monkeypatch):
+    """q and k whose last dimension is not contiguous (the op must copy them, and its outputs
+    must still come out right)."""
+    device = use_backend(backend, monkeypatch)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 32, 40, generator=gen).to(device).permute(0, 3, 1, 2).requires_grad_()
+    k = torch.randn(1, 2, 32, 40, generator=gen).to(device).permute(0, 3, 1, 2).requires_grad_()
+    v = torch.randn(1, 40, 2, 32, generator=gen).to(device).requires_grad_()
+    dout = torch.randn(1, 40, 4, 32, generator=gen).to(device)
+    assert q.stride(-1) != 1 and k.stride(-1) != 1
+    out = flash_attn(q, k, v, causal=True)
+    out.backward(dout)
+    case = Case(1, 40, 40, 4, 2, 32, 0)
+    assert_matches_oracle(case, (q, k, v, dout), (out, None, q.grad, k.grad, v.grad))
+
+
+def test_flash_attn_integer_scale():
+    case = Case(1, 20, 20, 2, 1, 16, None, 1)
+    q, k, v, dout = leaf_inputs(case, F32, "cpu")
+    out = flash_attn(q, k, v, softmax_scale=1)
+    out.backward(dout)
+    assert_matches_oracle(case, (q, k, v, dout), (out, None, q.grad, k.grad, v.grad))
+
+
+def test_torch_compile_traces_the_op():
+    """fullgraph tracing through the custom ops and their fake kernels (aot_eager: no codegen)."""
+    case = Case(1, 24, 24, 2, 1, 16, 0)
+    q, k, v, dout = leaf_inputs(case, F32, "cpu")
+    compiled = torch.compile(lambda q, k, v: flash_attn(q, k, v, causal=True, return_lse=True),
+                             backend="aot_eager", fullgraph=True)
+    out, lse = compiled(q, k, v)
+    out.backward(dout)
+    assert_matches_oracle(case, (q, k, v, dout), (out, lse, q.grad, k.grad, v.grad))
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _t(*shape, dtype=F32, device="cpu"):
+    return torch.zeros(*shape, dtype=dtype, device=device)
+
+
+Q, KV = (1, 8, 2, 16), (1, 8, 1, 16)
+BAD_INPUTS = [  # id, (q, k, v), kwargs, exception, the argument the message must name
+    ("q-not-a-tensor", lambda: ([[0.0]], _t(*KV), _t(*KV)), {}, TypeError, r"\bq\b"),
+    ("q-3d", lambda: (_t(8, 2, 16), _t(*KV), _t(*KV)), {}, ValueError, r"\bq\b"),
+    ("k-5d", lambda: (_t(*Q), _t(1, *KV), _t(*KV)), {}, ValueError, r"\bk\b"),
+    ("v-2d", lambda: (_t(*Q), _t(*KV), _t(8, 16)), {}, ValueError, r"\bv\b"),
+    ("q-int32", lambda: (_t(*Q, dtype=torch.int32), _t(*KV), _t(*KV)), {}, TypeError, r"\bq\b"),
+    ("v-float64", lambda: (_t(*Q), _t(*KV), _t(*KV, dtype=torch.float64)), {}, TypeError, r"\bv\b"),
+    ("mixed-dtypes", lambda: (_t(*Q), _t(*KV, dtype=F16), _t(*KV)), {}, TypeError, "q, k and v"),
+    ("mixed-devices", lambda: (_t(*Q), _t(*KV, device="meta"), _t(*KV)), {}, ValueError, "q, k and v"),
+    ("k-v-shapes-differ", lambda: (_t(*Q), _t(*KV), _t(1, 9, 1, 16)), {}, ValueError, r"\bk and v\b"),
+    ("batch-differs", lambda: (_t(2, 8, 2, 16), _t(*KV), _t(*KV)), {}, ValueError, r"\bbatch\b"),
+    ("head-dims-differ", lambda: (_t(*Q), _t(1, 8, 1, 32), _t(1, 8, 1, 32)), {}, ValueError, r"\bhead_dim\b"),
+    ("heads-not-multiple-of-kv-heads", lambda: (_t(1, 8, 3, 16), _t(1, 8, 2, 16), _t(1, 8, 2, 16)), {},
+     ValueError, r"\bheads\b"),
+    ("zero-kv-heads", lambda: (_t(*Q), _t(1, 8, 0, 16), _t(1, 8, 0, 16)), {}, ValueError, r"\bheads\b"),
+    ("head_dim-over-256", lambda: (_t(1, 8, 2, 264), _t(1, 8, 1, 264), _t(1, 8, 1, 264)), {},
+     ValueError, r"\bhead_dim\b"),
+    ("seqlen_q-0", lambda: (_t(1, 0, 2, 16), _t(*KV), _t(*KV)), {}, ValueError, r"\bseqlen\b"),
+    ("seqlen_k-0", lambda: (_t(*Q), _t(1, 0, 1, 16), _t(1, 0, 1, 16)), {}, ValueError, r"\bseqlen\b"),
+    ("scale-str", lambda: (_t(*Q), _t(*KV), _t(*KV)), {"softmax_scale": "0.1"}, TypeError, r"\bsoftmax_scale\b"),
+    ("scale-bool", lambda: (_t(*Q), _t(*KV), _t(*KV)), {"softmax_scale": True}, TypeError, r"\bsoftmax_scale\b"),
+    ("scale-tensor", lambda: (_t(*Q), _t(*KV), _t(*KV)), {"softmax_scale": torch.tensor(0.1)}, TypeError,
+     r"\bsoftmax_scale\b"),
+    ("scale-inf", lambda: (_t(*Q), _t(*KV), _t(*KV)), {"softmax_scale": math.inf}, ValueError, r"\bsoftmax_scale\b"),
+    ("scale-nan", lambda: (_t(*Q), _t(*KV), _t(*KV)), {"softmax_scale": NAN}, ValueError, r"\bsoftmax_scale\b"),
+    ("causal-int", lambda: (_t(*Q), _t(*KV), _t(*KV)), {"causal": 1}, TypeError, r"\bcausal\b"),
+    ("causal-str", lambda: (_t(*Q), _t(*KV), _t(*KV)), {"causal": "true"}, TypeError, r"\bcausal\b"),
+    ("causal-none", lambda: (_t(*Q), _t(*KV), _t(*KV)), {"causal": None}, TypeError, r"\bcausal\b"),
+]
+
+
+@pytest.mark.parametrize("make,kwargs,exc,name", [pytest.param(*b[1:], id=b[0]) for b in BAD_INPUTS])
+def test_bad_input_raises_naming_the_argument(make, kwargs, exc, name):
+    with pytest.raises(exc, match=name):
+        flash_attn(*make(), **kwargs)

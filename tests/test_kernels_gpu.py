@@ -1,0 +1,192 @@
+"""The Triton kernels, compiled, at realistic sizes on one GPU (skipped without CUDA).
+
+Same yardsticks as tests/test_kernels.py: the float64 oracle of tests/oracle.py (run on
+the GPU), relative Frobenius errors, fp32 <= 1e-5 (IEEE dots, torch's default of no
+TF32), TF32 <= 1e-3, fp16/bf16 <= 2e-2 and no more than twice the error of torch's own
+scaled_dot_product_attention in the same dtype. Outputs are pre-filled with NaN.
+Sizes stay moderate (the oracle holds a few float64 score matrices of up to 8k x 8k);
+most of the file's time is Triton compiling its variants.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import pytest
+import torch
+from oracle import attention_oracle, oracle_grads, rel_err, torch_attention, visible_mask
+
+from ringflash.kernels import attn_delta, flash_attn, triton_attn
+
+pytestmark = pytest.mark.gpu
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+DTYPE_ID = {F32: "fp32", F16: "fp16", BF16: "bf16"}
+TOL = {F32: 1e-5, F16: 2e-2, BF16: 2e-2}
+TF32_TOL = 1e-3
+LSE_TOL = 1e-5
+NOISE_FLOOR = 1e-5  # below this an error is noise on an (almost) exactly zero quantity
+NAN = float("nan")
+
+
+@dataclass(frozen=True)
+class Case:
+    b: int
+    sq: int
+    sk: int
+    h: int
+    hkv: int
+    d: int
+    offset: Optional[int] = None  # causal diagonal offset; None = no mask
+
+    @property
+    def id(self) -> str:
+        mask = "full" if self.offset is None else f"causal{self.offset:+d}"
+        return f"b{self.b}-q{self.sq}-k{self.sk}-h{self.h}kv{self.hkv}-d{self.d}-{mask}"
+
+    @property
+    def scale(self) -> float:
+        return self.d ** -0.5
+
+
+def make_inputs(case: Case, dtype, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda").to(dtype)
+
+    return (randn(case.b, case.sq, case.h, case.d), randn(case.b, case.sk, case.hkv, case.d),
+            randn(case.b, case.sk, case.hkv, case.d), randn(case.b, case.sq, case.h, case.d))
+
+
+def run_block(case: Case, q, k, v, dout):
+    """Triton forward and backward of one block pair into NaN-filled buffers (grads fp32)."""
+    out = torch.full_like(q, NAN)
+    lse = torch.full((case.b, case.h, case.sq), NAN, device="cuda")
+    triton_attn.fwd(q, k, v, out, lse, softmax_scale=case.scale, causal_offset=case.offset,
+                    accumulate=False)
+    dq = torch.full(q.shape, NAN, device="cuda")
+    dk = torch.full(k.shape, NAN, device="cuda")
+    dv = torch.full(v.shape, NAN, device="cuda")
+    triton_attn.bwd(dout, q, k, v, lse, attn_delta(out, dout), dq, dk, dv, softmax_scale=case.scale,
+                    causal_offset=case.offset, accumulate=False)
+    return out, lse, dq, dk, dv
+
+
+def check(case: Case, inputs, got, *, tol=None, lse_tol=LSE_TOL, dlse=None):
+    """Compare (out, lse, dq, dk, dv) with the oracle, and half types with torch's SDPA."""
+    q, k, v, dout = inputs
+    out, lse, dq, dk, dv = got
+    tol = TOL[q.dtype] if tol is None else tol
+    ref_out, ref_lse = attention_oracle(q, k, v, case.offset, case.scale)
+    ref_grads = oracle_grads(q, k, v, dout, case.offset, case.scale, dlse=dlse)
+    errs = {"out": rel_err(out, ref_out)}
+    if lse is not None:
+        errs["lse"] = rel_err(lse, ref_lse)
+    errs.update(zip(("dq", "dk", "dv"), (rel_err(g, r) for g, r in zip((dq, dk, dv), ref_grads))))
+    report = ", ".join(f"{name} {err:.2e}" for name, err in errs.items())
+    for name, err in errs.items():
+        assert err <= (lse_tol if name == "lse" else tol), f"{name}: {report}"
+    if q.dtype != F32 and dlse is None:
+        for name, t, r in zip(("out", "dq", "dk", "dv"),
+                              torch_attention(q, k, v, dout, case.offset, case.scale),
+                              (ref_out,) + tuple(ref_grads)):
+            torch_err = rel_err(t, r)
+            assert errs[name] <= max(2 * torch_err, NOISE_FLOOR), \
+                f"{name}: {errs[name]:.2e} > 2 x torch's {torch_err:.2e} ({report})"
+
+    mask = visible_mask(case.sq, case.sk, case.offset, "cuda")
+    if mask is not None:  # rows that see nothing: exactly 0 / -inf, never NaN
+        empty_rows, unseen_keys = ~mask.any(dim=1), ~mask.any(dim=0)
+        assert (out[:, empty_rows] == 0).all() and (dq[:, empty_rows] == 0).all()
+        if lse is not None:
+            assert torch.isneginf(lse[:, :, empty_rows]).all()
+        assert (dk[:, unseen_keys] == 0).all() and (dv[:, unseen_keys] == 0).all()
+
+
+BF16_CASES = [
+    Case(2, 1024, 1024, 8, 8, 64),            # MHA, no mask
+    Case(1, 1000, 1000, 16, 4, 128, 0),       # GQA, causal, odd length
+    Case(1, 4097, 4097, 8, 2, 128, 0),        # odd length past 4k
+    Case(1, 2048, 4096, 8, 1, 128, 2048),     # MQA; queries are the second half of the keys
+    Case(1, 4096, 2048, 4, 2, 64, -1024),     # the first 1024 rows see nothing
+    Case(1, 1536, 1536, 4, 1, 256, 0),        # the largest head_dim
+    Case(1, 8192, 8192, 4, 1, 64, 0),         # 8k causal
+    Case(1, 3000, 3000, 4, 2, 96, -1),        # the stripe layout's offset; head_dim not a power of 2
+]
+FP16_CASES = [BF16_CASES[i] for i in (1, 2, 5, 7)]
+FP32_CASES = [
+    Case(1, 1000, 1000, 4, 2, 64, 0),
+    Case(1, 1024, 777, 2, 1, 256, 100),
+]
+BLOCK_PARAMS = [pytest.param(dt, c, id=f"{DTYPE_ID[dt]}-{c.id}")
+                for dt, cases in ((BF16, BF16_CASES), (F16, FP16_CASES), (F32, FP32_CASES)) for c in cases]
+
+
+@pytest.mark.parametrize("dtype,case", BLOCK_PARAMS)
+def test_triton_block_matches_oracle(dtype, case):
+    inputs = make_inputs(case, dtype)
+    got = run_block(case, *inputs)
+    assert got[0].dtype == dtype and got[1].dtype == F32
+    check(case, inputs, got)
+
+
+def test_triton_tf32(monkeypatch):
+    """fp32 inputs with torch's TF32 switch on: the kernels' dots follow it."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    case = Case(1, 2000, 2000, 4, 2, 128, 0)
+    inputs = make_inputs(case, F32)
+    # TF32 rounds q and k before the scores, so lse is only as good as the rest.
+    check(case, inputs, run_block(case, *inputs), tol=TF32_TOL, lse_tol=TF32_TOL)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case,causal", [(Case(2, 2048, 2048, 16, 4, 128, 0), True),
+                                         (Case(1, 1000, 3000, 8, 8, 64), False)],
+                         ids=["b2-q2048-h16kv4-d128-causal", "b1-q1000-k3000-h8-d64-full"])
+def test_flash_attn_op(dtype, case, causal):
+    """The differentiable op end to end; gradients come back in the inputs' dtype."""
+    q, k, v, dout = make_inputs(case, dtype)
+    for t in (q, k, v):
+        t.requires_grad_()
+    out, lse = flash_attn(q, k, v, causal=causal, return_lse=True)
+    out.backward(dout)
+    assert q.grad.dtype == dtype
+    check(case, (q, k, v, dout), (out, lse, q.grad, k.grad, v.grad))
+
+
+def test_flash_attn_lse_gradient():
+    case = Case(1, 1500, 1500, 8, 2, 128, 0)
+    q, k, v, dout = make_inputs(case, BF16)
+    for t in (q, k, v):
+        t.requires_grad_()
+    dlse = torch.randn(1, 8, 1500, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
+    out, lse = flash_attn(q, k, v, causal=True, return_lse=True)
+    ((out.float() * dout.float()).sum() + (lse * dlse).sum()).backward()
+    check(case, (q, k, v, dout), (out, lse, q.grad, k.grad, v.grad), dlse=dlse)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
+def test_ring_like_accumulation(dtype):
+    """What a rank does in a causal ring: its 1024 queries (global rows 3072..4095) against
+    four visiting 1024-key shards, own shard first, merged into an fp32 running (out, lse)
+    from (0, -inf); then each shard's gradients added into views of fp32 buffers that
+    already hold something."""
+    case = Case(1, 1024, 4096, 8, 2, 128, 3072)
+    q, k, v, dout = make_inputs(case, dtype)
+    shards = [(s, s + 1024) for s in (3072, 2048, 1024, 0)]
+    out = torch.zeros(q.shape, device="cuda")
+    lse = torch.full((1, 8, 1024), -math.inf, device="cuda")
+    for start, end in shards:
+        triton_attn.fwd(q, k[:, start:end], v[:, start:end], out, lse, softmax_scale=case.scale,
+                        causal_offset=case.offset - start, accumulate=True)
+    delta = attn_delta(out.to(dtype), dout)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    before = [torch.randn(t.shape, generator=gen, device="cuda") for t in (q, k, v)]
+    dq, dk, dv = (t.clone() for t in before)
+    for start, end in shards:
+        triton_attn.bwd(dout, q, k[:, start:end], v[:, start:end], lse, delta, dq, dk[:, start:end],
+                        dv[:, start:end], softmax_scale=case.scale,
+                        causal_offset=case.offset - start, accumulate=True)
+    added = [g - b for g, b in zip((dq, dk, dv), before)]
+    check(case, (q, k, v, dout), (out.to(dtype), lse, *added))

@@ -1,0 +1,208 @@
+"""Sequence layouts: shard / unshard / positions, and the causal schedule of step_pairs.
+
+Pure Python, no process group: W ranks are simulated inside this process by replacing
+the ring that ringflash.api sees (its rank and world size) and, for unshard, the
+all-gather. The same round trip on a real gloo group is in test_ring.py.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import ringflash
+from ringflash import api
+from ringflash.layouts import global_positions, step_pairs
+
+LAYOUTS = ("contiguous", "zigzag", "stripe")
+WORLDS = (1, 2, 3, 4, 5)
+
+
+class SimulatedRing:
+    """Makes ringflash.api believe it is rank ``rank`` of ``world``; ``gathered`` is what
+    its all-gather returns (every rank's local tensor, by rank)."""
+
+    def __init__(self, monkeypatch, world):
+        self.world, self.rank, self.gathered = world, 0, None
+        monkeypatch.setattr(api, "Ring", lambda group=None: SimpleNamespace(
+            group=None, rank=self.rank, world=self.world))
+        monkeypatch.setattr(api, "dist", SimpleNamespace(all_gather=self._all_gather))
+
+    def _all_gather(self, parts, local, group=None):
+        assert len(parts) == self.world and torch.equal(self.gathered[self.rank], local)
+        for part, theirs in zip(parts, self.gathered):
+            part.copy_(theirs)
+
+    def shard_all(self, x, dim, layout):
+        """Every rank's shard of ``x``."""
+        shards = []
+        for self.rank in range(self.world):
+            shards.append(ringflash.shard(x, dim=dim, layout=layout))
+        return shards
+
+    def unshard_all(self, shards, dim, layout):
+        """What unshard returns on every rank."""
+        self.gathered = shards
+        fulls = []
+        for self.rank in range(self.world):
+            fulls.append(ringflash.unshard(shards[self.rank], dim=dim, layout=layout))
+        return fulls
+
+
+# ----------------------------------------------------------------------------- shard / unshard
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("dim", [1, 0, 2, -1, -3])
+def test_unshard_of_shard_is_identity(monkeypatch, layout, world, dim):
+    ring = SimulatedRing(monkeypatch, world)
+    seqlen = 2 * world * 3
+    x = torch.randn(2, seqlen, 3, 5).movedim(1, dim)  # the sequence along ``dim``
+    shards = ring.shard_all(x, dim, layout)
+    for rank, part in enumerate(shards):
+        expected = list(x.shape)
+        expected[dim] = seqlen // world
+        assert list(part.shape) == expected, f"rank {rank}"
+    # Every token lands on exactly one rank.
+    ids = torch.cat(ring.shard_all(torch.arange(seqlen), 0, layout))
+    assert sorted(ids.tolist()) == list(range(seqlen))
+    for rank, full in enumerate(ring.unshard_all(shards, dim, layout)):
+        assert torch.equal(full, x), f"rank {rank}"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"W{w}")
+def test_positions_agree_with_shard(monkeypatch, layout, world):
+    ring = SimulatedRing(monkeypatch, world)
+    seqlen = 4 * world
+    shards = ring.shard_all(torch.arange(seqlen), 0, layout)
+    for ring.rank in range(world):
+        pos = ringflash.positions(seqlen, layout)
+        assert pos.dtype == torch.int64
+        assert torch.equal(pos, shards[ring.rank]), f"rank {ring.rank}"
+        assert torch.equal(pos, global_positions(seqlen, layout, ring.rank, world))
+
+
+def test_layouts_hold_the_documented_tokens(monkeypatch):
+    ring = SimulatedRing(monkeypatch, 3)
+    x = torch.arange(12)
+    assert [s.tolist() for s in ring.shard_all(x, 0, "contiguous")] == [
+        [0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert [s.tolist() for s in ring.shard_all(x, 0, "zigzag")] == [
+        [0, 1, 10, 11], [2, 3, 8, 9], [4, 5, 6, 7]]
+    assert [s.tolist() for s in ring.shard_all(x, 0, "stripe")] == [
+        [0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8, 11]]
+
+
+def test_world_of_one_without_process_group():
+    x = torch.randn(1, 10, 2, 4)
+    for layout in LAYOUTS:
+        assert torch.equal(ringflash.shard(x, layout=layout), x)
+        assert torch.equal(ringflash.unshard(x, layout=layout), x)
+        assert torch.equal(ringflash.positions(10, layout), torch.arange(10))
+
+
+@pytest.mark.parametrize("layout,world,seqlen,needs", [
+    ("contiguous", 4, 10, "multiple of the world size 4"),
+    ("stripe", 3, 10, "multiple of the world size 3"),
+    ("zigzag", 4, 12, "multiple of 2 x world size = 8"),
+    ("zigzag", 3, 9, "multiple of 2 x world size = 6"),
+])
+def test_seqlen_the_layout_cannot_split(monkeypatch, layout, world, seqlen, needs):
+    SimulatedRing(monkeypatch, world)
+    for call in (lambda: ringflash.shard(torch.zeros(1, seqlen, 2), dim=1, layout=layout),
+                 lambda: ringflash.positions(seqlen, layout)):
+        with pytest.raises(ValueError, match=str(seqlen)) as info:
+            call()
+        assert needs in str(info.value) and layout in str(info.value)
+
+
+@pytest.mark.parametrize("bad", [
+    dict(layout="spiral"), dict(dim=4), dict(dim=-5), dict(dim=1.0), dict(dim=True)])
+def test_shard_bad_arguments(bad):
+    with pytest.raises(ValueError, match="layout" if "layout" in bad else "dim"):
+        ringflash.shard(torch.zeros(1, 8, 2, 4), **bad)
+    with pytest.raises(ValueError, match="layout" if "layout" in bad else "dim"):
+        ringflash.unshard(torch.zeros(1, 8, 2, 4), **bad)
+
+
+@pytest.mark.parametrize("seqlen", [0, -4, 4.0, True])
+def test_positions_bad_seqlen(seqlen):
+    with pytest.raises(ValueError, match="seqlen"):
+        ringflash.positions(seqlen)
+
+
+# ----------------------------------------------------------------------------- step_pairs
+
+
+def _computed(layout, world, rank, local_len, causal):
+    """{step: Counter of global (query, key) pairs the rank computes at that step}.
+
+    A pair with a causal offset computes only the elements its mask keeps; a pair with
+    no mask computes its whole block.
+    """
+    seqlen = local_len * world
+    q_pos = global_positions(seqlen, layout, rank, world).tolist()
+    steps = {}
+    for step in range(world):
+        src = (rank - step) % world
+        k_pos = global_positions(seqlen, layout, src, world).tolist()
+        done = Counter()
+        for pair in step_pairs(layout, rank, src, local_len, causal):
+            qs, ks = q_pos[pair.q], k_pos[pair.k]
+            for i, gq in enumerate(qs):
+                for j, gk in enumerate(ks):
+                    if pair.causal_offset is None or j <= i + pair.causal_offset:
+                        done[gq, gk] += 1
+        steps[step] = done
+    return steps
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_step_pairs_cover_the_mask_exactly_once(layout, world, causal):
+    """The union over ranks and steps is exactly the visible (query, key) set, no twice."""
+    for local_len in (2, 4, 6):
+        seqlen = local_len * world
+        total = Counter()
+        for rank in range(world):
+            for done in _computed(layout, world, rank, local_len, causal).values():
+                total.update(done)
+        twice = [p for p, c in total.items() if c > 1]
+        assert not twice, f"n={local_len}: computed more than once: {twice[:5]}"
+        visible = {(i, j) for i in range(seqlen) for j in range(seqlen) if not causal or j <= i}
+        assert set(total) - visible == set(), f"n={local_len}: masked pairs computed"
+        assert visible - set(total) == set(), f"n={local_len}: visible pairs never computed"
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"W{w}")
+def test_contiguous_causal_rank_r_computes_r_plus_1_steps(world):
+    for rank in range(world):
+        busy = [step for step in range(world)
+                if step_pairs("contiguous", rank, (rank - step) % world, 8, True)]
+        assert len(busy) == rank + 1, f"rank {rank}: computing steps {busy}"
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "stripe"])
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"W{w}")
+def test_balanced_layouts_do_equal_work_every_step(layout, world):
+    """Every step of every rank computes half a block pair, n^2/2 elements, up to the
+    diagonal (n/2 either way: a causal block with offset 0 or -1 keeps n(n+-1)/2)."""
+    n = 8
+    for rank in range(world):
+        for step, done in _computed(layout, world, rank, n, True).items():
+            work = sum(done.values())
+            assert abs(work - n * n / 2) <= n / 2, f"rank {rank} step {step}: {work} elements"
+
+
+def test_contiguous_causal_is_unbalanced():
+    """The contrast that motivates zigzag and stripe: rank W-1 does W times rank 0's work."""
+    world, n = 4, 8
+    work = [sum(sum(d.values()) for d in _computed("contiguous", world, r, n, True).values())
+            for r in range(world)]
+    assert work[0] == n * (n + 1) // 2 and work[-1] == (world - 1) * n * n + n * (n + 1) // 2

@@ -1,0 +1,428 @@
+"""The ring over gloo on CPU, against the float64 oracle on the gathered full sequence.
+
+Each world size gets ONE spawned gloo world (the module-scoped ``worlds`` fixture) and
+every case runs inside it: a worker loops over many configurations and returns the
+failures it found, so the few seconds of process start-up are paid once per world size.
+Tests are ordered by world size (1, 2, 3, 4, then everything else at 4) for that reason.
+Every rank computes the ring; the full-sequence comparison of configuration i is done
+by rank i mod W only, which spreads the float64 oracle over the ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ringflash
+from dist_utils import Worlds
+from oracle import attention_oracle, oracle_grads, rel_err
+
+LAYOUTS = ("contiguous", "zigzag", "stripe")
+TOL = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 2e-2}
+
+
+# ----------------------------------------------------------------------------- configurations
+
+
+def _cfg(layout, causal, n, heads=4, kv_heads=4, head_dim=16, batch=1, scale=None, use_lse=False,
+         dtype="float32", strided=False):
+    """One case: ``n`` tokens per rank (the global length is n * W); ``strided``: q and
+    dout are non-contiguous views (heads outermost in memory)."""
+    return dict(layout=layout, causal=causal, n=n, heads=heads, kv_heads=kv_heads,
+                head_dim=head_dim, batch=batch, scale=scale, use_lse=use_lse, dtype=dtype,
+                strided=strided)
+
+
+def _grid():
+    """Every layout x causal x (MHA, GQA, MQA), ragged local lengths, lse in the loss."""
+    cases = []
+    heads = [(4, 4), (4, 2), (6, 1)]  # MHA, GQA, MQA
+    for layout in LAYOUTS:
+        for causal in (False, True):
+            for i, (h, hkv) in enumerate(heads):
+                cases.append(_cfg(layout, causal, 26, h, hkv, head_dim=(16, 8, 32)[i],
+                                  batch=(1, 2, 1)[i], use_lse=(i != 1),
+                                  scale=0.3 if i == 2 else None, strided=(i == 1)))
+            if layout != "zigzag":  # zigzag needs an even seqlen_local
+                cases.append(_cfg(layout, causal, 13, 4, 2, head_dim=8, use_lse=True))
+    return cases
+
+
+def _long():
+    """300 tokens per rank: the CPU twin tiles keys by 256, so one shard spans two tiles."""
+    return [_cfg(layout, causal, 300, heads=2, kv_heads=1, head_dim=8, use_lse=True)
+            for layout in LAYOUTS for causal in (False, True)]
+
+
+def _half_precision():
+    return [_cfg("zigzag", True, 26, 4, 2, head_dim=16, use_lse=True, dtype="bfloat16"),
+            _cfg("stripe", False, 13, 4, 4, head_dim=16, use_lse=False, dtype="float16")]
+
+
+def _describe(cfg, world):
+    return (f"W={world} {cfg['layout']} causal={cfg['causal']} n={cfg['n']} "
+            f"h={cfg['heads']}/{cfg['kv_heads']} d={cfg['head_dim']} b={cfg['batch']} "
+            f"scale={cfg['scale']} lse_loss={cfg['use_lse']} {cfg['dtype']}"
+            + (" strided" if cfg["strided"] else ""))
+
+
+# ----------------------------------------------------------------------------- worker side
+
+
+def _full_inputs(cfg, world, seed):
+    """The same full-sequence q, k, v, dout, dlse on every rank."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, cfg["dtype"])
+    b, n, h, hkv, d = cfg["batch"], cfg["n"] * world, cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    q, k, v = rand(b, n, h, d).to(dtype), rand(b, n, hkv, d).to(dtype), rand(b, n, hkv, d).to(dtype)
+    dout = rand(b, n, h, d).to(dtype)
+    dlse = rand(b, h, n)
+    return q, k, v, dout, dlse
+
+
+def _run_ring(cfg, q, k, v, dout, dlse, group):
+    """Ring forward + backward on this rank's shards; returns the gathered full tensors."""
+    layout = cfg["layout"]
+    ql, kl, vl = (ringflash.shard(t, dim=1, layout=layout, group=group) for t in (q, k, v))
+    dout_l = ringflash.shard(dout, 1, layout, group)
+    if cfg["strided"]:
+        ql, dout_l = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (ql, dout_l))
+        assert not ql.is_contiguous()
+    ql, kl, vl = (t.requires_grad_() for t in (ql, kl, vl))
+    kwargs = dict(causal=cfg["causal"], softmax_scale=cfg["scale"], group=group, layout=layout)
+    if cfg["use_lse"]:  # the loss sum(out * dout) + sum(lse * dlse)
+        out, lse = ringflash.ring_flash_attn(ql, kl, vl, return_lse=True, **kwargs)
+        torch.autograd.backward([out, lse], [dout_l, ringflash.shard(dlse, 2, layout, group)])
+    else:
+        out = ringflash.ring_flash_attn(ql, kl, vl, **kwargs)
+        assert isinstance(out, torch.Tensor), f"return_lse=False must return a tensor, got {type(out)}"
+        lse = None
+        out.backward(dout_l)
+    b, n, h, _ = ql.shape
+    assert out.dtype == q.dtype and out.shape == ql.shape, (out.dtype, out.shape)
+    if lse is not None:
+        assert lse.dtype == torch.float32 and lse.shape == (b, h, n), (lse.dtype, lse.shape)
+    for t in (ql, kl, vl):
+        assert t.grad.dtype == t.dtype and t.grad.shape == t.shape
+    gathered = {
+        "out": ringflash.unshard(out.detach(), 1, layout, group),
+        "dq": ringflash.unshard(ql.grad, 1, layout, group),
+        "dk": ringflash.unshard(kl.grad, 1, layout, group),
+        "dv": ringflash.unshard(vl.grad, 1, layout, group),
+    }
+    if lse is not None:
+        gathered["lse"] = ringflash.unshard(lse.detach(), 2, layout, group)
+    return gathered
+
+
+def _compare(cfg, q, k, v, dout, dlse, got, world) -> list[str]:
+    offset = 0 if cfg["causal"] else None
+    out, lse = attention_oracle(q, k, v, causal_offset=offset, softmax_scale=cfg["scale"])
+    dq, dk, dv = oracle_grads(q, k, v, dout, causal_offset=offset, softmax_scale=cfg["scale"],
+                              dlse=dlse if cfg["use_lse"] else None)
+    want = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+    tol = TOL[getattr(torch, cfg["dtype"])]
+    failures = []
+    for name, value in got.items():
+        err = rel_err(value, want[name])
+        if not err <= tol:  # also catches NaN
+            failures.append(f"{_describe(cfg, world)}: {name} rel err {err:.3g} > {tol:g}")
+    return failures
+
+
+def check_configs(rank, world, configs, seed=0, group_ranks=None):
+    """Ring vs oracle for every configuration; returns this rank's failure messages.
+
+    With ``group_ranks`` the ring runs on ``dist.new_group(group_ranks)`` (every rank of
+    the world must create it; only members compute). Exceptions propagate: a rank that
+    raises mid-ring would leave its peers waiting, and the World reports its traceback.
+    """
+    group, members = None, list(range(world))
+    if group_ranks is not None:
+        group = dist.new_group(group_ranks)
+        members = list(group_ranks)
+        if rank not in members:  # it must be told so, not join a ring it is not part of
+            caught = _call_and_catch(lambda: ringflash.ring_flash_attn(*_small(), group=group))
+            if caught is None or caught[0] != "ValueError" or "group" not in caught[1]:
+                return [f"a non-member calling ring_flash_attn on the group got {caught}"]
+            return []
+    ring_world, ring_rank = len(members), members.index(rank)
+    failures = []
+    for i, cfg in enumerate(configs):
+        q, k, v, dout, dlse = _full_inputs(cfg, ring_world, seed + i)
+        got = _run_ring(cfg, q, k, v, dout, dlse, group)
+        if i % ring_world == ring_rank:
+            failures += _compare(cfg, q, k, v, dout, dlse, got, ring_world)
+    return failures
+
+
+def check_concurrent_subgroups(rank, world, configs):
+    """Two rings at once on disjoint groups: ranks [1, 3] and [0, 2] of a world of 4."""
+    odd = [1, 3]
+    groups = [dist.new_group(ranks) for ranks in (odd, [0, 2])]  # every rank creates both
+    group = groups[0] if rank in odd else groups[1]
+    members = odd if rank in odd else [0, 2]
+    failures = []
+    for i, cfg in enumerate(configs):
+        # Different data on the two rings, so a message crossing rings would show.
+        q, k, v, dout, dlse = _full_inputs(cfg, 2, 1000 * (rank in odd) + i)
+        got = _run_ring(cfg, q, k, v, dout, dlse, group)
+        if i % 2 == members.index(rank):
+            failures += [f"group {members}: {f}" for f in _compare(cfg, q, k, v, dout, dlse, got, 2)]
+    return failures
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+@pytest.fixture(scope="module")
+def worlds():
+    """One spawned gloo world at a time, reused while consecutive tests ask for the same
+    size: the tests below are ordered W=1, 2, 3, 4, then everything else at W=4."""
+    cache = Worlds()
+    yield cache
+    cache.close()
+
+
+def _assert_no_failures(per_rank):
+    failures = [f"rank {r}: {f}" for r, fs in enumerate(per_rank) for f in fs]
+    assert not failures, f"{len(failures)} mismatch(es) vs the float64 oracle:\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4], ids=lambda w: f"W{w}")
+def test_ring_matches_oracle(worlds, world_size):
+    """out, lse, dq, dk, dv for every layout, causal and not, MHA/GQA/MQA, ragged local
+    lengths (13, 26, and 300 > the CPU twin's key tile of 256), lse in the loss, fp32 and
+    a bf16/fp16 case each."""
+    configs = _grid() + _long() + _half_precision()
+    _assert_no_failures(worlds(world_size).run(check_configs, configs, timeout=240))
+
+
+def test_ring_on_subgroup(worlds):
+    """A ring over ranks 1 and 3 of a world of 4 (ranks 0 and 2 stay out of it)."""
+    configs = [_cfg(layout, causal, 26, 4, 2, use_lse=True)
+               for layout in LAYOUTS for causal in (False, True)]
+    _assert_no_failures(worlds(4).run(check_configs, configs, seed=7, group_ranks=[1, 3]))
+
+
+def test_ring_on_two_subgroups_at_once(worlds):
+    configs = [_cfg("zigzag", True, 26, 4, 1, use_lse=True), _cfg("stripe", True, 13, 2, 2)]
+    _assert_no_failures(worlds(4).run(check_concurrent_subgroups, configs))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_world_of_one_without_process_group_equals_flash_attn(layout, causal, dtype):
+    """No init_process_group in this (pytest) process: a ring of one is flash_attn."""
+    assert not (dist.is_available() and dist.is_initialized())
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 38, 4, 16, generator=gen).to(dtype)
+    k, v = (torch.randn(2, 38, 2, 16, generator=gen).to(dtype) for _ in range(2))
+    dout = torch.randn(2, 38, 4, 16, generator=gen).to(dtype)
+    dlse = torch.randn(2, 4, 38, generator=gen)
+    results = []
+    for attn in ("ring", "flash"):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        if attn == "ring":
+            out, lse = ringflash.ring_flash_attn(qq, kk, vv, causal=causal, layout=layout,
+                                                 return_lse=True)
+        else:
+            out, lse = ringflash.flash_attn(qq, kk, vv, causal=causal, return_lse=True)
+        ((out * dout).sum() + (lse * dlse).sum()).backward()
+        results.append((out.detach(), lse.detach(), qq.grad, kk.grad, vv.grad))
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), *results):
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert rel_err(got, want) <= tol, f"{name}: {rel_err(got, want):.3g}"
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _small(dtype=torch.float32, n=8, heads=4, kv_heads=2, head_dim=16, batch=1, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, n, heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(batch, n, kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(batch, n, kv_heads, head_dim, generator=gen).to(dtype)
+    return q, k, v
+
+
+# Cross-rank disagreements: what rank 1 (only) changes. Every rank must raise.
+DISAGREEMENTS = {
+    "seqlen_local": dict(shape=dict(n=10)),
+    "heads": dict(shape=dict(heads=2)),
+    "kv_heads": dict(shape=dict(kv_heads=1)),
+    "head_dim": dict(shape=dict(head_dim=8)),
+    "batch": dict(shape=dict(batch=2)),
+    "dtype": dict(shape=dict(dtype=torch.float16)),
+    "causal": dict(kwargs=dict(causal=False)),
+    "layout": dict(kwargs=dict(layout="stripe")),
+    "softmax_scale": dict(kwargs=dict(softmax_scale=0.125)),
+    "requires_grad": dict(requires_grad=False),
+}
+
+
+def _call_and_catch(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test inspects whatever was raised
+        return type(e).__name__, str(e)
+    return None
+
+
+def _ring_still_works(rank, world) -> str | None:
+    """After an error every rank saw, the next (valid) call must run and be right."""
+    q, k, v = _small(n=6, seed=11)
+    full_q, full_k, full_v = (ringflash.unshard(t, 1, "zigzag") for t in (q, k, v))
+    out = ringflash.ring_flash_attn(q, k, v, causal=True, layout="zigzag")
+    want = ringflash.shard(attention_oracle(full_q, full_k, full_v, causal_offset=0)[0], 1, "zigzag")
+    err = rel_err(out, want)
+    return None if err <= 1e-5 else f"rank {rank}: the call after the error is off by {err:.3g}"
+
+
+def disagreeing_call(rank, world, field):
+    change = DISAGREEMENTS[field] if rank == 1 else {}
+    q, k, v = _small(**change.get("shape", {}))
+    if change.get("requires_grad", True):
+        q.requires_grad_()
+    kwargs = dict(causal=True, layout="zigzag", softmax_scale=None)
+    kwargs.update(change.get("kwargs", {}))
+    caught = _call_and_catch(lambda: ringflash.ring_flash_attn(q, k, v, **kwargs))
+    return caught, _ring_still_works(rank, world)
+
+
+def local_bad_call(rank, world, case):
+    """The same invalid call on every rank: each must raise locally, before any collective."""
+    args, kwargs = _bad_inputs(case)
+    caught = _call_and_catch(lambda: ringflash.ring_flash_attn(*args, **kwargs))
+    return caught, _ring_still_works(rank, world)
+
+
+def one_rank_bad_call(rank, world, case):
+    """Only rank 1 passes an invalid call; the others' arguments are fine."""
+    if rank == 1:
+        args, kwargs = _bad_inputs(case)
+    else:
+        args, kwargs = _small(), dict(causal=True, layout="contiguous")
+    caught = _call_and_catch(lambda: ringflash.ring_flash_attn(*args, **kwargs))
+    return caught, _ring_still_works(rank, world)
+
+
+def _bad_inputs(case):
+    q, k, v = _small()
+    kwargs = dict(causal=True, layout="contiguous")
+    if case == "qkv_dtypes":
+        k = k.half()
+    elif case == "qkv_devices":
+        v = v.to("meta")
+    elif case == "heads_not_multiple_of_kv_heads":
+        q, k, v = _small(heads=6, kv_heads=4)
+    elif case == "unknown_layout":
+        kwargs["layout"] = "spiral"
+    elif case == "zigzag_odd_seqlen_local":
+        q, k, v = _small(n=7)
+        kwargs["layout"] = "zigzag"
+    elif case == "q_k_local_lengths_differ":
+        k, v = k[:, :5], v[:, :5]
+    else:
+        raise KeyError(case)
+    return (q, k, v), kwargs
+
+
+LOCAL_CASES = {  # case -> (exception types allowed, words the message must contain)
+    "qkv_dtypes": ((TypeError, ValueError), ["dtype"]),
+    "qkv_devices": ((ValueError, TypeError), ["device"]),
+    "heads_not_multiple_of_kv_heads": ((ValueError,), ["heads", "multiple"]),
+    "unknown_layout": ((ValueError,), ["layout", "spiral"]),
+    "zigzag_odd_seqlen_local": ((ValueError,), ["zigzag", "seqlen_local"]),
+    "q_k_local_lengths_differ": ((ValueError,), ["q", "k"]),
+}
+
+
+@pytest.mark.parametrize("field", list(DISAGREEMENTS))
+def test_ranks_disagree_every_rank_raises(worlds, field):
+    """Rank 1 alone differs; every rank gets the same ValueError naming the field, within
+    seconds, and the ring still works afterwards."""
+    per_rank = worlds(4).run(disagreeing_call, field, timeout=30)
+    for rank, (caught, after) in enumerate(per_rank):
+        assert caught is not None, f"rank {rank} raised nothing"
+        kind, message = caught
+        assert kind == "ValueError", f"rank {rank}: {kind}: {message}"
+        assert f"disagree on {field}:" in message, f"rank {rank}: does not name {field!r}: {message}"
+        assert after is None, after
+
+
+@pytest.mark.parametrize("case", list(LOCAL_CASES))
+def test_bad_local_input_every_rank_raises(worlds, case):
+    per_rank = worlds(4).run(local_bad_call, case, timeout=30)
+    kinds, words = LOCAL_CASES[case]
+    for rank, (caught, after) in enumerate(per_rank):
+        assert caught is not None, f"rank {rank} raised nothing"
+        kind, message = caught
+        assert kind in {k.__name__ for k in kinds}, f"rank {rank}: {kind}: {message}"
+        for word in words:
+            assert word in message, f"rank {rank}: {word!r} not in {message!r}"
+        assert after is None, after
+
+
+@pytest.mark.parametrize("case", ["qkv_dtypes", "unknown_layout", "zigzag_odd_seqlen_local"])
+def test_bad_input_on_one_rank_every_rank_raises(worlds, case):
+    """Rank 1 alone fails its local checks: it raises its own error, and the ranks whose
+    arguments were fine raise a ValueError naming rank 1 instead of waiting for it."""
+    per_rank = worlds(4).run(one_rank_bad_call, case, timeout=30)
+    kinds, words = LOCAL_CASES[case]
+    for rank, (caught, after) in enumerate(per_rank):
+        assert caught is not None, f"rank {rank} raised nothing"
+        kind, message = caught
+        if rank == 1:
+            assert kind in {k.__name__ for k in kinds}, f"rank 1: {kind}: {message}"
+            assert all(word in message for word in words), message
+        else:
+            assert kind == "ValueError" and "rank(s) [1]" in message, f"rank {rank}: {kind}: {message}"
+        assert after is None, after
+
+
+@pytest.mark.parametrize("case", list(LOCAL_CASES))
+def test_bad_local_input_without_process_group(case):
+    kinds, words = LOCAL_CASES[case]
+    args, kwargs = _bad_inputs(case)
+    with pytest.raises(kinds) as info:
+        ringflash.ring_flash_attn(*args, **kwargs)
+    for word in words:
+        assert word in str(info.value)
+
+
+# ----------------------------------------------------------------------------- shard / unshard
+
+
+def roundtrip(rank, world) -> list[str]:
+    """shard -> unshard is the identity, and positions agree with shard, on a real group."""
+    failures = []
+    for group_ranks in (None, [0, 1, world - 1]) if world >= 3 else (None,):
+        group = dist.new_group(group_ranks) if group_ranks is not None else None
+        if group_ranks is not None and rank not in group_ranks:
+            continue
+        w = world if group_ranks is None else len(group_ranks)
+        for layout in LAYOUTS:
+            n = 2 * w * 3
+            x = torch.randn(2, n, 3, 5, generator=torch.Generator().manual_seed(5))
+            for dim in (1, 0, 3, -1, -2):
+                y = x.movedim(1, dim)
+                part = ringflash.shard(y, dim=dim, layout=layout, group=group)
+                back = ringflash.unshard(part, dim=dim, layout=layout, group=group)
+                if not torch.equal(back, y):
+                    failures.append(f"group {group_ranks} {layout} dim={dim}: unshard(shard(x)) != x")
+            ids = ringflash.shard(torch.arange(n), dim=0, layout=layout, group=group)
+            if not torch.equal(ids, ringflash.positions(n, layout, group)):
+                failures.append(f"group {group_ranks} {layout}: shard(arange) != positions")
+    return failures
+
+
+def test_shard_unshard_roundtrip_on_group(worlds):
+    _assert_no_failures(worlds(4).run(roundtrip))

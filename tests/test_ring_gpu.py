@@ -1,0 +1,239 @@
+"""The ring on CUDA over NCCL, against the float64 oracle and the single-GPU kernel.
+
+Run on 2 and 4 GPUs, every process running pytest:
+
+    NCCL_NVLS_ENABLE=0 timeout 900 torchrun --nproc-per-node=4 \\
+        -m pytest tests/test_ring_gpu.py -x -q -p no:cacheprovider
+
+Skipped without CUDA or outside torchrun. The module initializes NCCL itself. Every
+rank runs the same tests in the same order, all collectives of a test come before its
+assertions, and the verdict is agreed on by an all-reduce, so a failure on one rank
+fails the test on every rank instead of leaving the others in a collective.
+
+Two checks:
+- small (seqlen_local 512, 4 heads): ring vs the float64 oracle on the gathered full
+  sequence, fp32 (IEEE, TF32 off) / fp16 / bf16, every layout, causal and not, GQA,
+  gradient through lse;
+- large (bf16, seqlen_local 4096, 32 heads, head_dim 128, batch 1; and GQA with 8 kv
+  heads): the ring's relative error vs the float64 oracle must be at most 1.5x that of
+  the single-GPU kernel ``ringflash.kernels.flash_attn`` run on the full sequence, plus
+  a small absolute slack. The oracle at 4096 x W tokens runs one head at a time (an
+  N x N float64 score matrix is 2 GiB at 16k) with the heads spread over the ranks; the
+  squared errors are summed with an all-reduce, so the figures are exact over all heads.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ringflash
+from oracle import attention_oracle, oracle_grads, rel_err
+from ringflash.kernels import flash_attn
+
+pytestmark = pytest.mark.gpu
+
+LAYOUTS = ("contiguous", "zigzag", "stripe")
+NAMES = ("out", "lse", "dq", "dk", "dv")
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+DTYPE_ID = {F32: "fp32", F16: "fp16", BF16: "bf16"}
+# Against the float64 oracle. fp32 runs with TF32 off (IEEE dots); the GPU's exp2 is an
+# approximation, hence not the CPU's 1e-5.
+TOL = {F32: 1e-4, F16: 2e-2, BF16: 2e-2}
+RATIO = 1.5  # ring error <= RATIO * single-GPU error + SLACK
+SLACK = {F32: 1e-5, F16: 1e-4, BF16: 1e-4}
+
+
+def _under_torchrun() -> bool:
+    return all(name in os.environ for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"))
+
+
+@pytest.fixture(scope="module")
+def nccl():
+    """The NCCL world of this torchrun launch (initialized here if nobody has)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if not _under_torchrun():
+        pytest.skip("multi-GPU ring test: run under torchrun (WORLD_SIZE/RANK/LOCAL_RANK unset)")
+    for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        os.environ.setdefault(name, "0" if name == "NCCL_NVLS_ENABLE" else "1")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank)
+    owner = not dist.is_initialized()
+    if owner:
+        dist.init_process_group("nccl", device_id=device, timeout=timedelta(minutes=5))
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means IEEE fp32, kernels and oracle
+    yield device
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    if owner:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _agree(failures: list[str]) -> None:
+    """Fail on every rank if any rank has failures (one all-reduce, always reached)."""
+    flag = torch.tensor([1 if failures else 0], device="cuda", dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if failures:
+        pytest.fail(f"rank {dist.get_rank()}:\n" + "\n".join(failures))
+    if flag.item():
+        pytest.fail(f"rank {dist.get_rank()} passed, another rank failed (see its report)")
+
+
+def _same_everywhere(shape, dtype, gen, device) -> torch.Tensor:
+    """Random full-sequence data, identical on every rank (rank 0's, broadcast)."""
+    t = torch.randn(shape, generator=gen, device=device).to(dtype)
+    dist.broadcast(t, src=0)
+    return t
+
+
+def _inputs(batch, n, heads, kv_heads, head_dim, dtype, device, seed):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = _same_everywhere((batch, n, heads, head_dim), dtype, gen, device)
+    k = _same_everywhere((batch, n, kv_heads, head_dim), dtype, gen, device)
+    v = _same_everywhere((batch, n, kv_heads, head_dim), dtype, gen, device)
+    dout = _same_everywhere((batch, n, heads, head_dim), dtype, gen, device)
+    dlse = _same_everywhere((batch, heads, n), torch.float32, gen, device)
+    return q, k, v, dout, dlse
+
+
+def _backward(out, lse, dout, dlse):
+    """d/d(inputs) of sum(out * dout) + sum(lse * dlse)."""
+    torch.autograd.backward([out, lse], [dout, dlse])
+
+
+def run_ring(q, k, v, dout, dlse, *, causal, layout, softmax_scale=None):
+    """Ring forward + backward on this rank's shards; the gathered full-sequence results."""
+    ql, kl, vl = (ringflash.shard(t, 1, layout).detach().requires_grad_() for t in (q, k, v))
+    out, lse = ringflash.ring_flash_attn(ql, kl, vl, causal=causal, layout=layout,
+                                         softmax_scale=softmax_scale, return_lse=True)
+    _backward(out, lse, ringflash.shard(dout, 1, layout), ringflash.shard(dlse, 2, layout))
+    got = {"out": out.detach(), "lse": lse.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
+    return {name: ringflash.unshard(t, 2 if name == "lse" else 1, layout) for name, t in got.items()}
+
+
+def run_single(q, k, v, dout, dlse, *, causal, softmax_scale=None):
+    """The single-GPU kernel on the full sequence."""
+    qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
+    out, lse = flash_attn(qs, ks, vs, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+    _backward(out, lse, dout, dlse)
+    return {"out": out.detach(), "lse": lse.detach(), "dq": qs.grad, "dk": ks.grad, "dv": vs.grad}
+
+
+def _not_finite(results: dict, who: str) -> list[str]:
+    return [f"{who}: {name} has NaN or inf" for name, t in results.items()
+            if not torch.isfinite(t).all()]
+
+
+# ----------------------------------------------------------------------------- small: vs fp64
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16, F32], ids=DTYPE_ID.get)
+def test_ring_matches_fp64_oracle(nccl, dtype):
+    """seqlen_local 512, 4 heads: every layout, causal and not, MHA and GQA, lse in the loss."""
+    world = dist.get_world_size()
+    failures = []
+    for i, (layout, causal, kv_heads) in enumerate(
+            (layout, causal, kv_heads) for layout in LAYOUTS for causal in (False, True)
+            for kv_heads in (4, 2)):
+        q, k, v, dout, dlse = _inputs(1, 512 * world, 4, kv_heads, 128, dtype, nccl, seed=i)
+        ring = run_ring(q, k, v, dout, dlse, causal=causal, layout=layout)
+        single = run_single(q, k, v, dout, dlse, causal=causal)
+        offset = 0 if causal else None
+        out, lse = attention_oracle(q, k, v, causal_offset=offset)
+        dq, dk, dv = oracle_grads(q, k, v, dout, causal_offset=offset, dlse=dlse)
+        want = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+        case = f"W={world} {layout} causal={causal} kv_heads={kv_heads} {DTYPE_ID[dtype]}"
+        failures += _not_finite(ring, case)
+        for name in NAMES:
+            e_ring, e_single = rel_err(ring[name], want[name]), rel_err(single[name], want[name])
+            bound = min(TOL[dtype], RATIO * e_single + SLACK[dtype])
+            if not e_ring <= bound:
+                failures.append(f"{case}: {name} rel err {e_ring:.3g} > {bound:.3g} "
+                                f"(single GPU {e_single:.3g})")
+    _agree(failures)
+
+
+# ----------------------------------------------------------------------------- large: vs single GPU
+
+
+def oracle_error_sums(q, k, v, dout, dlse, candidates: dict, *, causal, softmax_scale=None):
+    """Relative Frobenius errors of each candidate's out, lse, dq, dk, dv vs float64.
+
+    The oracle runs one query head at a time; rank r takes kv heads r, r+W, ... with all
+    their query heads (so it owns the whole dK/dV of those kv heads). Squared errors and
+    squared reference norms are summed over the ranks' heads with one all-reduce.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    heads, kv_heads = q.shape[2], k.shape[2]
+    group = heads // kv_heads
+    offset = 0 if causal else None
+    # sums[c, i]: squared error of candidate c in NAMES[i]; the last row: squared norm of the oracle.
+    sums = torch.zeros(len(candidates) + 1, len(NAMES), dtype=torch.float64, device=q.device)
+
+    def add(name, ref, pick):
+        i = NAMES.index(name)
+        for c, got in enumerate(candidates.values()):
+            sums[c, i] += (pick(got[name]).double() - ref).square().sum()
+        sums[-1, i] += ref.square().sum()
+
+    for j in range(rank, kv_heads, world):
+        kj, vj = (t[:, :, j:j + 1].double().requires_grad_() for t in (k, v))
+        dk_ref = torch.zeros_like(kj)
+        dv_ref = torch.zeros_like(vj)
+        for h in range(j * group, (j + 1) * group):
+            qh = q[:, :, h:h + 1].double().requires_grad_()
+            out, lse = attention_oracle(qh, kj, vj, causal_offset=offset, softmax_scale=softmax_scale)
+            dq, dk, dv = torch.autograd.grad(
+                [out, lse], [qh, kj, vj], [dout[:, :, h:h + 1].double(), dlse[:, h:h + 1].double()])
+            add("out", out.detach(), lambda t: t[:, :, h:h + 1])
+            add("lse", lse.detach(), lambda t: t[:, h:h + 1])
+            add("dq", dq, lambda t: t[:, :, h:h + 1])
+            dk_ref += dk
+            dv_ref += dv
+            del out, lse, dq, dk, dv
+        add("dk", dk_ref, lambda t: t[:, :, j:j + 1])
+        add("dv", dv_ref, lambda t: t[:, :, j:j + 1])
+    dist.all_reduce(sums)
+    sums = sums.cpu()
+    return {who: {name: math.sqrt(sums[c, i].item() / sums[-1, i].item()) for i, name in enumerate(NAMES)}
+            for c, who in enumerate(candidates)}
+
+
+BIG_CASES = [(layout, causal, 32) for layout in LAYOUTS for causal in (False, True)]
+BIG_CASES.append(("zigzag", True, 8))  # GQA
+
+
+@pytest.mark.parametrize("layout,causal,kv_heads", BIG_CASES,
+                         ids=[f"{l}-{'causal' if c else 'full'}-kv{h}" for l, c, h in BIG_CASES])
+def test_ring_bf16_no_worse_than_single_gpu(nccl, layout, causal, kv_heads):
+    """bf16, seqlen_local 4096, 32 heads, head_dim 128: ring error <= 1.5x single-GPU error."""
+    world = dist.get_world_size()
+    q, k, v, dout, dlse = _inputs(1, 4096 * world, 32, kv_heads, 128, BF16, nccl,
+                                  seed=100 + BIG_CASES.index((layout, causal, kv_heads)))
+    ring = run_ring(q, k, v, dout, dlse, causal=causal, layout=layout)
+    single = run_single(q, k, v, dout, dlse, causal=causal)
+    case = f"W={world} N={q.shape[1]} {layout} causal={causal} kv_heads={kv_heads} bf16"
+    failures = _not_finite(ring, f"{case} ring") + _not_finite(single, f"{case} single GPU")
+    errors = oracle_error_sums(q, k, v, dout, dlse, {"ring": ring, "single": single}, causal=causal)
+    del ring, single
+    torch.cuda.empty_cache()
+    for name in NAMES:
+        e_ring, e_single = errors["ring"][name], errors["single"][name]
+        bound = RATIO * e_single + SLACK[BF16]
+        if not e_ring <= bound:
+            failures.append(f"{case}: {name} rel err {e_ring:.3g} > {RATIO} x single GPU "
+                            f"{e_single:.3g} + {SLACK[BF16]:g}")
+        if not e_ring <= TOL[BF16]:
+            failures.append(f"{case}: {name} rel err {e_ring:.3g} > {TOL[BF16]:g}")
+    if dist.get_rank() == 0:
+        print(f"\n{case}: " + ", ".join(
+            f"{n} {errors['ring'][n]:.2e}/{errors['single'][n]:.2e}" for n in NAMES) + " (ring/single)")
+    _agree(failures)
