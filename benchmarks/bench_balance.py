@@ -41,17 +41,23 @@ def main():
     p.add_argument("--seqlen-local", type=int, default=16384)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--out-dir", default=None, help="default: benchmarks/results")
     args = p.parse_args()
 
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local_rank)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(minutes=5))
+    timeout = datetime.timedelta(minutes=5)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device, timeout=timeout)
+    else:  # a smoke test of the script on CPUs (gloo, the PyTorch twin of the kernels)
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     n, h, d = args.seqlen_local, args.heads, args.head_dim
     scale = d ** -0.5
     gen = torch.Generator(device=device).manual_seed(rank)
-    q, k, v, dout = (torch.randn(1, n, h, d, device=device, dtype=torch.bfloat16, generator=gen)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    q, k, v, dout = (torch.randn(1, n, h, d, device=device, dtype=dtype, generator=gen)
                      for _ in range(4))
     H.init_l2_flush(device)
     local_ring = ComputeOnly(None)
@@ -80,14 +86,16 @@ def main():
                             imbalance=max(per_rank) / min(per_rank), ring_fwdbwd_ms=ring_ms))
     if rank == 0:
         base = next(r["ring_fwdbwd_ms"] for r in records if r["layout"] == "contiguous")
-        print(f"causal fwd+bwd, {world} GPUs, seqlen_local {n}, {h} heads, head_dim {d}, bf16")
+        print(f"causal fwd+bwd, {world} ranks ({device.type}), seqlen_local {n}, {h} heads, "
+              f"head_dim {d}, {dtype}")
         print(f"{'layout':<11} {'compute ms per rank':<36} {'max/min':>7} {'ring ms':>8} {'vs contiguous':>13}")
         for r in records:
             r["ring_vs_contiguous"] = r["ring_fwdbwd_ms"] / base
             ranks = " ".join(f"{x:7.1f}" for x in r["compute_ms_per_rank"])
             print(f"{r['layout']:<11} {ranks:<36} {r['imbalance']:7.2f} {r['ring_fwdbwd_ms']:8.1f} "
                   f"{r['ring_vs_contiguous']:13.2f}")
-        path = H.write_results(f"balance_h200x{world}", H.collect_meta(device), records)
+        name = f"balance_h200x{world}" if device.type == "cuda" else f"balance_cpu{world}"
+        path = H.write_results(name, H.collect_meta(device), records, args.out_dir)
         print(f"wrote {path}")
     dist.destroy_process_group()
 
