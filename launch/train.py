@@ -1,0 +1,549 @@
+"""Long-context language-model training with ring attention; a torchrun entry point.
+
+    torchrun --nproc-per-node=2 launch/train.py                      # CPU, gloo, < 3 minutes
+    torchrun --nproc-per-node=4 launch/train.py --seqlen 131072 \\
+        --d-model 1024 --layers 4 --heads 16 --kv-heads 4 --batch-size 1 --steps 30   # 4 GPUs
+
+A small decoder-only transformer (RMSNorm, RingSelfAttention with rotary embeddings
+and GQA, GELU MLP, tied embeddings) learns a synthetic key-value recall task generated
+on the fly, so nothing is downloaded:
+
+    noise [k0=v] noise [k1=v'] ... [k0=v] noise ... | noise Q(k1) noise ... Q(k0) noise
+    <---------------- first half: the facts ------> <--- second half: the queries --->
+                                                           ^ label v'      ^ label v
+
+Every sequence binds each of ``--num-keys`` keys to one of ``--values-per-key`` values.
+A binding is one "fact" token (key k's values are tokens of their own), written
+``--fact-copies`` times at random places of the FIRST half. The second half holds
+``--queries`` query tokens Q(k) among the noise; the label at a query is the value of k,
+and only queries are scored. Answers never appear in the sequence, so every query must
+retrieve a fact from the first half, on average half the sequence back (and, once
+sharded, mostly from another rank): the loss falls below the chance level
+ln(values-per-key) only through long-range attention. Accuracy is reported beside it.
+
+Sequence parallelism: the global batch of ``--batch-size`` sequences of ``--seqlen``
+tokens is split over dp = world / sp replicas; the sp ranks of a replica each hold
+seqlen / sp tokens of every sequence (``ringflash.shard`` with ``--layout``) and run
+the ring over their group. Each rank's loss is its own token-loss sum divided by the
+number of scored tokens in the WHOLE global batch; the gradients are then SUMMED over
+all ranks, which gives every rank the exact gradient of the global mean (see
+ringflash/layer.py). Results equal single-process training on full sequences up to
+fp32 rounding (tests/test_train.py checks it).
+
+Data are a pure function of (--seed, step, sequence index), so ``--resume`` repeats the
+uninterrupted run, even at a different world size. Checkpoints are written by rank 0,
+atomically (temporary file, fsync, rename); ``--ckpt-dir`` must be visible to every
+rank on resume (a shared file system across nodes).
+
+Backend and device: NCCL with cuda:LOCAL_RANK and bf16 autocast when CUDA is present,
+gloo on CPU in fp32. Run without torchrun it trains in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ringflash
+from ringflash.layer import RingSelfAttention, all_reduce_gradients, broadcast_parameters
+
+IGNORE = -100
+CKPT_PATTERN = re.compile(r"^step_(\d{8})\.pt$")
+# Arguments that fix the model, the data or their order: a checkpoint only resumes a run
+# that agrees on all of them.
+RUN_DEFINING = ("seqlen", "batch_size", "d_model", "layers", "heads", "kv_heads", "mlp_ratio",
+                "rope_base", "num_keys", "values_per_key", "queries", "noise_tokens", "fact_copies",
+                "seed")
+# Arguments a resumed run may change (the run then differs from the uninterrupted one).
+SCHEDULE = ("steps", "lr", "warmup", "min_lr_ratio", "weight_decay", "grad_clip", "layout",
+            "sp_size", "dtype")
+
+
+# ----------------------------------------------------------------------------- arguments
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("sequence parallelism")
+    g.add_argument("--seqlen", type=int, default=512, help="GLOBAL tokens per sequence")
+    g.add_argument("--batch-size", type=int, default=8, help="sequences per step, all replicas")
+    g.add_argument("--layout", default="zigzag", choices=ringflash.LAYOUTS)
+    g.add_argument("--sp-size", type=int, default=0,
+                   help="ranks in one ring (sequence-parallel group); 0: the whole world. "
+                        "The other factor of the world size is data parallelism")
+    g = p.add_argument_group("model")
+    g.add_argument("--d-model", type=int, default=64)
+    g.add_argument("--layers", type=int, default=2)
+    g.add_argument("--heads", type=int, default=4)
+    g.add_argument("--kv-heads", type=int, default=2)
+    g.add_argument("--mlp-ratio", type=int, default=4)
+    g.add_argument("--rope-base", type=float, default=10000.0)
+    g = p.add_argument_group("task (synthetic key-value recall)")
+    g.add_argument("--num-keys", type=int, default=2)
+    g.add_argument("--values-per-key", type=int, default=16)
+    g.add_argument("--queries", type=int, default=32, help="scored queries per sequence")
+    g.add_argument("--noise-tokens", type=int, default=32)
+    g.add_argument("--fact-copies", type=int, default=8,
+                   help="times each fact is written in the first half")
+    g = p.add_argument_group("optimization")
+    g.add_argument("--steps", type=int, default=150)
+    g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument("--warmup", type=int, default=20, help="linear warm-up steps, then cosine")
+    g.add_argument("--min-lr-ratio", type=float, default=0.1)
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--grad-clip", type=float, default=1.0, help="0 disables")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("runtime")
+    g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="compute dtype (autocast); auto: bfloat16 on CUDA, float32 on CPU")
+    g.add_argument("--ckpt-dir", default=None, help="where to write checkpoints (none if unset)")
+    g.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints")
+    g.add_argument("--keep-ckpts", type=int, default=2, help="how many recent checkpoints to keep")
+    g.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --ckpt-dir (fresh start if none)")
+    g.add_argument("--metrics-out", default=None, help="write a JSON summary here (rank 0)")
+    g.add_argument("--log-every", type=int, default=10, help="steps between log lines without a TTY")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--dist-timeout", type=float, default=600.0,
+                   help="seconds before a stuck collective raises")
+    # Testing aid: die right after step N (its checkpoint, if due, already written).
+    g.add_argument("--crash-after-step", type=int, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    for name in ("seqlen", "batch_size", "d_model", "layers", "heads", "kv_heads", "steps",
+                 "ckpt_every", "keep_ckpts", "log_every", "num_keys", "values_per_key", "queries"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.resume and not args.ckpt_dir:
+        p.error("--resume needs --ckpt-dir")
+    return args
+
+
+# ----------------------------------------------------------------------------- the task
+
+
+@dataclass(frozen=True)
+class Task:
+    """Key-value recall; the vocabulary is [noise | queries Q(k) | values of key 0 | ...]."""
+
+    seqlen: int
+    num_keys: int
+    values_per_key: int
+    queries: int
+    noise_tokens: int
+    seed: int
+    fact_copies: int = 1
+
+    @classmethod
+    def from_args(cls, args) -> "Task":
+        task = cls(args.seqlen, args.num_keys, args.values_per_key, args.queries,
+                   args.noise_tokens, args.seed, args.fact_copies)
+        half = task.seqlen // 2
+        if task.num_keys * task.fact_copies > half or task.queries > task.seqlen - half:
+            raise ValueError(f"--seqlen {task.seqlen} is too short: {task.num_keys} keys x "
+                             f"{task.fact_copies} copies must fit in its first half and "
+                             f"{task.queries} queries in its second half")
+        return task
+
+    @property
+    def query_base(self) -> int:
+        return self.noise_tokens
+
+    @property
+    def value_base(self) -> int:
+        return self.noise_tokens + self.num_keys
+
+    @property
+    def vocab_size(self) -> int:
+        return self.value_base + self.num_keys * self.values_per_key
+
+    @property
+    def chance_loss(self) -> float:
+        """Cross-entropy of a model that knows the format but not the facts."""
+        return math.log(self.values_per_key)
+
+    def generator(self, step: int, index: int) -> torch.Generator:
+        digest = hashlib.blake2b(f"{self.seed}/{step}/{index}".encode(), digest_size=7).digest()
+        return torch.Generator().manual_seed(int.from_bytes(digest, "little"))
+
+    def sequence(self, step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens and labels (seqlen,) int64 of sequence ``index`` of step ``step``."""
+        g = self.generator(step, index)
+        n, half = self.seqlen, self.seqlen // 2
+        seq = torch.randint(0, self.noise_tokens, (n,), generator=g)
+        bound = (self.value_base + torch.arange(self.num_keys) * self.values_per_key
+                 + torch.randint(0, self.values_per_key, (self.num_keys,), generator=g))
+        facts = torch.randperm(half, generator=g)[: self.num_keys * self.fact_copies]
+        seq[facts] = bound.repeat(self.fact_copies)
+        keys = torch.randint(0, self.num_keys, (self.queries,), generator=g)
+        at = half + torch.randperm(n - half, generator=g)[: self.queries]
+        seq[at] = self.query_base + keys
+        labels = torch.full((n,), IGNORE, dtype=torch.int64)
+        labels[at] = bound[keys]
+        return seq, labels
+
+    def batch(self, step: int, indices) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, labels), each (len(indices), seqlen): a deterministic function of
+        (seed, step, index), whoever computes it."""
+        pairs = [self.sequence(step, i) for i in indices]
+        return torch.stack([t for t, _ in pairs]), torch.stack([l for _, l in pairs])
+
+    def scored_per_sequence(self) -> int:
+        return self.queries
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+class Block(nn.Module):
+    def __init__(self, args, group):
+        super().__init__()
+        d = args.d_model
+        self.norm1 = nn.RMSNorm(d)
+        self.attn = RingSelfAttention(d, args.heads, args.kv_heads, causal=True,
+                                      layout=args.layout, group=group, rope_base=args.rope_base)
+        self.norm2 = nn.RMSNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, args.mlp_ratio * d, bias=False), nn.GELU(),
+                                 nn.Linear(args.mlp_ratio * d, d, bias=False))
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class RingLM(nn.Module):
+    """Decoder-only LM on this rank's tokens (batch, seqlen_local) -> logits (.., vocab)."""
+
+    def __init__(self, args, vocab_size: int, group=None):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, args.d_model)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        self.blocks = nn.ModuleList(Block(args, group) for _ in range(args.layers))
+        self.norm = nn.RMSNorm(args.d_model)
+        self.head = nn.Linear(args.d_model, vocab_size, bias=False)
+        self.head.weight = self.embed.weight  # tied
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def build_model(args, task: Task, group=None) -> RingLM:
+    """The model with parameters drawn from --seed (the same on every rank)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(args.seed)
+        return RingLM(args, task.vocab_size, group)
+
+
+def make_optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+                             weight_decay=args.weight_decay)
+
+
+def lr_at(step: int, args) -> float:
+    """Learning rate of step ``step`` (1-based): linear warm-up, then cosine to min-lr-ratio."""
+    if step <= args.warmup:
+        return args.lr * step / args.warmup
+    progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
+    ratio = args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return args.lr * ratio
+
+
+# ----------------------------------------------------------------------------- distributed setup
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    sp_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+    device: torch.device = torch.device("cpu")
+    backend: str = "none"
+    sp_group: object = None  # None: the world (or no process group at all)
+
+
+def setup_distributed(args) -> Dist:
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    d = Dist(local_rank=local_rank, device=device)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun (or srun + env)
+        d.backend = "nccl" if use_cuda else "gloo"
+        kwargs = dict(backend=d.backend, timeout=timedelta(seconds=args.dist_timeout))
+        if use_cuda:
+            kwargs["device_id"] = device
+        dist.init_process_group(**kwargs)
+        d.rank, d.world = dist.get_rank(), dist.get_world_size()
+    d.sp_size = args.sp_size or d.world
+    if d.world % d.sp_size:
+        raise ValueError(f"--sp-size {d.sp_size} must divide the world size {d.world}")
+    d.dp_size, d.dp_rank = d.world // d.sp_size, d.rank // d.sp_size
+    if args.batch_size % d.dp_size:
+        raise ValueError(f"--batch-size {args.batch_size} must be a multiple of the number of "
+                         f"data-parallel replicas {d.dp_size}")
+    if 1 < d.sp_size < d.world:
+        # Consecutive ranks share a ring: with sp <= GPUs per node it stays on NVLink.
+        d.sp_group, _ = dist.new_subgroups(group_size=d.sp_size)
+    return d
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def checkpoint_path(ckpt_dir: str, step: int) -> str:
+    return os.path.join(ckpt_dir, f"step_{step:08d}.pt")
+
+
+def latest_checkpoint(ckpt_dir: str) -> str | None:
+    if not ckpt_dir or not os.path.isdir(ckpt_dir):
+        return None
+    steps = [int(m.group(1)) for m in map(CKPT_PATTERN.match, os.listdir(ckpt_dir)) if m]
+    return checkpoint_path(ckpt_dir, max(steps)) if steps else None
+
+
+def _atomic_write(path: str, write) -> None:
+    """write(file) into a temporary file beside ``path``, fsync, then rename over ``path``:
+    a reader sees the old file or the complete new one, never a torn one."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # the rename itself survives a crash
+    finally:
+        os.close(dir_fd)
+
+
+def save_checkpoint(args, step: int, model, optimizer, history: list) -> str:
+    state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+             "history": history, "args": vars(args)}
+    path = checkpoint_path(args.ckpt_dir, step)
+    _atomic_write(path, lambda f: torch.save(state, f))
+    kept = sorted(int(m.group(1)) for m in map(CKPT_PATTERN.match, os.listdir(args.ckpt_dir)) if m)
+    for old in kept[: -args.keep_ckpts]:
+        try:
+            os.remove(checkpoint_path(args.ckpt_dir, old))
+        except FileNotFoundError:
+            pass
+    return path
+
+
+def load_checkpoint(path: str, args, model, optimizer, device) -> tuple[int, list, dict]:
+    """Restore model and optimizer; returns (step, history, {changed argument: (old, new)})."""
+    state = torch.load(path, map_location=device, weights_only=True)
+    saved = state["args"]
+    wrong = {k: (saved.get(k), getattr(args, k)) for k in RUN_DEFINING if saved.get(k) != getattr(args, k)}
+    if wrong:
+        raise ValueError(f"{path} belongs to a different run; (checkpoint, now): {wrong}")
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    changed = {k: (saved.get(k), getattr(args, k)) for k in SCHEDULE if saved.get(k) != getattr(args, k)}
+    return state["step"], state["history"], changed
+
+
+# ----------------------------------------------------------------------------- progress
+
+
+class Progress:
+    """A tqdm bar on a terminal, a log line every --log-every steps otherwise (rank 0)."""
+
+    def __init__(self, args, start: int, enabled: bool):
+        self.enabled, self.every, self.total = enabled, args.log_every, args.steps
+        self.bar = None
+        if enabled and not args.no_progress and sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                tqdm = None
+            if tqdm is not None:
+                self.bar = tqdm(total=args.steps, initial=start, unit="step", dynamic_ncols=True)
+
+    def update(self, step: int, loss: float, acc: float, tokens_per_s: float, lr: float):
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.4f}", acc=f"{acc:.2f}", lr=f"{lr:.1e}",
+                                 tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+            self.bar.update(1)
+        elif step % self.every == 0 or step == self.total or step == 1:
+            print(f"step {step:>6}/{self.total}  loss {loss:.4f}  acc {acc:.3f}  lr {lr:.2e}  "
+                  f"{tokens_per_s:,.0f} tok/s", flush=True)
+
+    def write(self, msg: str):
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(msg)
+        else:
+            print(msg, flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def train_step(model, optimizer, task: Task, step: int, args, d: Dist, autocast_dtype):
+    """One optimizer step on the global batch of ``step``; returns the loss, accuracy and
+    gradient norm (before clipping) of the global batch, identical on every rank."""
+    per_replica = args.batch_size // d.dp_size
+    first = d.dp_rank * per_replica
+    tokens, labels = task.batch(step, range(first, first + per_replica))
+    scored = args.batch_size * task.scored_per_sequence()  # in the WHOLE global batch
+    shard = dict(dim=1, layout=args.layout, group=d.sp_group)
+    tokens = ringflash.shard(tokens.to(d.device), **shard)
+    labels = ringflash.shard(labels.to(d.device), **shard)
+
+    for group in optimizer.param_groups:
+        group["lr"] = lr_at(step, args)
+    with torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=autocast_dtype is not None):
+        logits = model(tokens)
+    logits = logits.float().flatten(0, 1)
+    labels = labels.flatten()
+    loss_sum = F.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="sum")
+    (loss_sum / scored).backward()
+    all_reduce_gradients(model.parameters(), group=None)  # SUM over sp and dp: exact
+    # The norm of the full gradient (identical on every rank); clipping only if asked.
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                               args.grad_clip if args.grad_clip > 0 else math.inf)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+    with torch.no_grad():
+        correct = ((logits.argmax(-1) == labels) & (labels != IGNORE)).sum()
+        stats = torch.stack([loss_sum.detach(), correct.to(loss_sum.dtype)])
+    if d.world > 1:
+        dist.all_reduce(stats)
+    loss, hits = stats.tolist()
+    return loss / scored, hits / scored, grad_norm.item()
+
+
+def run(args) -> dict | None:
+    d = setup_distributed(args)
+    try:
+        return _train(args, d)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(args, d: Dist) -> dict | None:
+    is_main = d.rank == 0
+    task = Task.from_args(args)
+    ringflash.positions(args.seqlen, layout=args.layout, group=d.sp_group)  # checks divisibility
+    autocast_dtype = {"auto": torch.bfloat16 if d.device.type == "cuda" else None,
+                      "float32": None, "bfloat16": torch.bfloat16}[args.dtype]
+    model = build_model(args, task, d.sp_group).to(d.device)
+    broadcast_parameters(model)  # same seed everywhere already; this makes it a guarantee
+    optimizer = make_optimizer(model, args)
+
+    start, history, changed = 0, [], {}
+    if args.resume:
+        path = latest_checkpoint(args.ckpt_dir)
+        if path is not None:
+            start, history, changed = load_checkpoint(path, args, model, optimizer, d.device)
+    n_params = sum(p.numel() for p in model.parameters())
+    progress = Progress(args, start, enabled=is_main)
+    progress.write(
+        f"ringflash train: world {d.world} (dp {d.dp_size} x sp {d.sp_size}), {d.backend} on "
+        f"{d.device.type}, {'bf16 autocast' if autocast_dtype else 'fp32'}; "
+        f"{args.batch_size} x {args.seqlen} tokens/step, {args.seqlen // d.sp_size} per rank "
+        f"({args.layout}); {n_params / 1e6:.2f}M params; task chance loss {task.chance_loss:.3f}"
+        + (f"; resumed at step {start}" if start else ""))
+    if changed:
+        progress.write(f"note: resuming with changed arguments (checkpoint, now): {changed}")
+
+    tokens_per_step = args.batch_size * args.seqlen
+    timed_steps, timed_s = 0, 0.0
+    tokens_per_s = float("nan")
+    for step in range(start + 1, args.steps + 1):
+        t0 = time.perf_counter()
+        loss, acc, grad_norm = train_step(model, optimizer, task, step, args, d, autocast_dtype)
+        dt = time.perf_counter() - t0  # stats.tolist() synchronized the device
+        if step > start + 1 or args.steps == start + 1:  # the first step warms up (JIT, caches)
+            timed_steps, timed_s = timed_steps + 1, timed_s + dt
+            tokens_per_s = tokens_per_step * timed_steps / timed_s
+        lr = lr_at(step, args)
+        history.append({"step": step, "loss": loss, "acc": acc, "lr": lr, "grad_norm": grad_norm})
+        progress.update(step, loss, acc, tokens_per_step / dt if math.isnan(tokens_per_s)
+                        else tokens_per_s, lr)
+        if args.ckpt_dir and (step % args.ckpt_every == 0 or step == args.steps) and is_main:
+            save_checkpoint(args, step, model, optimizer, history)
+        if args.crash_after_step == step:
+            progress.write(f"simulated crash after step {step}")
+            os._exit(3)
+    progress.close()
+
+    if not history:
+        return None
+    losses = [h["loss"] for h in history]
+    window = max(1, min(10, len(losses) // 10))
+    metrics = {
+        "world_size": d.world, "dp_size": d.dp_size, "sp_size": d.sp_size,
+        "steps": history[-1]["step"],
+        "initial_loss": losses[0],
+        "final_loss": sum(losses[-window:]) / window,  # mean of the last `window` steps
+        "final_loss_window": window,
+        "final_accuracy": sum(h["acc"] for h in history[-window:]) / window,
+        "chance_loss": task.chance_loss,
+        # Global tokens per second over this invocation's steps, its first step excluded
+        # (None when it ran none: resumed from a finished run).
+        "tokens_per_s": None if math.isnan(tokens_per_s) else tokens_per_s,
+        "timed_steps": timed_steps, "timed_s": timed_s,
+        "resumed_from_step": start,
+        "seqlen": args.seqlen, "batch_size": args.batch_size, "layout": args.layout,
+        "device": (torch.cuda.get_device_name(d.device) if d.device.type == "cuda" else "cpu"),
+        "backend": d.backend, "dtype": "bfloat16" if autocast_dtype else "float32",
+        "params": n_params, "torch": torch.__version__,
+        "losses": losses, "accuracies": [h["acc"] for h in history],
+        "grad_norms": [h["grad_norm"] for h in history],
+        "args": vars(args),
+    }
+    if is_main:
+        progress.write(f"done: loss {metrics['initial_loss']:.4f} -> {metrics['final_loss']:.4f} "
+                       f"(chance {task.chance_loss:.3f}), accuracy {metrics['final_accuracy']:.3f}, "
+                       f"{tokens_per_s:,.0f} tok/s")  # nan if no step ran here
+        if args.metrics_out:
+            text = json.dumps(metrics, indent=2)
+            _atomic_write(args.metrics_out, lambda f: f.write(text.encode()))
+    return metrics
+
+
+def main(argv=None):
+    run(parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

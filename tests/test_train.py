@@ -1,0 +1,204 @@
+"""launch/train.py under torchrun (2 gloo ranks) against plain attention in one process.
+
+- The ring run's per-step losses, gradient norms and final parameters equal those of the
+  same model trained in this process on full sequences with torch's own attention; so
+  do those of a 2 x 2 grid of data and sequence parallelism (4 ranks).
+- A run killed after step 5 and resumed from its step-4 checkpoint ends with the same
+  parameters as the uninterrupted run (bitwise: same ranks, same reductions), and so
+  does a resume in one process without torchrun (within fp32 rounding).
+
+Each torchrun job runs in its own session and is killed as a whole on timeout.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ringflash.layer import RingSelfAttention
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ROOT / "launch" / "train.py"
+STEPS = 6
+SMALL = ["--seqlen", "64", "--batch-size", "2", "--d-model", "32", "--layers", "2",
+         "--heads", "4", "--kv-heads", "2", "--num-keys", "2", "--values-per-key", "4",
+         "--queries", "4", "--noise-tokens", "8", "--steps", str(STEPS), "--warmup", "2",
+         "--lr", "1e-3", "--grad-clip", "1.0", "--ckpt-every", "2", "--no-progress"]
+
+
+def load_train_module():
+    spec = importlib.util.spec_from_file_location("ringflash_launch_train", TRAIN)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def torchrun(args, nproc=2, timeout=90):
+    """Run launch/train.py under torchrun; returns (returncode, output). Never hangs."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", "--max-restarts=0", str(TRAIN), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the agent and its workers
+        out, _ = proc.communicate()
+        pytest.fail(f"torchrun timed out after {timeout} s:\n{out[-4000:]}")
+    return proc.returncode, out
+
+
+def _rel(a, b) -> float:
+    a, b = a.double(), b.double()
+    return (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b)).item()
+
+
+def _final_params(ckpt_dir):
+    state = torch.load(Path(ckpt_dir) / f"step_{STEPS:08d}.pt", weights_only=False)
+    return state["model"]
+
+
+@pytest.fixture(scope="module")
+def ring_run(tmp_path_factory):
+    """The uninterrupted run: 2 ranks, zigzag, checkpoints every 2 steps."""
+    tmp = tmp_path_factory.mktemp("ring")
+    rc, out = torchrun([*SMALL, "--ckpt-dir", str(tmp / "ckpt"), "--metrics-out",
+                        str(tmp / "metrics.json")])
+    assert rc == 0, out[-4000:]
+    return json.loads((tmp / "metrics.json").read_text()), tmp / "ckpt"
+
+
+def plain_attention(self, q, k, v):
+    """torch's attention on the full sequence, K/V heads repeated for GQA."""
+    group = q.shape[2] // k.shape[2]
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.repeat_interleave(group, dim=2).transpose(1, 2),
+        v.repeat_interleave(group, dim=2).transpose(1, 2), is_causal=self.causal)
+    return out.transpose(1, 2)
+
+
+def single_process_reference(train, argv):
+    """The same model, data and optimizer, trained here on full sequences, plain attention."""
+    args = train.parse_args(argv)
+    task = train.Task.from_args(args)
+    model = train.build_model(args, task)
+    optimizer = train.make_optimizer(model, args)
+    losses, grad_norms = [], []
+    for step in range(1, args.steps + 1):
+        tokens, labels = task.batch(step, range(args.batch_size))
+        for group in optimizer.param_groups:
+            group["lr"] = train.lr_at(step, args)
+        logits = model(tokens)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=train.IGNORE)
+        loss.backward()
+        grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, grad_norms, model.state_dict()
+
+
+def test_metrics_file(ring_run):
+    metrics, ckpt_dir = ring_run
+    for key in ("world_size", "steps", "initial_loss", "final_loss", "tokens_per_s"):
+        assert key in metrics, key
+    assert metrics["world_size"] == 2 and metrics["steps"] == STEPS
+    assert metrics["tokens_per_s"] > 0
+    assert len(metrics["losses"]) == STEPS
+    # Atomic writes leave no temporary files; only the newest two checkpoints are kept.
+    assert sorted(os.listdir(ckpt_dir)) == ["step_00000004.pt", "step_00000006.pt"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Losses, gradient norms, final and initial parameters of single-process training."""
+    train = load_train_module()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(RingSelfAttention, "_attend", plain_attention)
+        losses, grad_norms, params = single_process_reference(train, SMALL)
+    args = train.parse_args(SMALL)
+    init = train.build_model(args, train.Task.from_args(args)).state_dict()
+    return losses, grad_norms, params, init
+
+
+def _assert_matches_reference(metrics, ckpt_dir, reference):
+    losses, grad_norms, params, init = reference
+    torch.testing.assert_close(metrics["losses"], losses, rtol=1e-5, atol=0)
+    torch.testing.assert_close(metrics["grad_norms"], grad_norms, rtol=1e-5, atol=0)
+    # Parameters: relative Frobenius error per tensor. (Elementwise, Adam turns the
+    # rounding noise of a near-zero gradient entry into a step of up to ~lr.)
+    ring_params = _final_params(ckpt_dir)
+    assert ring_params.keys() == params.keys()
+    for name, p in params.items():
+        assert _rel(ring_params[name], p) < 1e-5, name
+        assert _rel(p, init[name]) > 1e-3, f"{name} hardly moved: the comparison would be vacuous"
+
+
+def test_ring_training_matches_single_process(ring_run, reference):
+    _assert_matches_reference(*ring_run, reference)
+
+
+def test_data_x_sequence_parallel_grid_matches_single_process(reference, tmp_path):
+    """4 ranks as 2 replicas x rings of 2 (--sp-size 2), stripe layout."""
+    rc, out = torchrun([*SMALL, "--sp-size", "2", "--layout", "stripe", "--ckpt-dir",
+                        str(tmp_path / "ckpt"), "--metrics-out", str(tmp_path / "m.json")],
+                       nproc=4)
+    assert rc == 0, out[-4000:]
+    metrics = json.loads((tmp_path / "m.json").read_text())
+    assert (metrics["world_size"], metrics["dp_size"], metrics["sp_size"]) == (4, 2, 2)
+    _assert_matches_reference(metrics, tmp_path / "ckpt", reference)
+
+
+def test_resume_after_crash_matches_uninterrupted(ring_run, tmp_path):
+    metrics, ckpt_dir = ring_run
+    crashed = tmp_path / "ckpt"
+    rc, out = torchrun([*SMALL, "--ckpt-dir", str(crashed), "--crash-after-step", "5"])
+    assert rc != 0, "the simulated crash should fail the torchrun job"
+    assert sorted(os.listdir(crashed)) == ["step_00000002.pt", "step_00000004.pt"], out[-2000:]
+    # A second copy of the interrupted state, resumed later in one process.
+    single = tmp_path / "ckpt_single"
+    single.mkdir()
+    (single / "step_00000004.pt").write_bytes((crashed / "step_00000004.pt").read_bytes())
+
+    rc, out = torchrun([*SMALL, "--ckpt-dir", str(crashed), "--resume", "--metrics-out",
+                        str(tmp_path / "metrics.json")])
+    assert rc == 0, out[-4000:]
+    resumed = json.loads((tmp_path / "metrics.json").read_text())
+    assert resumed["resumed_from_step"] == 4
+    assert resumed["losses"] == metrics["losses"]  # steps 1-4 from the checkpoint, 5-6 recomputed
+    want = _final_params(ckpt_dir)
+    got = _final_params(crashed)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+    # The same checkpoint resumed at world size 1 (no torchrun): same run up to rounding.
+    train = load_train_module()
+    env_keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    assert not any(k in os.environ for k in env_keys)
+    one = train.run(train.parse_args([*SMALL, "--ckpt-dir", str(single), "--resume"]))
+    assert one["world_size"] == 1 and one["resumed_from_step"] == 4
+    got = _final_params(single)
+    for name in want:
+        assert _rel(got[name], want[name]) < 1e-5, name
+
+
+def test_resume_refuses_a_different_run(ring_run, tmp_path):
+    _, ckpt_dir = ring_run
+    train = load_train_module()
+    other = tmp_path / "ckpt"
+    other.mkdir()
+    (other / "step_00000004.pt").write_bytes((ckpt_dir / "step_00000004.pt").read_bytes())
+    args = train.parse_args([*SMALL, "--ckpt-dir", str(other), "--resume", "--d-model", "48"])
+    with pytest.raises(ValueError, match="different run"):
+        train.run(args)
