@@ -328,7 +328,13 @@ def short_error(exc: BaseException, limit: int = 300) -> str:
 
 
 def git_commit() -> tuple[str, Optional[bool]]:
-    """(HEAD commit, whether the tree has uncommitted changes); ('unknown', None) without git."""
+    """(HEAD commit, whether the tree has uncommitted changes); ('unknown', None) without git.
+
+    A copy of the tree without .git (a GPU machine's) can name its commit in the
+    environment: RINGFLASH_COMMIT=$(git rev-parse HEAD) where the checkout is.
+    """
+    if os.environ.get("RINGFLASH_COMMIT"):
+        return os.environ["RINGFLASH_COMMIT"], None
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                               text=True, timeout=10)
