@@ -25,13 +25,19 @@ def _key_blocks(seqlen_q: int, seqlen_k: int, causal_offset: int | None):
         yield start, min(start + BLOCK_N, hi)
 
 
-def _visible(seqlen_q, start, end, causal_offset, device):
-    """(Sq, end-start) bool mask of visible keys, or None when the tile is fully visible."""
-    if causal_offset is None or end - 1 <= causal_offset:
-        return None
-    rows = torch.arange(seqlen_q, device=device)[:, None]
-    cols = torch.arange(start, end, device=device)[None, :]
-    return cols <= rows + causal_offset
+def _key_tiles(qg, k, v, softmax_scale: float, causal_offset: int | None):
+    """Yield (start, end, k tile, v tile, masked scores (B, Hkv, G, Sq, end-start)) in fp32
+    for every key tile that holds at least one visible key."""
+    seqlen_q = qg.shape[1]
+    for start, end in _key_blocks(seqlen_q, k.shape[1], causal_offset):
+        kb = k[:, start:end].float()
+        vb = v[:, start:end].float()
+        s = torch.einsum("bqhgd,bkhd->bhgqk", qg, kb) * softmax_scale
+        if causal_offset is not None and end - 1 > causal_offset:  # not every key visible
+            rows = torch.arange(seqlen_q, device=qg.device)[:, None]
+            cols = torch.arange(start, end, device=qg.device)[None, :]
+            s = s.masked_fill(cols > rows + causal_offset, -math.inf)
+        yield start, end, kb, vb, s
 
 
 def _grouped(q, kv_heads):
@@ -54,13 +60,7 @@ def fwd(q, k, v, out, lse, *, softmax_scale: float, causal_offset: int | None, a
         m = torch.full((b, hkv, g, sq), -math.inf, device=q.device)
         l = torch.zeros_like(m)
         acc = torch.zeros((b, hkv, g, sq, d), device=q.device)
-    for start, end in _key_blocks(sq, k.shape[1], causal_offset):
-        kb = k[:, start:end].float()
-        vb = v[:, start:end].float()
-        s = torch.einsum("bqhgd,bkhd->bhgqk", qg, kb) * softmax_scale
-        mask = _visible(sq, start, end, causal_offset, q.device)
-        if mask is not None:
-            s = s.masked_fill(~mask, -math.inf)
+    for _, _, _, vb, s in _key_tiles(qg, k, v, softmax_scale, causal_offset):
         m_new = torch.maximum(m, s.amax(dim=-1))
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         alpha = torch.exp(m - m_safe)
@@ -96,13 +96,7 @@ def bwd(do, q, k, v, lse, delta_, dq, dk, dv, *, softmax_scale: float,
     dq_acc = torch.zeros((b, sq, hkv, g, d), device=q.device)
     dk_acc = torch.zeros((b, sk, hkv, d), device=q.device)
     dv_acc = torch.zeros_like(dk_acc)
-    for start, end in _key_blocks(sq, sk, causal_offset):
-        kb = k[:, start:end].float()
-        vb = v[:, start:end].float()
-        s = torch.einsum("bqhgd,bkhd->bhgqk", qg, kb) * softmax_scale
-        mask = _visible(sq, start, end, causal_offset, q.device)
-        if mask is not None:
-            s = s.masked_fill(~mask, -math.inf)
+    for start, end, kb, vb, s in _key_tiles(qg, k, v, softmax_scale, causal_offset):
         p = torch.exp(s - lse_safe[..., None])
         dp = torch.einsum("bqhgd,bkhd->bhgqk", dog, vb)
         ds = p * (dp - delta_g[..., None]) * softmax_scale

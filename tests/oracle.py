@@ -9,6 +9,8 @@ j <= i + o. A row that sees no key has out 0 and lse -inf, and gradients 0 (no N
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -107,3 +109,39 @@ def torch_attention(q, k, v, dout, causal_offset: int | None = None,
     out[:, first:] = o.detach().transpose(1, 2)
     dq[:, first:] = qs.grad.transpose(1, 2)
     return out, dq, ks.grad.transpose(1, 2), vs.grad.transpose(1, 2)
+
+
+# ----------------------------------------------------------------------------- shared cases
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+DTYPE_ID = {F32: "fp32", F16: "fp16", BF16: "bf16"}
+TOL = {F32: 1e-5, F16: 2e-2, BF16: 2e-2}  # relative Frobenius error against the oracle
+LSE_TOL = 1e-5  # lse is fp32 whatever the inputs: scores of half inputs are exact in fp32
+# An error below this is rounding noise on a quantity that is (almost) exactly zero, e.g. dq
+# with a single key, where the softmax is constant; comparing it with torch's is meaningless.
+NOISE_FLOOR = 1e-5
+
+
+@dataclass(frozen=True)
+class Case:
+    """One block pair: batch, query and key lengths, heads, kv heads, head_dim, causal
+    diagonal offset (None: no mask) and softmax scale (None: head_dim ** -0.5)."""
+
+    b: int
+    sq: int
+    sk: int
+    h: int
+    hkv: int
+    d: int
+    offset: Optional[int] = None
+    scale: Optional[float] = None
+
+    @property
+    def id(self) -> str:
+        mask = "full" if self.offset is None else f"causal{self.offset:+d}"
+        scale = "" if self.scale is None else f"-scale{self.scale:g}"
+        return f"b{self.b}-q{self.sq}-k{self.sk}-h{self.h}kv{self.hkv}-d{self.d}-{mask}{scale}"
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.d ** -0.5 if self.scale is None else self.scale

@@ -16,13 +16,12 @@ directly, so the yardstick is torch's real half-precision kernel, not an upcast.
 """
 
 import math
-from dataclasses import dataclass
-from typing import Optional
 
 import pytest
 import torch
 import torch.nn.functional as F
-from oracle import attention_oracle, oracle_grads, rel_err, torch_attention, visible_mask
+from oracle import (BF16, DTYPE_ID, F16, F32, LSE_TOL, NOISE_FLOOR, TOL, Case, attention_oracle,
+                    oracle_grads, rel_err, torch_attention, visible_mask)
 
 from ringflash.kernels import (attn_delta, flash_attn, flash_attn_bwd, flash_attn_fwd, interface,
                                reference, triton_attn)
@@ -30,36 +29,7 @@ from ringflash.kernels import (attn_delta, flash_attn, flash_attn_bwd, flash_att
 HAS_CUDA = torch.cuda.is_available()
 TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
 
-F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-DTYPE_ID = {F32: "fp32", F16: "fp16", BF16: "bf16"}
-TOL = {F32: 1e-5, F16: 2e-2, BF16: 2e-2}
-LSE_TOL = 1e-5  # lse is fp32 whatever the inputs: scores of half inputs are exact in fp32
-# An error below this is rounding noise on a quantity that is (almost) exactly zero, e.g. dq
-# with a single key, where the softmax is constant; comparing it with torch's is meaningless.
-NOISE_FLOOR = 1e-5
 NAN = float("nan")
-
-
-@dataclass(frozen=True)
-class Case:
-    b: int
-    sq: int
-    sk: int
-    h: int
-    hkv: int
-    d: int
-    offset: Optional[int] = None  # causal diagonal offset; None = no mask
-    scale: Optional[float] = None
-
-    @property
-    def id(self) -> str:
-        mask = "full" if self.offset is None else f"causal{self.offset:+d}"
-        scale = "" if self.scale is None else f"-scale{self.scale:g}"
-        return f"b{self.b}-q{self.sq}-k{self.sk}-h{self.h}kv{self.hkv}-d{self.d}-{mask}{scale}"
-
-    @property
-    def softmax_scale(self) -> float:
-        return self.d ** -0.5 if self.scale is None else self.scale
 
 
 def make_inputs(case: Case, dtype, device, seed: int = 0):

@@ -9,44 +9,18 @@ most of the file's time is Triton compiling its variants.
 """
 
 import math
-from dataclasses import dataclass
-from typing import Optional
 
 import pytest
 import torch
-from oracle import attention_oracle, oracle_grads, rel_err, torch_attention, visible_mask
+from oracle import (BF16, DTYPE_ID, F16, F32, LSE_TOL, NOISE_FLOOR, TOL, Case, attention_oracle,
+                    oracle_grads, rel_err, torch_attention, visible_mask)
 
 from ringflash.kernels import attn_delta, flash_attn, triton_attn
 
 pytestmark = pytest.mark.gpu
 
-F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-DTYPE_ID = {F32: "fp32", F16: "fp16", BF16: "bf16"}
-TOL = {F32: 1e-5, F16: 2e-2, BF16: 2e-2}
 TF32_TOL = 1e-3
-LSE_TOL = 1e-5
-NOISE_FLOOR = 1e-5  # below this an error is noise on an (almost) exactly zero quantity
 NAN = float("nan")
-
-
-@dataclass(frozen=True)
-class Case:
-    b: int
-    sq: int
-    sk: int
-    h: int
-    hkv: int
-    d: int
-    offset: Optional[int] = None  # causal diagonal offset; None = no mask
-
-    @property
-    def id(self) -> str:
-        mask = "full" if self.offset is None else f"causal{self.offset:+d}"
-        return f"b{self.b}-q{self.sq}-k{self.sk}-h{self.h}kv{self.hkv}-d{self.d}-{mask}"
-
-    @property
-    def scale(self) -> float:
-        return self.d ** -0.5
 
 
 def make_inputs(case: Case, dtype, seed: int = 0):
@@ -63,12 +37,12 @@ def run_block(case: Case, q, k, v, dout):
     """Triton forward and backward of one block pair into NaN-filled buffers (grads fp32)."""
     out = torch.full_like(q, NAN)
     lse = torch.full((case.b, case.h, case.sq), NAN, device="cuda")
-    triton_attn.fwd(q, k, v, out, lse, softmax_scale=case.scale, causal_offset=case.offset,
+    triton_attn.fwd(q, k, v, out, lse, softmax_scale=case.softmax_scale, causal_offset=case.offset,
                     accumulate=False)
     dq = torch.full(q.shape, NAN, device="cuda")
     dk = torch.full(k.shape, NAN, device="cuda")
     dv = torch.full(v.shape, NAN, device="cuda")
-    triton_attn.bwd(dout, q, k, v, lse, attn_delta(out, dout), dq, dk, dv, softmax_scale=case.scale,
+    triton_attn.bwd(dout, q, k, v, lse, attn_delta(out, dout), dq, dk, dv, softmax_scale=case.softmax_scale,
                     causal_offset=case.offset, accumulate=False)
     return out, lse, dq, dk, dv
 
@@ -78,8 +52,8 @@ def check(case: Case, inputs, got, *, tol=None, lse_tol=LSE_TOL, dlse=None):
     q, k, v, dout = inputs
     out, lse, dq, dk, dv = got
     tol = TOL[q.dtype] if tol is None else tol
-    ref_out, ref_lse = attention_oracle(q, k, v, case.offset, case.scale)
-    ref_grads = oracle_grads(q, k, v, dout, case.offset, case.scale, dlse=dlse)
+    ref_out, ref_lse = attention_oracle(q, k, v, case.offset, case.softmax_scale)
+    ref_grads = oracle_grads(q, k, v, dout, case.offset, case.softmax_scale, dlse=dlse)
     errs = {"out": rel_err(out, ref_out)}
     if lse is not None:
         errs["lse"] = rel_err(lse, ref_lse)
@@ -89,7 +63,7 @@ def check(case: Case, inputs, got, *, tol=None, lse_tol=LSE_TOL, dlse=None):
         assert err <= (lse_tol if name == "lse" else tol), f"{name}: {report}"
     if q.dtype != F32 and dlse is None:
         for name, t, r in zip(("out", "dq", "dk", "dv"),
-                              torch_attention(q, k, v, dout, case.offset, case.scale),
+                              torch_attention(q, k, v, dout, case.offset, case.softmax_scale),
                               (ref_out,) + tuple(ref_grads)):
             torch_err = rel_err(t, r)
             assert errs[name] <= max(2 * torch_err, NOISE_FLOOR), \
@@ -178,7 +152,7 @@ def test_ring_like_accumulation(dtype):
     out = torch.zeros(q.shape, device="cuda")
     lse = torch.full((1, 8, 1024), -math.inf, device="cuda")
     for start, end in shards:
-        triton_attn.fwd(q, k[:, start:end], v[:, start:end], out, lse, softmax_scale=case.scale,
+        triton_attn.fwd(q, k[:, start:end], v[:, start:end], out, lse, softmax_scale=case.softmax_scale,
                         causal_offset=case.offset - start, accumulate=True)
     delta = attn_delta(out.to(dtype), dout)
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -186,7 +160,7 @@ def test_ring_like_accumulation(dtype):
     dq, dk, dv = (t.clone() for t in before)
     for start, end in shards:
         triton_attn.bwd(dout, q, k[:, start:end], v[:, start:end], lse, delta, dq, dk[:, start:end],
-                        dv[:, start:end], softmax_scale=case.scale,
+                        dv[:, start:end], softmax_scale=case.softmax_scale,
                         causal_offset=case.offset - start, accumulate=True)
     added = [g - b for g, b in zip((dq, dk, dv), before)]
     check(case, (q, k, v, dout), (out.to(dtype), lse, *added))
