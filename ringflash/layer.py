@@ -46,14 +46,8 @@ import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from . import api
+from .exchange import Ring
 from .layouts import check_layout
-
-
-def _world(group) -> tuple[int, int]:
-    """(rank, world size) in ``group``; (0, 1) without an initialized process group."""
-    if group is None and not (dist.is_available() and dist.is_initialized()):
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 # ----------------------------------------------------------------------------- rotary embeddings
@@ -152,7 +146,7 @@ class RingSelfAttention(nn.Module):
 
     def local_positions(self, seqlen_local: int, device=None) -> torch.Tensor:
         """Global positions of this rank's ``seqlen_local`` tokens under the layer's layout."""
-        _, world = _world(self.group)
+        world = Ring(self.group).world
         return api.positions(seqlen_local * world, layout=self.layout, group=self.group,
                              device=device)
 
@@ -162,7 +156,7 @@ class RingSelfAttention(nn.Module):
                 raise ValueError(f"positions must have shape ({seqlen_local},), "
                                  f"got {tuple(positions.shape)}")
             return rotary_cos_sin(positions.to(device), self.head_dim, self.rope_base)
-        key = (seqlen_local, _world(self.group)[1], str(device))
+        key = (seqlen_local, Ring(self.group).world, str(device))
         if self._rotary_cache[0] != key:
             pos = self.local_positions(seqlen_local, device)
             self._rotary_cache = (key, *rotary_cos_sin(pos, self.head_dim, self.rope_base))
@@ -190,7 +184,7 @@ class RingSelfAttention(nn.Module):
 
 def broadcast_parameters(module: nn.Module, group=None, src: int = 0) -> None:
     """Copy the parameters and buffers of ``group``'s rank ``src`` to every rank of it."""
-    _, world = _world(group)
+    world = Ring(group).world
     if world == 1:
         return
     src_global = dist.get_global_rank(group, src) if group is not None else src
@@ -206,7 +200,7 @@ def all_reduce_gradients(parameters: Iterable[torch.Tensor], group=None) -> None
     gradient of the global loss on every rank. A parameter without a gradient on some
     rank must be without one on all (None is skipped).
     """
-    _, world = _world(group)
+    world = Ring(group).world
     if world == 1:
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
