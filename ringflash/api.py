@@ -38,7 +38,8 @@ def _shown(field: str, values) -> list:
     return list(values)
 
 
-def _check_ranks_agree(ring: Ring, signature: list[int] | None, error: Exception | None) -> None:
+def _check_ranks_agree(ring: Ring, signature: list[int] | None, error: Exception | None,
+                       device: torch.device) -> None:
     """Raise on every rank if any rank rejected its arguments or the ranks disagree.
 
     ``signature`` is None on a rank whose own checks failed with ``error``: it still joins
@@ -49,7 +50,7 @@ def _check_ranks_agree(ring: Ring, signature: list[int] | None, error: Exception
     collective nobody else joins.
     """
     mine = [1, *signature] if signature is not None else [0] * (1 + len(_SIGNATURE_FIELDS))
-    everyone = ring.all_gather_ints(mine, ring.collective_device())
+    everyone = ring.all_gather_ints(mine, device)
     rejected = [rank for rank, row in enumerate(everyone) if row[0] == 0]
     if error is not None:
         raise error
@@ -106,10 +107,11 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
     except (TypeError, ValueError) as error:
         if not check_everywhere:
             raise
-        _check_ranks_agree(ring, None, error)
+        device = q.device if isinstance(q, torch.Tensor) and q.is_cuda else ring.collective_device()
+        _check_ranks_agree(ring, None, error, device)
     if check_everywhere:
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        _check_ranks_agree(ring, _signature(q, k, causal, layout, scale, needs_grad), None)
+        _check_ranks_agree(ring, _signature(q, k, causal, layout, scale, needs_grad), None, q.device)
     out, lse = RingAttention.apply(q, k, v, scale, causal, layout, ring)
     return (out, lse) if return_lse else out
 

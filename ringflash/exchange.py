@@ -44,7 +44,8 @@ class Ring:
             work.wait()
 
     def collective_device(self) -> torch.device:
-        """Where this group's collectives take their tensors: the current GPU on NCCL."""
+        """Where this group's collectives take their tensors when no input says: the
+        current GPU on NCCL, the CPU otherwise."""
         if "nccl" in str(dist.get_backend(self.group)).lower():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
