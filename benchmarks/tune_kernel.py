@@ -1,9 +1,12 @@
 """Sweep the tile shapes of the Triton kernels on one GPU and print the fastest.
 
-    python benchmarks/tune_kernel.py [--seqlen 16384] [--head-dims 64 128] [--which fwd bwd]
+    python benchmarks/tune_kernel.py [--seqlen 16384] [--head-dims 64 128 256]
+                                     [--which fwd dkdv dq] [--causal 0 1] [--no-tma]
 
-Every candidate is checked against torch SDPA before it is timed; the chosen shapes
-go into fwd_config / bwd_config in kernels/triton_attn.py by hand.
+The forward and the two backward kernels (dK/dV, dQ) are swept apart: each has its own
+tiles. Every forward candidate is checked against torch SDPA and every backward one
+against the library's current backward before it is timed; the chosen shapes go into
+fwd_config / bwd_config in kernels/triton_attn.py by hand.
 """
 
 from __future__ import annotations
@@ -16,73 +19,99 @@ import torch.nn.functional as F
 import triton
 
 from ringflash.kernels import attn_delta, triton_attn
-from ringflash.kernels.interface import flash_attn_bwd, flash_attn_fwd
+
+# Matmuls each kernel really runs, over the forward's two: dK/dV recomputes S and dP and
+# accumulates dV and dK (4), dQ recomputes S and dP and accumulates dQ (3).
+FLOP_FACTOR = {"fwd": 1.0, "dkdv": 2.0, "dq": 1.5}
 
 
-def _tflops(batch, heads, seqlen, head_dim, causal, ms, factor=1.0):
+def _tflops(batch, heads, seqlen, head_dim, causal, ms, factor):
     flops = 4 * batch * heads * seqlen * seqlen * head_dim * factor / (2 if causal else 1)
     return flops / ms / 1e9
 
 
 def _candidates(which, head_dim):
-    blocks = [(64, 64), (128, 64), (128, 128), (128, 32)] if which == "fwd" else \
-        [(32, 64), (64, 64), (64, 128), (32, 128), (128, 64)]
-    if head_dim > 128:
-        blocks = [(bm, bn) for bm, bn in blocks if bm * bn <= 64 * 64]
-    for (bm, bn), warps, stages in itertools.product(blocks, (4, 8), (2, 3) if which == "bwd" else (2, 3, 4)):
-        yield dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+    if which == "fwd":
+        blocks = [(128, 32), (128, 64), (128, 128)] if head_dim <= 128 else [(128, 32), (128, 64), (64, 64)]
+        stages = (2, 3, 4)
+    else:
+        blocks = [(32, 128), (64, 64), (64, 128), (128, 64), (128, 128)] if head_dim <= 128 else \
+            [(32, 64), (64, 32), (64, 64), (32, 128), (128, 32)]
+        stages = (2, 3)
+    for (bm, bn), warps, st in itertools.product(blocks, (4, 8), stages):
+        yield dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=st)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def sweep(which, head_dim, causal, seqlen, heads=32, batch=1, dtype=torch.bfloat16):
     torch.manual_seed(0)
     q, k, v, do = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=dtype)
                    for _ in range(4))
-    scale = head_dim ** -0.5
-    ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)),
-                                         is_causal=causal).transpose(1, 2)
-    offset = 0 if causal else None
-    out, lse = flash_attn_fwd(q, k, v, softmax_scale=scale, causal_offset=offset)
+    scale, offset = head_dim ** -0.5, (0 if causal else None)
+    lse = torch.empty(batch, heads, seqlen, device="cuda")
+    out = torch.empty_like(q)
+    triton_attn.fwd(q, k, v, out, lse, softmax_scale=scale, causal_offset=offset, accumulate=False)
     delta = attn_delta(out, do)
-    grads = [torch.empty_like(t) for t in (q, k, v)]
+    grads = [torch.empty(t.shape, device="cuda") for t in (q, k, v)]
+    triton_attn.bwd(do, q, k, v, lse, delta, *grads, softmax_scale=scale, causal_offset=offset,
+                    accumulate=False)
+    if which == "fwd":
+        ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)),
+                                             is_causal=causal).transpose(1, 2)
+        o2, l2 = torch.empty_like(out), torch.empty_like(lse)
+        fn = lambda: triton_attn.fwd(q, k, v, o2, l2, softmax_scale=scale, causal_offset=offset,
+                                     accumulate=False)
+        check = lambda: _rel(o2, ref)
+    else:
+        g = [torch.empty_like(t) for t in grads]
+        args = (g[0], None, None) if which == "dq" else (None, g[1], g[2])
+        fn = lambda: triton_attn.bwd(do, q, k, v, lse, delta, *args, softmax_scale=scale,
+                                     causal_offset=offset, accumulate=False)
+        checked = (0,) if which == "dq" else (1, 2)
+        check = lambda: max(_rel(g[i], grads[i]) for i in checked)
+    original = triton_attn.fwd_config, triton_attn.bwd_config
     results = []
-    original = triton_attn.fwd_config if which == "fwd" else triton_attn.bwd_config
     for cfg in _candidates(which, head_dim):
-        setattr(triton_attn, f"{which}_config", lambda d, c, cfg=cfg: cfg)
+        if which == "fwd":
+            triton_attn.fwd_config = lambda d, dt, cfg=cfg: cfg
+        else:
+            dkdv_cfg, dq_cfg = original[1](head_dim, dtype)
+            pair = (cfg, dq_cfg) if which == "dkdv" else (dkdv_cfg, cfg)
+            triton_attn.bwd_config = lambda d, dt, pair=pair: pair
         try:
-            if which == "fwd":
-                fn = lambda: flash_attn_fwd(q, k, v, softmax_scale=scale, causal_offset=offset)
-                err = ((fn()[0].float() - ref.float()).norm() / ref.float().norm()).item()
-            else:
-                fn = lambda: flash_attn_bwd(do, q, k, v, lse, delta, *grads, softmax_scale=scale,
-                                            causal_offset=offset)
-                fn()
-                err = 0.0 if all(torch.isfinite(g).all() for g in grads) else float("nan")
+            fn()
+            err = check()
             ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
         except Exception as exc:  # out of shared memory, registers …
-            print(f"  {cfg}: {type(exc).__name__}")
+            print(f"  {which} {cfg}: {type(exc).__name__}")
             continue
         finally:
-            setattr(triton_attn, f"{which}_config", original)
-        factor = 1.0 if which == "fwd" else 2.5
-        tf = _tflops(batch, heads, seqlen, head_dim, causal, ms, factor)
+            triton_attn.fwd_config, triton_attn.bwd_config = original
+        tf = _tflops(batch, heads, seqlen, head_dim, causal, ms, FLOP_FACTOR[which])
         ok = err < 2e-2
         results.append((tf if ok else 0.0, cfg, ms, err))
-        print(f"  {which} d={head_dim} causal={causal} {cfg}: {ms:.3f} ms {tf:.0f} TFLOP/s err={err:.1e}")
-    best = max(results, key=lambda r: r[0])
-    return best
+        print(f"  {which} d={head_dim} causal={causal} {cfg}: {ms:.3f} ms {tf:.0f} TFLOP/s err={err:.1e}",
+              flush=True)
+    return max(results, key=lambda r: r[0])
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seqlen", type=int, default=16384)
-    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    p.add_argument("--which", nargs="+", default=["fwd", "bwd"])
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
+    p.add_argument("--which", nargs="+", default=["fwd", "dkdv", "dq"], choices=["fwd", "dkdv", "dq"])
     p.add_argument("--causal", nargs="+", type=int, default=[0], help="0, 1 or both")
+    p.add_argument("--no-tma", action="store_true", help="forward through pointer loads")
     args = p.parse_args()
+    if args.no_tma:
+        triton_attn._use_tma = lambda *tensors: False
     summary = []
     for which, d, causal in itertools.product(args.which, args.head_dims, map(bool, args.causal)):
         tf, cfg, ms, err = sweep(which, d, causal, args.seqlen)
-        summary.append(f"{which} d={d} causal={causal!s:5} best {tf:5.0f} TFLOP/s {cfg}")
+        summary.append(f"{which:4} d={d:3} causal={causal!s:5} best {tf:5.0f} TFLOP/s {cfg}")
     print("\n".join(summary))
 
 

@@ -54,8 +54,8 @@ def resolve_scale(softmax_scale, head_dim: int) -> float:
         return head_dim ** -0.5
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
         raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
-    if not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    if not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a finite positive number, got {softmax_scale}")
     return float(softmax_scale)
 
 
@@ -127,8 +127,11 @@ def flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: floa
 
     dout, q, dq (B, Sq, H, D); k, v, dk, dv (B, Sk, Hkv, D); lse, delta (B, H, Sq) fp32:
     the FINAL lse of these queries over every key block, and ``attn_delta`` of the FINAL
-    out. Accumulators should be fp32; views are fine.
+    out. Accumulators should be fp32; views are fine. dq=None skips dQ, and dk=dv=None
+    skips dK and dV (they are separate passes, so a caller may run them apart).
     """
+    if (dk is None) != (dv is None):
+        raise ValueError("dk and dv are computed together: pass both or neither")
     _check_outputs(lse=lse, delta=delta, dq=dq, dk=dk, dv=dv)
     _backend(q).bwd(_rowmajor(dout), _rowmajor(q), _rowmajor(k), _rowmajor(v), lse, delta, dq, dk,
                     dv, softmax_scale=softmax_scale, causal_offset=causal_offset,

@@ -83,7 +83,8 @@ def delta(out, do):
 
 def bwd(do, q, k, v, lse, delta_, dq, dk, dv, *, softmax_scale: float,
         causal_offset: int | None, accumulate: bool):
-    """Write (or add into) dq, dk, dv for this block pair, from the FINAL lse and delta."""
+    """Write (or add into) dq, dk, dv for this block pair, from the FINAL lse and delta;
+    a gradient passed as None is skipped."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     g = h // hkv
@@ -104,6 +105,8 @@ def bwd(do, q, k, v, lse, delta_, dq, dk, dv, *, softmax_scale: float,
         dk_acc[:, start:end] = torch.einsum("bhgqk,bqhgd->bkhd", ds, qg)
         dv_acc[:, start:end] = torch.einsum("bhgqk,bqhgd->bkhd", p, dog)
     for grad, new in ((dq, dq_acc.view(b, sq, h, d)), (dk, dk_acc), (dv, dv_acc)):
+        if grad is None:
+            continue
         if accumulate:
             grad.add_(new)
         else:

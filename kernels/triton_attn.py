@@ -1,7 +1,7 @@
 """FlashAttention-2 forward and backward in Triton, one (query block, key block) pair.
 
 The math, per query row i, with s_ij = q_i . k_j * scale (base-2 internally:
-``qk_scale = scale * log2(e)`` is folded into one multiply):
+``qk_scale = scale * log2(e)`` is folded into one multiply-add with the row max):
 
     forward   m = max_j s_ij,  l = sum_j exp(s_ij - m),  o = sum_j exp(s_ij - m) v_j / l,
               lse = m + log(l); key tiles in the inner loop, normalization by l once.
@@ -15,15 +15,20 @@ program can see are never loaded; tiles every query sees skip the mask.
 
 Layouts: q, o, do (B, Sq, H, D); k, v, dk, dv (B, Sk, Hkv, D), H a multiple of Hkv;
 lse, delta (B, H, Sq). Any of them may be a strided view (last dim contiguous).
+The forward reads q, k and v through TMA tensor descriptors over the whole (B, S, H, D)
+tensor where the hardware has them and the strides are 16-byte aligned (the copy engine
+zero-fills rows past the end); otherwise, and in the backward, through pointer loads.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -39,31 +44,37 @@ def block_d(head_dim: int) -> int:
 
 def fwd_config(head_dim: int, dtype: torch.dtype) -> dict:
     """Tile shape and launch parameters of the forward kernel, from benchmarks/tune_kernel.py
-    on an H200 (bf16, 32 heads; see benchmarks/NOTES.md). fp32 tiles take twice the
-    shared memory, so fp32 runs small unpipelined tiles: it is the exact path, not the fast one."""
+    on an H200 (bf16, 32 heads, TMA loads; see benchmarks/NOTES.md). fp32 tiles take twice
+    the shared memory, so fp32 runs small unpipelined tiles: it is the exact path, not the
+    fast one."""
     if _interpreting():
         return dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)
     if dtype == torch.float32:
         return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1)
     if head_dim <= 64:
-        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=4)
-    if head_dim <= 128:
         return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
-    return dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3)
-
-
-def bwd_config(head_dim: int, dtype: torch.dtype) -> dict:
-    """Tiles of the two backward kernels: BLOCK_M x BLOCK_N for dK/dV (key tile outer)
-    and for dQ (query tile outer) alike. Same provenance as fwd_config."""
-    if _interpreting():
-        return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)
-    if dtype == torch.float32:
-        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
-    if head_dim <= 64:
-        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2)
     if head_dim <= 128:
-        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
-    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)
+        return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=4)
+
+
+def bwd_config(head_dim: int, dtype: torch.dtype) -> tuple[dict, dict]:
+    """Tiles of the two backward kernels, (dK/dV kernel, dQ kernel): BLOCK_M query rows by
+    BLOCK_N key rows in each, tuned apart. Same provenance as fwd_config."""
+    if _interpreting():
+        cfg = dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)
+        return cfg, cfg
+    if dtype == torch.float32:
+        cfg = dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
+        return cfg, cfg
+    if head_dim <= 64:
+        return (dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=3),
+                dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3))
+    if head_dim <= 128:
+        return (dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
+                dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3))
+    return (dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+            dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3))
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -75,38 +86,77 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "tf32x3" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
 
 
+@functools.lru_cache(maxsize=None)
+def _has_tma(device: torch.device) -> bool:
+    """The interpreter (CPU tensors) emulates descriptors; on CUDA they need Hopper or later."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _use_tma(*tensors: torch.Tensor) -> bool:
+    """Descriptors need a 16-byte-aligned base and 16-byte-aligned strides."""
+    return _has_tma(tensors[0].device) and all(
+        t.data_ptr() % 16 == 0 and all(s * t.element_size() % 16 == 0 for s in t.stride()[:-1])
+        for t in tensors)
+
+
+def _source(t: torch.Tensor, block_rows: int, head_dim_block: int, tma: bool):
+    """What the kernels read a (B, S, H, D) tensor through: a descriptor of
+    (1, block_rows, 1, head_dim_block) boxes, or the tensor itself (a pointer)."""
+    if not tma:
+        return t
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, block_rows, 1, head_dim_block])
+
+
 @triton.jit
-def _load_rows(base, rows, stride, n_rows, offs_d, HEAD_DIM: tl.constexpr, other):
-    """Load a (rows, BLOCK_D) tile; rows past n_rows and columns past HEAD_DIM read `other`."""
-    ptrs = base + rows[:, None] * stride + offs_d[None, :]
-    return tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=other)
+def _load_block(src, off_b, off_h, start, stride_b, stride_s, stride_h, n_rows,
+                BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BOUNDED: tl.constexpr, TMA: tl.constexpr):
+    """Rows [start, start + BLOCK_ROWS) of head off_h of batch off_b, a (BLOCK_ROWS, BLOCK_D)
+    tile; rows past n_rows (checked only when BOUNDED) and columns past HEAD_DIM read 0."""
+    if TMA:
+        tile = src.load([off_b, start, off_h, 0]).reshape(BLOCK_ROWS, BLOCK_D)
+    else:
+        rows = start + tl.arange(0, BLOCK_ROWS)
+        cols = tl.arange(0, BLOCK_D)
+        ptrs = src + off_b * stride_b + off_h * stride_h + rows[:, None] * stride_s + cols[None, :]
+        if BOUNDED:
+            tile = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM), other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            tile = tl.load(ptrs, mask=cols[None, :] < HEAD_DIM, other=0.0)
+        else:
+            tile = tl.load(ptrs)
+    return tile
 
 
 # ----------------------------------------------------------------------------- forward
 
 
 @triton.jit
-def _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, start_n, offs_m, offs_n,
-              offs_d, seqlen_k, qk_scale, causal_offset, HEAD_DIM: tl.constexpr,
-              MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
-    cols = start_n + offs_n
-    k = _load_rows(k_base, cols, stride_ks, seqlen_k, offs_d, HEAD_DIM, 0.0)
-    v = _load_rows(v_base, cols, stride_vs, seqlen_k, offs_d, HEAD_DIM, 0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+def _fwd_tile(acc, l_i, m_i, q, K, V, off_b, off_hk, stride_kb, stride_ks, stride_kh,
+              stride_vb, stride_vs, stride_vh, start_n, offs_m, seqlen_k, qk_scale, causal_offset,
+              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+              TMA: tl.constexpr):
+    k = _load_block(K, off_b, off_hk, start_n, stride_kb, stride_ks, stride_kh, seqlen_k,
+                    BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, TMA)
+    v = _load_block(V, off_b, off_hk, start_n, stride_vb, stride_vs, stride_vh, seqlen_k,
+                    BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, TMA)
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # unscaled; scale > 0 commutes with max
     if MASKED:
+        cols = start_n + tl.arange(0, BLOCK_N)
         visible = cols[None, :] < seqlen_k
         if CAUSAL:
             visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
-        s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+        qk = tl.where(visible, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
     if MASKED:  # a row may still have seen nothing: keep exp2 away from (-inf) - (-inf)
         m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_new_safe = m_new
-    p = tl.math.exp2(s - m_new_safe[:, None])
+    p = tl.math.exp2(qk * qk_scale - m_new_safe[:, None])
     alpha = tl.math.exp2(m_i - m_new_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return acc, l_i, m_new
 
 
@@ -118,27 +168,25 @@ def _fwd_kernel(Q, K, V, O, LSE,
                 H, GROUP, seqlen_q, seqlen_k, qk_scale, causal_offset,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr,
-                PRECISION: tl.constexpr):
+                PRECISION: tl.constexpr, TMA: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     off_b = tl.program_id(1) // H
     off_h = tl.program_id(1) % H
     off_hk = off_h // GROUP
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < seqlen_q
 
-    q = _load_rows(Q + off_b * stride_qb + off_h * stride_qh, offs_m, stride_qs, seqlen_q, offs_d,
-                   HEAD_DIM, 0.0)
-    k_base = K + off_b * stride_kb + off_hk * stride_kh
-    v_base = V + off_b * stride_vb + off_hk * stride_vh
-    o_base = O + off_b * stride_ob + off_h * stride_oh
+    q = _load_block(Q, off_b, off_h, start_m, stride_qb, stride_qs, stride_qh, seqlen_q,
+                    BLOCK_M, BLOCK_D, HEAD_DIM, True, TMA)
+    o_ptrs = O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :]
+    o_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     lse_ptrs = LSE + off_b * stride_lb + off_h * stride_lh + offs_m
 
     if ACCUMULATE:  # resume the online softmax from a previous partial (o, lse): m = lse, l = 1
         m_i = tl.load(lse_ptrs, mask=row_ok, other=float("-inf")) * 1.4426950408889634
         l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
-        acc = _load_rows(o_base, offs_m, stride_os, seqlen_q, offs_d, HEAD_DIM, 0.0).to(tl.float32)
+        acc = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -153,36 +201,39 @@ def _fwd_kernel(Q, K, V, O, LSE,
         end = seqlen_k
         full_end = seqlen_k // BLOCK_N * BLOCK_N
     for start_n in range(0, full_end, BLOCK_N):
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, start_n,
-                                  offs_m, offs_n, offs_d, seqlen_k, qk_scale, causal_offset,
-                                  HEAD_DIM, False, CAUSAL, PRECISION)
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, off_b, off_hk, stride_kb, stride_ks,
+                                  stride_kh, stride_vb, stride_vs, stride_vh, start_n, offs_m,
+                                  seqlen_k, qk_scale, causal_offset, HEAD_DIM, BLOCK_N, BLOCK_D,
+                                  False, CAUSAL, PRECISION, TMA)
     for start_n in range(full_end, end, BLOCK_N):
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, start_n,
-                                  offs_m, offs_n, offs_d, seqlen_k, qk_scale, causal_offset,
-                                  HEAD_DIM, True, CAUSAL, PRECISION)
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, off_b, off_hk, stride_kb, stride_ks,
+                                  stride_kh, stride_vb, stride_vs, stride_vh, start_n, offs_m,
+                                  seqlen_k, qk_scale, causal_offset, HEAD_DIM, BLOCK_N, BLOCK_D,
+                                  True, CAUSAL, PRECISION, TMA)
 
     empty = l_i == 0.0  # saw no key at all: out 0, lse -inf
     l_safe = tl.where(empty, 1.0, l_i)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
-    o = acc / l_safe[:, None]
     tl.store(lse_ptrs, lse, mask=row_ok)
-    o_ptrs = o_base + offs_m[:, None] * stride_os + offs_d[None, :]
-    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
+    tl.store(o_ptrs, (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=o_mask)
 
 
 def fwd(q, k, v, out, lse, *, softmax_scale: float, causal_offset: int | None, accumulate: bool):
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     cfg = fwd_config(d, q.dtype)
+    bd = block_d(d)
+    tma = _use_tma(q, k, v)
     grid = (triton.cdiv(sq, cfg["BLOCK_M"]), b * h)
     _fwd_kernel[grid](
-        q, k, v, out, lse,
+        _source(q, cfg["BLOCK_M"], bd, tma), _source(k, cfg["BLOCK_N"], bd, tma),
+        _source(v, cfg["BLOCK_N"], bd, tma), out, lse,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
         h, h // hkv, sq, sk, softmax_scale * LOG2E, causal_offset or 0,
-        HEAD_DIM=d, BLOCK_D=block_d(d), CAUSAL=causal_offset is not None, ACCUMULATE=accumulate,
-        PRECISION=_dot_precision(q.dtype), **cfg)
+        HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal_offset is not None, ACCUMULATE=accumulate,
+        PRECISION=_dot_precision(q.dtype), TMA=tma, **cfg)
     return out, lse
 
 
@@ -199,21 +250,24 @@ def _load_stats(LSE, DELTA, rows, seqlen_q):
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, q_base, do_base, LSE, DELTA, stride_qs, stride_dos, start_m,
-               offs_m, cols, offs_d, seqlen_q, qk_scale, causal_offset, HEAD_DIM: tl.constexpr,
-               MASKED: tl.constexpr, PRECISION: tl.constexpr):
-    rows = start_m + offs_m
-    q = _load_rows(q_base, rows, stride_qs, seqlen_q, offs_d, HEAD_DIM, 0.0)
-    do = _load_rows(do_base, rows, stride_dos, seqlen_q, offs_d, HEAD_DIM, 0.0)
+def _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, off_b, off_h, stride_qb, stride_qs, stride_qh,
+               stride_dob, stride_dos, stride_doh, start_m, cols, seqlen_q, qk_scale,
+               causal_offset, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_D: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    rows = start_m + tl.arange(0, BLOCK_M)
+    q = _load_block(Q, off_b, off_h, start_m, stride_qb, stride_qs, stride_qh, seqlen_q,
+                    BLOCK_M, BLOCK_D, HEAD_DIM, True, False)
+    do = _load_block(DO, off_b, off_h, start_m, stride_dob, stride_dos, stride_doh, seqlen_q,
+                     BLOCK_M, BLOCK_D, HEAD_DIM, True, False)
     lse, delta = _load_stats(LSE, DELTA, rows, seqlen_q)
     # Transposed scores (keys x queries) so the tile products need no transposed store.
     pT = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse[None, :])
     if MASKED:
         pT = tl.where(cols[:, None] <= rows[None, :] + causal_offset, pT, 0.0)
-    dv += tl.dot(pT.to(do.dtype), do, input_precision=PRECISION)
+    dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
     dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
     dsT = pT * (dpT - delta[None, :])
-    dk += tl.dot(dsT.to(q.dtype), q, input_precision=PRECISION)
+    dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PRECISION)
     return dk, dv
 
 
@@ -239,14 +293,13 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
     start_n = tl.program_id(0) * BLOCK_N
     off_b = tl.program_id(1) // HKV
     off_hk = tl.program_id(1) % HKV
-    offs_m = tl.arange(0, BLOCK_M)
     cols = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
-    k = _load_rows(K + off_b * stride_kb + off_hk * stride_kh, cols, stride_ks, seqlen_k, offs_d,
-                   HEAD_DIM, 0.0)
-    v = _load_rows(V + off_b * stride_vb + off_hk * stride_vh, cols, stride_vs, seqlen_k, offs_d,
-                   HEAD_DIM, 0.0)
+    k = _load_block(K, off_b, off_hk, start_n, stride_kb, stride_ks, stride_kh, seqlen_k,
+                    BLOCK_N, BLOCK_D, HEAD_DIM, True, False)
+    v = _load_block(V, off_b, off_hk, start_n, stride_vb, stride_vs, stride_vh, seqlen_k,
+                    BLOCK_N, BLOCK_D, HEAD_DIM, True, False)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
@@ -261,18 +314,18 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
         full_begin = 0
     for g in range(0, GROUP):
         off_h = off_hk * GROUP + g
-        q_base = Q + off_b * stride_qb + off_h * stride_qh
-        do_base = DO + off_b * stride_dob + off_h * stride_doh
         lse_base = LSE + off_b * stride_lb + off_h * stride_lh
         delta_base = DELTA + off_b * stride_deltab + off_h * stride_deltah
         for start_m in range(begin, full_begin, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs,
-                                stride_dos, start_m, offs_m, cols, offs_d, seqlen_q, qk_scale,
-                                causal_offset, HEAD_DIM, True, PRECISION)
+            dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, lse_base, delta_base, off_b, off_h,
+                                stride_qb, stride_qs, stride_qh, stride_dob, stride_dos,
+                                stride_doh, start_m, cols, seqlen_q, qk_scale, causal_offset,
+                                HEAD_DIM, BLOCK_M, BLOCK_D, True, PRECISION)
         for start_m in range(full_begin, seqlen_q, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs,
-                                stride_dos, start_m, offs_m, cols, offs_d, seqlen_q, qk_scale,
-                                causal_offset, HEAD_DIM, False, PRECISION)
+            dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, lse_base, delta_base, off_b, off_h,
+                                stride_qb, stride_qs, stride_qh, stride_dob, stride_dos,
+                                stride_doh, start_m, cols, seqlen_q, qk_scale, causal_offset,
+                                HEAD_DIM, BLOCK_M, BLOCK_D, False, PRECISION)
 
     mask = (cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
     dk_ptrs = DK + off_b * stride_dkb + off_hk * stride_dkh + cols[:, None] * stride_dks + offs_d[None, :]
@@ -282,20 +335,22 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
 
 
 @triton.jit
-def _dq_tile(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, start_n, rows, offs_n,
-             offs_d, seqlen_k, qk_scale, causal_offset, HEAD_DIM: tl.constexpr,
-             MASKED: tl.constexpr, PRECISION: tl.constexpr):
-    # Keys past seqlen_k load as zeros, so they add nothing to dq: no bounds mask needed.
-    cols = start_n + offs_n
-    k = _load_rows(k_base, cols, stride_ks, seqlen_k, offs_d, HEAD_DIM, 0.0)
-    v = _load_rows(v_base, cols, stride_vs, seqlen_k, offs_d, HEAD_DIM, 0.0)
+def _dq_tile(dq, q, do, lse, delta, K, V, off_b, off_hk, stride_kb, stride_ks, stride_kh,
+             stride_vb, stride_vs, stride_vh, start_n, rows, seqlen_k, qk_scale, causal_offset,
+             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+             BOUNDED: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    # Keys past seqlen_k load as zeros, so they add nothing to dq: only the loads are bounded.
+    k = _load_block(K, off_b, off_hk, start_n, stride_kb, stride_ks, stride_kh, seqlen_k,
+                    BLOCK_N, BLOCK_D, HEAD_DIM, BOUNDED, False)
+    v = _load_block(V, off_b, off_hk, start_n, stride_vb, stride_vs, stride_vh, seqlen_k,
+                    BLOCK_N, BLOCK_D, HEAD_DIM, BOUNDED, False)
     p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse[:, None])
     if MASKED:
+        cols = start_n + tl.arange(0, BLOCK_N)
         p = tl.where(cols[None, :] <= rows[:, None] + causal_offset, p, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     ds = p * (dp - delta[:, None])
-    dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-    return dq
+    return tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
 
 
 @triton.jit
@@ -313,31 +368,33 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
     off_h = tl.program_id(1) % H
     off_hk = off_h // GROUP
     rows = start_m + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
-    q = _load_rows(Q + off_b * stride_qb + off_h * stride_qh, rows, stride_qs, seqlen_q, offs_d,
-                   HEAD_DIM, 0.0)
-    do = _load_rows(DO + off_b * stride_dob + off_h * stride_doh, rows, stride_dos, seqlen_q,
-                    offs_d, HEAD_DIM, 0.0)
+    q = _load_block(Q, off_b, off_h, start_m, stride_qb, stride_qs, stride_qh, seqlen_q,
+                    BLOCK_M, BLOCK_D, HEAD_DIM, True, False)
+    do = _load_block(DO, off_b, off_h, start_m, stride_dob, stride_dos, stride_doh, seqlen_q,
+                     BLOCK_M, BLOCK_D, HEAD_DIM, True, False)
     lse, delta = _load_stats(LSE + off_b * stride_lb + off_h * stride_lh,
                              DELTA + off_b * stride_deltab + off_h * stride_deltah, rows, seqlen_q)
-    k_base = K + off_b * stride_kb + off_hk * stride_kh
-    v_base = V + off_b * stride_vb + off_hk * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
+    # Key tiles [0, full_end) are whole and seen by every row; [full_end, end) straddle
+    # the causal diagonal or the end of the keys.
     if CAUSAL:
         end = tl.maximum(tl.minimum(seqlen_k, start_m + BLOCK_M + causal_offset), 0)
-        full_end = tl.minimum(tl.maximum(start_m + causal_offset + 1, 0) // BLOCK_N * BLOCK_N, end)
+        full_end = tl.maximum(start_m + causal_offset + 1, 0) // BLOCK_N * BLOCK_N
+        full_end = tl.minimum(full_end, seqlen_k // BLOCK_N * BLOCK_N)
     else:
         end = seqlen_k
-        full_end = seqlen_k
+        full_end = seqlen_k // BLOCK_N * BLOCK_N
     for start_n in range(0, full_end, BLOCK_N):
-        dq = _dq_tile(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, start_n, rows,
-                      offs_n, offs_d, seqlen_k, qk_scale, causal_offset, HEAD_DIM, False, PRECISION)
+        dq = _dq_tile(dq, q, do, lse, delta, K, V, off_b, off_hk, stride_kb, stride_ks, stride_kh,
+                      stride_vb, stride_vs, stride_vh, start_n, rows, seqlen_k, qk_scale,
+                      causal_offset, HEAD_DIM, BLOCK_N, BLOCK_D, False, False, PRECISION)
     for start_n in range(full_end, end, BLOCK_N):
-        dq = _dq_tile(dq, q, do, lse, delta, k_base, v_base, stride_ks, stride_vs, start_n, rows,
-                      offs_n, offs_d, seqlen_k, qk_scale, causal_offset, HEAD_DIM, True, PRECISION)
+        dq = _dq_tile(dq, q, do, lse, delta, K, V, off_b, off_hk, stride_kb, stride_ks, stride_kh,
+                      stride_vb, stride_vs, stride_vh, start_n, rows, seqlen_k, qk_scale,
+                      causal_offset, HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, PRECISION)
 
     mask = (rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
     dq_ptrs = DQ + off_b * stride_dqb + off_h * stride_dqh + rows[:, None] * stride_dqs + offs_d[None, :]
@@ -346,20 +403,25 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
 
 def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, causal_offset: int | None,
         accumulate: bool):
+    """dq (skipped when None) and dk, dv (skipped when None): two kernels, so a caller can
+    run them apart. The backward reads through pointers: TMA descriptors measured slower
+    here (benchmarks/NOTES.md)."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    cfg = bwd_config(d, q.dtype)
+    dkdv_cfg, dq_cfg = bwd_config(d, q.dtype)
     common = dict(HEAD_DIM=d, BLOCK_D=block_d(d), CAUSAL=causal_offset is not None,
-                  ACCUMULATE=accumulate, PRECISION=_dot_precision(q.dtype), **cfg)
+                  ACCUMULATE=accumulate, PRECISION=_dot_precision(q.dtype))
     scalars = (h // hkv, sq, sk, softmax_scale * LOG2E, softmax_scale, causal_offset or 0)
     qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                    v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
     stat_strides = (lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1))
-    _dkdv_kernel[(triton.cdiv(sk, cfg["BLOCK_N"]), b * hkv)](
-        q, k, v, do, lse, delta, dk, dv, *qkv_strides,
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        *stat_strides, hkv, *scalars, **common)
-    _dq_kernel[(triton.cdiv(sq, cfg["BLOCK_M"]), b * h)](
-        q, k, v, do, lse, delta, dq, *qkv_strides, dq.stride(0), dq.stride(1), dq.stride(2),
-        *stat_strides, h, *scalars, **common)
+    if dk is not None:  # key tiles outer: q and do are read in BLOCK_M rows, k and v once
+        _dkdv_kernel[(triton.cdiv(sk, dkdv_cfg["BLOCK_N"]), b * hkv)](
+            q, k, v, do, lse, delta, dk, dv, *qkv_strides,
+            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+            *stat_strides, hkv, *scalars, **common, **dkdv_cfg)
+    if dq is not None:  # query tiles outer: k and v are read in BLOCK_N rows
+        _dq_kernel[(triton.cdiv(sq, dq_cfg["BLOCK_M"]), b * h)](
+            q, k, v, do, lse, delta, dq, *qkv_strides, dq.stride(0), dq.stride(1), dq.stride(2),
+            *stat_strides, h, *scalars, **common, **dq_cfg)
     return dq, dk, dv

@@ -6,12 +6,12 @@ and the receive of the next one from r-1, then runs the layout's block pairs for
 (r, src) through the local kernel. Merging is the kernel's own epilogue: it resumes
 the online softmax from the running (out, lse), kept in fp32 until the last step.
 
-Backward: the same rotation of K/V. Each step's dK/dV for the visiting shard is
-computed into a local buffer, then added to the running dK/dV of that shard, which
+Backward: the same rotation of K/V. The running fp32 dK/dV of the visiting shard
 arrives from r-1 during the step (it left r-1 once r-1 had finished its own previous
-step): the gradient buffer travels one step behind the K/V it belongs to, so its
-transfer overlaps compute too. After the last step one more hop takes every shard's
-dK/dV home. dQ never leaves the rank.
+step): the gradient buffer travels one step behind the K/V it belongs to. Each step
+runs the dQ pass first, which needs nothing in flight and so hides the transfer, then
+adds the dK/dV pass straight into the arrived sum. After the last step one more hop,
+in the gradients' own dtype, takes every shard's dK/dV home. dQ never leaves the rank.
 """
 
 from __future__ import annotations
@@ -25,10 +25,15 @@ from .kernels import attn_delta, flash_attn_bwd, flash_attn_fwd
 from .layouts import step_pairs
 
 
-def _pack(k: torch.Tensor, v: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
-    buf[0].copy_(k)
-    buf[1].copy_(v)
-    return buf
+def _kv_buffers(k: torch.Tensor, v: torch.Tensor, world: int):
+    """(current, next): K/V of this step, packed into one tensor so a step sends one
+    message, and the buffer the next shard arrives in. A ring of one sends nothing."""
+    if world == 1:
+        return (k, v), None
+    kv = torch.empty((2, 2, *k.shape), device=k.device, dtype=k.dtype)
+    kv[0, 0].copy_(k)
+    kv[0, 1].copy_(v)
+    return kv[0], kv[1]
 
 
 def _steps(ring: Ring, layout: str, local_len: int, causal: bool):
@@ -42,8 +47,7 @@ def ring_forward(q, k, v, *, softmax_scale: float, causal: bool, layout: str, ri
     b, n, h, d = q.shape
     out = torch.zeros((b, n, h, d), device=q.device, dtype=torch.float32)
     lse = torch.full((b, h, n), -math.inf, device=q.device, dtype=torch.float32)
-    kv = torch.empty((2, 2, *k.shape), device=k.device, dtype=k.dtype)  # two packed buffers
-    cur, nxt = _pack(k, v, kv[0]), kv[1]
+    cur, nxt = _kv_buffers(k, v, ring.world)
     for step, pairs in _steps(ring, layout, n, causal):
         pending = ring.exchange((cur, nxt)) if step + 1 < ring.world else []
         for pair in pairs:
@@ -61,41 +65,39 @@ def ring_backward(dout, q, k, v, out, lse, dlse, *, softmax_scale: float, causal
     n = q.shape[1]
     delta = attn_delta(out, dout, dlse)
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-    kv = torch.empty((2, 2, *k.shape), device=k.device, dtype=k.dtype)
-    cur, nxt = _pack(k, v, kv[0]), kv[1]
-    # dkv[i] = packed (dk, dv) in fp32: the step's own part, the running sum it sends,
-    # and the one it receives.
-    local, sending, incoming = torch.empty((3, 2, *k.shape), device=k.device, dtype=torch.float32)
-    have_sending = False
+    cur, nxt = _kv_buffers(k, v, ring.world)
+    # Packed (dk, dv) running sums in fp32: `running` belongs to the shard this step
+    # computes and arrives from r-1 during the step; `sending` belongs to the shard of the
+    # step before and leaves for r+1.
+    running, sending = torch.empty((2, 2, *k.shape), device=k.device, dtype=torch.float32)
     for step, pairs in _steps(ring, layout, n, causal):
-        transfers = []
-        if step + 1 < ring.world:
-            transfers.append((cur, nxt))
-        if have_sending:
-            transfers.append((sending, incoming))
+        transfers = [(cur, nxt)] if step + 1 < ring.world else []
+        if step > 0:
+            transfers.append((sending, running))
+        else:  # our own shard: its sum starts here
+            running.zero_()
         pending = ring.exchange(*transfers) if transfers else []
-        if pairs:
-            local.zero_()
+        # dQ needs nothing in flight, so it runs while the running dK/dV arrives; dK/dV
+        # then add straight into it, only in the key rows this step touches.
         for pair in pairs:
             flash_attn_bwd(dout[:, pair.q], q[:, pair.q], cur[0][:, pair.k], cur[1][:, pair.k],
-                           lse[:, :, pair.q], delta[:, :, pair.q], dq[:, pair.q],
-                           local[0][:, pair.k], local[1][:, pair.k], softmax_scale=softmax_scale,
-                           causal_offset=pair.causal_offset, accumulate=True)
+                           lse[:, :, pair.q], delta[:, :, pair.q], dq[:, pair.q], None, None,
+                           softmax_scale=softmax_scale, causal_offset=pair.causal_offset,
+                           accumulate=True)
         ring.wait(pending)
+        for pair in pairs:
+            flash_attn_bwd(dout[:, pair.q], q[:, pair.q], cur[0][:, pair.k], cur[1][:, pair.k],
+                           lse[:, :, pair.q], delta[:, :, pair.q], None, running[0][:, pair.k],
+                           running[1][:, pair.k], softmax_scale=softmax_scale,
+                           causal_offset=pair.causal_offset, accumulate=True)
         cur, nxt = nxt, cur
-        # The running dK/dV of the shard just computed: what came from r-1 plus ours.
-        if not have_sending:
-            sending, local = (local, sending) if pairs else (sending.zero_(), local)
-            have_sending = True
-        elif pairs:
-            incoming.add_(local)
-            sending, incoming = incoming, sending
-        else:
-            sending, incoming = incoming, sending
-    if ring.world > 1:  # one more hop: every shard's dK/dV reaches its owner
-        ring.wait(ring.exchange((sending, incoming)))
-        sending = incoming
-    return dq.to(q.dtype), sending[0].to(k.dtype), sending[1].to(v.dtype)
+        running, sending = sending, running
+    dkv = sending.to(k.dtype)  # the sums are complete: rounding now or after the hop is the same
+    if ring.world > 1:  # one more hop takes every shard's dK/dV to its owner
+        home = torch.empty_like(dkv)
+        ring.wait(ring.exchange((dkv, home)))
+        dkv = home
+    return dq.to(q.dtype), dkv[0], dkv[1]
 
 
 class RingAttention(torch.autograd.Function):

@@ -56,6 +56,9 @@ def kernel_module(name: str, monkeypatch):
     if name == "triton-gpu-tiles":  # interpreted, with the tile shapes chosen for the GPU
         monkeypatch.setattr(triton_attn, "_interpreting", lambda: False)
         return triton_attn, TRITON_DEVICE
+    if name == "triton-pointers":  # masked pointer loads instead of TMA descriptors
+        monkeypatch.setattr(triton_attn, "_use_tma", lambda *tensors: False)
+        return triton_attn, TRITON_DEVICE
     if name == "twin-bn16":  # small key tiles: the twin's tile skipping and masking at small sizes
         monkeypatch.setattr(reference, "BLOCK_N", 16)
     return reference, "cpu"
@@ -160,9 +163,11 @@ def block_params():
     combos = [("twin", BLOCK_CASES + LARGE_CASES, (F32, F16, BF16)),
               ("twin-bn16", BLOCK_CASES, (F32, F16, BF16))]
     if HAS_CUDA:
-        combos.append(("triton", BLOCK_CASES + LARGE_CASES + GPU_TILE_CASES, (F32, F16)))
+        combos += [("triton", BLOCK_CASES + LARGE_CASES + GPU_TILE_CASES, (F32, F16)),
+                   ("triton-pointers", BLOCK_CASES + GPU_TILE_CASES, (F16,))]
     else:
-        combos += [("triton", BLOCK_CASES, (F32, F16)), ("triton-gpu-tiles", GPU_TILE_CASES, (F32,))]
+        combos += [("triton", BLOCK_CASES, (F32, F16)), ("triton-pointers", BLOCK_CASES, (F16,)),
+                   ("triton-gpu-tiles", GPU_TILE_CASES, (F32,))]
     return [pytest.param(kernel, dtype, c, id=f"{kernel}-{DTYPE_ID[dtype]}-{c.id}")
             for kernel, cases, dtypes in combos for dtype in dtypes for c in cases]
 
@@ -228,6 +233,28 @@ def test_split_keys_accumulate(kernel, dtype, case, split, order, monkeypatch):
 
 
 @pytest.mark.parametrize("kernel", ["twin", "triton"])
+def test_backward_passes_run_apart(kernel, monkeypatch):
+    """dq alone, then dk and dv alone (the ring's order), give the bits of one joint call."""
+    mod, device = kernel_module(kernel, monkeypatch)
+    case = Case(1, 45, 70, 4, 2, 32, 10)
+    q, k, v, dout = make_inputs(case, F32, device)
+    out, lse = torch.empty_like(q), torch.empty((1, 4, 45), device=device)
+    mod.fwd(q, k, v, out, lse, softmax_scale=case.softmax_scale, causal_offset=10, accumulate=False)
+    delta = attn_delta(out, dout)
+    joint = [torch.full(t.shape, NAN, device=device) for t in (q, k, v)]
+    mod.bwd(dout, q, k, v, lse, delta, *joint, softmax_scale=case.softmax_scale, causal_offset=10,
+            accumulate=False)
+    apart = [torch.full(t.shape, NAN, device=device) for t in (q, k, v)]
+    mod.bwd(dout, q, k, v, lse, delta, apart[0], None, None, softmax_scale=case.softmax_scale,
+            causal_offset=10, accumulate=False)
+    assert apart[1].isnan().all()
+    mod.bwd(dout, q, k, v, lse, delta, None, apart[1], apart[2], softmax_scale=case.softmax_scale,
+            causal_offset=10, accumulate=False)
+    for a, j in zip(apart, joint):
+        assert torch.equal(a, j)
+
+
+@pytest.mark.parametrize("kernel", ["twin", "triton"])
 def test_accumulate_into_empty_state_is_plain_forward(kernel, monkeypatch):
     """Merging one block into (out 0, lse -inf) gives exactly what accumulate=False gives."""
     mod, device = kernel_module(kernel, monkeypatch)
@@ -282,6 +309,8 @@ def test_block_entry_points_on_cpu():
     assert_matches_oracle(case, (q, k, v, dout), (out, lse, dq, dk, dv), dlse=dlse)
     with pytest.raises(ValueError, match="accumulate"):
         flash_attn_fwd(q, k, v, softmax_scale=1.0, accumulate=True)
+    with pytest.raises(ValueError, match="dk and dv"):
+        flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, None, softmax_scale=1.0)
 
 
 # ----------------------------------------------------------------------------- the differentiable op
@@ -431,6 +460,9 @@ BAD_INPUTS = [  # id, (q, k, v), kwargs, exception, the argument the message mus
      r"\bsoftmax_scale\b"),
     ("scale-inf", lambda: (_t(*Q), _t(*KV), _t(*KV)), {"softmax_scale": math.inf}, ValueError, r"\bsoftmax_scale\b"),
     ("scale-nan", lambda: (_t(*Q), _t(*KV), _t(*KV)), {"softmax_scale": NAN}, ValueError, r"\bsoftmax_scale\b"),
+    ("scale-zero", lambda: (_t(*Q), _t(*KV), _t(*KV)), {"softmax_scale": 0.0}, ValueError, r"\bsoftmax_scale\b"),
+    ("scale-negative", lambda: (_t(*Q), _t(*KV), _t(*KV)), {"softmax_scale": -0.1}, ValueError,
+     r"\bsoftmax_scale\b"),
     ("causal-int", lambda: (_t(*Q), _t(*KV), _t(*KV)), {"causal": 1}, TypeError, r"\bcausal\b"),
     ("causal-str", lambda: (_t(*Q), _t(*KV), _t(*KV)), {"causal": "true"}, TypeError, r"\bcausal\b"),
     ("causal-none", lambda: (_t(*Q), _t(*KV), _t(*KV)), {"causal": None}, TypeError, r"\bcausal\b"),
