@@ -71,12 +71,14 @@ def ring_backward(dout, q, k, v, out, lse, dlse, *, softmax_scale: float, causal
     # step before and leaves for r+1.
     running, sending = torch.empty((2, 2, *k.shape), device=k.device, dtype=torch.float32)
     for step, pairs in _steps(ring, layout, n, causal):
-        transfers = [(cur, nxt)] if step + 1 < ring.world else []
+        # Two messages, the one needed first posted first: the running dK/dV (which the
+        # dK/dV pass adds into) and the next K/V (needed by the next step only).
         if step > 0:
-            transfers.append((sending, running))
+            grads_pending = ring.exchange((sending, running))
         else:  # our own shard: its sum starts here
+            grads_pending = []
             running.zero_()
-        pending = ring.exchange(*transfers) if transfers else []
+        kv_pending = ring.exchange((cur, nxt)) if step + 1 < ring.world else []
         # dQ needs nothing in flight, so it runs while the running dK/dV arrives; dK/dV
         # then add straight into it, only in the key rows this step touches.
         for pair in pairs:
@@ -84,12 +86,13 @@ def ring_backward(dout, q, k, v, out, lse, dlse, *, softmax_scale: float, causal
                            lse[:, :, pair.q], delta[:, :, pair.q], dq[:, pair.q], None, None,
                            softmax_scale=softmax_scale, causal_offset=pair.causal_offset,
                            accumulate=True)
-        ring.wait(pending)
+        ring.wait(grads_pending)
         for pair in pairs:
             flash_attn_bwd(dout[:, pair.q], q[:, pair.q], cur[0][:, pair.k], cur[1][:, pair.k],
                            lse[:, :, pair.q], delta[:, :, pair.q], None, running[0][:, pair.k],
                            running[1][:, pair.k], softmax_scale=softmax_scale,
                            causal_offset=pair.causal_offset, accumulate=True)
+        ring.wait(kv_pending)
         cur, nxt = nxt, cur
         running, sending = sending, running
     dkv = sending.to(k.dtype)  # the sums are complete: rounding now or after the hop is the same
