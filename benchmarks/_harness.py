@@ -348,6 +348,19 @@ def git_commit() -> tuple[str, Optional[bool]]:
         return "unknown", None
 
 
+def init_process_group(device: torch.device, timeout) -> None:
+    """NCCL on a GPU, gloo on the CPU. NCCL's kernels go on high-priority streams
+    (TORCH_NCCL_HIGH_PRIORITY=1 unless the environment says otherwise): the ring's
+    transfers run beside full-grid attention kernels, and at normal priority they wait
+    for SMs to free up. Every implementation in a run shares the setting."""
+    import torch.distributed as dist
+    if device.type == "cuda":
+        os.environ.setdefault("TORCH_NCCL_HIGH_PRIORITY", "1")
+        dist.init_process_group("nccl", device_id=device, timeout=timeout)
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
+
+
 def collect_meta(device: Optional[torch.device] = None, **extra) -> dict:
     """Device name, GPU count, versions, git commit and date of this run."""
     try:
@@ -372,6 +385,7 @@ def collect_meta(device: Optional[torch.device] = None, **extra) -> dict:
         "commit": commit,
         "dirty": dirty,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "nccl_high_priority": os.environ.get("TORCH_NCCL_HIGH_PRIORITY"),
     }
     meta.update(extra)
     return meta

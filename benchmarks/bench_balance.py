@@ -48,10 +48,9 @@ def main():
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device, timeout=timeout)
     else:  # a smoke test of the script on CPUs (gloo, the PyTorch twin of the kernels)
         device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timeout)
+    H.init_process_group(device, timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     n, h, d = args.seqlen_local, args.heads, args.head_dim
     scale = d ** -0.5

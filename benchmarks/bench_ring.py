@@ -146,10 +146,9 @@ def setup(args) -> Ctx:
             raise SystemExit("ERROR: no CUDA device; use --device cpu for a smoke test")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device, timeout=timeout)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timeout)
+    H.init_process_group(device, timeout)
     return Ctx(rank=dist.get_rank(), world=dist.get_world_size(), device=device, group=dist.group.WORLD)
 
 
