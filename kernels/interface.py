@@ -197,7 +197,7 @@ def flash_attn(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] 
             (MHA, GQA, MQA; K/V are never repeated in memory).
         causal: key j is visible to query i iff j <= i (aligned top-left, as in
             torch's scaled_dot_product_attention).
-        softmax_scale: defaults to head_dim ** -0.5.
+        softmax_scale: a positive float; defaults to head_dim ** -0.5.
         return_lse: also return lse.
 
     Returns:

@@ -84,7 +84,7 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
         k, v: (batch, seqlen_local, kv_heads, head_dim), this rank's shards; heads a
             multiple of kv_heads. Same shapes and dtype (fp16, bf16, fp32) on every rank.
         causal: causal mask on GLOBAL positions, as given by ``layout``.
-        softmax_scale: defaults to head_dim ** -0.5.
+        softmax_scale: a positive float; defaults to head_dim ** -0.5.
         group: the process group forming the ring (default: the world; without an
             initialized process group, a ring of one).
         layout: how the global sequence is split ("contiguous", "zigzag", "stripe"; see

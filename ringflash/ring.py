@@ -70,6 +70,15 @@ def ring_backward(dout, q, k, v, out, lse, dlse, *, softmax_scale: float, causal
     # computes and arrives from r-1 during the step; `sending` belongs to the shard of the
     # step before and leaves for r+1.
     running, sending = torch.empty((2, 2, *k.shape), device=k.device, dtype=torch.float32)
+
+    def add_grads(pair, kv, dq=None, dkv=None):
+        """Add one block pair's dQ pass (into dq) or dK/dV pass (into packed dkv)."""
+        dk, dv = (None, None) if dkv is None else (dkv[0][:, pair.k], dkv[1][:, pair.k])
+        flash_attn_bwd(dout[:, pair.q], q[:, pair.q], kv[0][:, pair.k], kv[1][:, pair.k],
+                       lse[:, :, pair.q], delta[:, :, pair.q], None if dq is None else dq[:, pair.q],
+                       dk, dv, softmax_scale=softmax_scale, causal_offset=pair.causal_offset,
+                       accumulate=True)
+
     for step, pairs in _steps(ring, layout, n, causal):
         # Two messages, the one needed first posted first: the running dK/dV (which the
         # dK/dV pass adds into) and the next K/V (needed by the next step only).
@@ -82,16 +91,10 @@ def ring_backward(dout, q, k, v, out, lse, dlse, *, softmax_scale: float, causal
         # dQ needs nothing in flight, so it runs while the running dK/dV arrives; dK/dV
         # then add straight into it, only in the key rows this step touches.
         for pair in pairs:
-            flash_attn_bwd(dout[:, pair.q], q[:, pair.q], cur[0][:, pair.k], cur[1][:, pair.k],
-                           lse[:, :, pair.q], delta[:, :, pair.q], dq[:, pair.q], None, None,
-                           softmax_scale=softmax_scale, causal_offset=pair.causal_offset,
-                           accumulate=True)
+            add_grads(pair, cur, dq=dq)
         ring.wait(grads_pending)
         for pair in pairs:
-            flash_attn_bwd(dout[:, pair.q], q[:, pair.q], cur[0][:, pair.k], cur[1][:, pair.k],
-                           lse[:, :, pair.q], delta[:, :, pair.q], None, running[0][:, pair.k],
-                           running[1][:, pair.k], softmax_scale=softmax_scale,
-                           causal_offset=pair.causal_offset, accumulate=True)
+            add_grads(pair, cur, dkv=running)
         ring.wait(kv_pending)
         cur, nxt = nxt, cur
         running, sending = sending, running
