@@ -31,7 +31,6 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
 
 
 def _interpreting() -> bool:
