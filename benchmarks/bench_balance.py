@@ -5,7 +5,7 @@
 For each layout, every rank first replays its own part of one causal forward+backward
 (the exact kernel calls the ring schedules for it, each transfer replaced by a local
 copy), so the time is that rank's compute alone; then the real ring runs forward+backward with
-communication. Writes benchmarks/results/balance_h200x<W>.json.
+communication, once per transport in --transports. Writes benchmarks/results/balance_h200x<W>.json.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ def main():
     p.add_argument("--seqlen-local", type=int, default=16384)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--transports", nargs="+", default=["auto"], choices=("auto", "nccl", "peer"),
+                   help="ring transport(s) (RINGFLASH_TRANSPORT) of the whole-ring runs")
     p.add_argument("--out-dir", default=None, help="default: benchmarks/results")
     args = p.parse_args()
 
@@ -78,21 +80,25 @@ def main():
         per_rank = [0.0] * world
         per_rank[rank] = mine
         per_rank = H.allreduce_sum(per_rank, dist.group.WORLD, device)
-        ring_ms = H.bench_ms(lambda: whole_ring(layout), device=device, grad_to_none=leaves,
-                             group=dist.group.WORLD)
-        records.append(dict(layout=layout, seqlen_local=n, world=world, heads=h, head_dim=d,
-                            compute_ms_per_rank=per_rank,
-                            imbalance=max(per_rank) / min(per_rank), ring_fwdbwd_ms=ring_ms))
+        for choice in args.transports:
+            os.environ["RINGFLASH_TRANSPORT"] = choice
+            ring_ms = H.bench_ms(lambda: whole_ring(layout), device=device, grad_to_none=leaves,
+                                 group=dist.group.WORLD)
+            records.append(dict(layout=layout, transport=ringflash.transport(), seqlen_local=n,
+                                world=world, heads=h, head_dim=d, compute_ms_per_rank=per_rank,
+                                imbalance=max(per_rank) / min(per_rank), ring_fwdbwd_ms=ring_ms))
     if rank == 0:
-        base = next(r["ring_fwdbwd_ms"] for r in records if r["layout"] == "contiguous")
         print(f"causal fwd+bwd, {world} ranks ({device.type}), seqlen_local {n}, {h} heads, "
               f"head_dim {d}, {dtype}")
-        print(f"{'layout':<11} {'compute ms per rank':<36} {'max/min':>7} {'ring ms':>8} {'vs contiguous':>13}")
+        print(f"{'layout':<11} {'transport':<9} {'compute ms per rank':<36} {'max/min':>7} "
+              f"{'ring ms':>8} {'vs contiguous':>13}")
         for r in records:
+            base = next(b["ring_fwdbwd_ms"] for b in records
+                        if b["layout"] == "contiguous" and b["transport"] == r["transport"])
             r["ring_vs_contiguous"] = r["ring_fwdbwd_ms"] / base
             ranks = " ".join(f"{x:7.1f}" for x in r["compute_ms_per_rank"])
-            print(f"{r['layout']:<11} {ranks:<36} {r['imbalance']:7.2f} {r['ring_fwdbwd_ms']:8.1f} "
-                  f"{r['ring_vs_contiguous']:13.2f}")
+            print(f"{r['layout']:<11} {r['transport']:<9} {ranks:<36} {r['imbalance']:7.2f} "
+                  f"{r['ring_fwdbwd_ms']:8.1f} {r['ring_vs_contiguous']:13.2f}")
         name = f"balance_h200x{world}" if device.type == "cuda" else f"balance_cpu{world}"
         path = H.write_results(name, H.collect_meta(device), records, args.out_dir)
         print(f"wrote {path}")

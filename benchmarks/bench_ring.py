@@ -57,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="ringflash layout(s) for non-causal runs")
     p.add_argument("--rotate-method", choices=("allgather", "alltoall"), default="allgather",
                    help="torch context parallel K/V rotation")
+    p.add_argument("--transports", nargs="+", default=["auto"], choices=("auto", "nccl", "peer"),
+                   help="ringflash's ring transport(s) (RINGFLASH_TRANSPORT), each its own row")
     p.add_argument("--no-rank-check", action="store_true",
                    help="set RINGFLASH_RANK_CHECK=0 (skip ringflash's per-call cross-rank argument check)")
     p.add_argument("--dtype", choices=sorted(H.DTYPES), default="bf16")
@@ -301,7 +303,23 @@ def ringflash_api():
     return api
 
 
-def run_ringflash(cfg: Cfg, layout: str, full, ref: Optional[dict], ctx: Ctx, args) -> dict:
+def run_ringflash(cfg: Cfg, layout: str, transport: str, full, ref: Optional[dict], ctx: Ctx,
+                  args) -> dict:
+    """ringflash with RINGFLASH_TRANSPORT=transport for the duration of the run."""
+    saved = os.environ.get("RINGFLASH_TRANSPORT")
+    os.environ["RINGFLASH_TRANSPORT"] = transport
+    try:
+        res = _run_ringflash(cfg, layout, full, ref, ctx, args)
+        res["transport"] = ringflash_api().transport(ctx.group)  # what "auto" resolved to
+    finally:
+        if saved is None:
+            del os.environ["RINGFLASH_TRANSPORT"]
+        else:
+            os.environ["RINGFLASH_TRANSPORT"] = saved
+    return res
+
+
+def _run_ringflash(cfg: Cfg, layout: str, full, ref: Optional[dict], ctx: Ctx, args) -> dict:
     api = ringflash_api()
     res = {"layout": layout, "note": None}
     try:
@@ -507,7 +525,7 @@ def make_record(impl: str, cfg: Cfg, res: dict, ctx: Ctx) -> dict:
         "efficiency": None, "fwd_efficiency": None,
         "gpus": per_gpu, "batch": cfg.batch, "fwd_ms": fwd_ms, "fwdbwd_ms": fwdbwd_ms,
     }
-    for key in ("rel_err", "note", "error"):
+    for key in ("transport", "rel_err", "note", "error"):
         if res.get(key) is not None:
             rec[key] = res[key]
     return rec
@@ -535,7 +553,8 @@ def _problem(r: dict) -> tuple:
 def progress_line(rec: dict, tag: str) -> str:
     def f(x, spec):
         return "-" if x is None else format(x, spec)
-    impl = rec["impl"] + (f"[{rec['layout']}]" if rec.get("layout") else "")
+    where = [x for x in (rec.get("layout"), rec.get("transport")) if x]
+    impl = rec["impl"] + (f"[{','.join(where)}]" if where else "")
     line = (f"  {tag:<32} {impl:<28} fwd {f(rec['fwd_tflops_per_gpu'], '6.1f')}  "
             f"f+b {f(rec['fwdbwd_tflops_per_gpu'], '6.1f')} TFLOP/s/GPU  "
             f"mem {f(rec['peak_mem_gib'], '.2f')} GiB")
@@ -546,7 +565,7 @@ def progress_line(rec: dict, tag: str) -> str:
     return line
 
 
-TABLE = [("impl", "impl"), ("layout", "layout"), ("seqlen", "seqlen", H.fmt_size), ("heads", "heads"),
+TABLE = [("impl", "impl"), ("layout", "layout"), ("transport", "transport"), ("seqlen", "seqlen", H.fmt_size), ("heads", "heads"),
          ("kv_heads", "kv"), ("causal", "causal"), ("fwd_tflops_per_gpu", "fwd TF/GPU", ".1f"),
          ("fwdbwd_tflops_per_gpu", "f+b TF/GPU", ".1f"), ("peak_mem_gib", "mem GiB", ".2f"),
          ("efficiency", "eff f+b", ".2f"), ("fwd_efficiency", "eff fwd", ".2f"), ("remark", "remark")]
@@ -578,7 +597,8 @@ def benchmark(args, ctx: Ctx) -> list[dict]:
         for impl in args.impls:
             if impl == "ringflash":
                 layouts = args.causal_layouts if cfg.causal else args.noncausal_layouts
-                results = [run_ringflash(cfg, layout, full, ref, ctx, args) for layout in layouts]
+                results = [run_ringflash(cfg, layout, transport, full, ref, ctx, args)
+                           for layout in layouts for transport in args.transports]
             elif impl == "ringflash_1gpu":
                 results = [run_ringflash_1gpu(cfg, full, ctx, args)]
             else:

@@ -8,10 +8,11 @@ queries against the visiting keys.
 """
 
 from .api import positions, ring_flash_attn, shard, unshard
+from .exchange import transport
 from .kernels import flash_attn
 from .layer import RingSelfAttention, all_reduce_gradients, broadcast_parameters
 from .layouts import LAYOUTS
 
 __version__ = "0.1.0"
 __all__ = ["LAYOUTS", "RingSelfAttention", "all_reduce_gradients", "broadcast_parameters",
-           "flash_attn", "positions", "ring_flash_attn", "shard", "unshard"]
+           "flash_attn", "positions", "ring_flash_attn", "shard", "transport", "unshard"]

@@ -8,7 +8,7 @@ import struct
 import torch
 import torch.distributed as dist
 
-from .exchange import Ring
+from .exchange import TRANSPORTS, PeerRing, Ring, transport
 from .kernels import SUPPORTED_DTYPES, check_causal, check_qkv, resolve_scale
 from .layouts import LAYOUTS, check_layout, check_seqlen, global_positions, split_factor
 from .ring import RingAttention
@@ -18,14 +18,14 @@ _RANK_CHECK = os.environ.get("RINGFLASH_RANK_CHECK", "1") != "0"
 
 
 _SIGNATURE_FIELDS = ("batch", "seqlen_local", "heads", "head_dim", "kv_heads", "dtype", "causal",
-                     "layout", "softmax_scale", "requires_grad")
+                     "layout", "softmax_scale", "requires_grad", "transport")
 
 
-def _signature(q, k, causal, layout, scale, needs_grad) -> list[int]:
+def _signature(q, k, causal, layout, scale, needs_grad, kind) -> list[int]:
     """A few integers that every rank of the ring must agree on."""
     scale_bits = struct.unpack("<q", struct.pack("<d", scale))[0]
     return [*q.shape, k.shape[2], SUPPORTED_DTYPES.index(q.dtype), int(causal),
-            LAYOUTS.index(layout), scale_bits, int(needs_grad)]
+            LAYOUTS.index(layout), scale_bits, int(needs_grad), TRANSPORTS.index(kind)]
 
 
 def _shown(field: str, values) -> list:
@@ -35,6 +35,8 @@ def _shown(field: str, values) -> list:
         return [str(SUPPORTED_DTYPES[x]) for x in values]
     if field == "layout":
         return [LAYOUTS[x] for x in values]
+    if field == "transport":
+        return [TRANSPORTS[x] for x in values]
     return list(values)
 
 
@@ -44,7 +46,7 @@ def _check_ranks_agree(ring: Ring, signature: list[int] | None, error: Exception
 
     ``signature`` is None on a rank whose own checks failed with ``error``: it still joins
     the all-gather, so the other ranks learn of it instead of waiting in the ring.
-    Costs one all-gather of 11 int64 and one host synchronization per call. It runs on
+    Costs one all-gather of 12 int64 and one host synchronization per call. It runs on
     every call rather than once per signature: a rank that skipped it because its own
     signature was cached, while another rank's changed, would leave that rank waiting in a
     collective nobody else joins.
@@ -104,6 +106,7 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
     check_everywhere = ring.world > 1 and _RANK_CHECK
     try:
         causal, layout, scale = _check_local(q, k, v, causal, layout, softmax_scale)
+        kind = transport(ring.group)
     except (TypeError, ValueError) as error:
         if not check_everywhere:
             raise
@@ -111,7 +114,10 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
         _check_ranks_agree(ring, None, error, device)
     if check_everywhere:
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        _check_ranks_agree(ring, _signature(q, k, causal, layout, scale, needs_grad), None, q.device)
+        signature = _signature(q, k, causal, layout, scale, needs_grad, kind)
+        _check_ranks_agree(ring, signature, None, q.device)
+    if kind == "peer" and ring.world > 1:
+        ring = PeerRing(ring.group)
     out, lse = RingAttention.apply(q, k, v, scale, causal, layout, ring)
     return (out, lse) if return_lse else out
 

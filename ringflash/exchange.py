@@ -1,17 +1,30 @@
 """The ring: this rank's neighbours in a process group and the point-to-point exchange.
 
 Every exchange sends to rank+1 and receives from rank-1, all of a step's tensors posted
-together as one batch of P2P ops. On NCCL the batch runs on the process group's own
-communication stream: it starts once the work already queued on the compute stream is
-done (which is also when the receive buffer, last step's operand, is free), and
-``wait`` only makes the compute stream wait on an event, never the host. On gloo the
-same calls move CPU tensors.
+together. ``exchange`` returns at once; ``wait`` makes the compute stream wait on the
+transfer (an event, never the host). Two transports:
+
+- ``Ring`` (NCCL, or gloo on CPUs): one batch of NCCL P2P ops on the process group's
+  communication stream. Its kernels take SMs from the attention kernels beside them.
+- ``PeerRing`` (NCCL groups within one node): each rank copies its neighbour's message
+  straight out of the neighbour's memory, mapped into its own address space through
+  torch's symmetric memory, with ``cudaMemcpyAsync``: the GPU's copy engines move the
+  bytes, so the attention kernels keep every SM. The messages a rank sends live in
+  symmetric buffers (``Ring.buffer``) that stay allocated for the next call.
+
+Both start a transfer only once the work already queued on the compute stream is done,
+which is also when the receive buffer, last step's operand, is free.
 """
 
 from __future__ import annotations
 
+import math
+import os
+
 import torch
 import torch.distributed as dist
+
+TRANSPORTS = ("auto", "nccl", "peer")
 
 
 class Ring:
@@ -30,6 +43,11 @@ class Ring:
         self.next_peer = dist.get_global_rank(self.group, (self.rank + 1) % self.world)
         self.prev_peer = dist.get_global_rank(self.group, (self.rank - 1) % self.world)
 
+    def buffer(self, name: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Storage for messages this rank sends; ``name`` says which role it plays in a
+        call, so one call's buffers never alias each other."""
+        return torch.empty(shape, dtype=dtype, device=device)
+
     def exchange(self, *pairs: tuple[torch.Tensor, torch.Tensor]) -> list:
         """Post, for each (send, recv) pair, the send to rank+1 and the receive from rank-1."""
         ops = []
@@ -43,10 +61,14 @@ class Ring:
         for work in pending:
             work.wait()
 
+    def finish(self) -> None:
+        """End of one pass around the ring (no transfer may still read this rank's buffers
+        once it returns); NCCL and gloo own their send buffers until ``wait``."""
+
     def collective_device(self) -> torch.device:
         """Where this group's collectives take their tensors when no input says: the
         current GPU on NCCL, the CPU otherwise."""
-        if "nccl" in str(dist.get_backend(self.group)).lower():
+        if _is_nccl(self.group):
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
@@ -56,3 +78,126 @@ class Ring:
         everyone = [torch.empty_like(mine) for _ in range(self.world)]
         dist.all_gather(everyone, mine, group=self.group)
         return torch.stack(everyone).tolist()
+
+
+def _is_nccl(group) -> bool:
+    return "nccl" in str(dist.get_backend(group)).lower()
+
+
+class _Copied:
+    """A transfer posted on the copy stream; ``wait`` orders the compute stream after it."""
+
+    def __init__(self, event: torch.cuda.Event):
+        self.event = event
+
+    def wait(self) -> None:
+        torch.cuda.current_stream().wait_event(self.event)
+
+
+# Per process group: name -> (symmetric tensor, its handle). Kept between calls, because
+# making a buffer symmetric is a collective that maps every rank's memory into the others.
+_SYMMETRIC: dict[str, dict[str, tuple[torch.Tensor, object]]] = {}
+_COPY_STREAMS: dict[int, torch.cuda.Stream] = {}
+# A peer that never arrives at a barrier ends the process with a CUDA error after this long.
+_BARRIER_TIMEOUT_MS = 10 * 60 * 1000
+
+
+class PeerRing(Ring):
+    """The ring over copy engines, for NCCL groups whose ranks share one node.
+
+    Each exchange runs on a high-priority side stream: a barrier of the group (every rank
+    has finished the work before the exchange, so every message is written and every
+    receive buffer is free), then, for each pair, a copy of rank-1's ``send`` buffer, seen
+    through its symmetric-memory mapping, into this rank's ``recv``. The send buffers
+    must come from ``buffer`` and sit at the same place on every rank, which the ring
+    schedule's lockstep guarantees.
+    """
+
+    def __init__(self, group=None):
+        super().__init__(group)
+        from torch.distributed import _symmetric_memory as symm_mem
+        self._symm_mem = symm_mem
+        self._buffers = _SYMMETRIC.setdefault(self.group.group_name, {})
+        device = torch.cuda.current_device()
+        if device not in _COPY_STREAMS:
+            _COPY_STREAMS[device] = torch.cuda.Stream(device, priority=-1)
+        self._stream = _COPY_STREAMS[device]
+        self._handle = None  # of the last buffer used, for the closing barrier
+
+    def buffer(self, name, shape, dtype, device):
+        numel, key = math.prod(shape), f"{name}/{dtype}"
+        base, _ = self._buffers.get(key, (None, None))
+        if base is None or base.numel() < numel:  # every rank grows it in the same call
+            self._buffers.pop(key, None)
+            base = self._symm_mem.empty(numel, dtype=dtype, device=device)
+            self._buffers[key] = (base, self._symm_mem.rendezvous(base, self.group))
+        return base[:numel].view(shape)
+
+    def _find(self, send: torch.Tensor):
+        ptr = send.data_ptr()
+        for base, handle in self._buffers.values():
+            start = base.data_ptr()
+            if base.dtype == send.dtype and start <= ptr < start + base.numel() * base.element_size():
+                return (ptr - start) // base.element_size(), handle
+        raise ValueError("PeerRing.exchange: the send tensor must be a view of a Ring.buffer")
+
+    def exchange(self, *pairs):
+        located = []
+        for send, recv in pairs:
+            if not (send.is_contiguous() and recv.is_contiguous()):
+                raise ValueError("PeerRing.exchange: send and recv must be contiguous")
+            located.append((send, recv, *self._find(send)))
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            located[0][3].barrier(channel=0, timeout_ms=_BARRIER_TIMEOUT_MS)
+            for send, recv, offset, handle in located:
+                theirs = handle.get_buffer((self.rank - 1) % self.world, tuple(send.shape),
+                                           send.dtype, offset)
+                recv.copy_(theirs)
+            event = torch.cuda.Event()
+            event.record(stream)
+        self._handle = located[-1][3]
+        return [_Copied(event)]
+
+    def finish(self):
+        """A last barrier: rank+1 has finished copying from this rank's buffers before the
+        compute stream may write into them again (the next call starts by doing so)."""
+        if self._handle is None:
+            return
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._handle.barrier(channel=0, timeout_ms=_BARRIER_TIMEOUT_MS)
+        torch.cuda.current_stream().wait_stream(stream)
+        self._handle = None
+
+
+def transport(group=None) -> str:
+    """The transport a ring over ``group`` uses: RINGFLASH_TRANSPORT ("nccl", "peer", or
+    "auto", the default). "auto" takes "peer" for NCCL groups whose ranks all run on this
+    node under torchrun (every rank decides the same from its environment), "nccl" else."""
+    choice = os.environ.get("RINGFLASH_TRANSPORT", "auto").lower()
+    if choice not in TRANSPORTS:
+        raise ValueError(f"RINGFLASH_TRANSPORT must be one of {TRANSPORTS}, got {choice!r}")
+    if not (dist.is_available() and dist.is_initialized()):
+        return "nccl"
+    group = group if group is not None else dist.group.WORLD
+    nccl = _is_nccl(group)
+    if choice == "peer" and not nccl:
+        raise ValueError("RINGFLASH_TRANSPORT=peer needs an NCCL process group (GPU tensors)")
+    if choice != "auto":
+        return choice
+    return "peer" if nccl and _all_on_this_node(group) else "nccl"
+
+
+def _all_on_this_node(group) -> bool:
+    """torchrun numbers a node's ranks consecutively: RANK - LOCAL_RANK up to LOCAL_WORLD_SIZE."""
+    try:
+        rank, local_rank, local_world = (int(os.environ[k]) for k in
+                                         ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))
+    except (KeyError, ValueError):
+        return False
+    first = rank - local_rank
+    members = dist.get_process_group_ranks(group)
+    return all(first <= member < first + local_world for member in members)

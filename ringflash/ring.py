@@ -25,12 +25,12 @@ from .kernels import attn_delta, flash_attn_bwd, flash_attn_fwd
 from .layouts import step_pairs
 
 
-def _kv_buffers(k: torch.Tensor, v: torch.Tensor, world: int):
+def _kv_buffers(k: torch.Tensor, v: torch.Tensor, ring: Ring):
     """(current, next): K/V of this step, packed into one tensor so a step sends one
     message, and the buffer the next shard arrives in. A ring of one sends nothing."""
-    if world == 1:
+    if ring.world == 1:
         return (k, v), None
-    kv = torch.empty((2, 2, *k.shape), device=k.device, dtype=k.dtype)
+    kv = ring.buffer("kv", (2, 2, *k.shape), k.dtype, k.device)
     kv[0, 0].copy_(k)
     kv[0, 1].copy_(v)
     return kv[0], kv[1]
@@ -47,7 +47,7 @@ def ring_forward(q, k, v, *, softmax_scale: float, causal: bool, layout: str, ri
     b, n, h, d = q.shape
     out = torch.zeros((b, n, h, d), device=q.device, dtype=torch.float32)
     lse = torch.full((b, h, n), -math.inf, device=q.device, dtype=torch.float32)
-    cur, nxt = _kv_buffers(k, v, ring.world)
+    cur, nxt = _kv_buffers(k, v, ring)
     for step, pairs in _steps(ring, layout, n, causal):
         pending = ring.exchange((cur, nxt)) if step + 1 < ring.world else []
         for pair in pairs:
@@ -56,6 +56,7 @@ def ring_forward(q, k, v, *, softmax_scale: float, causal: bool, layout: str, ri
                            out=out[:, pair.q], lse=lse[:, :, pair.q], accumulate=True)
         ring.wait(pending)
         cur, nxt = nxt, cur
+    ring.finish()
     return out.to(q.dtype), lse
 
 
@@ -65,11 +66,11 @@ def ring_backward(dout, q, k, v, out, lse, dlse, *, softmax_scale: float, causal
     n = q.shape[1]
     delta = attn_delta(out, dout, dlse)
     dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-    cur, nxt = _kv_buffers(k, v, ring.world)
+    cur, nxt = _kv_buffers(k, v, ring)
     # Packed (dk, dv) running sums in fp32: `running` belongs to the shard this step
     # computes and arrives from r-1 during the step; `sending` belongs to the shard of the
     # step before and leaves for r+1.
-    running, sending = torch.empty((2, 2, *k.shape), device=k.device, dtype=torch.float32)
+    running, sending = ring.buffer("grads", (2, 2, *k.shape), torch.float32, k.device)
 
     def add_grads(pair, kv, dq=None, dkv=None):
         """Add one block pair's dQ pass (into dq) or dK/dV pass (into packed dkv)."""
@@ -98,12 +99,16 @@ def ring_backward(dout, q, k, v, out, lse, dlse, *, softmax_scale: float, causal
         ring.wait(kv_pending)
         cur, nxt = nxt, cur
         running, sending = sending, running
-    dkv = sending.to(k.dtype)  # the sums are complete: rounding now or after the hop is the same
-    if ring.world > 1:  # one more hop takes every shard's dK/dV to its owner
-        home = torch.empty_like(dkv)
-        ring.wait(ring.exchange((dkv, home)))
-        dkv = home
-    return dq.to(q.dtype), dkv[0], dkv[1]
+    if ring.world == 1:
+        return dq.to(q.dtype), sending[0].to(k.dtype), sending[1].to(k.dtype)
+    # One more hop takes every shard's dK/dV to its owner, in the gradients' dtype: the
+    # sums are complete, so rounding before or after the hop gives the same bits.
+    dkv = ring.buffer("home", sending.shape, k.dtype, k.device)
+    dkv.copy_(sending)
+    home = torch.empty_like(dkv)
+    ring.wait(ring.exchange((dkv, home)))
+    ring.finish()
+    return dq.to(q.dtype), home[0], home[1]
 
 
 class RingAttention(torch.autograd.Function):

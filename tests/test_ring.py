@@ -10,6 +10,8 @@ by rank i mod W only, which spreads the float64 oracle over the ranks.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -383,6 +385,32 @@ def test_bad_input_on_one_rank_every_rank_raises(worlds, case):
         if rank == 1:
             assert kind in {k.__name__ for k in kinds}, f"rank 1: {kind}: {message}"
             assert all(word in message for word in words), message
+        else:
+            assert kind == "ValueError" and "rank(s) [1]" in message, f"rank {rank}: {kind}: {message}"
+        assert after is None, after
+
+
+def transport_on_one_rank_call(rank, world, value):
+    """Only rank 1 sets RINGFLASH_TRANSPORT; every argument is fine."""
+    if rank == 1:
+        os.environ["RINGFLASH_TRANSPORT"] = value
+    try:
+        caught = _call_and_catch(lambda: ringflash.ring_flash_attn(*_small(), causal=True))
+    finally:
+        os.environ.pop("RINGFLASH_TRANSPORT", None)
+    return caught, _ring_still_works(rank, world)
+
+
+@pytest.mark.parametrize("value", ["peer", "pigeon"])
+def test_bad_transport_on_one_rank_every_rank_raises(worlds, value):
+    """gloo has no peer transport, and "pigeon" none at all: rank 1 says so, and the others
+    raise naming rank 1 instead of waiting for it."""
+    per_rank = worlds(4).run(transport_on_one_rank_call, value, timeout=30)
+    for rank, (caught, after) in enumerate(per_rank):
+        assert caught is not None, f"rank {rank} raised nothing"
+        kind, message = caught
+        if rank == 1:
+            assert kind == "ValueError" and "RINGFLASH_TRANSPORT" in message, f"rank 1: {kind}: {message}"
         else:
             assert kind == "ValueError" and "rank(s) [1]" in message, f"rank {rank}: {kind}: {message}"
         assert after is None, after

@@ -237,3 +237,48 @@ def test_ring_bf16_no_worse_than_single_gpu(nccl, layout, causal, kv_heads):
         print(f"\n{case}: " + ", ".join(
             f"{n} {errors['ring'][n]:.2e}/{errors['single'][n]:.2e}" for n in NAMES) + " (ring/single)")
     _agree(failures)
+
+
+# ----------------------------------------------------------------------------- transports
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_transports_give_the_same_bits(nccl, layout, monkeypatch):
+    """The copy-engine ring moves the same bytes as NCCL in the same order: every result,
+    forward and backward, is bitwise equal (bf16, GQA, causal, seqlen_local 2048; then a
+    longer call, which grows the symmetric buffers)."""
+    world = dist.get_world_size()
+    failures = []
+    for n in (2048, 4096):
+        q, k, v, dout, dlse = _inputs(1, n * world, 8, 2, 128, BF16, nccl, seed=7 + n)
+        results = {}
+        for kind in ("nccl", "peer"):
+            monkeypatch.setenv("RINGFLASH_TRANSPORT", kind)
+            results[kind] = run_ring(q, k, v, dout, dlse, causal=True, layout=layout)
+        for name in NAMES:
+            if not torch.equal(results["nccl"][name], results["peer"][name]):
+                diff = (results["nccl"][name].float() - results["peer"][name].float()).abs().max().item()
+                failures.append(f"W={world} n={n} {layout}: {name} differs between transports "
+                                f"(max abs diff {diff:.3g})")
+    _agree(failures)
+
+
+def test_ranks_disagreeing_on_transport_raise(nccl, monkeypatch):
+    """Rank 1 asks for NCCL, the others for peer copies: every rank raises, naming the
+    field, and the next call works."""
+    q, k, v, dout, dlse = _inputs(1, 512 * dist.get_world_size(), 4, 4, 64, BF16, nccl, seed=3)
+    ql, kl, vl = (ringflash.shard(t, 1, "zigzag") for t in (q, k, v))
+    monkeypatch.setenv("RINGFLASH_TRANSPORT", "nccl" if dist.get_rank() == 1 else "peer")
+    failures = []
+    try:
+        ringflash.ring_flash_attn(ql, kl, vl, causal=True, layout="zigzag")
+        failures.append("no error raised")
+    except ValueError as error:
+        if "disagree on transport" not in str(error):
+            failures.append(f"wrong error: {error}")
+    monkeypatch.delenv("RINGFLASH_TRANSPORT")
+    out = ringflash.ring_flash_attn(ql, kl, vl, causal=True, layout="zigzag")
+    want = ringflash.shard(flash_attn(q, k, v, causal=True), 1, "zigzag")
+    if not torch.allclose(out.float(), want.float(), atol=2e-2, rtol=2e-2):
+        failures.append("the call after the error is wrong")
+    _agree(failures)
