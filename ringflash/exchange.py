@@ -126,12 +126,23 @@ class PeerRing(Ring):
 
     def buffer(self, name, shape, dtype, device):
         numel, key = math.prod(shape), f"{name}/{dtype}"
-        base, _ = self._buffers.get(key, (None, None))
-        if base is None or base.numel() < numel:  # every rank grows it in the same call
-            self._buffers.pop(key, None)
-            base = self._symm_mem.empty(numel, dtype=dtype, device=device)
-            self._buffers[key] = (base, self._symm_mem.rendezvous(base, self.group))
-        return base[:numel].view(shape)
+        if key not in self._buffers or self._buffers[key][0].numel() < numel:
+            self._grow(key, numel, dtype, device)
+        return self._buffers[key][0][:numel].view(shape)
+
+    def _grow(self, key, numel, dtype, device):
+        """Replace buffer ``key`` by a larger one; every rank does so in the same call.
+        Both ends synchronize: copies still queued may read the old buffer, and the new
+        one's signal pad is zeroed outside this ring's streams, which must be done on every
+        rank before any rank signals into it (else the signal is wiped, and the barrier
+        waits forever)."""
+        torch.cuda.synchronize(device)
+        self._buffers.pop(key, None)
+        base = self._symm_mem.empty(numel, dtype=dtype, device=device)
+        handle = self._symm_mem.rendezvous(base, self.group)
+        torch.cuda.synchronize(device)
+        self.all_gather_ints([0], device)  # returns once every rank is past its synchronize
+        self._buffers[key] = (base, handle)
 
     def _find(self, send: torch.Tensor):
         ptr = send.data_ptr()

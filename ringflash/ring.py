@@ -16,8 +16,6 @@ in the gradients' own dtype, takes every shard's dK/dV home. dQ never leaves the
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .exchange import Ring
@@ -37,23 +35,29 @@ def _kv_buffers(k: torch.Tensor, v: torch.Tensor, ring: Ring):
 
 
 def _steps(ring: Ring, layout: str, local_len: int, causal: bool):
+    """(step, block pairs, first): step 0 is the rank's own shard, one pair over every row
+    (a layout's invariant), so its kernels write their results and later steps add to them;
+    no buffer needs zeroing first."""
     for step in range(ring.world):
         src = (ring.rank - step) % ring.world
-        yield step, step_pairs(layout, ring.rank, src, local_len, causal)
+        pairs = step_pairs(layout, ring.rank, src, local_len, causal)
+        if step == 0 and not (len(pairs) == 1 and pairs[0].q == pairs[0].k == slice(None)):
+            raise AssertionError(f"layout {layout}: the first step must be one pair over all rows")
+        yield step, pairs, step == 0
 
 
 def ring_forward(q, k, v, *, softmax_scale: float, causal: bool, layout: str, ring: Ring):
     """Returns out (in q's dtype) and lse (fp32, (B, H, S)) of q against every rank's k, v."""
     b, n, h, d = q.shape
-    out = torch.zeros((b, n, h, d), device=q.device, dtype=torch.float32)
-    lse = torch.full((b, h, n), -math.inf, device=q.device, dtype=torch.float32)
+    out = torch.empty((b, n, h, d), device=q.device, dtype=torch.float32)
+    lse = torch.empty((b, h, n), device=q.device, dtype=torch.float32)
     cur, nxt = _kv_buffers(k, v, ring)
-    for step, pairs in _steps(ring, layout, n, causal):
+    for step, pairs, first in _steps(ring, layout, n, causal):
         pending = ring.exchange((cur, nxt)) if step + 1 < ring.world else []
         for pair in pairs:
             flash_attn_fwd(q[:, pair.q], cur[0][:, pair.k], cur[1][:, pair.k],
                            softmax_scale=softmax_scale, causal_offset=pair.causal_offset,
-                           out=out[:, pair.q], lse=lse[:, :, pair.q], accumulate=True)
+                           out=out[:, pair.q], lse=lse[:, :, pair.q], accumulate=not first)
         ring.wait(pending)
         cur, nxt = nxt, cur
     ring.finish()
@@ -65,37 +69,35 @@ def ring_backward(dout, q, k, v, out, lse, dlse, *, softmax_scale: float, causal
     """Returns dq, dk, dv of this rank's shards (in their dtypes)."""
     n = q.shape[1]
     delta = attn_delta(out, dout, dlse)
-    dq = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+    dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
     cur, nxt = _kv_buffers(k, v, ring)
     # Packed (dk, dv) running sums in fp32: `running` belongs to the shard this step
     # computes and arrives from r-1 during the step; `sending` belongs to the shard of the
     # step before and leaves for r+1.
     running, sending = ring.buffer("grads", (2, 2, *k.shape), torch.float32, k.device)
 
-    def add_grads(pair, kv, dq=None, dkv=None):
-        """Add one block pair's dQ pass (into dq) or dK/dV pass (into packed dkv)."""
+    def add_grads(pair, kv, first, dq=None, dkv=None):
+        """One block pair's dQ pass (into dq) or dK/dV pass (into packed dkv); the first
+        step writes, the others add."""
         dk, dv = (None, None) if dkv is None else (dkv[0][:, pair.k], dkv[1][:, pair.k])
         flash_attn_bwd(dout[:, pair.q], q[:, pair.q], kv[0][:, pair.k], kv[1][:, pair.k],
                        lse[:, :, pair.q], delta[:, :, pair.q], None if dq is None else dq[:, pair.q],
                        dk, dv, softmax_scale=softmax_scale, causal_offset=pair.causal_offset,
-                       accumulate=True)
+                       accumulate=not first)
 
-    for step, pairs in _steps(ring, layout, n, causal):
+    for step, pairs, first in _steps(ring, layout, n, causal):
         # Two messages, the one needed first posted first: the running dK/dV (which the
-        # dK/dV pass adds into) and the next K/V (needed by the next step only).
-        if step > 0:
-            grads_pending = ring.exchange((sending, running))
-        else:  # our own shard: its sum starts here
-            grads_pending = []
-            running.zero_()
+        # dK/dV pass adds into; our own shard's sum starts here) and the next K/V (needed
+        # by the next step only).
+        grads_pending = [] if first else ring.exchange((sending, running))
         kv_pending = ring.exchange((cur, nxt)) if step + 1 < ring.world else []
         # dQ needs nothing in flight, so it runs while the running dK/dV arrives; dK/dV
         # then add straight into it, only in the key rows this step touches.
         for pair in pairs:
-            add_grads(pair, cur, dq=dq)
+            add_grads(pair, cur, first, dq=dq)
         ring.wait(grads_pending)
         for pair in pairs:
-            add_grads(pair, cur, dkv=running)
+            add_grads(pair, cur, first, dkv=running)
         ring.wait(kv_pending)
         cur, nxt = nxt, cur
         running, sending = sending, running

@@ -206,3 +206,14 @@ def test_contiguous_causal_is_unbalanced():
     work = [sum(sum(d.values()) for d in _computed("contiguous", world, r, n, True).values())
             for r in range(world)]
     assert work[0] == n * (n + 1) // 2 and work[-1] == (world - 1) * n * n + n * (n + 1) // 2
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_own_shard_is_one_pair_over_every_row(layout, causal):
+    """The ring's first step writes its results instead of adding them (nothing to zero
+    first), which needs the own-shard step to be a single pair over all rows."""
+    for world in WORLDS:
+        for rank in range(world):
+            pairs = step_pairs(layout, rank, rank, 12, causal)
+            assert len(pairs) == 1 and pairs[0].q == pairs[0].k == slice(None), (layout, world, rank, pairs)
