@@ -15,9 +15,9 @@ Found afterwards by compiling for sm_90 without a GPU (triton 3.6): the ``ws`` k
 run here (8 warps) was never warp-specialized. Hopper's pass leaves 8-warp kernels alone,
 so the PTX with ``warp_specialize=True`` and False is the same, and the measured +1.6% came
 from something else (this kernel has no masks). With 4 warps the pass fails on the
-``.reshape`` of the 4-D descriptor box. The library's forward now has a warp-specialized
-path that compiles (kernels/triton_attn.py, FWD_WARP_SPECIALIZE: per-head 2-D
-descriptors, one key loop, 4 warps); .exp/kernel_round3.py times it.
+``.reshape`` of the 4-D descriptor box. Round 3 (benchmarks/NOTES.md) ran a forward that
+does specialize (per-head 2-D descriptors, one key loop, 4 warps; commit c244cc6,
+FWD_WARP_SPECIALIZE): it compiled, and its outputs were wrong on the H200.
 """
 
 from __future__ import annotations

@@ -11,15 +11,14 @@ The math, per query row i, with s_ij = q_i . k_j * scale (base-2 internally:
 
 Masks are a description, never a tensor: ``CAUSAL`` with an integer diagonal
 offset, key j visible to query i iff j <= i + offset. Tiles that no query of the
-program can see are never loaded; tiles every query sees skip the mask.
+program can see are never loaded; in the forward and dQ kernels, tiles every query sees
+skip the mask (the causal dK/dV kernel masks all of its tiles: measured faster there).
 
 Layouts: q, o, do (B, Sq, H, D); k, v, dk, dv (B, Sk, Hkv, D), H a multiple of Hkv;
 lse, delta (B, H, Sq). Any of them may be a strided view (last dim contiguous).
 The forward reads q, k and v through TMA tensor descriptors over the whole (B, S, H, D)
 tensor where the hardware has them and the strides are 16-byte aligned (the copy engine
 zero-fills rows past the end); otherwise, and in the backward, through pointer loads.
-Launch variants under measurement (program order, a persistent forward grid, descriptors
-made in the kernel, warp specialization) are module-level switches, off by default.
 """
 
 from __future__ import annotations
@@ -33,46 +32,6 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 LOG2E = math.log2(math.e)
-
-# ----------------------------------------------------------------------------- launch variants
-# Read by the launchers at every call, so that a benchmark can A/B them in one process
-# (.exp/kernel_round3.py; benchmarks/NOTES.md). The defaults are the measured behaviour:
-# with them the kernels are the ones measured before these switches existed.
-
-FWD_LONGEST_FIRST = False
-"""Causal forward: program i runs query tile n-1-i, so the tiles with the most keys start
-first instead of last (the tail of the launch is then the short tiles)."""
-
-DQ_LONGEST_FIRST = False
-"""Causal dQ kernel: the same order. (The dK/dV kernel already starts with key tile 0,
-the one the most queries see.)"""
-
-FWD_PERSISTENT = 0
-"""Forward grid: 0, one program per (query tile, head); k > 0, min(items, k * SMs)
-programs, each looping over (query tile, head) items with a stride of the grid size;
-causal items are walked longest-first."""
-
-FWD_PERSISTENT_HEAD_GROUP = 1
-"""Order of the persistent items: heads taken in groups of this many (0: all of them),
-query tiles outer and heads inner within a group. 1 walks one head after the other (its
-neighbours in time share K/V in L2); 0 walks every head's longest tile first."""
-
-FWD_DEVICE_DESCRIPTORS = False
-"""Forward: TMA descriptors made in the kernel, 2-D (S, D) ones of the program's head
-(tl.make_tensor_descriptor, scratch from triton.set_allocator; one is installed when none
-is), instead of 4-D (B, S, H, D) ones made on the host."""
-
-FWD_WARP_SPECIALIZE = False
-"""Forward: one key loop ``tl.range(..., warp_specialize=True)`` over every key tile, each
-masked when the mask is causal or the keys end inside a tile (instead of an unmasked loop
-and a masked one: Hopper's pass in triton 3.6 fails on the pair). Implies
-FWD_DEVICE_DESCRIPTORS (the pass fails on the reshape of a 4-D box) and 4 warps (it leaves
-8-warp kernels alone and turns 4-warp ones into a producer and two consumer warp groups).
-Where TMA is not usable (misaligned strides, pre-Hopper) both are off."""
-
-FWD_WS_STAGES = 2
-"""Pipeline stages of the warp-specialized forward: its buffers take more shared memory
-(128x128 tiles at head_dim 128: ~246 KB with 3 stages, over the H200's 227; ~180 with 2)."""
 
 
 def _interpreting() -> bool:
@@ -148,43 +107,13 @@ def _source(t: torch.Tensor, block_rows: int, head_dim_block: int, tma: bool):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, block_rows, 1, head_dim_block])
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    """SMs of a CUDA device; 4 in the interpreter, so a persistent grid loops there too."""
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _ensure_allocator(device: torch.device) -> None:
-    """Device-side descriptors live in scratch memory that Triton asks an allocator for at
-    launch. Install one (torch's caching allocator) unless the caller has set their own."""
-    if device.type != "cuda":
-        return
-    try:
-        from triton.runtime import _allocation
-        missing = isinstance(_allocation._allocator.get(), _allocation.NullAllocator)
-    except (ImportError, AttributeError):  # another triton: install ours
-        missing = True
-    if missing:
-        triton.set_allocator(_scratch)
-
-
 @triton.jit
 def _load_block(src, off_b, off_h, start, stride_b, stride_s, stride_h, n_rows,
                 BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
                 BOUNDED: tl.constexpr, TMA: tl.constexpr):
     """Rows [start, start + BLOCK_ROWS) of head off_h of batch off_b, a (BLOCK_ROWS, BLOCK_D)
-    tile; rows past n_rows (checked only when BOUNDED) and columns past HEAD_DIM read 0.
-    src: TMA false, a pointer; TMA true (1), a descriptor over the whole (B, S, H, D) tensor;
-    TMA 2, a 2-D (S, D) descriptor of this one head (made in the kernel)."""
-    if TMA == 2:
-        tile = src.load([start, 0])
-    elif TMA:
+    tile; rows past n_rows (checked only when BOUNDED) and columns past HEAD_DIM read 0."""
+    if TMA:
         tile = src.load([off_b, start, off_h, 0]).reshape(BLOCK_ROWS, BLOCK_D)
     else:
         rows = start + tl.arange(0, BLOCK_ROWS)
@@ -197,6 +126,16 @@ def _load_block(src, off_b, off_h, start, stride_b, stride_s, stride_h, n_rows,
         else:
             tile = tl.load(ptrs)
     return tile
+
+
+@triton.jit
+def _query_tile(BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """First row of this program's query tile (program_id(0)). Causal grids run last tile
+    first: it sees the most keys, and a launch that ends on short tiles has a short tail
+    (+1-9% on the causal forward, benchmarks/NOTES.md)."""
+    if CAUSAL:
+        return (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    return tl.program_id(0) * BLOCK_M
 
 
 # ----------------------------------------------------------------------------- forward
@@ -232,27 +171,18 @@ def _fwd_tile(acc, l_i, m_i, q, K, V, off_b, off_hk, stride_kb, stride_ks, strid
 
 
 @triton.jit
-def _fwd_item(Q, K, V, O, LSE, start_m, off_b, off_h, off_hk,
-              stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
-              stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
-              stride_lb, stride_lh, seqlen_q, seqlen_k, qk_scale, causal_offset,
-              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr,
-              PRECISION: tl.constexpr, TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-              EVEN_K: tl.constexpr):
-    """Query rows [start_m, start_m + BLOCK_M) of head off_h of batch off_b, every key.
-    TMA 2: Q, K, V are pointers; this head's (S, D) descriptors are made here. 2-D, because
-    Hopper's warp specialization in triton 3.6 fails on the reshape a 4-D box needs."""
-    if TMA == 2:
-        Q = tl.make_tensor_descriptor(Q + off_b * stride_qb + off_h * stride_qh,
-                                      shape=[seqlen_q, HEAD_DIM], strides=[stride_qs, 1],
-                                      block_shape=[BLOCK_M, BLOCK_D])
-        K = tl.make_tensor_descriptor(K + off_b * stride_kb + off_hk * stride_kh,
-                                      shape=[seqlen_k, HEAD_DIM], strides=[stride_ks, 1],
-                                      block_shape=[BLOCK_N, BLOCK_D])
-        V = tl.make_tensor_descriptor(V + off_b * stride_vb + off_hk * stride_vh,
-                                      shape=[seqlen_k, HEAD_DIM], strides=[stride_vs, 1],
-                                      block_shape=[BLOCK_N, BLOCK_D])
+def _fwd_kernel(Q, K, V, O, LSE,
+                stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
+                stride_lb, stride_lh,
+                H, GROUP, seqlen_q, seqlen_k, qk_scale, causal_offset,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr,
+                PRECISION: tl.constexpr, TMA: tl.constexpr):
+    start_m = _query_tile(BLOCK_M, CAUSAL)
+    off_b = tl.program_id(1) // H
+    off_h = tl.program_id(1) % H
+    off_hk = off_h // GROUP
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < seqlen_q
@@ -280,26 +210,16 @@ def _fwd_item(Q, K, V, O, LSE, start_m, off_b, off_h, off_hk,
     else:
         end = seqlen_k
         full_end = seqlen_k // BLOCK_N * BLOCK_N
-    if WARP_SPECIALIZE:
-        # One key loop: Hopper's warp specialization (triton 3.6) fails on a kernel with a
-        # second loop bounded by a value the first one also uses, and ignores a loop whose
-        # body branches. So every tile is masked, unless no tile needs it.
-        for start_n in tl.range(0, end, BLOCK_N, warp_specialize=True):
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, off_b, off_hk, stride_kb, stride_ks,
-                                      stride_kh, stride_vb, stride_vs, stride_vh, start_n, offs_m,
-                                      seqlen_k, qk_scale, causal_offset, HEAD_DIM, BLOCK_N,
-                                      BLOCK_D, CAUSAL or not EVEN_K, CAUSAL, PRECISION, TMA)
-    else:
-        for start_n in range(0, full_end, BLOCK_N):
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, off_b, off_hk, stride_kb, stride_ks,
-                                      stride_kh, stride_vb, stride_vs, stride_vh, start_n, offs_m,
-                                      seqlen_k, qk_scale, causal_offset, HEAD_DIM, BLOCK_N,
-                                      BLOCK_D, False, CAUSAL, PRECISION, TMA)
-        for start_n in range(full_end, end, BLOCK_N):
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, off_b, off_hk, stride_kb, stride_ks,
-                                      stride_kh, stride_vb, stride_vs, stride_vh, start_n, offs_m,
-                                      seqlen_k, qk_scale, causal_offset, HEAD_DIM, BLOCK_N,
-                                      BLOCK_D, True, CAUSAL, PRECISION, TMA)
+    for start_n in range(0, full_end, BLOCK_N):
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, off_b, off_hk, stride_kb, stride_ks,
+                                  stride_kh, stride_vb, stride_vs, stride_vh, start_n, offs_m,
+                                  seqlen_k, qk_scale, causal_offset, HEAD_DIM, BLOCK_N, BLOCK_D,
+                                  False, CAUSAL, PRECISION, TMA)
+    for start_n in range(full_end, end, BLOCK_N):
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, off_b, off_hk, stride_kb, stride_ks,
+                                  stride_kh, stride_vb, stride_vs, stride_vh, start_n, offs_m,
+                                  seqlen_k, qk_scale, causal_offset, HEAD_DIM, BLOCK_N, BLOCK_D,
+                                  True, CAUSAL, PRECISION, TMA)
 
     empty = l_i == 0.0  # saw no key at all: out 0, lse -inf
     l_safe = tl.where(empty, 1.0, l_i)
@@ -308,93 +228,22 @@ def _fwd_item(Q, K, V, O, LSE, start_m, off_b, off_h, off_hk,
     tl.store(o_ptrs, (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=o_mask)
 
 
-@triton.jit
-def _persistent_item(item, n_tiles, n_heads, head_group, CAUSAL: tl.constexpr):
-    """(query tile, batch * H + head) of a persistent item: heads in groups of head_group,
-    tiles outer within a group; causal tiles last-first (the longest first)."""
-    group_items = head_group * n_tiles
-    group = item // group_items
-    first = group * head_group
-    size = tl.minimum(head_group, n_heads - first)
-    within = item - group * group_items
-    tile = within // size
-    if CAUSAL:
-        tile = n_tiles - 1 - tile
-    return tile, first + within % size
-
-
-@triton.jit
-def _fwd_kernel(Q, K, V, O, LSE,
-                stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
-                stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
-                stride_lb, stride_lh,
-                B, H, GROUP, seqlen_q, seqlen_k, qk_scale, causal_offset, head_group,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr,
-                PRECISION: tl.constexpr, TMA: tl.constexpr, LONGEST_FIRST: tl.constexpr,
-                PERSISTENT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, EVEN_K: tl.constexpr):
-    """Grid (query tiles, B * H), or with PERSISTENT a 1-D grid of programs that loop over
-    the (query tile, head) items. TMA as in _load_block."""
-    if PERSISTENT:
-        n_tiles = tl.cdiv(seqlen_q, BLOCK_M)
-        for item in range(tl.program_id(0), n_tiles * B * H, tl.num_programs(0)):
-            tile, bh = _persistent_item(item, n_tiles, B * H, head_group, CAUSAL)
-            off_h = bh % H
-            _fwd_item(Q, K, V, O, LSE, tile * BLOCK_M, bh // H, off_h, off_h // GROUP,
-                      stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
-                      stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
-                      stride_lb, stride_lh, seqlen_q, seqlen_k, qk_scale, causal_offset,
-                      HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, ACCUMULATE, PRECISION, TMA,
-                      WARP_SPECIALIZE, EVEN_K)
-    else:
-        if LONGEST_FIRST:  # causal: the last query tile sees the most keys
-            tile = tl.num_programs(0) - 1 - tl.program_id(0)
-        else:
-            tile = tl.program_id(0)
-        off_h = tl.program_id(1) % H
-        _fwd_item(Q, K, V, O, LSE, tile * BLOCK_M, tl.program_id(1) // H, off_h, off_h // GROUP,
-                  stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
-                  stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
-                  stride_lb, stride_lh, seqlen_q, seqlen_k, qk_scale, causal_offset,
-                  HEAD_DIM, BLOCK_D, BLOCK_M, BLOCK_N, CAUSAL, ACCUMULATE, PRECISION, TMA,
-                  WARP_SPECIALIZE, EVEN_K)
-
-
 def fwd(q, k, v, out, lse, *, softmax_scale: float, causal_offset: int | None, accumulate: bool):
-    """The launch variants (FWD_* above) are read here, at every call."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     cfg = fwd_config(d, q.dtype)
     bd = block_d(d)
     tma = _use_tma(q, k, v)
-    causal = causal_offset is not None
-    warp_specialize = bool(FWD_WARP_SPECIALIZE) and tma
-    device_desc = tma and (FWD_DEVICE_DESCRIPTORS or warp_specialize)
-    if warp_specialize and not _interpreting():
-        cfg = dict(cfg, num_warps=4, num_stages=FWD_WS_STAGES)
-    n_tiles = triton.cdiv(sq, cfg["BLOCK_M"])
-    if FWD_PERSISTENT:
-        grid = (min(n_tiles * b * h, FWD_PERSISTENT * _num_sms(q.device)),)
-    else:
-        grid = (n_tiles, b * h)
-    head_group = min(FWD_PERSISTENT_HEAD_GROUP or b * h, b * h)
-    if device_desc:
-        _ensure_allocator(q.device)
-        sources = (q, k, v)
-    else:
-        sources = (_source(q, cfg["BLOCK_M"], bd, tma), _source(k, cfg["BLOCK_N"], bd, tma),
-                   _source(v, cfg["BLOCK_N"], bd, tma))
+    grid = (triton.cdiv(sq, cfg["BLOCK_M"]), b * h)
     _fwd_kernel[grid](
-        *sources, out, lse,
+        _source(q, cfg["BLOCK_M"], bd, tma), _source(k, cfg["BLOCK_N"], bd, tma),
+        _source(v, cfg["BLOCK_N"], bd, tma), out, lse,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1),
-        b, h, h // hkv, sq, sk, softmax_scale * LOG2E, causal_offset or 0, head_group,
-        HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal, ACCUMULATE=accumulate,
-        PRECISION=_dot_precision(q.dtype), TMA=2 if device_desc else tma,
-        LONGEST_FIRST=bool(FWD_LONGEST_FIRST) and causal, PERSISTENT=bool(FWD_PERSISTENT),
-        WARP_SPECIALIZE=warp_specialize, EVEN_K=warp_specialize and sk % cfg["BLOCK_N"] == 0,
-        **cfg)
+        h, h // hkv, sq, sk, softmax_scale * LOG2E, causal_offset or 0,
+        HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal_offset is not None, ACCUMULATE=accumulate,
+        PRECISION=_dot_precision(q.dtype), TMA=tma, **cfg)
     return out, lse
 
 
@@ -514,11 +363,8 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
                H, GROUP, seqlen_q, seqlen_k, qk_scale, sm_scale, causal_offset,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr,
-               PRECISION: tl.constexpr, LONGEST_FIRST: tl.constexpr):
-    if LONGEST_FIRST:  # causal: the last query tile sees the most keys
-        start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
-    else:
-        start_m = tl.program_id(0) * BLOCK_M
+               PRECISION: tl.constexpr):
+    start_m = _query_tile(BLOCK_M, CAUSAL)
     off_b = tl.program_id(1) // H
     off_h = tl.program_id(1) % H
     off_hk = off_h // GROUP
@@ -560,7 +406,7 @@ def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, causal_off
         accumulate: bool):
     """dq (skipped when None) and dk, dv (skipped when None): two kernels, so a caller can
     run them apart. The backward reads through pointers: TMA descriptors measured slower
-    here (benchmarks/NOTES.md). DQ_LONGEST_FIRST is read here, at every call."""
+    here (benchmarks/NOTES.md)."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     dkdv_cfg, dq_cfg = bwd_config(d, q.dtype)
@@ -578,6 +424,5 @@ def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, causal_off
     if dq is not None:  # query tiles outer: k and v are read in BLOCK_N rows
         _dq_kernel[(triton.cdiv(sq, dq_cfg["BLOCK_M"]), b * h)](
             q, k, v, do, lse, delta, dq, *qkv_strides, dq.stride(0), dq.stride(1), dq.stride(2),
-            *stat_strides, h, *scalars, **common, **dq_cfg,
-            LONGEST_FIRST=bool(DQ_LONGEST_FIRST) and causal_offset is not None)
+            *stat_strides, h, *scalars, **common, **dq_cfg)
     return dq, dk, dv

@@ -49,28 +49,9 @@ def make_inputs(case: Case, dtype, device, seed: int = 0):
 # ----------------------------------------------------------------------------- implementations
 
 
-# Launch variants of the Triton kernels: module-level switches of triton_attn (what
-# .exp/kernel_round3.py times), each checked through the same cases as the default launch.
-# In the interpreter warp_specialize is a no-op, but its path (one key loop masking every
-# tile where needed, per-head descriptors made in the kernel) runs.
-TRITON_VARIANTS = {
-    "triton-longest-first": dict(FWD_LONGEST_FIRST=True, DQ_LONGEST_FIRST=True),
-    "triton-persistent": dict(FWD_PERSISTENT=1, FWD_PERSISTENT_HEAD_GROUP=3),  # ragged groups
-    "triton-persistent-all": dict(FWD_PERSISTENT=2, FWD_PERSISTENT_HEAD_GROUP=0),
-    "triton-device-desc": dict(FWD_DEVICE_DESCRIPTORS=True),
-    "triton-ws": dict(FWD_WARP_SPECIALIZE=True),
-    "triton-ws-persistent": dict(FWD_WARP_SPECIALIZE=True, FWD_PERSISTENT=1),
-}
-
-
 def kernel_module(name: str, monkeypatch):
     """(module with fwd/bwd, device) of an implementation id."""
     if name == "triton":
-        return triton_attn, TRITON_DEVICE
-    if name in TRITON_VARIANTS:
-        for setting, value in TRITON_VARIANTS[name].items():
-            assert hasattr(triton_attn, setting), setting
-            monkeypatch.setattr(triton_attn, setting, value)
         return triton_attn, TRITON_DEVICE
     if name == "triton-gpu-tiles":  # interpreted, with the tile shapes chosen for the GPU
         monkeypatch.setattr(triton_attn, "_interpreting", lambda: False)
@@ -184,11 +165,9 @@ def block_params():
     if HAS_CUDA:
         combos += [("triton", BLOCK_CASES + LARGE_CASES + GPU_TILE_CASES, (F32, F16)),
                    ("triton-pointers", BLOCK_CASES + GPU_TILE_CASES, (F16,))]
-        combos += [(variant, BLOCK_CASES + GPU_TILE_CASES, (F16,)) for variant in TRITON_VARIANTS]
     else:
         combos += [("triton", BLOCK_CASES, (F32, F16)), ("triton-pointers", BLOCK_CASES, (F16,)),
                    ("triton-gpu-tiles", GPU_TILE_CASES, (F32,))]
-        combos += [(variant, BLOCK_CASES, (F32,)) for variant in TRITON_VARIANTS]
     return [pytest.param(kernel, dtype, c, id=f"{kernel}-{DTYPE_ID[dtype]}-{c.id}")
             for kernel, cases, dtypes in combos for dtype in dtypes for c in cases]
 
@@ -215,8 +194,7 @@ SPLIT_CASES = [  # (case, first key of the second part)
 @pytest.mark.parametrize("order", ["ascending", "descending"])
 @pytest.mark.parametrize("case,split", SPLIT_CASES, ids=[f"{c.id}-split{s}" for c, s in SPLIT_CASES])
 @pytest.mark.parametrize("kernel,dtype", [pytest.param(k, d, id=f"{k}-{DTYPE_ID[d]}")
-                                          for k in ("twin", "triton") for d in (F32, F16)]
-                         + [pytest.param(k, F32, id=f"{k}-fp32") for k in TRITON_VARIANTS])
+                                          for k in ("twin", "triton") for d in (F32, F16)])
 def test_split_keys_accumulate(kernel, dtype, case, split, order, monkeypatch):
     """The ring's use: merge partials over key ranges into a running (out, lse) that starts
     at (0, -inf), then add each range's gradients into buffers that already hold some."""
@@ -252,54 +230,6 @@ def test_split_keys_accumulate(kernel, dtype, case, split, order, monkeypatch):
     ref_grads = oracle_grads(q, k, v, dout, case.offset, case.softmax_scale)
     for name, g, r in zip(("dq", "dk", "dv"), added, ref_grads):
         assert rel_err(g, r) <= TOL[dtype], name
-
-
-VARIANT_CASES = [
-    Case(2, 77, 50, 4, 2, 32, 10),    # GQA, batch 2, more queries than keys, an offset
-    Case(1, 40, 70, 2, 1, 96, None),  # non-causal, keys end inside a tile, head_dim < BLOCK_D
-    Case(1, 50, 64, 2, 1, 64, -60),   # no row sees a key
-    Case(1, 64, 64, 2, 2, 32, None),  # non-causal, whole tiles
-]
-
-
-_DEFAULT_RUNS = {}  # (case, accumulate) -> the default launch's outputs, shared by the variants
-
-
-@pytest.mark.parametrize("accumulate", [False, True], ids=["plain", "accumulate"])
-@pytest.mark.parametrize("case", VARIANT_CASES, ids=[c.id for c in VARIANT_CASES])
-@pytest.mark.parametrize("variant", list(TRITON_VARIANTS))
-def test_launch_variant_gives_the_default_bits(variant, case, accumulate, monkeypatch):
-    """A launch variant changes which program computes what, never the arithmetic of one
-    (query tile, head): out, lse and the gradients come out bit for bit as from the default
-    launch (in the interpreter; compiled, within rounding)."""
-    q, k, v, dout = make_inputs(case, F16, TRITON_DEVICE)
-    gen = torch.Generator().manual_seed(3)
-    start_out = torch.randn(q.shape, generator=gen).to(TRITON_DEVICE)
-    start_lse = torch.randn(case.b, case.h, case.sq, generator=gen).to(TRITON_DEVICE)
-
-    def run():
-        out = start_out.clone() if accumulate else torch.full_like(q, NAN)
-        lse = start_lse.clone() if accumulate else torch.full((case.b, case.h, case.sq), NAN,
-                                                                device=q.device)
-        triton_attn.fwd(q, k, v, out, lse, softmax_scale=case.softmax_scale,
-                        causal_offset=case.offset, accumulate=accumulate)
-        grads = [torch.full(t.shape, NAN, device=q.device) for t in (q, k, v)]
-        triton_attn.bwd(dout, q, k, v, lse, attn_delta(out, dout), *grads,
-                        softmax_scale=case.softmax_scale, causal_offset=case.offset,
-                        accumulate=False)
-        return out, lse, *grads
-
-    key = (case, accumulate)
-    if key not in _DEFAULT_RUNS:
-        _DEFAULT_RUNS[key] = run()
-    default = _DEFAULT_RUNS[key]
-    kernel_module(variant, monkeypatch)
-    got = run()
-    for name, g, d in zip(("out", "lse", "dq", "dk", "dv"), got, default):
-        if HAS_CUDA:
-            torch.testing.assert_close(g, d, rtol=1e-3, atol=1e-3, msg=name)
-        else:
-            assert torch.equal(g, d), f"{name}: max diff {(g.float() - d.float()).abs().max()}"
 
 
 @pytest.mark.parametrize("kernel", ["twin", "triton"])
