@@ -306,11 +306,16 @@ def ringflash_api():
 def run_ringflash(cfg: Cfg, layout: str, transport: str, full, ref: Optional[dict], ctx: Ctx,
                   args) -> dict:
     """ringflash with RINGFLASH_TRANSPORT=transport for the duration of the run."""
+    from ringflash import exchange  # imported late, as ringflash_api
+
     saved = os.environ.get("RINGFLASH_TRANSPORT")
     os.environ["RINGFLASH_TRANSPORT"] = transport
+    exchange.release_buffers()  # this run's own peer buffers, counted in its peak memory
     try:
         res = _run_ringflash(cfg, layout, full, ref, ctx, args)
         res["transport"] = ringflash_api().transport(ctx.group)  # what "auto" resolved to
+        if res.get("peak_bytes") is not None:
+            res["peak_bytes"] += exchange.symmetric_bytes()
     finally:
         if saved is None:
             del os.environ["RINGFLASH_TRANSPORT"]
@@ -820,7 +825,8 @@ def run(args, ctx: Ctx) -> int:
                                           f"({'CUDA events, L2 flushed' if ctx.device.type == 'cuda' else 'wall clock'}), "
                                           "max over ranks; TFLOP/s per GPU = global FLOPs / world / time"),
                                   peak_mem=("max over ranks of (peak allocated during the impl's runs minus "
-                                            "memory live before them + this rank's q, k, v, dout)"),
+                                            "memory live before them + this rank's q, k, v, dout; "
+                                            "ringflash with the peer transport: + its symmetric buffers)"),
                                   check=f"at seqlen {H.fmt_size(min(args.seqlens))} vs ringflash flash_attn on "
                                         f"the full sequence: out rel err <= {args.tol}, grads <= {args.grad_tol}")
             name = args.out_name or f"ring_h200x{ctx.world}"

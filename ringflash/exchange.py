@@ -184,6 +184,21 @@ class PeerRing(Ring):
         self._handle = None
 
 
+def symmetric_bytes() -> int:
+    """Bytes of the copy-engine ring's buffers this process holds (outside torch's caching
+    allocator, so torch.cuda.max_memory_allocated does not see them)."""
+    return sum(base.numel() * base.element_size()
+               for buffers in _SYMMETRIC.values() for base, _ in buffers.values())
+
+
+def release_buffers() -> None:
+    """Free the copy-engine ring's buffers; the next ring call allocates them again. Call it
+    on every rank of the group at the same point, between ring calls."""
+    if _SYMMETRIC:
+        torch.cuda.synchronize()
+    _SYMMETRIC.clear()
+
+
 def transport(group=None) -> str:
     """The transport a ring over ``group`` uses: RINGFLASH_TRANSPORT ("nccl", "peer", or
     "auto", the default). "auto" takes "peer" for NCCL groups whose ranks all run on this
