@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ringflash.kernels import attn_delta, triton_attn
+from ringflash.kernels import PairMask, attn_delta, triton_attn
 
 LOG2E = math.log2(math.e)
 
@@ -154,7 +154,7 @@ def main():
         f"{name:48} {ms:8.3f} ms {fwd_flops * factor / ms / 1e9:6.0f} TFLOP/s  err {err:.1e}")
 
     out, lse = torch.empty_like(q), torch.empty(1, h, s, device="cuda")
-    lib_fwd = lambda: triton_attn.fwd(q, k, v, out, lse, softmax_scale=scale, causal_offset=None,
+    lib_fwd = lambda: triton_attn.fwd(q, k, v, out, lse, softmax_scale=scale, mask=PairMask(),
                                       accumulate=False)
     lib_fwd()
     report("library forward", bench(lib_fwd), 1.0, 0.0)
@@ -171,7 +171,7 @@ def main():
     delta = attn_delta(out, do)
     grads = [torch.empty(t.shape, device="cuda") for t in (q, k, v)]
     lib_bwd = lambda: triton_attn.bwd(do, q, k, v, lse, delta, *grads, softmax_scale=scale,
-                                      causal_offset=None, accumulate=False)
+                                      mask=PairMask(), accumulate=False)
     lib_bwd()
     report("library backward (dK/dV + dQ kernels)", bench(lib_bwd), 2.5, 0.0)
     g = [torch.empty_like(t) for t in grads]

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from ringflash.kernels import attn_delta, triton_attn
+from ringflash.kernels import PairMask, attn_delta, triton_attn
 
 # Matmuls each kernel really runs, over the forward's two: dK/dV recomputes S and dP and
 # accumulates dV and dK (4), dQ recomputes S and dP and accumulates dQ (3).
@@ -53,23 +53,23 @@ def sweep(which, head_dim, causal, seqlen, heads=32, batch=1, dtype=torch.bfloat
     scale, offset = head_dim ** -0.5, (0 if causal else None)
     lse = torch.empty(batch, heads, seqlen, device="cuda")
     out = torch.empty_like(q)
-    triton_attn.fwd(q, k, v, out, lse, softmax_scale=scale, causal_offset=offset, accumulate=False)
+    triton_attn.fwd(q, k, v, out, lse, softmax_scale=scale, mask=PairMask.causal(offset), accumulate=False)
     delta = attn_delta(out, do)
     grads = [torch.empty(t.shape, device="cuda") for t in (q, k, v)]
-    triton_attn.bwd(do, q, k, v, lse, delta, *grads, softmax_scale=scale, causal_offset=offset,
+    triton_attn.bwd(do, q, k, v, lse, delta, *grads, softmax_scale=scale, mask=PairMask.causal(offset),
                     accumulate=False)
     if which == "fwd":
         ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)),
                                              is_causal=causal).transpose(1, 2)
         o2, l2 = torch.empty_like(out), torch.empty_like(lse)
-        fn = lambda: triton_attn.fwd(q, k, v, o2, l2, softmax_scale=scale, causal_offset=offset,
+        fn = lambda: triton_attn.fwd(q, k, v, o2, l2, softmax_scale=scale, mask=PairMask.causal(offset),
                                      accumulate=False)
         check = lambda: _rel(o2, ref)
     else:
         g = [torch.empty_like(t) for t in grads]
         args = (g[0], None, None) if which == "dq" else (None, g[1], g[2])
         fn = lambda: triton_attn.bwd(do, q, k, v, lse, delta, *args, softmax_scale=scale,
-                                     causal_offset=offset, accumulate=False)
+                                     mask=PairMask.causal(offset), accumulate=False)
         checked = (0,) if which == "dq" else (1, 2)
         check = lambda: max(_rel(g[i], grads[i]) for i in checked)
     original = triton_attn.fwd_config, triton_attn.bwd_config

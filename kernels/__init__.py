@@ -10,19 +10,28 @@ from .interface import (
     attn_delta,
     check_causal,
     check_qkv,
+    check_segment_ids,
+    check_window,
     flash_attn,
     flash_attn_bwd,
     flash_attn_fwd,
+    no_double_backward,
     resolve_scale,
 )
+from .masks import PairMask, band_of_window
 
 __all__ = [
     "SUPPORTED_DTYPES",
+    "PairMask",
     "attn_delta",
+    "band_of_window",
     "check_causal",
     "check_qkv",
+    "check_segment_ids",
+    "check_window",
     "flash_attn",
     "flash_attn_bwd",
     "flash_attn_fwd",
+    "no_double_backward",
     "resolve_scale",
 ]

@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from . import reference, triton_attn
+from .masks import NO_MASK, PairMask, band_of_window
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -43,7 +44,9 @@ def check_qkv(q, k, v) -> None:
         raise ValueError(f"q and k must have the same head_dim, got {q.shape[3]} and {k.shape[3]}")
     if not 1 <= q.shape[3] <= MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be between 1 and {MAX_HEAD_DIM}, got {q.shape[3]}")
-    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
+    if q.shape[2] == 0 or k.shape[2] == 0:
+        raise ValueError(f"heads must be at least 1, got q: {q.shape[2]}, k and v: {k.shape[2]}")
+    if q.shape[2] % k.shape[2] != 0:
         raise ValueError(f"q's heads ({q.shape[2]}) must be a multiple of k's and v's heads ({k.shape[2]})")
     if q.shape[1] == 0 or k.shape[1] == 0:
         raise ValueError(f"seqlen must be at least 1, got q: {q.shape[1]}, k: {k.shape[1]}")
@@ -65,6 +68,46 @@ def check_causal(causal) -> bool:
     return causal
 
 
+def check_window(window_size) -> tuple[int, int]:
+    """(left, right), each an int >= -1 (-1: unbounded on that side)."""
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or any(isinstance(w, bool) or not isinstance(w, int) for w in window_size)):
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+    left, right = window_size
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size values must be >= -1 (-1: unbounded), got {tuple(window_size)}")
+    return int(left), int(right)
+
+
+def check_segment_ids(segment_ids, batch: int, seqlen: int, device: torch.device,
+                      name: str = "segment_ids") -> Optional[torch.Tensor]:
+    """None, or (batch, seqlen) integer ids as contiguous int32: ids >= 0 name documents,
+    -1 padding; outside padding they must not decrease along the sequence (each document
+    one contiguous run). The last rule is checked with one host synchronization, outside
+    torch.compile'd regions."""
+    if segment_ids is None:
+        return None
+    if not isinstance(segment_ids, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(segment_ids).__name__}")
+    if segment_ids.dtype.is_floating_point or segment_ids.dtype.is_complex or segment_ids.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {segment_ids.dtype}")
+    if tuple(segment_ids.shape) != (batch, seqlen):
+        raise ValueError(f"{name} must have shape (batch, seqlen) = ({batch}, {seqlen}), "
+                         f"got {tuple(segment_ids.shape)}")
+    if segment_ids.device != device:
+        raise ValueError(f"{name} must be on q's device {device}, got {segment_ids.device}")
+    ids = segment_ids.to(torch.int32).contiguous()
+    if not torch.compiler.is_compiling():
+        below = bool((ids < -1).any())
+        decreasing = bool(((ids >= 0) & (ids < torch.cummax(ids, dim=1).values)).any())
+        if below:
+            raise ValueError(f"{name} must be >= -1 (-1 marks padding), got a smaller id")
+        if decreasing:
+            raise ValueError(f"{name} must not decrease along the sequence outside padding "
+                             "(every document one contiguous run of equal ids)")
+    return ids
+
+
 def _rowmajor(t: torch.Tensor) -> torch.Tensor:
     """The kernels take any strides but need the last dimension contiguous."""
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -80,14 +123,23 @@ def _check_outputs(**tensors) -> None:
 # ----------------------------------------------------------------------------- per-block entry points
 
 
-def flash_attn_fwd(q, k, v, *, softmax_scale: float, causal_offset: Optional[int] = None,
-                   out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
-                   accumulate: bool = False):
+def _pair_mask(mask: Optional[PairMask], causal_offset: Optional[int]) -> PairMask:
+    if causal_offset is None:
+        return NO_MASK if mask is None else mask
+    if mask is not None:
+        raise ValueError("pass either mask or causal_offset, not both")
+    return PairMask.causal(causal_offset)
+
+
+def flash_attn_fwd(q, k, v, *, softmax_scale: float, mask: Optional[PairMask] = None,
+                   causal_offset: Optional[int] = None, out: Optional[torch.Tensor] = None,
+                   lse: Optional[torch.Tensor] = None, accumulate: bool = False):
     """Attention of one (query block, key block) pair, returning ``(out, lse)``.
 
     q (B, Sq, H, D); k, v (B, Sk, Hkv, D); Sq and Sk may differ.
-    causal_offset: None for no mask, or o: key j is visible to query i iff j <= i + o
-        (o = q_start - k_start for two contiguous blocks of one sequence).
+    mask: a ``PairMask`` (band of local indices, segment ids), None for no mask.
+    causal_offset: shorthand for ``PairMask.causal(o)``: key j is visible to query i iff
+        j <= i + o (o = q_start - k_start for two contiguous blocks of one sequence).
     out (B, Sq, H, D), any float dtype, and lse (B, H, Sq) fp32: where to write; allocated
         when None. Views are fine (last dimension contiguous).
     accumulate: out/lse already hold a partial result for the same queries (normalized
@@ -104,7 +156,7 @@ def flash_attn_fwd(q, k, v, *, softmax_scale: float, causal_offset: Optional[int
     if lse is None:
         lse = torch.empty((b, h, sq), device=q.device, dtype=torch.float32)
     _backend(q).fwd(_rowmajor(q), _rowmajor(k), _rowmajor(v), out, lse, softmax_scale=softmax_scale,
-                    causal_offset=causal_offset, accumulate=accumulate)
+                    mask=_pair_mask(mask, causal_offset), accumulate=accumulate)
     return out, lse
 
 
@@ -122,19 +174,21 @@ def attn_delta(out: torch.Tensor, dout: torch.Tensor,
 
 
 def flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float,
-                   causal_offset: Optional[int] = None, accumulate: bool = False):
+                   mask: Optional[PairMask] = None, causal_offset: Optional[int] = None,
+                   accumulate: bool = False):
     """Gradients of one block pair, written (or, with accumulate, added) into dq, dk, dv.
 
     dout, q, dq (B, Sq, H, D); k, v, dk, dv (B, Sk, Hkv, D); lse, delta (B, H, Sq) fp32:
     the FINAL lse of these queries over every key block, and ``attn_delta`` of the FINAL
     out. Accumulators should be fp32; views are fine. dq=None skips dQ, and dk=dv=None
     skips dK and dV (they are separate passes, so a caller may run them apart).
+    mask / causal_offset: as in ``flash_attn_fwd``.
     """
     if (dk is None) != (dv is None):
         raise ValueError("dk and dv are computed together: pass both or neither")
     _check_outputs(lse=lse, delta=delta, dq=dq, dk=dk, dv=dv)
     _backend(q).bwd(_rowmajor(dout), _rowmajor(q), _rowmajor(k), _rowmajor(v), lse, delta, dq, dk,
-                    dv, softmax_scale=softmax_scale, causal_offset=causal_offset,
+                    dv, softmax_scale=softmax_scale, mask=_pair_mask(mask, causal_offset),
                     accumulate=accumulate)
     return dq, dk, dv
 
@@ -142,14 +196,20 @@ def flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: floa
 # ----------------------------------------------------------------------------- differentiable op
 
 
+def _op_mask(band_lo, band_hi, segment_ids) -> PairMask:
+    return PairMask(band_lo, band_hi, segment_ids, segment_ids)
+
+
 @torch.library.custom_op("ringflash::flash_attn_forward", mutates_args=())
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-                causal_offset: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    return flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal_offset=causal_offset)
+                band_lo: Optional[int], band_hi: Optional[int],
+                segment_ids: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    return flash_attn_fwd(q, k, v, softmax_scale=softmax_scale,
+                          mask=_op_mask(band_lo, band_hi, segment_ids))
 
 
 @_forward_op.register_fake
-def _(q, k, v, softmax_scale, causal_offset):
+def _(q, k, v, softmax_scale, band_lo, band_hi, segment_ids):
     b, sq, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
 
@@ -157,38 +217,50 @@ def _(q, k, v, softmax_scale, causal_offset):
 @torch.library.custom_op("ringflash::flash_attn_backward", mutates_args=())
 def _backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
-                 softmax_scale: float, causal_offset: Optional[int]
+                 softmax_scale: float, band_lo: Optional[int], band_hi: Optional[int],
+                 segment_ids: Optional[torch.Tensor]
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     delta = attn_delta(out, dout, dlse)
     dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
     return flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale=softmax_scale,
-                          causal_offset=causal_offset)
+                          mask=_op_mask(band_lo, band_hi, segment_ids))
 
 
 @_backward_op.register_fake
-def _(dout, q, k, v, out, lse, dlse, softmax_scale, causal_offset):
+def _(dout, q, k, v, out, lse, dlse, softmax_scale, band_lo, band_hi, segment_ids):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal_offset = inputs
+    q, k, v, softmax_scale, band_lo, band_hi, segment_ids = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.softmax_scale = softmax_scale
-    ctx.causal_offset = causal_offset
+    ctx.save_for_backward(q, k, v, out, lse, segment_ids)
+    ctx.args = (softmax_scale, band_lo, band_hi)
+
+
+def no_double_backward() -> None:
+    """Backward passes run under grad mode only for create_graph=True, which they do not support."""
+    if torch.is_grad_enabled():
+        raise NotImplementedError("ringflash attention has no double backward: its backward is not "
+                                  "differentiable (torch.autograd.grad(..., create_graph=True) "
+                                  "is unsupported)")
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = _backward_op(dout, q, k, v, out, lse, dlse, ctx.softmax_scale, ctx.causal_offset)
-    return dq, dk, dv, None, None
+    no_double_backward()
+    q, k, v, out, lse, segment_ids = ctx.saved_tensors
+    softmax_scale, band_lo, band_hi = ctx.args
+    dq, dk, dv = _backward_op(dout, q, k, v, out, lse, dlse, softmax_scale, band_lo, band_hi,
+                              segment_ids)
+    return dq, dk, dv, None, None, None, None
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def flash_attn(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] = None,
-               return_lse: bool = False):
+               return_lse: bool = False, segment_ids: Optional[torch.Tensor] = None,
+               window_size: tuple[int, int] = (-1, -1)):
     """Exact softmax attention on one device, FlashAttention-2 style.
 
     Args:
@@ -199,14 +271,26 @@ def flash_attn(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] 
             torch's scaled_dot_product_attention).
         softmax_scale: a positive float; defaults to head_dim ** -0.5.
         return_lse: also return lse.
+        segment_ids: (batch, seqlen) integer ids (self-attention: seqlen_q == seqlen_k).
+            Query i sees key j only if both carry the same id; -1 marks padding (never
+            seen; a padding query sees nothing). Outside padding, ids must not decrease
+            along the sequence (packed documents, each one contiguous run).
+        window_size: (left, right): query i sees keys i - left <= j <= i + right; -1 is
+            unbounded on that side. Combines with causal and segment_ids.
 
     Returns:
         out (batch, seqlen_q, heads, head_dim) in q's dtype, and with return_lse the
         log-sum-exp of the scaled scores, lse (batch, heads, seqlen_q) fp32, natural log.
-        A row that sees no key gets out 0 and lse -inf. Both are differentiable.
+        A row that sees no key gets out 0 and lse -inf (and zero gradients). Both are
+        differentiable in q, k and v.
     """
     check_qkv(q, k, v)
     causal = check_causal(causal)
     scale = resolve_scale(softmax_scale, q.shape[-1])
-    out, lse = _forward_op(q, k, v, scale, 0 if causal else None)
+    band_lo, band_hi = band_of_window(causal, check_window(window_size))
+    if segment_ids is not None and q.shape[1] != k.shape[1]:
+        raise ValueError(f"segment_ids needs seqlen_q == seqlen_k (self-attention), got "
+                         f"{q.shape[1]} and {k.shape[1]}")
+    segment_ids = check_segment_ids(segment_ids, q.shape[0], q.shape[1], q.device)
+    out, lse = _forward_op(q, k, v, scale, band_lo, band_hi, segment_ids)
     return (out, lse) if return_lse else out

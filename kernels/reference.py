@@ -1,6 +1,6 @@
 """The PyTorch twin of the Triton kernels.
 
-Same contract as ``triton_fwd`` / ``triton_bwd`` (see ``ringflash.kernels``), written
+Same contract as ``triton_attn.fwd`` / ``triton_attn.bwd`` (see ``ringflash.kernels``), written
 blockwise over key tiles so extra memory is O(seqlen_q * BLOCK_N), never the full
 N x N score matrix. It is the path for CPU tensors (the gloo ring) and an
 implementation independent of the Triton code for the tests.
@@ -15,28 +15,34 @@ import math
 
 import torch
 
+from .masks import PairMask, visible
+
 BLOCK_N = 256
 
 
-def _key_blocks(seqlen_q: int, seqlen_k: int, causal_offset: int | None):
-    """Yield (start, end) of key tiles that hold at least one visible key."""
-    hi = seqlen_k if causal_offset is None else min(seqlen_k, seqlen_q + causal_offset)
-    for start in range(0, max(hi, 0), BLOCK_N):
+def _key_blocks(seqlen_q: int, seqlen_k: int, mask: PairMask):
+    """Yield (start, end) of key tiles that the band leaves at least one visible key in."""
+    lo = 0 if mask.band_lo is None else max(0, mask.band_lo)  # row 0 sees keys j >= band_lo
+    hi = seqlen_k if mask.band_hi is None else min(seqlen_k, seqlen_q + mask.band_hi)
+    for start in range(lo // BLOCK_N * BLOCK_N, max(hi, 0), BLOCK_N):
         yield start, min(start + BLOCK_N, hi)
 
 
-def _key_tiles(qg, k, v, softmax_scale: float, causal_offset: int | None):
+def _key_tiles(qg, k, v, softmax_scale: float, mask: PairMask):
     """Yield (start, end, k tile, v tile, masked scores (B, Hkv, G, Sq, end-start)) in fp32
     for every key tile that holds at least one visible key."""
     seqlen_q = qg.shape[1]
-    for start, end in _key_blocks(seqlen_q, k.shape[1], causal_offset):
+    rows = torch.arange(seqlen_q, device=qg.device)
+    for start, end in _key_blocks(seqlen_q, k.shape[1], mask):
+        ok = visible(rows, torch.arange(start, end, device=qg.device), mask)
+        if ok is not None and not ok.any():
+            continue
         kb = k[:, start:end].float()
         vb = v[:, start:end].float()
         s = torch.einsum("bqhgd,bkhd->bhgqk", qg, kb) * softmax_scale
-        if causal_offset is not None and end - 1 > causal_offset:  # not every key visible
-            rows = torch.arange(seqlen_q, device=qg.device)[:, None]
-            cols = torch.arange(start, end, device=qg.device)[None, :]
-            s = s.masked_fill(cols > rows + causal_offset, -math.inf)
+        if ok is not None:  # (Sq, n) or (B, Sq, n) -> broadcast over (B, Hkv, G)
+            ok = ok[:, None, None] if ok.dim() == 3 else ok
+            s = s.masked_fill(~ok, -math.inf)
         yield start, end, kb, vb, s
 
 
@@ -45,7 +51,7 @@ def _grouped(q, kv_heads):
     return q.view(b, s, kv_heads, h // kv_heads, d)
 
 
-def fwd(q, k, v, out, lse, *, softmax_scale: float, causal_offset: int | None, accumulate: bool):
+def fwd(q, k, v, out, lse, *, softmax_scale: float, mask: PairMask, accumulate: bool):
     """Write (or merge into) out (B, Sq, H, D) and lse (B, H, Sq) for this block pair."""
     b, sq, h, d = q.shape
     hkv = k.shape[2]
@@ -60,7 +66,7 @@ def fwd(q, k, v, out, lse, *, softmax_scale: float, causal_offset: int | None, a
         m = torch.full((b, hkv, g, sq), -math.inf, device=q.device)
         l = torch.zeros_like(m)
         acc = torch.zeros((b, hkv, g, sq, d), device=q.device)
-    for _, _, _, vb, s in _key_tiles(qg, k, v, softmax_scale, causal_offset):
+    for _, _, _, vb, s in _key_tiles(qg, k, v, softmax_scale, mask):
         m_new = torch.maximum(m, s.amax(dim=-1))
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         alpha = torch.exp(m - m_safe)
@@ -81,8 +87,8 @@ def delta(out, do):
     return (out.float() * do.float()).sum(dim=-1).transpose(1, 2).contiguous()
 
 
-def bwd(do, q, k, v, lse, delta_, dq, dk, dv, *, softmax_scale: float,
-        causal_offset: int | None, accumulate: bool):
+def bwd(do, q, k, v, lse, delta_, dq, dk, dv, *, softmax_scale: float, mask: PairMask,
+        accumulate: bool):
     """Write (or add into) dq, dk, dv for this block pair, from the FINAL lse and delta;
     a gradient passed as None is skipped."""
     b, sq, h, d = q.shape
@@ -97,7 +103,7 @@ def bwd(do, q, k, v, lse, delta_, dq, dk, dv, *, softmax_scale: float,
     dq_acc = torch.zeros((b, sq, hkv, g, d), device=q.device)
     dk_acc = torch.zeros((b, sk, hkv, d), device=q.device)
     dv_acc = torch.zeros_like(dk_acc)
-    for start, end, kb, vb, s in _key_tiles(qg, k, v, softmax_scale, causal_offset):
+    for start, end, kb, vb, s in _key_tiles(qg, k, v, softmax_scale, mask):
         p = torch.exp(s - lse_safe[..., None])
         dp = torch.einsum("bqhgd,bkhd->bhgqk", dog, vb)
         ds = p * (dp - delta_g[..., None]) * softmax_scale

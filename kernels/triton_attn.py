@@ -9,10 +9,20 @@ The math, per query row i, with s_ij = q_i . k_j * scale (base-2 internally:
               ds_ij = p_ij (do_i . v_j - delta_i);
               dq_i = scale sum_j ds_ij k_j,  dk_j = scale sum_i ds_ij q_i,  dv_j = sum_i p_ij do_i.
 
-Masks are a description, never a tensor: ``CAUSAL`` with an integer diagonal
-offset, key j visible to query i iff j <= i + offset. Tiles that no query of the
-program can see are never loaded; in the forward and dQ kernels, tiles every query sees
-skip the mask (the causal dK/dV kernel masks all of its tiles: measured faster there).
+Masks are a description (kernels/masks.py, ``PairMask``), evaluated per tile from local
+indices and segment ids, never an N x N tensor:
+
+    band      key j visible to query i only if band_lo <= j - i <= band_hi (``BAND``; an
+              unbounded side is a sentinel). Causal with diagonal offset o is band_hi = o;
+              a sliding window on global positions becomes a band of the pair's local rows.
+    segments  only if qseg_i == kseg_j >= 0 (``SEGMENTS``: packed documents, padding = -1).
+              Each query row carries the range of key rows its id occupies (and each key
+              row the range of query rows), so a tile's loop bounds come from two loads.
+
+Per (query tile, key tile) a kernel classifies: outside the loop bounds (empty, never
+loaded), inside the band on every row (no band arithmetic), or partial (the predicate).
+In the forward and dQ kernels the band-partial tiles run in their own loops; the dK/dV
+kernel masks all of its tiles (measured faster there, benchmarks/NOTES.md).
 
 Layouts: q, o, do (B, Sq, H, D); k, v, dk, dv (B, Sk, Hkv, D), H a multiple of Hkv;
 lse, delta (B, H, Sq). Any of them may be a strided view (last dim contiguous).
@@ -30,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .masks import BAND_INF, segment_ranges
 
 LOG2E = math.log2(math.e)
 
@@ -129,37 +141,111 @@ def _load_block(src, off_b, off_h, start, stride_b, stride_s, stride_h, n_rows,
 
 
 @triton.jit
-def _query_tile(BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
-    """First row of this program's query tile (program_id(0)). Causal grids run last tile
-    first: it sees the most keys, and a launch that ends on short tiles has a short tail
-    (+1-9% on the causal forward, benchmarks/NOTES.md)."""
-    if CAUSAL:
+def _query_tile(BLOCK_M: tl.constexpr, BAND: tl.constexpr):
+    """First row of this program's query tile (program_id(0)). Banded grids run last tile
+    first: under a causal band it sees the most keys, and a launch that ends on short tiles
+    has a short tail (+1-9% on the causal forward, benchmarks/NOTES.md)."""
+    if BAND:
         return (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     return tl.program_id(0) * BLOCK_M
+
+
+@triton.jit
+def _masked(s, qi, kj, seqlen_k, band_lo, band_hi, qseg, kseg, fill,
+            BOUNDED: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr):
+    """s with ``fill`` where query qi may not see key kj. qi, kj (local indices) and qseg,
+    kseg (their segment ids) broadcast to s's shape: (rows, cols) in the forward and dQ
+    kernels, transposed (cols, rows) in dK/dV."""
+    if BOUNDED:
+        s = tl.where(kj < seqlen_k, s, fill)
+    if BAND:
+        diff = kj - qi
+        s = tl.where((diff >= band_lo) & (diff <= band_hi), s, fill)
+    if SEGMENTS:
+        s = tl.where((qseg == kseg) & (qseg >= 0), s, fill)
+    return s
+
+
+@triton.jit
+def _segment_ids(SEG, off_b, stride_b, idx, n):
+    """Segment ids of rows idx (-1 past n: padding sees nothing and is never seen)."""
+    return tl.load(SEG + off_b * stride_b + idx, mask=idx < n, other=-1)
+
+
+@triton.jit
+def _key_range(start_m, seqlen_q, seqlen_k, band_lo, band_hi, KLO, KHI, off_b, stride_rb,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BAND: tl.constexpr,
+               SEGMENTS: tl.constexpr):
+    """Key loop bounds of query tile [start_m, start_m + BLOCK_M): (start, full_start,
+    full_end, end). Keys outside [start, end) are invisible to every row of the tile; the
+    BLOCK_N-aligned tiles in [full_start, full_end) lie inside the band for every row and
+    inside seqlen_k. start, full_start and full_end are BLOCK_N-aligned."""
+    last = tl.minimum(start_m + BLOCK_M, seqlen_q) - 1
+    lo = 0
+    hi = seqlen_k
+    if BAND:
+        lo = tl.maximum(lo, start_m + band_lo)
+        hi = tl.minimum(hi, last + band_hi + 1)
+    if SEGMENTS:
+        lo = tl.maximum(lo, tl.load(KLO + off_b * stride_rb + start_m))
+        hi = tl.minimum(hi, tl.load(KHI + off_b * stride_rb + last))
+    start = tl.maximum(lo, 0) // BLOCK_N * BLOCK_N
+    end = tl.maximum(hi, start)
+    full_start = start
+    full_stop = seqlen_k  # first key no longer band-visible to every row
+    if BAND:
+        full_start = tl.maximum(start, (start_m + BLOCK_M - 1 + band_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N)
+        full_stop = tl.minimum(full_stop, start_m + band_hi + 1)
+    full_start = tl.minimum(full_start, end)
+    full_end = tl.maximum(tl.minimum(full_stop, end) // BLOCK_N * BLOCK_N, full_start)
+    return start, full_start, full_end, end
+
+
+@triton.jit
+def _query_range(start_n, seqlen_q, seqlen_k, band_lo, band_hi, QLO, QHI, off_b, stride_rb,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BAND: tl.constexpr,
+                 SEGMENTS: tl.constexpr):
+    """Query loop bounds (begin BLOCK_M-aligned, end) of key tile [start_n, start_n + BLOCK_N):
+    queries outside them see no key of the tile."""
+    last = tl.minimum(start_n + BLOCK_N, seqlen_k) - 1
+    lo = 0
+    hi = seqlen_q
+    if BAND:
+        lo = tl.maximum(lo, start_n - band_hi)
+        hi = tl.minimum(hi, last - band_lo + 1)
+    if SEGMENTS:
+        lo = tl.maximum(lo, tl.load(QLO + off_b * stride_rb + start_n))
+        hi = tl.minimum(hi, tl.load(QHI + off_b * stride_rb + last))
+    begin = tl.maximum(lo, 0) // BLOCK_M * BLOCK_M
+    return begin, tl.maximum(hi, begin)
 
 
 # ----------------------------------------------------------------------------- forward
 
 
 @triton.jit
-def _fwd_tile(acc, l_i, m_i, q, K, V, off_b, off_hk, stride_kb, stride_ks, stride_kh,
-              stride_vb, stride_vs, stride_vh, start_n, offs_m, seqlen_k, qk_scale, causal_offset,
+def _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_hk, stride_kb, stride_ks, stride_kh,
+              stride_vb, stride_vs, stride_vh, stride_segb, start_n, offs_m, qseg, seqlen_k,
+              qk_scale, band_lo, band_hi,
               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-              MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-              TMA: tl.constexpr):
+              MASKED: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
+              PRECISION: tl.constexpr, TMA: tl.constexpr):
+    """One key tile of the online softmax. MASKED: the tile may cross the band's edge or
+    seqlen_k (loads bounded, band predicate); segments are checked on every tile."""
     k = _load_block(K, off_b, off_hk, start_n, stride_kb, stride_ks, stride_kh, seqlen_k,
                     BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, TMA)
     v = _load_block(V, off_b, off_hk, start_n, stride_vb, stride_vs, stride_vh, seqlen_k,
                     BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, TMA)
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # unscaled; scale > 0 commutes with max
-    if MASKED:
+    if MASKED or SEGMENTS:
         cols = start_n + tl.arange(0, BLOCK_N)
-        visible = cols[None, :] < seqlen_k
-        if CAUSAL:
-            visible = visible & (cols[None, :] <= offs_m[:, None] + causal_offset)
-        qk = tl.where(visible, qk, float("-inf"))
+        kseg = qseg[:, None]
+        if SEGMENTS:
+            kseg = _segment_ids(KSEG, off_b, stride_segb, cols, seqlen_k)[None, :]
+        qk = _masked(qk, offs_m[:, None], cols[None, :], seqlen_k, band_lo, band_hi,
+                     qseg[:, None], kseg, float("-inf"), MASKED, MASKED and BAND, SEGMENTS)
     m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-    if MASKED:  # a row may still have seen nothing: keep exp2 away from (-inf) - (-inf)
+    if MASKED or SEGMENTS:  # a row may still have seen nothing: keep exp2 away from (-inf) - (-inf)
         m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_new_safe = m_new
@@ -171,15 +257,15 @@ def _fwd_tile(acc, l_i, m_i, q, K, V, off_b, off_hk, stride_kb, stride_ks, strid
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE,
+def _fwd_kernel(Q, K, V, O, LSE, QSEG, KSEG, KLO, KHI,
                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                 stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
-                stride_lb, stride_lh,
-                H, GROUP, seqlen_q, seqlen_k, qk_scale, causal_offset,
+                stride_lb, stride_lh, stride_qsegb, stride_ksegb,
+                H, GROUP, seqlen_q, seqlen_k, qk_scale, band_lo, band_hi,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr,
-                PRECISION: tl.constexpr, TMA: tl.constexpr):
-    start_m = _query_tile(BLOCK_M, CAUSAL)
+                BLOCK_N: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
+                ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
+    start_m = _query_tile(BLOCK_M, BAND)
     off_b = tl.program_id(1) // H
     off_h = tl.program_id(1) % H
     off_hk = off_h // GROUP
@@ -201,25 +287,28 @@ def _fwd_kernel(Q, K, V, O, LSE,
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    qseg = offs_m  # placeholder of the right shape when there are no segments
+    if SEGMENTS:
+        qseg = _segment_ids(QSEG, off_b, stride_qsegb, offs_m, seqlen_q)
 
-    # Key tiles [0, full_end) are seen whole by every row; [full_end, end) need the mask.
-    if CAUSAL:
-        end = tl.maximum(tl.minimum(seqlen_k, start_m + BLOCK_M + causal_offset), 0)
-        full_end = tl.maximum(start_m + causal_offset + 1, 0) // BLOCK_N * BLOCK_N
-        full_end = tl.minimum(full_end, seqlen_k // BLOCK_N * BLOCK_N)
-    else:
-        end = seqlen_k
-        full_end = seqlen_k // BLOCK_N * BLOCK_N
-    for start_n in range(0, full_end, BLOCK_N):
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, off_b, off_hk, stride_kb, stride_ks,
-                                  stride_kh, stride_vb, stride_vs, stride_vh, start_n, offs_m,
-                                  seqlen_k, qk_scale, causal_offset, HEAD_DIM, BLOCK_N, BLOCK_D,
-                                  False, CAUSAL, PRECISION, TMA)
+    start, full_start, full_end, end = _key_range(
+        start_m, seqlen_q, seqlen_k, band_lo, band_hi, KLO, KHI, off_b, stride_qsegb,
+        BLOCK_M, BLOCK_N, BAND, SEGMENTS)
+    for start_n in range(start, full_start, BLOCK_N):
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_hk, stride_kb, stride_ks,
+                                  stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n,
+                                  offs_m, qseg, seqlen_k, qk_scale, band_lo, band_hi, HEAD_DIM,
+                                  BLOCK_N, BLOCK_D, True, BAND, SEGMENTS, PRECISION, TMA)
+    for start_n in range(full_start, full_end, BLOCK_N):
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_hk, stride_kb, stride_ks,
+                                  stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n,
+                                  offs_m, qseg, seqlen_k, qk_scale, band_lo, band_hi, HEAD_DIM,
+                                  BLOCK_N, BLOCK_D, False, BAND, SEGMENTS, PRECISION, TMA)
     for start_n in range(full_end, end, BLOCK_N):
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, off_b, off_hk, stride_kb, stride_ks,
-                                  stride_kh, stride_vb, stride_vs, stride_vh, start_n, offs_m,
-                                  seqlen_k, qk_scale, causal_offset, HEAD_DIM, BLOCK_N, BLOCK_D,
-                                  True, CAUSAL, PRECISION, TMA)
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_hk, stride_kb, stride_ks,
+                                  stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n,
+                                  offs_m, qseg, seqlen_k, qk_scale, band_lo, band_hi, HEAD_DIM,
+                                  BLOCK_N, BLOCK_D, True, BAND, SEGMENTS, PRECISION, TMA)
 
     empty = l_i == 0.0  # saw no key at all: out 0, lse -inf
     l_safe = tl.where(empty, 1.0, l_i)
@@ -228,21 +317,40 @@ def _fwd_kernel(Q, K, V, O, LSE,
     tl.store(o_ptrs, (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=o_mask)
 
 
-def fwd(q, k, v, out, lse, *, softmax_scale: float, causal_offset: int | None, accumulate: bool):
+def _mask_args(mask, device: torch.device):
+    """Kernel arguments of a PairMask: (band_lo, band_hi, qseg, kseg, BAND, SEGMENTS).
+    Without segments, the segment pointers are a one-element stand-in."""
+    band = mask.band_lo is not None or mask.band_hi is not None
+    lo = -BAND_INF if mask.band_lo is None else mask.band_lo
+    hi = BAND_INF if mask.band_hi is None else mask.band_hi
+    if mask.q_segments is None:
+        dummy = torch.zeros(1, dtype=torch.int32, device=device)
+        return lo, hi, dummy, dummy, band, False
+    return lo, hi, mask.q_segments, mask.k_segments, band, True
+
+
+def _ranges(rows_seg, cols_seg, segments: bool):
+    """segment_ranges where there are segments, the stand-ins otherwise."""
+    return segment_ranges(rows_seg, cols_seg) if segments else (rows_seg, rows_seg)
+
+
+def fwd(q, k, v, out, lse, *, softmax_scale: float, mask, accumulate: bool):
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     cfg = fwd_config(d, q.dtype)
     bd = block_d(d)
     tma = _use_tma(q, k, v)
+    lo, hi, qseg, kseg, band, segments = _mask_args(mask, q.device)
+    klo, khi = _ranges(qseg, kseg, segments)
     grid = (triton.cdiv(sq, cfg["BLOCK_M"]), b * h)
     _fwd_kernel[grid](
         _source(q, cfg["BLOCK_M"], bd, tma), _source(k, cfg["BLOCK_N"], bd, tma),
-        _source(v, cfg["BLOCK_N"], bd, tma), out, lse,
+        _source(v, cfg["BLOCK_N"], bd, tma), out, lse, qseg, kseg, klo, khi,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1),
-        h, h // hkv, sq, sk, softmax_scale * LOG2E, causal_offset or 0,
-        HEAD_DIM=d, BLOCK_D=bd, CAUSAL=causal_offset is not None, ACCUMULATE=accumulate,
+        lse.stride(0), lse.stride(1), qseg.stride(0), kseg.stride(0),
+        h, h // hkv, sq, sk, softmax_scale * LOG2E, lo, hi,
+        HEAD_DIM=d, BLOCK_D=bd, BAND=band, SEGMENTS=segments, ACCUMULATE=accumulate,
         PRECISION=_dot_precision(q.dtype), TMA=tma, **cfg)
     return out, lse
 
@@ -261,9 +369,10 @@ def _load_stats(LSE, DELTA, rows, seqlen_q):
 
 @triton.jit
 def _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, off_b, off_h, stride_qb, stride_qs, stride_qh,
-               stride_dob, stride_dos, stride_doh, start_m, cols, seqlen_q, qk_scale,
-               causal_offset, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_D: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+               stride_dob, stride_dos, stride_doh, start_m, cols, kseg, QSEG, stride_qsegb,
+               seqlen_q, seqlen_k, qk_scale, band_lo, band_hi, HEAD_DIM: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BAND: tl.constexpr,
+               SEGMENTS: tl.constexpr, PRECISION: tl.constexpr):
     rows = start_m + tl.arange(0, BLOCK_M)
     q = _load_block(Q, off_b, off_h, start_m, stride_qb, stride_qs, stride_qh, seqlen_q,
                     BLOCK_M, BLOCK_D, HEAD_DIM, True, False)
@@ -272,8 +381,13 @@ def _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, off_b, off_h, stride_qb, stride_
     lse, delta = _load_stats(LSE, DELTA, rows, seqlen_q)
     # Transposed scores (keys x queries) so the tile products need no transposed store.
     pT = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse[None, :])
-    if MASKED:
-        pT = tl.where(cols[:, None] <= rows[None, :] + causal_offset, pT, 0.0)
+    if BAND or SEGMENTS:
+        qseg = kseg
+        if SEGMENTS:
+            qseg = _segment_ids(QSEG, off_b, stride_qsegb, rows, seqlen_q)[None, :]
+        # Keys past seqlen_k are zeros and their rows are never stored: no bound needed.
+        pT = _masked(pT, rows[None, :], cols[:, None], seqlen_k, band_lo, band_hi, qseg, kseg,
+                     0.0, False, BAND, SEGMENTS)
     dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
     dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
     dsT = pT * (dpT - delta[None, :])
@@ -289,15 +403,15 @@ def _store_grad(ptrs, mask, grad, ACCUMULATE: tl.constexpr):
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
+def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, QSEG, KSEG, QLO, QHI,
                  stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                  stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
                  stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-                 stride_lb, stride_lh, stride_deltab, stride_deltah,
-                 HKV, GROUP, seqlen_q, seqlen_k, qk_scale, sm_scale, causal_offset,
+                 stride_lb, stride_lh, stride_deltab, stride_deltah, stride_qsegb, stride_ksegb,
+                 HKV, GROUP, seqlen_q, seqlen_k, qk_scale, sm_scale, band_lo, band_hi,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr,
-                 PRECISION: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
+                 ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr):
     """One key tile of one kv head; loops over the query heads of its group and over
     the query tiles that see it, so dK and dV are written once, without atomics."""
     start_n = tl.program_id(0) * BLOCK_N
@@ -312,21 +426,25 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
                     BLOCK_N, BLOCK_D, HEAD_DIM, True, False)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    kseg = cols[:, None]  # placeholder of the right shape when there are no segments
+    if SEGMENTS:
+        kseg = _segment_ids(KSEG, off_b, stride_ksegb, cols, seqlen_k)[:, None]
 
-    # Causal: the query tiles from the first one that sees this key tile on. One loop that
-    # masks every tile: splitting off the unmasked tiles into a second loop, as the forward
-    # does, measured 17% slower here (benchmarks/NOTES.md), the mask being cheap beside
-    # four matmuls.
-    begin = tl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M if CAUSAL else 0
+    # Only the query tiles that see this key tile. One loop that masks every tile:
+    # splitting off the unmasked tiles into a second loop, as the forward does, measured
+    # 17% slower here (benchmarks/NOTES.md), the mask being cheap beside four matmuls.
+    begin, end = _query_range(start_n, seqlen_q, seqlen_k, band_lo, band_hi, QLO, QHI, off_b,
+                              stride_ksegb, BLOCK_M, BLOCK_N, BAND, SEGMENTS)
     for g in range(0, GROUP):
         off_h = off_hk * GROUP + g
         lse_base = LSE + off_b * stride_lb + off_h * stride_lh
         delta_base = DELTA + off_b * stride_deltab + off_h * stride_deltah
-        for start_m in range(begin, seqlen_q, BLOCK_M):
+        for start_m in range(begin, end, BLOCK_M):
             dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, lse_base, delta_base, off_b, off_h,
                                 stride_qb, stride_qs, stride_qh, stride_dob, stride_dos,
-                                stride_doh, start_m, cols, seqlen_q, qk_scale, causal_offset,
-                                HEAD_DIM, BLOCK_M, BLOCK_D, CAUSAL, PRECISION)
+                                stride_doh, start_m, cols, kseg, QSEG, stride_qsegb, seqlen_q,
+                                seqlen_k, qk_scale, band_lo, band_hi, HEAD_DIM, BLOCK_M, BLOCK_D,
+                                BAND, SEGMENTS, PRECISION)
 
     mask = (cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
     dk_ptrs = DK + off_b * stride_dkb + off_hk * stride_dkh + cols[:, None] * stride_dks + offs_d[None, :]
@@ -336,35 +454,41 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
 
 
 @triton.jit
-def _dq_tile(dq, q, do, lse, delta, K, V, off_b, off_hk, stride_kb, stride_ks, stride_kh,
-             stride_vb, stride_vs, stride_vh, start_n, rows, seqlen_k, qk_scale, causal_offset,
+def _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_hk, stride_kb, stride_ks, stride_kh,
+             stride_vb, stride_vs, stride_vh, stride_ksegb, start_n, rows, qseg, seqlen_k,
+             qk_scale, band_lo, band_hi,
              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-             BOUNDED: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+             MASKED: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
+             PRECISION: tl.constexpr):
     # Keys past seqlen_k load as zeros, so they add nothing to dq: only the loads are bounded.
     k = _load_block(K, off_b, off_hk, start_n, stride_kb, stride_ks, stride_kh, seqlen_k,
-                    BLOCK_N, BLOCK_D, HEAD_DIM, BOUNDED, False)
+                    BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, False)
     v = _load_block(V, off_b, off_hk, start_n, stride_vb, stride_vs, stride_vh, seqlen_k,
-                    BLOCK_N, BLOCK_D, HEAD_DIM, BOUNDED, False)
+                    BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, False)
     p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse[:, None])
-    if MASKED:
+    if (MASKED and BAND) or SEGMENTS:
         cols = start_n + tl.arange(0, BLOCK_N)
-        p = tl.where(cols[None, :] <= rows[:, None] + causal_offset, p, 0.0)
+        kseg = qseg[:, None]
+        if SEGMENTS:
+            kseg = _segment_ids(KSEG, off_b, stride_ksegb, cols, seqlen_k)[None, :]
+        p = _masked(p, rows[:, None], cols[None, :], seqlen_k, band_lo, band_hi, qseg[:, None],
+                    kseg, 0.0, False, MASKED and BAND, SEGMENTS)
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     ds = p * (dp - delta[:, None])
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
+def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QSEG, KSEG, KLO, KHI,
                stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
                stride_dqb, stride_dqs, stride_dqh,
-               stride_lb, stride_lh, stride_deltab, stride_deltah,
-               H, GROUP, seqlen_q, seqlen_k, qk_scale, sm_scale, causal_offset,
+               stride_lb, stride_lh, stride_deltab, stride_deltah, stride_qsegb, stride_ksegb,
+               H, GROUP, seqlen_q, seqlen_k, qk_scale, sm_scale, band_lo, band_hi,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr,
-               PRECISION: tl.constexpr):
-    start_m = _query_tile(BLOCK_M, CAUSAL)
+               BLOCK_N: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
+               ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr):
+    start_m = _query_tile(BLOCK_M, BAND)
     off_b = tl.program_id(1) // H
     off_h = tl.program_id(1) % H
     off_hk = off_h // GROUP
@@ -378,51 +502,59 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
     lse, delta = _load_stats(LSE + off_b * stride_lb + off_h * stride_lh,
                              DELTA + off_b * stride_deltab + off_h * stride_deltah, rows, seqlen_q)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    qseg = rows  # placeholder of the right shape when there are no segments
+    if SEGMENTS:
+        qseg = _segment_ids(QSEG, off_b, stride_qsegb, rows, seqlen_q)
 
-    # Key tiles [0, full_end) are whole and seen by every row; [full_end, end) straddle
-    # the causal diagonal or the end of the keys.
-    if CAUSAL:
-        end = tl.maximum(tl.minimum(seqlen_k, start_m + BLOCK_M + causal_offset), 0)
-        full_end = tl.maximum(start_m + causal_offset + 1, 0) // BLOCK_N * BLOCK_N
-        full_end = tl.minimum(full_end, seqlen_k // BLOCK_N * BLOCK_N)
-    else:
-        end = seqlen_k
-        full_end = seqlen_k // BLOCK_N * BLOCK_N
-    for start_n in range(0, full_end, BLOCK_N):
-        dq = _dq_tile(dq, q, do, lse, delta, K, V, off_b, off_hk, stride_kb, stride_ks, stride_kh,
-                      stride_vb, stride_vs, stride_vh, start_n, rows, seqlen_k, qk_scale,
-                      causal_offset, HEAD_DIM, BLOCK_N, BLOCK_D, False, False, PRECISION)
+    start, full_start, full_end, end = _key_range(
+        start_m, seqlen_q, seqlen_k, band_lo, band_hi, KLO, KHI, off_b, stride_qsegb,
+        BLOCK_M, BLOCK_N, BAND, SEGMENTS)
+    for start_n in range(start, full_start, BLOCK_N):
+        dq = _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_hk, stride_kb, stride_ks,
+                      stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n, rows, qseg,
+                      seqlen_k, qk_scale, band_lo, band_hi, HEAD_DIM, BLOCK_N, BLOCK_D, True, BAND,
+                      SEGMENTS, PRECISION)
+    for start_n in range(full_start, full_end, BLOCK_N):
+        dq = _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_hk, stride_kb, stride_ks,
+                      stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n, rows, qseg,
+                      seqlen_k, qk_scale, band_lo, band_hi, HEAD_DIM, BLOCK_N, BLOCK_D, False, BAND,
+                      SEGMENTS, PRECISION)
     for start_n in range(full_end, end, BLOCK_N):
-        dq = _dq_tile(dq, q, do, lse, delta, K, V, off_b, off_hk, stride_kb, stride_ks, stride_kh,
-                      stride_vb, stride_vs, stride_vh, start_n, rows, seqlen_k, qk_scale,
-                      causal_offset, HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, PRECISION)
+        dq = _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_hk, stride_kb, stride_ks,
+                      stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n, rows, qseg,
+                      seqlen_k, qk_scale, band_lo, band_hi, HEAD_DIM, BLOCK_N, BLOCK_D, True, BAND,
+                      SEGMENTS, PRECISION)
 
     mask = (rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
     dq_ptrs = DQ + off_b * stride_dqb + off_h * stride_dqh + rows[:, None] * stride_dqs + offs_d[None, :]
     _store_grad(dq_ptrs, mask, dq * sm_scale, ACCUMULATE)
 
 
-def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, causal_offset: int | None,
-        accumulate: bool):
+def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask, accumulate: bool):
     """dq (skipped when None) and dk, dv (skipped when None): two kernels, so a caller can
     run them apart. The backward reads through pointers: TMA descriptors measured slower
     here (benchmarks/NOTES.md)."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     dkdv_cfg, dq_cfg = bwd_config(d, q.dtype)
-    common = dict(HEAD_DIM=d, BLOCK_D=block_d(d), CAUSAL=causal_offset is not None,
+    lo, hi, qseg, kseg, band, segments = _mask_args(mask, q.device)
+    common = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BAND=band, SEGMENTS=segments,
                   ACCUMULATE=accumulate, PRECISION=_dot_precision(q.dtype))
-    scalars = (h // hkv, sq, sk, softmax_scale * LOG2E, softmax_scale, causal_offset or 0)
+    scalars = (h // hkv, sq, sk, softmax_scale * LOG2E, softmax_scale, lo, hi)
     qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                    v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
-    stat_strides = (lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1))
+    stat_strides = (lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1),
+                    qseg.stride(0), kseg.stride(0))
     if dk is not None:  # key tiles outer: q and do are read in BLOCK_M rows, k and v once
+        qlo, qhi = _ranges(kseg, qseg, segments)
         _dkdv_kernel[(triton.cdiv(sk, dkdv_cfg["BLOCK_N"]), b * hkv)](
-            q, k, v, do, lse, delta, dk, dv, *qkv_strides,
+            q, k, v, do, lse, delta, dk, dv, qseg, kseg, qlo, qhi, *qkv_strides,
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
             *stat_strides, hkv, *scalars, **common, **dkdv_cfg)
     if dq is not None:  # query tiles outer: k and v are read in BLOCK_N rows
+        klo, khi = _ranges(qseg, kseg, segments)
         _dq_kernel[(triton.cdiv(sq, dq_cfg["BLOCK_M"]), b * h)](
-            q, k, v, do, lse, delta, dq, *qkv_strides, dq.stride(0), dq.stride(1), dq.stride(2),
-            *stat_strides, h, *scalars, **common, **dq_cfg)
+            q, k, v, do, lse, delta, dq, qseg, kseg, klo, khi, *qkv_strides,
+            dq.stride(0), dq.stride(1), dq.stride(2), *stat_strides, h, *scalars, **common,
+            **dq_cfg)
     return dq, dk, dv

@@ -7,7 +7,8 @@ travel around the ring of ranks while each rank runs a FlashAttention kernel on 
 queries against the visiting keys.
 """
 
-from .api import positions, ring_flash_attn, shard, unshard
+from .api import (positions, ring_flash_attn, segment_ids_from_cu_seqlens,
+                  segment_ids_from_position_ids, shard, unshard)
 from .exchange import transport
 from .kernels import flash_attn
 from .layer import RingSelfAttention, all_reduce_gradients, broadcast_parameters
@@ -15,4 +16,5 @@ from .layouts import LAYOUTS
 
 __version__ = "0.1.0"
 __all__ = ["LAYOUTS", "RingSelfAttention", "all_reduce_gradients", "broadcast_parameters",
-           "flash_attn", "positions", "ring_flash_attn", "shard", "transport", "unshard"]
+           "flash_attn", "positions", "ring_flash_attn", "segment_ids_from_cu_seqlens",
+           "segment_ids_from_position_ids", "shard", "transport", "unshard"]

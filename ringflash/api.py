@@ -9,8 +9,9 @@ import torch
 import torch.distributed as dist
 
 from .exchange import TRANSPORTS, PeerRing, Ring, transport
-from .kernels import SUPPORTED_DTYPES, check_causal, check_qkv, resolve_scale
-from .layouts import LAYOUTS, check_layout, check_seqlen, global_positions, split_factor
+from .kernels import (SUPPORTED_DTYPES, band_of_window, check_causal, check_qkv, check_segment_ids,
+                      check_window, resolve_scale)
+from .layouts import LAYOUTS, check_layout, global_positions
 from .ring import RingAttention
 
 # Set RINGFLASH_RANK_CHECK=0 to skip the cross-rank agreement check (see _check_ranks_agree).
@@ -18,14 +19,16 @@ _RANK_CHECK = os.environ.get("RINGFLASH_RANK_CHECK", "1") != "0"
 
 
 _SIGNATURE_FIELDS = ("batch", "seqlen_local", "heads", "head_dim", "kv_heads", "dtype", "causal",
-                     "layout", "softmax_scale", "requires_grad", "transport")
+                     "layout", "softmax_scale", "requires_grad", "transport", "window_left",
+                     "window_right", "segment_ids given")
 
 
-def _signature(q, k, causal, layout, scale, needs_grad, kind) -> list[int]:
+def _signature(q, k, causal, layout, scale, needs_grad, kind, window, segments) -> list[int]:
     """A few integers that every rank of the ring must agree on."""
     scale_bits = struct.unpack("<q", struct.pack("<d", scale))[0]
     return [*q.shape, k.shape[2], SUPPORTED_DTYPES.index(q.dtype), int(causal),
-            LAYOUTS.index(layout), scale_bits, int(needs_grad), TRANSPORTS.index(kind)]
+            LAYOUTS.index(layout), scale_bits, int(needs_grad), TRANSPORTS.index(kind),
+            *window, int(segments is not None)]
 
 
 def _shown(field: str, values) -> list:
@@ -65,20 +68,23 @@ def _check_ranks_agree(ring: Ring, signature: list[int] | None, error: Exception
                              "index i); every rank must call ring_flash_attn with the same arguments and shapes")
 
 
-def _check_local(q, k, v, causal, layout, softmax_scale):
+def _check_local(q, k, v, causal, layout, softmax_scale, window_size, segment_ids):
     check_qkv(q, k, v)
     causal = check_causal(causal)
     layout = check_layout(layout)
     scale = resolve_scale(softmax_scale, q.shape[-1])
+    window = check_window(window_size)
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"q and k must hold the same number of local tokens, got {q.shape[1]} and {k.shape[1]}")
     if layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"layout 'zigzag' needs an even seqlen_local (two chunks a rank), got {q.shape[1]}")
-    return causal, layout, scale
+    segments = check_segment_ids(segment_ids, q.shape[0], q.shape[1], q.device)
+    return causal, layout, scale, window, segments
 
 
 def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
-                    group=None, layout: str = "contiguous", return_lse: bool = False):
+                    group=None, layout: str = "contiguous", return_lse: bool = False,
+                    segment_ids: torch.Tensor | None = None, window_size: tuple[int, int] = (-1, -1)):
     """Exact attention of this rank's queries over the keys of every rank in ``group``.
 
     Args:
@@ -90,8 +96,20 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
         group: the process group forming the ring (default: the world; without an
             initialized process group, a ring of one).
         layout: how the global sequence is split ("contiguous", "zigzag", "stripe"; see
-            ``shard``). It only matters with causal=True.
+            ``shard``). Every mask is on GLOBAL positions, so the result does not depend
+            on it; the work per rank and the hops K/V travel do.
         return_lse: also return lse.
+        segment_ids: (batch, seqlen_local) integer ids of this rank's tokens, sharded like
+            q (``shard(ids, dim=1, layout=...)``, or ``segment_ids_from_cu_seqlens`` /
+            ``segment_ids_from_position_ids``). A query sees a key only if both carry the
+            same id; -1 marks padding (never seen; a padding query sees nothing: out 0,
+            lse -inf, zero gradients). Outside padding, ids must not decrease along the
+            sequence (each document one contiguous run). The visiting shard's ids travel
+            with its K/V.
+        window_size: (left, right): the query at global position i sees keys at
+            i - left <= j <= i + right; -1 is unbounded on that side. Combines with causal
+            and segment_ids. Shards travel only as far as some rank needs them: with
+            layout "contiguous" and a causal window w, about ceil(w / seqlen_local) hops.
 
     Returns:
         out (batch, seqlen_local, heads, head_dim) in q's dtype: rows of
@@ -105,7 +123,8 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
     ring = Ring(group)
     check_everywhere = ring.world > 1 and _RANK_CHECK
     try:
-        causal, layout, scale = _check_local(q, k, v, causal, layout, softmax_scale)
+        causal, layout, scale, window, segments = _check_local(q, k, v, causal, layout, softmax_scale,
+                                                               window_size, segment_ids)
         kind = transport(ring.group)
     except (TypeError, ValueError) as error:
         if not check_everywhere:
@@ -114,11 +133,12 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
         _check_ranks_agree(ring, None, error, device)
     if check_everywhere:
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        signature = _signature(q, k, causal, layout, scale, needs_grad, kind)
+        signature = _signature(q, k, causal, layout, scale, needs_grad, kind, window, segments)
         _check_ranks_agree(ring, signature, None, q.device)
     if kind == "peer" and ring.world > 1:
         ring = PeerRing(ring.group)
-    out, lse = RingAttention.apply(q, k, v, scale, causal, layout, ring)
+    band = band_of_window(causal, window)
+    out, lse = RingAttention.apply(q, k, v, segments, scale, band, layout, ring)
     return (out, lse) if return_lse else out
 
 
@@ -148,13 +168,8 @@ def shard(x: torch.Tensor, dim: int = 1, layout: str = "contiguous", group=None)
     dim = _check_dim(x, dim)
     layout = check_layout(layout)
     ring = Ring(group)
-    check_seqlen(x.shape[dim], layout, ring.world)
-    if layout == "stripe":  # rank r takes every W-th token from r
-        return x.unflatten(dim, (-1, ring.world)).select(dim + 1, ring.rank).contiguous()
-    chunks = x.chunk(split_factor(layout, ring.world), dim=dim)
-    if layout == "contiguous":
-        return chunks[ring.rank].contiguous()
-    return torch.cat([chunks[ring.rank], chunks[2 * ring.world - 1 - ring.rank]], dim=dim)
+    index = global_positions(x.shape[dim], layout, ring.rank, ring.world).to(x.device)
+    return x.index_select(dim, index)
 
 
 def unshard(x_local: torch.Tensor, dim: int = 1, layout: str = "contiguous", group=None) -> torch.Tensor:
@@ -178,3 +193,43 @@ def unshard(x_local: torch.Tensor, dim: int = 1, layout: str = "contiguous", gro
         index = global_positions(seqlen, layout, rank, ring.world).to(local.device)
         full.index_copy_(dim, index, part)
     return full
+
+
+# ----------------------------------------------------------------------------- packed documents
+
+
+def segment_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, seqlen: int, layout: str = "contiguous",
+                                group=None) -> torch.Tensor:
+    """This rank's (1, seqlen // W) segment ids of one packed sequence of ``seqlen`` tokens
+    whose documents are given in flash_attn's varlen format: document d holds tokens
+    [cu_seqlens[d], cu_seqlens[d + 1]); tokens from cu_seqlens[-1] on are padding (-1).
+    Shard the token tensors with the same ``layout`` and ``group``."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError("cu_seqlens must be a 1-D tensor [0, end_0, end_1, ...]")
+    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
+        raise TypeError(f"cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
+    if isinstance(seqlen, bool) or not isinstance(seqlen, int) or seqlen < 1:
+        raise ValueError(f"seqlen must be a positive int, got {seqlen!r}")
+    bounds = cu_seqlens.cpu().long()
+    if bounds[0] != 0 or (bounds[1:] < bounds[:-1]).any() or bounds[-1] > seqlen:
+        raise ValueError(f"cu_seqlens must start at 0, not decrease and end at most at seqlen "
+                         f"({seqlen}), got {bounds.tolist()}")
+    tokens = torch.arange(seqlen)
+    ids = torch.searchsorted(bounds[1:], tokens, right=True)
+    ids = torch.where(tokens < bounds[-1], ids, -1)
+    return shard(ids[None].to(torch.int32).to(cu_seqlens.device), dim=1, layout=layout, group=group)
+
+
+def segment_ids_from_position_ids(position_ids: torch.Tensor, layout: str = "contiguous",
+                                  group=None) -> torch.Tensor:
+    """This rank's (batch, seqlen // W) segment ids from FULL-sequence position ids
+    (batch, seqlen) that restart at 0 at every document (Hugging Face packing): a new
+    document starts wherever the position is 0. Shard the tokens with the same layout."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2:
+        raise ValueError("position_ids must be a (batch, seqlen) tensor of the full sequence")
+    if position_ids.dtype.is_floating_point or position_ids.dtype == torch.bool:
+        raise TypeError(f"position_ids must be an integer tensor, got {position_ids.dtype}")
+    ids = torch.cumsum((position_ids == 0).to(torch.int32), dim=1) - 1
+    if (ids < 0).any():
+        raise ValueError("position_ids must start every row at 0 (a document's first token)")
+    return shard(ids.to(torch.int32), dim=1, layout=layout, group=group)

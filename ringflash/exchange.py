@@ -1,7 +1,7 @@
 """The ring: this rank's neighbours in a process group and the point-to-point exchange.
 
-Every exchange sends to rank+1 and receives from rank-1, all of a step's tensors posted
-together. ``exchange`` returns at once; ``wait`` makes the compute stream wait on the
+Every exchange sends to rank+shift and receives from rank-shift (shift 1 but for the
+gradients' last trip home), all of a step's tensors posted together. ``exchange`` returns at once; ``wait`` makes the compute stream wait on the
 transfer (an event, never the host). Two transports:
 
 - ``Ring`` (NCCL, or gloo on CPUs): one batch of NCCL P2P ops on the process group's
@@ -40,20 +40,24 @@ class Ring:
         self.world = dist.get_world_size(self.group)
         if self.rank < 0:
             raise ValueError("group: this process is not a member of the given process group")
-        self.next_peer = dist.get_global_rank(self.group, (self.rank + 1) % self.world)
-        self.prev_peer = dist.get_global_rank(self.group, (self.rank - 1) % self.world)
+
+    def peer(self, shift: int) -> int:
+        """Global rank of the group member ``shift`` places after this one."""
+        return dist.get_global_rank(self.group, (self.rank + shift) % self.world)
 
     def buffer(self, name: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Storage for messages this rank sends; ``name`` says which role it plays in a
         call, so one call's buffers never alias each other."""
         return torch.empty(shape, dtype=dtype, device=device)
 
-    def exchange(self, *pairs: tuple[torch.Tensor, torch.Tensor]) -> list:
-        """Post, for each (send, recv) pair, the send to rank+1 and the receive from rank-1."""
+    def exchange(self, *pairs: tuple[torch.Tensor, torch.Tensor], shift: int = 1) -> list:
+        """Post, for each (send, recv) pair, the send to rank+shift and the receive from
+        rank-shift."""
+        to, frm = self.peer(shift), self.peer(-shift)
         ops = []
         for send, recv in pairs:
-            ops.append(dist.P2POp(dist.isend, send, self.next_peer, self.group))
-            ops.append(dist.P2POp(dist.irecv, recv, self.prev_peer, self.group))
+            ops.append(dist.P2POp(dist.isend, send, to, self.group))
+            ops.append(dist.P2POp(dist.irecv, recv, frm, self.group))
         return dist.batch_isend_irecv(ops)
 
     @staticmethod
@@ -107,7 +111,7 @@ class PeerRing(Ring):
 
     Each exchange runs on a high-priority side stream: a barrier of the group (every rank
     has finished the work before the exchange, so every message is written and every
-    receive buffer is free), then, for each pair, a copy of rank-1's ``send`` buffer, seen
+    receive buffer is free), then, for each pair, a copy of rank-shift's ``send`` buffer, seen
     through its symmetric-memory mapping, into this rank's ``recv``. The send buffers
     must come from ``buffer`` and sit at the same place on every rank, which the ring
     schedule's lockstep guarantees.
@@ -152,7 +156,7 @@ class PeerRing(Ring):
                 return (ptr - start) // base.element_size(), handle
         raise ValueError("PeerRing.exchange: the send tensor must be a view of a Ring.buffer")
 
-    def exchange(self, *pairs):
+    def exchange(self, *pairs, shift: int = 1):
         located = []
         for send, recv in pairs:
             if not (send.is_contiguous() and recv.is_contiguous()):
@@ -163,7 +167,7 @@ class PeerRing(Ring):
         with torch.cuda.stream(stream):
             located[0][3].barrier(channel=0, timeout_ms=_BARRIER_TIMEOUT_MS)
             for send, recv, offset, handle in located:
-                theirs = handle.get_buffer((self.rank - 1) % self.world, tuple(send.shape),
+                theirs = handle.get_buffer((self.rank - shift) % self.world, tuple(send.shape),
                                            send.dtype, offset)
                 recv.copy_(theirs)
             event = torch.cuda.Event()

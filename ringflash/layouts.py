@@ -16,21 +16,41 @@ World size W, global length N, n = N / W tokens per rank:
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+from typing import NamedTuple, Optional
 
 import torch
 
 LAYOUTS = ("contiguous", "zigzag", "stripe")
 _ALL = slice(None)
 
+# (lo, hi) of kp - qp on GLOBAL positions (None: unbounded): what a pair's keys must satisfy.
+# Causal is (None, 0); a window (left, right) is (-left, right), intersected with it.
+Band = tuple[Optional[int], Optional[int]]
+NO_BAND: Band = (None, None)
+
 
 class Pair(NamedTuple):
-    """One kernel call: local query rows, visiting key rows, causal diagonal offset
-    (None: no mask; o: key j visible to query i iff j <= i + o, in local indices)."""
+    """One kernel call: local query rows, visiting key rows, and the band of local indices
+    key j of the pair must satisfy against query i: band_lo <= j - i <= band_hi (None:
+    unbounded). pos = (q_pos, k_pos, stride): global positions of the pair's first query
+    and first key and their common stride, when they are q_pos + i * stride and
+    k_pos + j * stride; None for a pair merged across chunks, which masks nothing."""
 
     q: slice
     k: slice
-    causal_offset: int | None
+    band_lo: Optional[int] = None
+    band_hi: Optional[int] = None
+    pos: Optional[tuple[int, int, int]] = None
+
+
+class _Chunk(NamedTuple):
+    """Local rows [start, start + length) holding global positions gpos + i * stride."""
+
+    start: int
+    length: int
+    gpos: int
+    stride: int
 
 
 def check_layout(layout) -> str:
@@ -39,21 +59,111 @@ def check_layout(layout) -> str:
     return layout
 
 
-def step_pairs(layout: str, rank: int, src: int, local_len: int, causal: bool) -> list[Pair]:
-    """The block pairs rank ``rank`` computes against the K/V shard of rank ``src``."""
-    if not causal:
-        return [Pair(_ALL, _ALL, None)]
-    if layout == "stripe":
-        # q token i*W + rank sees k token j*W + src iff j <= i (src <= rank) or j < i.
-        return [Pair(_ALL, _ALL, 0 if src <= rank else -1)]
-    if src == rank:
-        return [Pair(_ALL, _ALL, 0)]
+def _chunks(layout: str, rank: int, world: int, n: int) -> list[_Chunk]:
+    """A rank's n local tokens as runs of evenly spaced global positions."""
     if layout == "contiguous":
-        return [Pair(_ALL, _ALL, None)] if src < rank else []
-    half = local_len // 2  # zigzag: local = [chunk rank, chunk 2W-1-rank]
-    if src < rank:  # both query chunks see all of src's first chunk, none of its second
-        return [Pair(_ALL, slice(0, half), None)]
-    return [Pair(slice(half, None), _ALL, None)]  # only our second chunk sees src, all of it
+        return [_Chunk(0, n, rank * n, 1)]
+    if layout == "stripe":
+        return [_Chunk(0, n, rank, world)]
+    c = n // 2
+    return [_Chunk(0, c, rank * c, 1), _Chunk(c, c, (2 * world - 1 - rank) * c, 1)]
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _local_pair(qc: _Chunk, kc: _Chunk, band: Band, n: int) -> Optional[Pair]:
+    """The pair of two chunks with its band in local indices, or None if no key is visible.
+    kp - qp = d + (j - i) * stride, so lo <= kp - qp <= hi is a band of j - i."""
+    lo, hi = band
+    d, stride = kc.gpos - qc.gpos, qc.stride
+    lo_l = None if lo is None else _ceil_div(lo - d, stride)
+    hi_l = None if hi is None else (hi - d) // stride
+    diff_min, diff_max = -(qc.length - 1), kc.length - 1
+    if ((hi_l is not None and hi_l < diff_min) or (lo_l is not None and lo_l > diff_max)
+            or (lo_l is not None and hi_l is not None and lo_l > hi_l)):
+        return None
+    lo_l = None if lo_l is None or lo_l <= diff_min else lo_l
+    hi_l = None if hi_l is None or hi_l >= diff_max else hi_l
+
+    def rows(c: _Chunk) -> slice:
+        return _ALL if c.length == n else slice(c.start, c.start + c.length)
+
+    return Pair(rows(qc), rows(kc), lo_l, hi_l, (qc.gpos, kc.gpos, stride))
+
+
+def _merged(pairs: list[Pair], n: int) -> list[Pair]:
+    """Unmasked pairs side by side (same key rows and adjacent query rows, or the reverse)
+    become one kernel call; positions no longer describe the result, which masks nothing."""
+    def span(s: slice):
+        return (0, n) if s == _ALL else (s.start, s.stop)
+
+    def joined(a: slice, b: slice):
+        (a0, a1), (b0, b1) = span(a), span(b)
+        if a1 != b0:
+            return None
+        return _ALL if (a0, b1) == (0, n) else slice(a0, b1)
+
+    pairs = list(pairs)
+    changed = True
+    while changed:
+        changed = False
+        for x in range(len(pairs)):
+            for y in range(len(pairs)):
+                a, b = pairs[x], pairs[y]
+                if x == y or a.band_lo is not None or a.band_hi is not None \
+                        or b.band_lo is not None or b.band_hi is not None:
+                    continue
+                if a.k == b.k and (q := joined(a.q, b.q)) is not None:
+                    new = Pair(q, a.k)
+                elif a.q == b.q and (k := joined(a.k, b.k)) is not None:
+                    new = Pair(a.q, k)
+                else:
+                    continue
+                pairs = [p for i, p in enumerate(pairs) if i not in (x, y)] + [new]
+                changed = True
+                break
+            if changed:
+                break
+    return sorted(pairs, key=lambda p: (span(p.q), span(p.k)))
+
+
+@functools.lru_cache(maxsize=4096)
+def step_pairs(layout: str, rank: int, src: int, world: int, local_len: int,
+               band: Band = NO_BAND, merge: bool = True) -> tuple[Pair, ...]:
+    """The block pairs rank ``rank`` computes against the K/V shard of rank ``src``, for
+    keys visible iff band[0] <= kp - qp <= band[1] on global positions (``NO_BAND``: all).
+
+    Every pair of (query chunk, key chunk) is classified from its positions: empty
+    (dropped), full (no band) or partial (a band of local indices). With ``merge``, full
+    pairs side by side become one call (positions then no longer matter). The own shard
+    under a causal band is one pair over every row whatever the layout: positions increase
+    with the local index, so kp <= qp is j <= i.
+    """
+    pairs = [p for qc in _chunks(layout, rank, world, local_len)
+             for kc in _chunks(layout, src, world, local_len)
+             if (p := _local_pair(qc, kc, band, local_len)) is not None]
+    if not merge:
+        return tuple(pairs)
+    if src == rank and band in (NO_BAND, (None, 0)) and len(pairs) > 1:
+        return (Pair(_ALL, _ALL, None, band[1]),)
+    return tuple(_merged(pairs, local_len))
+
+
+def active_steps(layout: str, world: int, local_len: int, band: Band = NO_BAND) -> int:
+    """Ring steps that compute anything on some rank: the steps after them are empty on
+    every rank, so K/V stop travelling there (a sliding window shorter than the sequence
+    needs about window / local_len hops instead of W - 1)."""
+    busy = [s for s in range(world) for r in range(world)
+            if step_pairs(layout, r, (r - s) % world, world, local_len, band)]
+    return max(busy, default=0) + 1
+
+
+def writes_first(pairs) -> bool:
+    """Whether the own-shard step is one pair over every row (the ring's first step then
+    writes its results instead of adding into zeroed buffers)."""
+    return len(pairs) == 1 and pairs[0].q == pairs[0].k == _ALL
 
 
 def split_factor(layout: str, world: int) -> int:

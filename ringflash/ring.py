@@ -1,4 +1,4 @@
-"""The ring schedule: forward and backward as one autograd.Function, for every layout.
+"""The ring schedule: forward and backward as one autograd.Function, for every layout and mask.
 
 World size W, rank r. At step s the rank holds the K/V shard that started on rank
 src = (r - s) mod W. Before computing step s it posts the send of that shard to r+1
@@ -6,124 +6,163 @@ and the receive of the next one from r-1, then runs the layout's block pairs for
 (r, src) through the local kernel. Merging is the kernel's own epilogue: it resumes
 the online softmax from the running (out, lse), kept in fp32 until the last step.
 
+Masks are data on the way: the band on global positions (causal, sliding window) becomes
+each pair's band of local indices (layouts.step_pairs), and the visiting shard's segment
+ids travel with its K/V. Steps after the last one that computes anything on any rank are
+not run at all (``layouts.active_steps``): with a sliding window the shards stop
+travelling once no rank further on can see them.
+
 Backward: the same rotation of K/V. The running fp32 dK/dV of the visiting shard
 arrives from r-1 during the step (it left r-1 once r-1 had finished its own previous
 step): the gradient buffer travels one step behind the K/V it belongs to. Each step
 runs the dQ pass first, which needs nothing in flight and so hides the transfer, then
-adds the dK/dV pass straight into the arrived sum. After the last step one more hop,
+adds the dK/dV pass straight into the arrived sum. After the last step one more trip,
 in the gradients' own dtype, takes every shard's dK/dV home. dQ never leaves the rank.
 """
 
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 import torch
 
 from .exchange import Ring
-from .kernels import attn_delta, flash_attn_bwd, flash_attn_fwd
-from .layouts import step_pairs
+from .kernels import PairMask, attn_delta, flash_attn_bwd, flash_attn_fwd, no_double_backward
+from .layouts import Band, active_steps, step_pairs, writes_first
 
 
-def _kv_buffers(k: torch.Tensor, v: torch.Tensor, ring: Ring):
-    """(current, next): K/V of this step, packed into one tensor so a step sends one
-    message, and the buffer the next shard arrives in. A ring of one sends nothing."""
-    if ring.world == 1:
-        return (k, v), None
+def _kv_buffers(k: torch.Tensor, v: torch.Tensor, segments: Optional[torch.Tensor], ring: Ring,
+                steps: int):
+    """(current, next): the visiting shard's K/V packed into one tensor, so a step sends
+    one message, and its segment ids (or None); then the buffers the next shard arrives
+    in. A ring that never passes a shard on sends nothing."""
+    if steps == 1:
+        return ((k, v), segments), (None, None)
     kv = ring.buffer("kv", (2, 2, *k.shape), k.dtype, k.device)
     kv[0, 0].copy_(k)
     kv[0, 1].copy_(v)
-    return kv[0], kv[1]
+    if segments is None:
+        return (kv[0], None), (kv[1], None)
+    seg = ring.buffer("segments", (2, *segments.shape), torch.int32, k.device)
+    seg[0].copy_(segments)
+    return (kv[0], seg[0]), (kv[1], seg[1])
 
 
-def _steps(ring: Ring, layout: str, local_len: int, causal: bool):
-    """(step, block pairs, first): step 0 is the rank's own shard, one pair over every row
-    (a layout's invariant), so its kernels write their results and later steps add to them;
-    no buffer needs zeroing first."""
-    for step in range(ring.world):
-        src = (ring.rank - step) % ring.world
-        pairs = step_pairs(layout, ring.rank, src, local_len, causal)
-        if step == 0 and not (len(pairs) == 1 and pairs[0].q == pairs[0].k == slice(None)):
-            raise AssertionError(f"layout {layout}: the first step must be one pair over all rows")
-        yield step, pairs, step == 0
+def _pass_on(ring: Ring, cur, nxt) -> list:
+    """Send this step's K/V (and segment ids) on, receive the next shard's."""
+    (kv, seg), (kv_next, seg_next) = cur, nxt
+    if seg is None:
+        return ring.exchange((kv, kv_next))
+    return ring.exchange((kv, kv_next), (seg, seg_next))
 
 
-def ring_forward(q, k, v, *, softmax_scale: float, causal: bool, layout: str, ring: Ring):
-    """Returns out (in q's dtype) and lse (fp32, (B, H, S)) of q against every rank's k, v."""
+def _schedule(ring: Ring, layout: str, local_len: int, band: Band):
+    """(number of steps, the pairs of each step, whether step 0 writes its results)."""
+    steps = active_steps(layout, ring.world, local_len, band) if ring.world > 1 else 1
+    pairs = [step_pairs(layout, ring.rank, (ring.rank - s) % ring.world, ring.world, local_len, band)
+             for s in range(steps)]
+    return steps, pairs, writes_first(pairs[0])
+
+
+def _mask(pair, q_segments, k_segments) -> PairMask:
+    if q_segments is None:
+        return PairMask(pair.band_lo, pair.band_hi)
+    return PairMask(pair.band_lo, pair.band_hi, q_segments[:, pair.q].contiguous(),
+                    k_segments[:, pair.k].contiguous())
+
+
+def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, layout: str, ring: Ring):
+    """Returns out (in q's dtype) and lse (fp32, (B, H, S)) of q against every rank's k, v.
+    segments: this rank's (B, S) int32 segment ids, or None."""
     b, n, h, d = q.shape
+    steps, schedule, first_writes = _schedule(ring, layout, n, band)
     out = torch.empty((b, n, h, d), device=q.device, dtype=torch.float32)
     lse = torch.empty((b, h, n), device=q.device, dtype=torch.float32)
-    cur, nxt = _kv_buffers(k, v, ring)
-    for step, pairs, first in _steps(ring, layout, n, causal):
-        pending = ring.exchange((cur, nxt)) if step + 1 < ring.world else []
+    if not first_writes:  # several pairs share the first step: every pair merges into these
+        out.zero_()
+        lse.fill_(-math.inf)
+    cur, nxt = _kv_buffers(k, v, segments, ring, steps)
+    for step, pairs in enumerate(schedule):
+        pending = _pass_on(ring, cur, nxt) if step + 1 < steps else []
+        (kv, seg) = cur
         for pair in pairs:
-            flash_attn_fwd(q[:, pair.q], cur[0][:, pair.k], cur[1][:, pair.k],
-                           softmax_scale=softmax_scale, causal_offset=pair.causal_offset,
-                           out=out[:, pair.q], lse=lse[:, :, pair.q], accumulate=not first)
+            flash_attn_fwd(q[:, pair.q], kv[0][:, pair.k], kv[1][:, pair.k],
+                           softmax_scale=softmax_scale, mask=_mask(pair, segments, seg),
+                           out=out[:, pair.q], lse=lse[:, :, pair.q],
+                           accumulate=not (first_writes and step == 0))
         ring.wait(pending)
         cur, nxt = nxt, cur
     ring.finish()
     return out.to(q.dtype), lse
 
 
-def ring_backward(dout, q, k, v, out, lse, dlse, *, softmax_scale: float, causal: bool,
+def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: float, band: Band,
                   layout: str, ring: Ring):
     """Returns dq, dk, dv of this rank's shards (in their dtypes)."""
     n = q.shape[1]
+    steps, schedule, first_writes = _schedule(ring, layout, n, band)
     delta = attn_delta(out, dout, dlse)
     dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-    cur, nxt = _kv_buffers(k, v, ring)
+    cur, nxt = _kv_buffers(k, v, segments, ring, steps)
     # Packed (dk, dv) running sums in fp32: `running` belongs to the shard this step
     # computes and arrives from r-1 during the step; `sending` belongs to the shard of the
     # step before and leaves for r+1.
     running, sending = ring.buffer("grads", (2, 2, *k.shape), torch.float32, k.device)
+    if not first_writes:
+        dq.zero_()
+        running.zero_()
 
-    def add_grads(pair, kv, first, dq=None, dkv=None):
-        """One block pair's dQ pass (into dq) or dK/dV pass (into packed dkv); the first
-        step writes, the others add."""
+    def add_grads(pair, kv, seg, write, dq=None, dkv=None):
+        """One block pair's dQ pass (into dq) or dK/dV pass (into packed dkv)."""
         dk, dv = (None, None) if dkv is None else (dkv[0][:, pair.k], dkv[1][:, pair.k])
         flash_attn_bwd(dout[:, pair.q], q[:, pair.q], kv[0][:, pair.k], kv[1][:, pair.k],
                        lse[:, :, pair.q], delta[:, :, pair.q], None if dq is None else dq[:, pair.q],
-                       dk, dv, softmax_scale=softmax_scale, causal_offset=pair.causal_offset,
-                       accumulate=not first)
+                       dk, dv, softmax_scale=softmax_scale, mask=_mask(pair, segments, seg),
+                       accumulate=not write)
 
-    for step, pairs, first in _steps(ring, layout, n, causal):
+    for step, pairs in enumerate(schedule):
+        write = first_writes and step == 0
+        (kv, seg) = cur
         # Two messages, the one needed first posted first: the running dK/dV (which the
         # dK/dV pass adds into; our own shard's sum starts here) and the next K/V (needed
         # by the next step only).
-        grads_pending = [] if first else ring.exchange((sending, running))
-        kv_pending = ring.exchange((cur, nxt)) if step + 1 < ring.world else []
+        grads_pending = [] if step == 0 else ring.exchange((sending, running))
+        kv_pending = _pass_on(ring, cur, nxt) if step + 1 < steps else []
         # dQ needs nothing in flight, so it runs while the running dK/dV arrives; dK/dV
         # then add straight into it, only in the key rows this step touches.
         for pair in pairs:
-            add_grads(pair, cur, first, dq=dq)
+            add_grads(pair, kv, seg, write, dq=dq)
         ring.wait(grads_pending)
         for pair in pairs:
-            add_grads(pair, cur, first, dkv=running)
+            add_grads(pair, kv, seg, write, dkv=running)
         ring.wait(kv_pending)
         cur, nxt = nxt, cur
         running, sending = sending, running
-    if ring.world == 1:
+    if steps == 1:
         return dq.to(q.dtype), sending[0].to(k.dtype), sending[1].to(k.dtype)
-    # One more hop takes every shard's dK/dV to its owner, in the gradients' dtype: the
-    # sums are complete, so rounding before or after the hop gives the same bits.
+    # One more trip takes every shard's dK/dV to its owner, steps - 1 ranks back, in the
+    # gradients' dtype: the sums are complete, so rounding before or after gives the same bits.
     dkv = ring.buffer("home", sending.shape, k.dtype, k.device)
     dkv.copy_(sending)
     home = torch.empty_like(dkv)
-    ring.wait(ring.exchange((dkv, home)))
+    ring.wait(ring.exchange((dkv, home), shift=1 - steps))
     ring.finish()
     return dq.to(q.dtype), home[0], home[1]
 
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, layout, ring):
-        out, lse = ring_forward(q, k, v, softmax_scale=softmax_scale, causal=causal,
+    def forward(ctx, q, k, v, segments, softmax_scale, band, layout, ring):
+        out, lse = ring_forward(q, k, v, segments, softmax_scale=softmax_scale, band=band,
                                 layout=layout, ring=ring)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = dict(softmax_scale=softmax_scale, causal=causal, layout=layout, ring=ring)
+        ctx.save_for_backward(q, k, v, out, lse, segments)
+        ctx.args = dict(softmax_scale=softmax_scale, band=band, layout=layout, ring=ring)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, dlse, **ctx.args)
-        return dq, dk, dv, None, None, None, None
+        no_double_backward()
+        q, k, v, out, lse, segments = ctx.saved_tensors
+        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, dlse, segments, **ctx.args)
+        return dq, dk, dv, None, None, None, None, None

@@ -25,35 +25,61 @@ def visible_mask(seqlen_q: int, seqlen_k: int, causal_offset: int | None, device
     return cols <= rows + causal_offset
 
 
-def attention_oracle(q, k, v, causal_offset: int | None = None, softmax_scale: float | None = None):
-    """(out (B, Sq, H, D), lse (B, H, Sq)), both float64; differentiable without NaN."""
+def global_mask(seqlen: int, causal: bool = False, window_size=(-1, -1), segment_ids=None):
+    """(Sq, Sk) or, with segment ids (B, S), (B, S, S) bool over GLOBAL positions, written
+    from DESIGN.md's definitions (not from the kernels' band form); None if nothing is masked."""
+    i = torch.arange(seqlen)[:, None]
+    j = torch.arange(seqlen)[None, :]
+    mask = torch.ones(seqlen, seqlen, dtype=torch.bool)
+    if causal:
+        mask &= j <= i
+    left, right = window_size
+    if left >= 0:
+        mask &= j >= i - left
+    if right >= 0:
+        mask &= j <= i + right
+    if segment_ids is not None:
+        seg = segment_ids.cpu()
+        mask = mask[None] & (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] >= 0)
+    elif not causal and left < 0 and right < 0:
+        return None
+    return mask
+
+
+def attention_oracle(q, k, v, causal_offset: int | None = None, softmax_scale: float | None = None,
+                     mask: torch.Tensor | None = None):
+    """(out (B, Sq, H, D), lse (B, H, Sq)), both float64; differentiable without NaN.
+    ``mask`` (Sq, Sk) or (B, Sq, Sk) bool, True = visible, replaces ``causal_offset``."""
     q, k, v = q.double(), k.double(), v.double()
     group = q.shape[2] // k.shape[2]
     k = k.repeat_interleave(group, dim=2)
     v = v.repeat_interleave(group, dim=2)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
-    mask = visible_mask(q.shape[1], k.shape[1], causal_offset, q.device)
+    if mask is None:
+        mask = visible_mask(q.shape[1], k.shape[1], causal_offset, q.device)
     if mask is None:
         lse = torch.logsumexp(s, dim=-1)
         p = torch.exp(s - lse[..., None])
     else:
+        # (Sq, Sk) or (B, 1, Sq, Sk) against scores (B, H, Sq, Sk).
+        mask = mask.to(q.device)[:, None] if mask.dim() == 3 else mask.to(q.device)
         # Rows that see nothing get finite stand-in scores, then are zeroed: logsumexp of an
         # all -inf row is fine forward but its backward is NaN.
-        seen = mask.any(dim=-1)[:, None]  # (Sq, 1)
+        seen = mask.any(dim=-1, keepdim=True)
         s = torch.where(mask, s, torch.where(seen, -math.inf, 0.0))
         lse = torch.logsumexp(s, dim=-1)
         p = torch.exp(s - lse[..., None]) * seen
-        lse = torch.where(seen[:, 0], lse, -math.inf)
+        lse = torch.where(seen[..., 0], lse, -math.inf)
     out = torch.einsum("bhqk,bkhd->bqhd", p, v)
     return out, lse
 
 
 def oracle_grads(q, k, v, dout, causal_offset: int | None = None, softmax_scale: float | None = None,
-                 dlse=None):
+                 dlse=None, mask: torch.Tensor | None = None):
     """(dq, dk, dv) in float64 of sum(out * dout) [+ sum(lse * dlse) over rows that see a key]."""
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out, lse = attention_oracle(q, k, v, causal_offset, softmax_scale)
+    out, lse = attention_oracle(q, k, v, causal_offset, softmax_scale, mask=mask)
     loss = (out * dout.double()).sum()
     if dlse is not None:
         loss = loss + torch.where(torch.isinf(lse), 0.0, lse * dlse.double()).sum()

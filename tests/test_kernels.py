@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from oracle import (BF16, DTYPE_ID, F16, F32, LSE_TOL, NOISE_FLOOR, TOL, Case, attention_oracle,
                     oracle_grads, rel_err, torch_attention, visible_mask)
 
-from ringflash.kernels import (attn_delta, flash_attn, flash_attn_bwd, flash_attn_fwd, interface,
+from ringflash.kernels import (PairMask, attn_delta, flash_attn, flash_attn_bwd, flash_attn_fwd, interface,
                                reference, triton_attn)
 
 HAS_CUDA = torch.cuda.is_available()
@@ -78,14 +78,14 @@ def run_block(mod, q, k, v, dout, case: Case):
     b, sq, h, _ = q.shape
     out = torch.full_like(q, NAN)
     lse = torch.full((b, h, sq), NAN, device=q.device)
-    mod.fwd(q, k, v, out, lse, softmax_scale=case.softmax_scale, causal_offset=case.offset,
+    mod.fwd(q, k, v, out, lse, softmax_scale=case.softmax_scale, mask=PairMask.causal(case.offset),
             accumulate=False)
     delta = attn_delta(out, dout)
     dq = torch.full(q.shape, NAN, device=q.device)
     dk = torch.full(k.shape, NAN, device=q.device)
     dv = torch.full(v.shape, NAN, device=q.device)
     mod.bwd(dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale=case.softmax_scale,
-            causal_offset=case.offset, accumulate=False)
+            mask=PairMask.causal(case.offset), accumulate=False)
     return out, lse, dq, dk, dv
 
 
@@ -211,7 +211,7 @@ def test_split_keys_accumulate(kernel, dtype, case, split, order, monkeypatch):
     lse = torch.full((case.b, case.h, case.sq), -math.inf, device=device)
     for start, end in parts:
         mod.fwd(q, k[:, start:end], v[:, start:end], out, lse, softmax_scale=case.softmax_scale,
-                causal_offset=part_offset(start), accumulate=True)
+                mask=PairMask.causal(part_offset(start)), accumulate=True)
 
     delta = attn_delta(out, dout)
     gen = torch.Generator().manual_seed(1)
@@ -219,7 +219,7 @@ def test_split_keys_accumulate(kernel, dtype, case, split, order, monkeypatch):
     dq, dk, dv = (t.clone() for t in before)
     for start, end in parts:
         mod.bwd(dout, q, k[:, start:end], v[:, start:end], lse, delta, dq, dk[:, start:end],
-                dv[:, start:end], softmax_scale=case.softmax_scale, causal_offset=part_offset(start),
+                dv[:, start:end], softmax_scale=case.softmax_scale, mask=PairMask.causal(part_offset(start)),
                 accumulate=True)
     added = tuple(g - b for g, b in zip((dq, dk, dv), before))
 
@@ -239,17 +239,17 @@ def test_backward_passes_run_apart(kernel, monkeypatch):
     case = Case(1, 45, 70, 4, 2, 32, 10)
     q, k, v, dout = make_inputs(case, F32, device)
     out, lse = torch.empty_like(q), torch.empty((1, 4, 45), device=device)
-    mod.fwd(q, k, v, out, lse, softmax_scale=case.softmax_scale, causal_offset=10, accumulate=False)
+    mod.fwd(q, k, v, out, lse, softmax_scale=case.softmax_scale, mask=PairMask.causal(10), accumulate=False)
     delta = attn_delta(out, dout)
     joint = [torch.full(t.shape, NAN, device=device) for t in (q, k, v)]
-    mod.bwd(dout, q, k, v, lse, delta, *joint, softmax_scale=case.softmax_scale, causal_offset=10,
+    mod.bwd(dout, q, k, v, lse, delta, *joint, softmax_scale=case.softmax_scale, mask=PairMask.causal(10),
             accumulate=False)
     apart = [torch.full(t.shape, NAN, device=device) for t in (q, k, v)]
     mod.bwd(dout, q, k, v, lse, delta, apart[0], None, None, softmax_scale=case.softmax_scale,
-            causal_offset=10, accumulate=False)
+            mask=PairMask.causal(10), accumulate=False)
     assert apart[1].isnan().all()
     mod.bwd(dout, q, k, v, lse, delta, None, apart[1], apart[2], softmax_scale=case.softmax_scale,
-            causal_offset=10, accumulate=False)
+            mask=PairMask.causal(10), accumulate=False)
     for a, j in zip(apart, joint):
         assert torch.equal(a, j)
 
@@ -262,9 +262,9 @@ def test_accumulate_into_empty_state_is_plain_forward(kernel, monkeypatch):
     q, k, v, _ = make_inputs(case, F32, device)
     out = torch.zeros_like(q)
     lse = torch.full((1, 2, 45), -math.inf, device=device)
-    mod.fwd(q, k, v, out, lse, softmax_scale=case.softmax_scale, causal_offset=3, accumulate=True)
+    mod.fwd(q, k, v, out, lse, softmax_scale=case.softmax_scale, mask=PairMask.causal(3), accumulate=True)
     plain_out, plain_lse = torch.full_like(q, NAN), torch.full_like(lse, NAN)
-    mod.fwd(q, k, v, plain_out, plain_lse, softmax_scale=case.softmax_scale, causal_offset=3,
+    mod.fwd(q, k, v, plain_out, plain_lse, softmax_scale=case.softmax_scale, mask=PairMask.causal(3),
             accumulate=False)
     assert rel_err(out, plain_out) <= 1e-6 and rel_err(lse, plain_lse) <= 1e-6
 
@@ -282,11 +282,11 @@ def test_strided_views(kernel, monkeypatch):
     out_buf = torch.full((2, 45, 2, 48), NAN, device=device)
     lse_buf = torch.full((2, 2, 50), NAN, device=device)
     out, lse = out_buf[..., :32], lse_buf[..., 3:48]
-    mod.fwd(q, k, v, out, lse, softmax_scale=case.softmax_scale, causal_offset=0, accumulate=False)
+    mod.fwd(q, k, v, out, lse, softmax_scale=case.softmax_scale, mask=PairMask.causal(0), accumulate=False)
     grad_buf = torch.full((2, 45, 3, 2, 40), NAN, device=device)
     dq, dk, dv = grad_buf[..., :32].unbind(dim=2)
     mod.bwd(dout, q, k, v, lse, attn_delta(out, dout), dq, dk, dv,
-            softmax_scale=case.softmax_scale, causal_offset=0, accumulate=False)
+            softmax_scale=case.softmax_scale, mask=PairMask.causal(0), accumulate=False)
     assert_matches_oracle(case, (q, k, v, dout), (out, lse, dq, dk, dv))
     # Nothing outside the views was touched.
     assert out_buf[..., 32:].isnan().all() and lse_buf[..., :3].isnan().all()

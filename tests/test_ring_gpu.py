@@ -282,3 +282,15 @@ def test_ranks_disagreeing_on_transport_raise(nccl, monkeypatch):
     if not torch.allclose(out.float(), want.float(), atol=2e-2, rtol=2e-2):
         failures.append("the call after the error is wrong")
     _agree(failures)
+
+
+# ----------------------------------------------------------------------------- masks
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_masked_ring_matches_oracle(nccl, layout):
+    """Segment ids (documents, padding, one-token documents) and sliding windows through
+    the NCCL / copy-engine ring, 384 tokens per rank (several GPU tiles): the checks of
+    tests/test_ring_masks.py on CUDA."""
+    from test_ring_masks import check_masked_ring
+    _agree(check_masked_ring(dist.get_rank(), dist.get_world_size(), layout, n=384, device=nccl))

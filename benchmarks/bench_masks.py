@@ -1,0 +1,186 @@
+"""Masked attention: packed documents and sliding windows, ringflash against FlexAttention
+and SDPA document by document on one GPU, and through the ring against the dense causal
+ring of the same length and the 1-GPU kernel.
+
+    python benchmarks/bench_masks.py                               # one GPU -> masks_<gpu>.json
+    torchrun --nproc-per-node=2 benchmarks/bench_masks.py --ring   # ring -> masks_<gpu>x2.json
+
+Documents: lengths drawn log-normal (median 2k, sigma 1.5: about 1% past 64k), packed
+into one row and cut at the sequence end; causal within each document. Window: causal
+with window_size (4096, 0). TFLOP/s are counted over the visible (query, key) pairs only:
+4 * heads * head_dim * visible, times 3.5 for forward+backward. Every implementation's
+output is checked against ringflash's on the same inputs before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+import _harness as H
+import ringflash
+
+
+def documents(seqlen: int, seed: int = 0, median: int = 2048, sigma: float = 1.5) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths, total = [], 0
+    while total < seqlen:
+        n = max(1, int(math.exp(math.log(median) + sigma * torch.randn(1, generator=gen).item())))
+        n = min(n, seqlen - total)
+        lengths.append(n)
+        total += n
+    return lengths
+
+
+def case_mask(mask: str, seqlen: int, window: int, device):
+    """(flash_attn keywords, visible pairs, FlexAttention mask_mod, document lengths)."""
+    if mask == "causal":
+        return dict(causal=True), seqlen * (seqlen + 1) // 2, lambda b, h, q, k: q >= k, None
+    if mask == "window":
+        visible = sum(min(i, window) + 1 for i in range(seqlen))
+        return (dict(causal=True, window_size=(window, 0)), visible,
+                lambda b, h, q, k: (q >= k) & (q - k <= window), None)
+    lengths = documents(seqlen)
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(device)
+    visible = sum(n * (n + 1) // 2 for n in lengths)
+    return (dict(causal=True, segment_ids=ids[None].int()), visible,
+            lambda b, h, q, k: (q >= k) & (ids[q] == ids[k]), lengths)
+
+
+def timed(fn, q, k, v, device, args, group=None):
+    """(fwd ms, fwd+bwd ms) of out = fn(q, k, v)."""
+    dout = torch.randn_like(q)
+    fwd = H.bench_ms(lambda: fn(q, k, v), device=device, rep_ms=args.rep_ms, group=group)
+    fwdbwd = H.bench_ms(lambda: fn(q, k, v).backward(dout), device=device, rep_ms=args.rep_ms,
+                        grad_to_none=(q, k, v), group=group)
+    return fwd, fwdbwd
+
+
+def record(impl, mask, seqlen, window, visible, fwd, fwdbwd, args, world=1, **extra):
+    flops = 4 * args.heads * args.head_dim * visible
+    rec = dict(impl=impl, mask=mask, seqlen=seqlen, window=window if mask == "window" else None,
+               heads=args.heads, head_dim=args.head_dim, fwd_ms=fwd, fwdbwd_ms=fwdbwd,
+               fwd_tflops_visible=H.tflops(flops, fwd), fwdbwd_tflops_visible=H.tflops(3.5 * flops, fwdbwd),
+               **extra)
+    if world > 1:
+        rec["gpus"] = world
+        rec["fwdbwd_tflops_visible_per_gpu"] = H.tflops(3.5 * flops / world, fwdbwd)
+    return rec
+
+
+def single_gpu(args, device) -> list[dict]:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    flex = torch.compile(flex_attention)
+    records = []
+    for seqlen in args.seqlens:
+        for mask in args.masks:
+            kw, visible, mask_mod, lengths = case_mask(mask, seqlen, args.window, device)
+            q, k, v = (torch.randn(1, seqlen, args.heads, args.head_dim, device=device,
+                                   dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+            ours = lambda q, k, v: ringflash.flash_attn(q, k, v, **kw)
+            want = ours(q, k, v).detach()
+            records.append(record("ringflash", mask, seqlen, args.window, visible,
+                                  *timed(ours, q, k, v, device, args), args))
+            bm = create_block_mask(mask_mod, 1, None, seqlen, seqlen, device=device, _compile=True)
+            qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+            theirs = lambda q, k, v: flex(q, k, v, block_mask=bm)
+            err = H.rel_err(theirs(qt, kt, vt).detach().transpose(1, 2), want)
+            records.append(record("flex_attention", mask, seqlen, args.window, visible,
+                                  *timed(theirs, qt, kt, vt, device, args), args, check_rel_err=err))
+            if lengths is not None:
+                bounds = [0] + torch.tensor(lengths).cumsum(0).tolist()
+
+                def per_doc(q, k, v):
+                    return torch.cat([F.scaled_dot_product_attention(
+                        q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True)
+                        for a, b in zip(bounds[:-1], bounds[1:])], dim=2)
+                err = H.rel_err(per_doc(qt, kt, vt).detach().transpose(1, 2), want)
+                records.append(record("sdpa_per_doc", mask, seqlen, args.window, visible,
+                                      *timed(per_doc, qt, kt, vt, device, args), args,
+                                      check_rel_err=err, documents=len(lengths)))
+            print(H.format_table(records[-3:], [("impl", "impl"), ("mask", "mask"), ("seqlen", "seqlen"),
+                                                ("fwd_ms", "fwd_ms", ".2f"), ("fwdbwd_ms", "fwdbwd_ms", ".2f"),
+                                                ("fwdbwd_tflops_visible", "fwdbwd_tflops_visible", ".0f")]), flush=True)
+            del q, k, v, qt, kt, vt
+            H.free_memory(device)
+    return records
+
+
+def ring(args, device) -> list[dict]:
+    import torch.distributed as dist
+    world, rank = dist.get_world_size(), dist.get_rank()
+    records = []
+    for seqlen in args.seqlens:
+        for mask in args.masks:
+            kw, visible, _, _ = case_mask(mask, seqlen, args.window, device)
+            layouts = {"causal": ["zigzag"], "window": ["contiguous"], "documents": ["zigzag", "stripe"]}[mask]
+            gen = torch.Generator(device=device).manual_seed(0)
+            full = [torch.randn(1, seqlen, args.heads, args.head_dim, device=device, generator=gen,
+                                dtype=torch.bfloat16) for _ in range(3)]
+            if rank == 0:  # the same problem on one GPU, for the ring's efficiency
+                one = [t.clone().requires_grad_() for t in full]
+                fwd, fwdbwd = timed(lambda q, k, v: ringflash.flash_attn(q, k, v, **kw), *one,
+                                    device, args)
+                records.append(record("ringflash_1gpu", mask, seqlen, args.window, visible, fwd, fwdbwd, args))
+                del one
+            dist.barrier()
+            for layout in layouts:
+                local = [ringflash.shard(t, 1, layout).requires_grad_() for t in full]
+                rkw = dict(kw, layout=layout)
+                if "segment_ids" in kw:
+                    rkw["segment_ids"] = ringflash.shard(kw["segment_ids"], 1, layout)
+                fwd, fwdbwd = timed(lambda q, k, v: ringflash.ring_flash_attn(q, k, v, **rkw),
+                                    *local, device, args, group=dist.group.WORLD)
+                records.append(record("ringflash", mask, seqlen, args.window, visible, fwd, fwdbwd,
+                                      args, world=world, layout=layout))
+                del local
+            if rank == 0:
+                print(H.format_table([r for r in records if r["seqlen"] == seqlen and r["mask"] == mask],
+                                     [("impl", "impl"), ("layout", "layout"), ("mask", "mask"), ("seqlen", "seqlen"),
+                                      ("fwdbwd_ms", "fwdbwd_ms", ".2f"), ("fwdbwd_tflops_visible", "fwdbwd_tflops_visible", ".0f"),
+                                      ("fwdbwd_tflops_visible_per_gpu", "fwdbwd_tflops_visible_per_gpu", ".0f")]), flush=True)
+            del full
+            H.free_memory(device)
+    return records
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--ring", action="store_true", help="run the ring under torchrun (NCCL)")
+    p.add_argument("--seqlens", nargs="+", default=["32k,128k"], help="sequence lengths")
+    p.add_argument("--masks", nargs="+", default=["causal,documents,window"], help="masks to run")
+    p.add_argument("--window", type=int, default=4096, help="left window of the 'window' mask")
+    p.add_argument("--heads", type=int, default=32, help="query (= key/value) heads")
+    p.add_argument("--head-dim", type=int, default=128, help="head dim")
+    p.add_argument("--rep-ms", type=float, default=100.0, help="timed time per measurement")
+    p.add_argument("--out-name", default=None, help="results file name (default: masks_<gpu>[xN])")
+    p.add_argument("--out-dir", default=None, help="results directory (default benchmarks/results)")
+    args = p.parse_args(argv)
+    args.seqlens = H.parse_sizes(args.seqlens)
+    args.masks = H.parse_names(args.masks, ("causal", "documents", "window"))
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_masks.py needs a GPU (FlexAttention and the Triton kernels)")
+    if args.ring:
+        import torch.distributed as dist
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        H.init_process_group(device, timeout=datetime.timedelta(minutes=10))
+        records = ring(args, device)
+        name = args.out_name or f"masks_h200x{dist.get_world_size()}"
+        if dist.get_rank() == 0:
+            H.write_results(name, H.collect_meta(device), records, args.out_dir)
+        dist.destroy_process_group()
+    else:
+        device = torch.device("cuda", 0)
+        records = single_gpu(args, device)
+        H.write_results(args.out_name or "masks_h200", H.collect_meta(device), records, args.out_dir)
+
+
+if __name__ == "__main__":
+    main()

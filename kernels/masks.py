@@ -1,0 +1,99 @@
+"""What a block pair masks: a small description the kernels evaluate per tile.
+
+One mechanism for every mask (DESIGN.md, Masks). Key j of a pair is visible to query i iff
+
+    band_lo <= j - i <= band_hi          (local indices; None = unbounded on that side)
+    and, with segment ids, q_segments[b, i] == k_segments[b, j] >= 0
+
+The causal diagonal with offset o is ``band_hi = o``. A sliding window on global
+positions becomes a band of local indices wherever the pair's global positions are an
+affine function of its local indices with one common stride (ringflash.layouts does that
+conversion); on one device the band is the window itself. Segment ids mark packed
+documents (equal id: may attend) and padding (-1: sees nothing, never seen). Within a
+pair, the ids that are not -1 must not decrease along the rows (documents are contiguous
+runs): that is what lets a tile find the keys of its documents from two loads.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+# An unbounded band side, as the kernels see it: far past any sequence length.
+BAND_INF = 1 << 30
+
+
+class PairMask(NamedTuple):
+    """The mask of one (query block, key block) pair.
+
+    band_lo, band_hi: key j visible to query i only if band_lo <= j - i <= band_hi (None:
+        unbounded). ``PairMask.causal(o)`` is j <= i + o.
+    q_segments (B, Sq), k_segments (B, Sk): int32 contiguous segment ids, or both None.
+    """
+
+    band_lo: Optional[int] = None
+    band_hi: Optional[int] = None
+    q_segments: Optional[torch.Tensor] = None
+    k_segments: Optional[torch.Tensor] = None
+
+    @classmethod
+    def causal(cls, offset: Optional[int]) -> "PairMask":
+        """Key j visible to query i iff j <= i + offset (None: no mask)."""
+        return cls(band_hi=offset)
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing is masked."""
+        return self.band_lo is None and self.band_hi is None and self.q_segments is None
+
+
+NO_MASK = PairMask()
+
+
+def band_of_window(causal: bool, window_size: tuple[int, int]) -> tuple[Optional[int], Optional[int]]:
+    """(lo, hi) of kp - qp for causal and window_size (left, right), -1 = unbounded."""
+    left, right = window_size
+    lo = None if left < 0 else -left
+    hi = None if right < 0 else right
+    if causal:
+        hi = 0 if hi is None else min(hi, 0)
+    return lo, hi
+
+
+def visible(qi: torch.Tensor, kj: torch.Tensor, mask: PairMask, batch: Optional[int] = None):
+    """The element predicate (len(qi), len(kj)) bool, or (B, len(qi), len(kj)) with segment
+    ids; None when every key is visible. qi, kj: local row indices."""
+    ok = None
+    diff = kj[None, :] - qi[:, None]
+    if mask.band_lo is not None:
+        ok = diff >= mask.band_lo
+    if mask.band_hi is not None:
+        hi = diff <= mask.band_hi
+        ok = hi if ok is None else ok & hi
+    if mask.q_segments is not None:
+        qs = mask.q_segments[:, qi][:, :, None]
+        ks = mask.k_segments[:, kj][:, None, :]
+        seg = (qs == ks) & (qs >= 0)
+        ok = seg if ok is None else ok[None] & seg
+    return ok
+
+
+def segment_ranges(rows_seg: torch.Tensor, cols_seg: torch.Tensor):
+    """For every row, the hull [lo, hi) of the columns whose segment id may equal its own,
+    as two (B, S_rows) int32 tensors, made so that a tile of rows [a, b] needs only
+    lo[a] and hi[b]: lo is a suffix minimum and hi a prefix maximum over the rows, and
+    padding rows (-1) contribute nothing. Needs the non-padding ids of both sides to be
+    non-decreasing."""
+    n_cols = cols_seg.shape[1]
+    # A non-decreasing stand-in for the columns: padding takes the id before it, so a
+    # search for id a lands on a run that holds every column with id a (and perhaps some
+    # padding, which the element predicate masks).
+    cols_sorted = torch.cummax(cols_seg, dim=1).values.contiguous()
+    rows = rows_seg.contiguous()
+    pad = rows < 0
+    lo = torch.searchsorted(cols_sorted, rows, side="left").masked_fill_(pad, n_cols)
+    hi = torch.searchsorted(cols_sorted, rows, side="right").masked_fill_(pad, 0)
+    lo = torch.flip(torch.cummin(torch.flip(lo, (1,)), dim=1).values, (1,))
+    hi = torch.cummax(hi, dim=1).values
+    return lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous()

@@ -1,0 +1,242 @@
+"""Masks on one device: segment ids (packed documents, padding) and sliding windows, in the
+PyTorch twin and the Triton kernels (interpreted on CPUs), against the float64 oracle
+with the full boolean mask written from DESIGN.md's definitions (oracle.global_mask).
+
+Outputs are NaN-filled first where the kernels write into given buffers; every case
+checks out, lse, dq, dk, dv, and that rows seeing nothing get out 0, lse -inf and zero
+gradients.
+"""
+
+import math
+
+import pytest
+import torch
+from oracle import F16, F32, TOL, attention_oracle, global_mask, oracle_grads, rel_err
+
+from ringflash.kernels import PairMask, flash_attn, flash_attn_bwd, flash_attn_fwd, interface
+from ringflash.kernels import attn_delta, triton_attn
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def segments(batch_lengths, seqlen):
+    """(B, seqlen) int ids from per-row lists of document lengths; a length given as a
+    negative number is that much padding (-1). Rows are filled with padding at the end."""
+    rows = []
+    for lengths in batch_lengths:
+        ids, doc = [], 0
+        for n in lengths:
+            if n < 0:
+                ids += [-1] * -n
+            else:
+                ids += [doc] * n
+                doc += 1
+        ids += [-1] * (seqlen - len(ids))
+        assert len(ids) == seqlen, (lengths, seqlen)
+        rows.append(ids)
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+SEQLEN = 77  # not a multiple of any tile: every kernel's bounds are exercised
+DOCS = {
+    "one-doc": [[SEQLEN]],
+    "docs": [[1, 20, 1, 30, 25]],
+    "docs-pad-end": [[10, 33, 3, -31]],
+    "pad-front-mid": [[-5, 12, -9, 40, 11]],
+    "all-pad": [[-SEQLEN]],
+    "batch2": [[40, 37], [-3, 1, 1, 50, -22]],
+}
+WINDOWS = [(-1, -1), (0, 0), (5, -1), (-1, 3), (16, 16), (100, 100), (1, 33)]
+
+
+def _impl(name, monkeypatch):
+    """Device of implementation ``name``; routes CPU tensors to Triton's interpreter."""
+    if name == "triton":
+        if not HAS_CUDA:
+            monkeypatch.setattr(interface, "_backend", lambda t: triton_attn)
+        return "cuda" if HAS_CUDA else "cpu"
+    return "cpu"
+
+
+def _inputs(b, s, h, hkv, d, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v, dout = (torch.randn(b, s, n, d, generator=gen) for n in (h, hkv, hkv, h))
+    return [t.to(device=device, dtype=dtype) for t in (q, k, v, dout)]
+
+
+def _check(q, k, v, dout, mask, dtype, got, label):
+    """Compare (out, lse, dq, dk, dv) with the oracle under ``mask``; rows seeing nothing
+    must be exactly zero (out, dq) with lse -inf."""
+    out, lse, dq, dk, dv = got
+    want_out, want_lse = attention_oracle(q, k, v, mask=mask)
+    want = (want_out, want_lse, *oracle_grads(q, k, v, dout, mask=mask))
+    tol = TOL[dtype]
+    for name, a, w in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), want):
+        err = rel_err(a, w)
+        assert err <= tol, f"{label}: {name} rel err {err:.3g} > {tol:g}"
+    if mask is not None:
+        blind = ~mask.any(dim=-1)  # (Sq,) or (B, Sq)
+        blind = blind.expand(q.shape[0], -1) if blind.dim() == 1 else blind
+        if blind.any():
+            assert torch.isneginf(lse.transpose(1, 2)[blind.to(lse.device)]).all(), label
+            assert (out[blind.to(out.device)] == 0).all(), label
+            assert (dq[blind.to(dq.device)] == 0).all(), label
+
+
+def _run_flash_attn(q, k, v, dout, **kwargs):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, lse = flash_attn(q, k, v, return_lse=True, **kwargs)
+    out.backward(dout)
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("impl", ["twin", "triton"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("docs", list(DOCS), ids=list(DOCS))
+def test_segment_ids(impl, causal, docs, monkeypatch):
+    device = _impl(impl, monkeypatch)
+    seg = segments(DOCS[docs], SEQLEN)
+    b = seg.shape[0]
+    dtype = F32
+    q, k, v, dout = _inputs(b, SEQLEN, 4, 2, 16, dtype, device)
+    got = _run_flash_attn(q, k, v, dout, causal=causal, segment_ids=seg.to(device))
+    _check(q, k, v, dout, global_mask(SEQLEN, causal, segment_ids=seg), dtype, got,
+           f"{impl} {docs} causal={causal}")
+
+
+@pytest.mark.parametrize("impl", ["twin", "triton"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"win{w[0]}_{w[1]}")
+def test_window(impl, causal, window, monkeypatch):
+    device = _impl(impl, monkeypatch)
+    dtype = F16 if impl == "triton" else F32
+    q, k, v, dout = _inputs(1, SEQLEN, 2, 1, 32, dtype, device, seed=1)
+    got = _run_flash_attn(q, k, v, dout, causal=causal, window_size=window)
+    _check(q, k, v, dout, global_mask(SEQLEN, causal, window), dtype, got,
+           f"{impl} window={window} causal={causal}")
+
+
+@pytest.mark.parametrize("impl", ["twin", "triton"])
+def test_window_and_documents(impl, monkeypatch):
+    device = _impl(impl, monkeypatch)
+    seg = segments(DOCS["pad-front-mid"], SEQLEN)
+    q, k, v, dout = _inputs(1, SEQLEN, 4, 1, 16, F32, device, seed=2)
+    got = _run_flash_attn(q, k, v, dout, causal=True, window_size=(7, -1), segment_ids=seg.to(device))
+    _check(q, k, v, dout, global_mask(SEQLEN, True, (7, -1), seg), F32, got, f"{impl} window+docs")
+
+
+def test_wide_window_is_no_window():
+    q, k, v, dout = _inputs(1, SEQLEN, 2, 2, 16, F32, "cpu", seed=3)
+    for causal in (False, True):
+        plain = _run_flash_attn(q, k, v, dout, causal=causal)
+        wide = _run_flash_attn(q, k, v, dout, causal=causal, window_size=(SEQLEN, SEQLEN))
+        for a, b in zip(plain, wide):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_one_document_is_no_mask():
+    q, k, v, dout = _inputs(2, SEQLEN, 2, 2, 16, F32, "cpu", seed=4)
+    plain = _run_flash_attn(q, k, v, dout, causal=True)
+    one = _run_flash_attn(q, k, v, dout, causal=True, segment_ids=torch.zeros(2, SEQLEN, dtype=torch.int32))
+    for a, b in zip(plain, one):
+        assert rel_err(a, b) <= 1e-6
+
+
+@pytest.mark.parametrize("impl", ["twin", "triton"])
+@pytest.mark.parametrize("band", [(-3, 4), (-40, -20), (10, 200), (None, -30), (-200, -100), (5, 2)],
+                         ids=str)
+def test_block_band(impl, band, monkeypatch):
+    """The per-block entry points with a raw band of local indices (what the ring passes),
+    Sq != Sk, accumulating into NaN-free running buffers, including bands that see
+    nothing at all (lo > hi, or entirely outside the keys)."""
+    device = _impl(impl, monkeypatch)
+    sq, sk = 45, 70
+    q, k, v, dout = _inputs(1, max(sq, sk), 2, 1, 16, F32, device, seed=5)
+    q, dout = q[:, :sq], dout[:, :sq]
+    k, v = k[:, :sk], v[:, :sk]
+    mask = PairMask(*band)
+    i = torch.arange(sq)[:, None]
+    j = torch.arange(sk)[None, :]
+    dense = torch.ones(sq, sk, dtype=torch.bool)
+    if band[0] is not None:
+        dense &= j - i >= band[0]
+    if band[1] is not None:
+        dense &= j - i <= band[1]
+    kw = dict(softmax_scale=16 ** -0.5, mask=mask)
+    out, lse = flash_attn_fwd(q, k, v, out=torch.full(q.shape, math.nan, device=device),
+                              lse=torch.full((1, 2, sq), math.nan, device=device), **kw)
+    delta = attn_delta(out, dout)
+    grads = [torch.full(t.shape, math.nan, device=device) for t in (q, k, v)]
+    flash_attn_bwd(dout, q, k, v, lse, delta, *grads, **kw)
+    _check(q, k, v, dout, dense, F32, (out, lse, *grads), f"{impl} band={band}")
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (torch.zeros(1, SEQLEN), TypeError, "integer"),
+    (torch.zeros(2, SEQLEN, dtype=torch.int64), ValueError, "shape"),
+    (torch.zeros(1, SEQLEN - 1, dtype=torch.int64), ValueError, "shape"),
+    (torch.full((1, SEQLEN), -2), ValueError, ">= -1"),
+    (torch.tensor([[1] * 40 + [0] * (SEQLEN - 40)]), ValueError, "decrease"),
+    ([0] * SEQLEN, TypeError, "Tensor"),
+], ids=["float", "batch", "seqlen", "below-1", "decreasing", "list"])
+def test_bad_segment_ids(bad, error, match):
+    q, k, v, _ = _inputs(1, SEQLEN, 2, 2, 16, F32, "cpu")
+    with pytest.raises(error, match=match):
+        flash_attn(q, k, v, segment_ids=bad)
+
+
+@pytest.mark.parametrize("bad, error", [((-2, 0), ValueError), ((0,), TypeError), (5, TypeError),
+                                        ((1.0, 2), TypeError), ((0, -3), ValueError)], ids=str)
+def test_bad_window(bad, error):
+    q, k, v, _ = _inputs(1, 8, 2, 2, 16, F32, "cpu")
+    with pytest.raises(error, match="window_size"):
+        flash_attn(q, k, v, window_size=bad)
+
+
+def test_padding_in_the_middle_is_allowed():
+    seg = torch.tensor([[0, 0, -1, -1, 0, 1, 1, -1]])
+    q, k, v, dout = _inputs(1, 8, 1, 1, 16, F32, "cpu")
+    got = _run_flash_attn(q, k, v, dout, segment_ids=seg)
+    _check(q, k, v, dout, global_mask(8, False, segment_ids=seg), F32, got, "mid-pad")
+
+
+def test_no_double_backward():
+    q, k, v, _ = (t.requires_grad_() for t in _inputs(1, 8, 1, 1, 16, F32, "cpu"))
+    out = flash_attn(q, k, v)
+    with pytest.raises(NotImplementedError, match="double backward"):
+        torch.autograd.grad(out.sum(), (q,), create_graph=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["documents", "window", "window+documents", "padding"])
+def test_gpu_masks_at_scale(case):
+    """bf16 at 3000 tokens on the GPU's own tiles, GQA: the Triton kernels against the
+    oracle (fp64 on the GPU) and within 2x of torch's SDPA error with the same mask."""
+    torch.manual_seed(0)
+    s, h, hkv, d = 3000, 8, 2, 128
+    lengths = [700, 1, 1, 300, 1500, 498]
+    seg = segments([lengths], s) if "documents" in case else None
+    if case == "padding":
+        seg = segments([[-100, 1200, 1000, -700]], s)
+    window = (256, -1) if "window" in case else (-1, -1)
+    q, k, v, dout = _inputs(1, s, h, hkv, d, torch.bfloat16, "cuda")
+    got = _run_flash_attn(q, k, v, dout, causal=True, window_size=window,
+                          segment_ids=None if seg is None else seg.cuda())
+    mask = global_mask(s, True, window, seg).cuda()
+    want_out, want_lse = attention_oracle(q, k, v, mask=mask)
+    want = (want_out, want_lse, *oracle_grads(q, k, v, dout, mask=mask))
+    # torch's own bf16 attention with the same boolean mask, rows that see nothing left out
+    rows = mask.any(-1)[0] if mask.dim() == 3 else mask.any(-1)
+    qs, ks, vs = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    m = mask[0] if mask.dim() == 3 else mask
+    o = torch.nn.functional.scaled_dot_product_attention(
+        qs[:, :, rows], ks.repeat_interleave(h // hkv, 1), vs.repeat_interleave(h // hkv, 1),
+        attn_mask=m[rows])
+    o.backward(dout.transpose(1, 2)[:, :, rows])
+    theirs = {"out": o.detach().transpose(1, 2), "dq": qs.grad.transpose(1, 2)[:, rows]}
+    for name, a, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        err = rel_err(a, w)
+        assert err <= 2e-2, f"{case}: {name} rel err {err:.3g}"
+        if name in theirs:
+            ref = rel_err(theirs[name], w[:, rows])
+            assert rel_err(a[:, rows], w[:, rows]) <= max(2 * ref, 1e-3), f"{case}: {name} {err:.3g} vs torch {ref:.3g}"

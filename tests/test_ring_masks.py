@@ -1,0 +1,129 @@
+"""Masks through the ring over gloo on CPU: segment ids and sliding windows on GLOBAL
+positions, every layout, world sizes 1-4, against the float64 oracle with the full
+boolean mask, and against single-device ``flash_attn`` with the same mask.
+
+Like test_ring.py, one spawned world per world size runs many configurations; the
+items are (world size, layout) so that ``-k zigzag`` selects a layout.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ringflash
+from dist_utils import Worlds
+from oracle import NOISE_FLOOR, TOL, attention_oracle, global_mask, oracle_grads, rel_err
+
+LAYOUTS = ringflash.LAYOUTS
+
+
+def _documents(seqlen: int, kind: str, seed: int) -> torch.Tensor:
+    """(1, seqlen) segment ids of one packed row."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "one":
+        return torch.zeros(1, seqlen, dtype=torch.int64)
+    ids, doc, pos = [], 0, 0
+    while pos < seqlen:
+        n = int(torch.randint(1, max(2, seqlen // 3), (1,), generator=gen))
+        if kind == "tiny" and doc % 2 == 0:
+            n = 1  # one-token documents between longer ones
+        ids += [doc] * n
+        doc, pos = doc + 1, pos + n
+    ids = torch.tensor(ids[:seqlen])
+    if kind == "padded":  # the last third is padding: a whole shard of it on some layouts
+        ids[-(seqlen // 3):] = -1
+        ids[:2] = -1  # and two tokens of left padding
+    return ids[None]
+
+
+def _configs(world: int, layout: str, n: int):
+    """(name, causal, window, segment kind or None, n local, heads, kv_heads, dtype)."""
+    seq = n * world
+    cases = [
+        ("docs", True, (-1, -1), "random", n, 4, 2, "float32"),
+        ("docs-full", False, (-1, -1), "tiny", n, 2, 2, "float32"),
+        ("padded", True, (-1, -1), "padded", n, 2, 1, "float32"),
+        ("one-doc", True, (-1, -1), "one", n, 2, 2, "float32"),
+        ("window-short", True, (5, -1), None, n, 4, 2, "float32"),
+        ("window-across", True, (n + n // 2, -1), None, n, 2, 2, "float32"),
+        ("window-both", False, (4, 7), None, n, 2, 1, "float32"),
+        ("window-0", False, (0, 0), None, n, 2, 2, "float32"),
+        ("window-wide", True, (seq, seq), None, n, 2, 2, "float32"),
+        ("window+docs", True, (n, -1), "random", n, 4, 2, "float32"),
+        ("docs-bf16", True, (-1, -1), "random", n, 4, 2, "bfloat16"),
+    ]
+    return cases
+
+
+def _err(got, want) -> float:
+    """rel_err, but 0 where both are rounding noise around an exact zero (window 0: every
+    query sees only itself, so dq and dk vanish)."""
+    finite = torch.isfinite(want)
+    a, b = got[finite].double(), want[finite].double()
+    if a.numel() and (a - b).abs().max() <= NOISE_FLOOR and b.abs().max() <= NOISE_FLOOR:
+        return 0.0
+    return rel_err(got, want)
+
+
+def check_masked_ring(rank, world, layout, seed=0, n=None, device="cpu"):
+    """Every configuration of _configs on this layout, ``n`` tokens per rank, the ring on
+    ``device`` (the oracle and flash_attn on the CPU); returns this rank's failures."""
+    failures = []
+    n = n or (12 if layout != "stripe" else 11)
+    for i, (name, causal, window, docs, n, h, hkv, dtype) in enumerate(_configs(world, layout, n)):
+        seqlen = n * world
+        gen = torch.Generator().manual_seed(seed + i)
+        dt = getattr(torch, dtype)
+        q, k, v, dout = (torch.randn(1, seqlen, hh, 16, generator=gen).to(dt) for hh in (h, hkv, hkv, h))
+        seg = None if docs is None else _documents(seqlen, docs, seed + i)
+        local = [ringflash.shard(t.to(device), dim=1, layout=layout).requires_grad_() for t in (q, k, v)]
+        kwargs = dict(causal=causal, window_size=window, layout=layout)
+        if seg is not None:
+            kwargs["segment_ids"] = ringflash.shard(seg.to(device), dim=1, layout=layout)
+        out, lse = ringflash.ring_flash_attn(*local, return_lse=True, **kwargs)
+        out.backward(ringflash.shard(dout.to(device), dim=1, layout=layout))
+        got = {"out": out.detach(), "lse": lse.detach(), "dq": local[0].grad,
+               "dk": local[1].grad, "dv": local[2].grad}
+        got = {key: ringflash.unshard(val, dim=2 if key == "lse" else 1, layout=layout).cpu()
+               for key, val in got.items()}
+        if i % world != rank:
+            continue
+        mask = global_mask(seqlen, causal, window, seg)
+        want_out, want_lse = attention_oracle(q, k, v, mask=mask)
+        want = dict(zip(("out", "lse", "dq", "dk", "dv"),
+                        (want_out, want_lse, *oracle_grads(q, k, v, dout, mask=mask))))
+        # The single-device kernel with the same mask, on the full sequence.
+        full = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        ref_out, ref_lse = ringflash.flash_attn(*full, causal=causal, window_size=window,
+                                                segment_ids=seg, return_lse=True)
+        ref_out.backward(dout)
+        single = dict(zip(("out", "lse", "dq", "dk", "dv"),
+                          (ref_out.detach(), ref_lse.detach(), *(t.grad for t in full))))
+        tol = TOL[dt]
+        for key in got:
+            err, err_single = (_err(got[key], want[key]), _err(got[key], single[key]))
+            if not (err <= tol and err_single <= tol):
+                failures.append(f"W={world} {layout} {name}: {key} rel err {err:.3g} vs oracle, "
+                                f"{err_single:.3g} vs flash_attn (tol {tol:g})")
+        if seg is not None:  # padding rows: exactly zero output and gradient, lse -inf
+            pad = seg[0] < 0
+            if not (torch.isneginf(got["lse"][0, :, pad]).all() and (got["out"][0, pad] == 0).all()
+                    and (got["dq"][0, pad] == 0).all() and (got["dk"][0, pad] == 0).all()):
+                failures.append(f"W={world} {layout} {name}: padding rows not exactly empty")
+    return failures
+
+
+@pytest.fixture(scope="module")
+def worlds():
+    cache = Worlds()
+    yield cache
+    cache.close()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4], ids=lambda w: f"W{w}")
+def test_masked_ring_matches_oracle(worlds, world_size, layout):
+    per_rank = worlds(world_size).run(check_masked_ring, layout, timeout=300)
+    failures = [f for fs in per_rank for f in fs]
+    assert not failures, "\n".join(failures)
