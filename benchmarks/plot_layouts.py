@@ -33,11 +33,12 @@ def causal_work(layout):
     for rank in range(WORLD):
         total = 0
         for src in range(WORLD):
-            for pair in step_pairs(layout, rank, src, n, causal=True):
-                rows = range(n)[pair.q]
-                cols = range(n)[pair.k]
-                off = pair.causal_offset
-                total += sum(1 for i in rows for j in cols if off is None or j <= i + off)
+            for pair in step_pairs(layout, rank, src, WORLD, n, (None, 0)):
+                rows = range(len(range(n)[pair.q]))
+                cols = range(len(range(n)[pair.k]))
+                lo, hi = pair.band_lo, pair.band_hi
+                total += sum(1 for i in rows for j in cols
+                             if (lo is None or j - i >= lo) and (hi is None or j - i <= hi))
         work.append(total)
     return work
 

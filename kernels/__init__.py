@@ -9,6 +9,7 @@ from .interface import (
     SUPPORTED_DTYPES,
     attn_delta,
     check_causal,
+    check_dropout,
     check_qkv,
     check_segment_ids,
     check_window,
@@ -18,6 +19,7 @@ from .interface import (
     no_double_backward,
     resolve_scale,
 )
+from .dropout import dropout_keep_mask
 from .masks import PairMask, band_of_window
 
 __all__ = [
@@ -26,9 +28,11 @@ __all__ = [
     "attn_delta",
     "band_of_window",
     "check_causal",
+    "check_dropout",
     "check_qkv",
     "check_segment_ids",
     "check_window",
+    "dropout_keep_mask",
     "flash_attn",
     "flash_attn_bwd",
     "flash_attn_fwd",

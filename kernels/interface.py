@@ -108,6 +108,23 @@ def check_segment_ids(segment_ids, batch: int, seqlen: int, device: torch.device
     return ids
 
 
+def check_dropout(dropout_p, seed) -> tuple[float, int]:
+    """(p, seed): p a float in [0, 1); seed an int in [0, 2**63), or None for one drawn from
+    torch's default (CPU) generator, which advances it: under torch.manual_seed the draws
+    repeat, so a run is reproducible and ranks seeded alike draw alike."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if seed is None:
+        seed = int(torch.randint(0, 2 ** 62, (1,)).item()) if dropout_p > 0 else 0
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int or None, got {type(seed).__name__}")
+    if not 0 <= seed < 2 ** 63:
+        raise ValueError(f"seed must be in [0, 2**63), got {seed}")
+    return float(dropout_p), seed
+
+
 def _rowmajor(t: torch.Tensor) -> torch.Tensor:
     """The kernels take any strides but need the last dimension contiguous."""
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -196,20 +213,21 @@ def flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: floa
 # ----------------------------------------------------------------------------- differentiable op
 
 
-def _op_mask(band_lo, band_hi, segment_ids) -> PairMask:
-    return PairMask(band_lo, band_hi, segment_ids, segment_ids)
+def _op_mask(band_lo, band_hi, segment_ids, dropout_p, seed) -> PairMask:
+    return PairMask(band_lo, band_hi, segment_ids, segment_ids, dropout_p, seed, (0, 0, 1))
 
 
 @torch.library.custom_op("ringflash::flash_attn_forward", mutates_args=())
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
                 band_lo: Optional[int], band_hi: Optional[int],
-                segment_ids: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                segment_ids: Optional[torch.Tensor], dropout_p: float,
+                seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return flash_attn_fwd(q, k, v, softmax_scale=softmax_scale,
-                          mask=_op_mask(band_lo, band_hi, segment_ids))
+                          mask=_op_mask(band_lo, band_hi, segment_ids, dropout_p, seed))
 
 
 @_forward_op.register_fake
-def _(q, k, v, softmax_scale, band_lo, band_hi, segment_ids):
+def _(q, k, v, softmax_scale, band_lo, band_hi, segment_ids, dropout_p, seed):
     b, sq, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
 
@@ -218,24 +236,24 @@ def _(q, k, v, softmax_scale, band_lo, band_hi, segment_ids):
 def _backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
                  softmax_scale: float, band_lo: Optional[int], band_hi: Optional[int],
-                 segment_ids: Optional[torch.Tensor]
+                 segment_ids: Optional[torch.Tensor], dropout_p: float, seed: int
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     delta = attn_delta(out, dout, dlse)
     dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
     return flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale=softmax_scale,
-                          mask=_op_mask(band_lo, band_hi, segment_ids))
+                          mask=_op_mask(band_lo, band_hi, segment_ids, dropout_p, seed))
 
 
 @_backward_op.register_fake
-def _(dout, q, k, v, out, lse, dlse, softmax_scale, band_lo, band_hi, segment_ids):
+def _(dout, q, k, v, out, lse, dlse, softmax_scale, band_lo, band_hi, segment_ids, dropout_p, seed):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, band_lo, band_hi, segment_ids = inputs
+    q, k, v, softmax_scale, band_lo, band_hi, segment_ids, dropout_p, seed = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, segment_ids)
-    ctx.args = (softmax_scale, band_lo, band_hi)
+    ctx.args = (softmax_scale, band_lo, band_hi, dropout_p, seed)
 
 
 def no_double_backward() -> None:
@@ -249,10 +267,10 @@ def no_double_backward() -> None:
 def _backward(ctx, dout, dlse):
     no_double_backward()
     q, k, v, out, lse, segment_ids = ctx.saved_tensors
-    softmax_scale, band_lo, band_hi = ctx.args
+    softmax_scale, band_lo, band_hi, dropout_p, seed = ctx.args
     dq, dk, dv = _backward_op(dout, q, k, v, out, lse, dlse, softmax_scale, band_lo, band_hi,
-                              segment_ids)
-    return dq, dk, dv, None, None, None, None
+                              segment_ids, dropout_p, seed)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -260,7 +278,8 @@ _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 def flash_attn(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] = None,
                return_lse: bool = False, segment_ids: Optional[torch.Tensor] = None,
-               window_size: tuple[int, int] = (-1, -1)):
+               window_size: tuple[int, int] = (-1, -1), dropout_p: float = 0.0,
+               seed: Optional[int] = None):
     """Exact softmax attention on one device, FlashAttention-2 style.
 
     Args:
@@ -277,6 +296,11 @@ def flash_attn(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] 
             along the sequence (packed documents, each one contiguous run).
         window_size: (left, right): query i sees keys i - left <= j <= i + right; -1 is
             unbounded on that side. Combines with causal and segment_ids.
+        dropout_p: attention dropout rate in [0, 1). Whether key j's probability for query
+            i is kept depends only on (seed, batch, head, i, j) (kernels/dropout.py;
+            ``dropout_keep_mask`` returns the dense mask), so the backward regenerates it
+            and the ring with the same seed drops exactly the same elements.
+        seed: an int, or None to draw one from torch's default generator.
 
     Returns:
         out (batch, seqlen_q, heads, head_dim) in q's dtype, and with return_lse the
@@ -292,5 +316,6 @@ def flash_attn(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] 
         raise ValueError(f"segment_ids needs seqlen_q == seqlen_k (self-attention), got "
                          f"{q.shape[1]} and {k.shape[1]}")
     segment_ids = check_segment_ids(segment_ids, q.shape[0], q.shape[1], q.device)
-    out, lse = _forward_op(q, k, v, scale, band_lo, band_hi, segment_ids)
+    dropout_p, seed = check_dropout(dropout_p, seed)
+    out, lse = _forward_op(q, k, v, scale, band_lo, band_hi, segment_ids, dropout_p, seed)
     return (out, lse) if return_lse else out

@@ -30,22 +30,23 @@ class PairMask(NamedTuple):
     band_lo, band_hi: key j visible to query i only if band_lo <= j - i <= band_hi (None:
         unbounded). ``PairMask.causal(o)`` is j <= i + o.
     q_segments (B, Sq), k_segments (B, Sk): int32 contiguous segment ids, or both None.
+    dropout_p, seed: attention dropout (kernels/dropout.py), keyed by global positions:
+    pos = (q_pos, k_pos, stride): query i of the pair is at q_pos + i * stride, key j at
+        k_pos + j * stride (needed with dropout only).
     """
 
     band_lo: Optional[int] = None
     band_hi: Optional[int] = None
     q_segments: Optional[torch.Tensor] = None
     k_segments: Optional[torch.Tensor] = None
+    dropout_p: float = 0.0
+    seed: int = 0
+    pos: Optional[tuple[int, int, int]] = None
 
     @classmethod
     def causal(cls, offset: Optional[int]) -> "PairMask":
         """Key j visible to query i iff j <= i + offset (None: no mask)."""
         return cls(band_hi=offset)
-
-    @property
-    def is_empty(self) -> bool:
-        """Nothing is masked."""
-        return self.band_lo is None and self.band_hi is None and self.q_segments is None
 
 
 NO_MASK = PairMask()

@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from . import dropout
 from .masks import PairMask, visible
 
 BLOCK_N = 256
@@ -46,6 +47,20 @@ def _key_tiles(qg, k, v, softmax_scale: float, mask: PairMask):
         yield start, end, kb, vb, s
 
 
+def _dropped(p, mask: PairMask, start: int, end: int, kv_heads: int):
+    """p (B, Hkv, G, Sq, n) with dropout applied (dropped 0, kept scaled), or p itself."""
+    if mask.dropout_p == 0:
+        return p
+    b, _, g, sq, _ = p.shape
+    q0, k0, stride = mask.pos
+    qpos = q0 + torch.arange(sq) * stride
+    kpos = k0 + torch.arange(start, end) * stride
+    heads = torch.arange(kv_heads * g).view(1, kv_heads, g, 1, 1)
+    keep = dropout.keep(mask.seed, mask.dropout_p, torch.arange(b).view(b, 1, 1, 1, 1), heads,
+                        qpos.view(1, 1, 1, sq, 1), kpos.view(1, 1, 1, 1, -1)).to(p.device)
+    return torch.where(keep, p * dropout.keep_scale(mask.dropout_p), torch.zeros_like(p))
+
+
 def _grouped(q, kv_heads):
     b, s, h, d = q.shape
     return q.view(b, s, kv_heads, h // kv_heads, d)
@@ -66,12 +81,13 @@ def fwd(q, k, v, out, lse, *, softmax_scale: float, mask: PairMask, accumulate: 
         m = torch.full((b, hkv, g, sq), -math.inf, device=q.device)
         l = torch.zeros_like(m)
         acc = torch.zeros((b, hkv, g, sq, d), device=q.device)
-    for _, _, _, vb, s in _key_tiles(qg, k, v, softmax_scale, mask):
+    for start, end, _, vb, s in _key_tiles(qg, k, v, softmax_scale, mask):
         m_new = torch.maximum(m, s.amax(dim=-1))
         m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
         alpha = torch.exp(m - m_safe)
         p = torch.exp(s - m_safe[..., None])
-        l = l * alpha + p.sum(dim=-1)
+        l = l * alpha + p.sum(dim=-1)  # statistics of the undropped scores
+        p = _dropped(p, mask, start, end, hkv)
         acc = acc * alpha[..., None] + torch.einsum("bhgqk,bkhd->bhgqd", p, vb)
         m = m_new
     empty = l == 0
@@ -105,11 +121,12 @@ def bwd(do, q, k, v, lse, delta_, dq, dk, dv, *, softmax_scale: float, mask: Pai
     dv_acc = torch.zeros_like(dk_acc)
     for start, end, kb, vb, s in _key_tiles(qg, k, v, softmax_scale, mask):
         p = torch.exp(s - lse_safe[..., None])
-        dp = torch.einsum("bqhgd,bkhd->bhgqk", dog, vb)
+        # With dropout, dV takes the dropped probabilities and dP the dropped gradient.
+        dp = _dropped(torch.einsum("bqhgd,bkhd->bhgqk", dog, vb), mask, start, end, hkv)
         ds = p * (dp - delta_g[..., None]) * softmax_scale
         dq_acc += torch.einsum("bhgqk,bkhd->bqhgd", ds, kb)
         dk_acc[:, start:end] = torch.einsum("bhgqk,bqhgd->bkhd", ds, qg)
-        dv_acc[:, start:end] = torch.einsum("bhgqk,bqhgd->bkhd", p, dog)
+        dv_acc[:, start:end] = torch.einsum("bhgqk,bqhgd->bkhd", _dropped(p, mask, start, end, hkv), dog)
     for grad, new in ((dq, dq_acc.view(b, sq, h, d)), (dk, dk_acc), (dv, dv_acc)):
         if grad is None:
             continue

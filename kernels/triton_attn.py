@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from . import dropout
 from .masks import BAND_INF, segment_ranges
 
 LOG2E = math.log2(math.e)
@@ -173,6 +174,31 @@ def _segment_ids(SEG, off_b, stride_b, idx, n):
 
 
 @triton.jit
+def _keep(seed, threshold, off_b, off_h, qpos, kpos_start, kpos, BLOCK_M: tl.constexpr,
+          BLOCK_N: tl.constexpr, GROUPED: tl.constexpr):
+    """(BLOCK_M, BLOCK_N) dropout keep decisions of queries at global positions qpos and keys
+    at kpos (kernels/dropout.py has the definition and its PyTorch twin). GROUPED: kpos is
+    one run of consecutive positions starting at a multiple of 8, so each Philox call
+    serves the 8 keys that share its counter; otherwise every element runs its own.
+    kpos_start: kpos[0]."""
+    qp = qpos.to(tl.uint32)[:, None]
+    head = off_h.to(tl.uint32)
+    batch = off_b.to(tl.uint32)
+    if GROUPED:
+        group = (kpos_start // 8 + tl.arange(0, BLOCK_N // 8)).to(tl.uint32)[None, :]
+        o0, o1, o2, o3 = tl.philox(seed, group + qp * 0, qp + group * 0, head, batch)
+        words = tl.interleave(tl.interleave(o0, o2), tl.interleave(o1, o3))
+        bits = tl.interleave(words & 0xFFFF, words >> 16)
+    else:
+        kp = kpos.to(tl.uint32)[None, :]
+        o0, o1, o2, o3 = tl.philox(seed, (kp >> 3) + qp * 0, qp + kp * 0, head, batch)
+        t = kp & 7
+        word = tl.where(t < 4, tl.where(t < 2, o0, o1), tl.where(t < 6, o2, o3))
+        bits = tl.where((t & 1) == 0, word & 0xFFFF, word >> 16)
+    return bits.to(tl.int32) >= threshold
+
+
+@triton.jit
 def _key_range(start_m, seqlen_q, seqlen_k, band_lo, band_hi, KLO, KHI, off_b, stride_rb,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BAND: tl.constexpr,
                SEGMENTS: tl.constexpr):
@@ -224,11 +250,12 @@ def _query_range(start_n, seqlen_q, seqlen_k, band_lo, band_hi, QLO, QHI, off_b,
 
 
 @triton.jit
-def _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_hk, stride_kb, stride_ks, stride_kh,
+def _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb, stride_ks, stride_kh,
               stride_vb, stride_vs, stride_vh, stride_segb, start_n, offs_m, qseg, seqlen_k,
-              qk_scale, band_lo, band_hi,
-              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-              MASKED: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
+              qk_scale, band_lo, band_hi, seed, threshold, drop_scale, qpos, k_pos0, pos_stride,
+              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_D: tl.constexpr, MASKED: tl.constexpr, BAND: tl.constexpr,
+              SEGMENTS: tl.constexpr, DROPOUT: tl.constexpr, GROUPED: tl.constexpr,
               PRECISION: tl.constexpr, TMA: tl.constexpr):
     """One key tile of the online softmax. MASKED: the tile may cross the band's edge or
     seqlen_k (loads bounded, band predicate); segments are checked on every tile."""
@@ -251,7 +278,12 @@ def _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_hk, stride_kb, stride_ks,
         m_new_safe = m_new
     p = tl.math.exp2(qk * qk_scale - m_new_safe[:, None])
     alpha = tl.math.exp2(m_i - m_new_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    l_i = l_i * alpha + tl.sum(p, 1)  # the softmax statistics are of the undropped scores
+    if DROPOUT:
+        kpos = k_pos0 + (start_n + tl.arange(0, BLOCK_N)) * pos_stride
+        keep = _keep(seed, threshold, off_b, off_h, qpos, k_pos0 + start_n * pos_stride, kpos,
+                     BLOCK_M, BLOCK_N, GROUPED)
+        p = tl.where(keep, p * drop_scale, 0.0)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return acc, l_i, m_new
 
@@ -262,8 +294,10 @@ def _fwd_kernel(Q, K, V, O, LSE, QSEG, KSEG, KLO, KHI,
                 stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
                 stride_lb, stride_lh, stride_qsegb, stride_ksegb,
                 H, GROUP, seqlen_q, seqlen_k, qk_scale, band_lo, band_hi,
+                seed, threshold, drop_scale, q_pos0, k_pos0, pos_stride,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
+                DROPOUT: tl.constexpr, GROUPED: tl.constexpr,
                 ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
     start_m = _query_tile(BLOCK_M, BAND)
     off_b = tl.program_id(1) // H
@@ -290,25 +324,32 @@ def _fwd_kernel(Q, K, V, O, LSE, QSEG, KSEG, KLO, KHI,
     qseg = offs_m  # placeholder of the right shape when there are no segments
     if SEGMENTS:
         qseg = _segment_ids(QSEG, off_b, stride_qsegb, offs_m, seqlen_q)
+    qpos = q_pos0 + offs_m * pos_stride  # global positions, for dropout
 
     start, full_start, full_end, end = _key_range(
         start_m, seqlen_q, seqlen_k, band_lo, band_hi, KLO, KHI, off_b, stride_qsegb,
         BLOCK_M, BLOCK_N, BAND, SEGMENTS)
     for start_n in range(start, full_start, BLOCK_N):
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_hk, stride_kb, stride_ks,
-                                  stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n,
-                                  offs_m, qseg, seqlen_k, qk_scale, band_lo, band_hi, HEAD_DIM,
-                                  BLOCK_N, BLOCK_D, True, BAND, SEGMENTS, PRECISION, TMA)
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
+                                  stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb,
+                                  start_n, offs_m, qseg, seqlen_k, qk_scale, band_lo, band_hi, seed,
+                                  threshold, drop_scale, qpos, k_pos0, pos_stride, HEAD_DIM, BLOCK_M,
+                                  BLOCK_N, BLOCK_D, True, BAND, SEGMENTS, DROPOUT, GROUPED, PRECISION,
+                                  TMA)
     for start_n in range(full_start, full_end, BLOCK_N):
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_hk, stride_kb, stride_ks,
-                                  stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n,
-                                  offs_m, qseg, seqlen_k, qk_scale, band_lo, band_hi, HEAD_DIM,
-                                  BLOCK_N, BLOCK_D, False, BAND, SEGMENTS, PRECISION, TMA)
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
+                                  stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb,
+                                  start_n, offs_m, qseg, seqlen_k, qk_scale, band_lo, band_hi, seed,
+                                  threshold, drop_scale, qpos, k_pos0, pos_stride, HEAD_DIM, BLOCK_M,
+                                  BLOCK_N, BLOCK_D, False, BAND, SEGMENTS, DROPOUT, GROUPED, PRECISION,
+                                  TMA)
     for start_n in range(full_end, end, BLOCK_N):
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_hk, stride_kb, stride_ks,
-                                  stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n,
-                                  offs_m, qseg, seqlen_k, qk_scale, band_lo, band_hi, HEAD_DIM,
-                                  BLOCK_N, BLOCK_D, True, BAND, SEGMENTS, PRECISION, TMA)
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
+                                  stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb,
+                                  start_n, offs_m, qseg, seqlen_k, qk_scale, band_lo, band_hi, seed,
+                                  threshold, drop_scale, qpos, k_pos0, pos_stride, HEAD_DIM, BLOCK_M,
+                                  BLOCK_N, BLOCK_D, True, BAND, SEGMENTS, DROPOUT, GROUPED, PRECISION,
+                                  TMA)
 
     empty = l_i == 0.0  # saw no key at all: out 0, lse -inf
     l_safe = tl.where(empty, 1.0, l_i)
@@ -318,15 +359,22 @@ def _fwd_kernel(Q, K, V, O, LSE, QSEG, KSEG, KLO, KHI,
 
 
 def _mask_args(mask, device: torch.device):
-    """Kernel arguments of a PairMask: (band_lo, band_hi, qseg, kseg, BAND, SEGMENTS).
+    """Kernel arguments of a PairMask: (band_lo, band_hi, qseg, kseg, BAND, SEGMENTS) and the
+    dropout arguments (seed, threshold, scale, q_pos0, k_pos0, stride, DROPOUT, GROUPED).
     Without segments, the segment pointers are a one-element stand-in."""
     band = mask.band_lo is not None or mask.band_hi is not None
     lo = -BAND_INF if mask.band_lo is None else mask.band_lo
     hi = BAND_INF if mask.band_hi is None else mask.band_hi
+    if mask.dropout_p > 0:
+        q_pos0, k_pos0, stride = mask.pos
+        drop = (mask.seed, dropout.threshold(mask.dropout_p), dropout.keep_scale(mask.dropout_p),
+                q_pos0, k_pos0, stride, True, stride == 1 and k_pos0 % 8 == 0)
+    else:
+        drop = (0, 0, 1.0, 0, 0, 1, False, False)
     if mask.q_segments is None:
         dummy = torch.zeros(1, dtype=torch.int32, device=device)
-        return lo, hi, dummy, dummy, band, False
-    return lo, hi, mask.q_segments, mask.k_segments, band, True
+        return (lo, hi, dummy, dummy, band, False), drop
+    return (lo, hi, mask.q_segments, mask.k_segments, band, True), drop
 
 
 def _ranges(rows_seg, cols_seg, segments: bool):
@@ -340,7 +388,7 @@ def fwd(q, k, v, out, lse, *, softmax_scale: float, mask, accumulate: bool):
     cfg = fwd_config(d, q.dtype)
     bd = block_d(d)
     tma = _use_tma(q, k, v)
-    lo, hi, qseg, kseg, band, segments = _mask_args(mask, q.device)
+    (lo, hi, qseg, kseg, band, segments), drop = _mask_args(mask, q.device)
     klo, khi = _ranges(qseg, kseg, segments)
     grid = (triton.cdiv(sq, cfg["BLOCK_M"]), b * h)
     _fwd_kernel[grid](
@@ -349,9 +397,9 @@ def fwd(q, k, v, out, lse, *, softmax_scale: float, mask, accumulate: bool):
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1), qseg.stride(0), kseg.stride(0),
-        h, h // hkv, sq, sk, softmax_scale * LOG2E, lo, hi,
-        HEAD_DIM=d, BLOCK_D=bd, BAND=band, SEGMENTS=segments, ACCUMULATE=accumulate,
-        PRECISION=_dot_precision(q.dtype), TMA=tma, **cfg)
+        h, h // hkv, sq, sk, softmax_scale * LOG2E, lo, hi, *drop[:6],
+        HEAD_DIM=d, BLOCK_D=bd, BAND=band, SEGMENTS=segments, DROPOUT=drop[6], GROUPED=drop[7],
+        ACCUMULATE=accumulate, PRECISION=_dot_precision(q.dtype), TMA=tma, **cfg)
     return out, lse
 
 
@@ -370,9 +418,11 @@ def _load_stats(LSE, DELTA, rows, seqlen_q):
 @triton.jit
 def _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, off_b, off_h, stride_qb, stride_qs, stride_qh,
                stride_dob, stride_dos, stride_doh, start_m, cols, kseg, QSEG, stride_qsegb,
-               seqlen_q, seqlen_k, qk_scale, band_lo, band_hi, HEAD_DIM: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BAND: tl.constexpr,
-               SEGMENTS: tl.constexpr, PRECISION: tl.constexpr):
+               seqlen_q, seqlen_k, qk_scale, band_lo, band_hi, seed, threshold, drop_scale,
+               q_pos0, kpos_start, kpos, pos_stride, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BAND: tl.constexpr,
+               SEGMENTS: tl.constexpr, DROPOUT: tl.constexpr, GROUPED: tl.constexpr,
+               PRECISION: tl.constexpr):
     rows = start_m + tl.arange(0, BLOCK_M)
     q = _load_block(Q, off_b, off_h, start_m, stride_qb, stride_qs, stride_qh, seqlen_q,
                     BLOCK_M, BLOCK_D, HEAD_DIM, True, False)
@@ -388,8 +438,16 @@ def _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, off_b, off_h, stride_qb, stride_
         # Keys past seqlen_k are zeros and their rows are never stored: no bound needed.
         pT = _masked(pT, rows[None, :], cols[:, None], seqlen_k, band_lo, band_hi, qseg, kseg,
                      0.0, False, BAND, SEGMENTS)
-    dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
     dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+    if DROPOUT:  # dV takes the dropped probabilities, dP the dropped gradient (D unchanged)
+        keep = _keep(seed, threshold, off_b, off_h, q_pos0 + rows * pos_stride, kpos_start, kpos,
+                     BLOCK_M, BLOCK_N, GROUPED)
+        keepT = tl.trans(keep.to(tl.int8)) != 0
+        dv = tl.dot(tl.where(keepT, pT * drop_scale, 0.0).to(do.dtype), do, dv,
+                    input_precision=PRECISION)
+        dpT = tl.where(keepT, dpT * drop_scale, 0.0)
+    else:
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
     dsT = pT * (dpT - delta[None, :])
     dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PRECISION)
     return dk, dv
@@ -409,8 +467,10 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, QSEG, KSEG, QLO, QHI,
                  stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
                  stride_lb, stride_lh, stride_deltab, stride_deltah, stride_qsegb, stride_ksegb,
                  HKV, GROUP, seqlen_q, seqlen_k, qk_scale, sm_scale, band_lo, band_hi,
+                 seed, threshold, drop_scale, q_pos0, k_pos0, pos_stride,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
+                 DROPOUT: tl.constexpr, GROUPED: tl.constexpr,
                  ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr):
     """One key tile of one kv head; loops over the query heads of its group and over
     the query tiles that see it, so dK and dV are written once, without atomics."""
@@ -443,8 +503,10 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, QSEG, KSEG, QLO, QHI,
             dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, lse_base, delta_base, off_b, off_h,
                                 stride_qb, stride_qs, stride_qh, stride_dob, stride_dos,
                                 stride_doh, start_m, cols, kseg, QSEG, stride_qsegb, seqlen_q,
-                                seqlen_k, qk_scale, band_lo, band_hi, HEAD_DIM, BLOCK_M, BLOCK_D,
-                                BAND, SEGMENTS, PRECISION)
+                                seqlen_k, qk_scale, band_lo, band_hi, seed, threshold, drop_scale,
+                                q_pos0, k_pos0 + start_n * pos_stride, k_pos0 + cols * pos_stride,
+                                pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, BAND, SEGMENTS,
+                                DROPOUT, GROUPED, PRECISION)
 
     mask = (cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
     dk_ptrs = DK + off_b * stride_dkb + off_hk * stride_dkh + cols[:, None] * stride_dks + offs_d[None, :]
@@ -454,11 +516,12 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, QSEG, KSEG, QLO, QHI,
 
 
 @triton.jit
-def _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_hk, stride_kb, stride_ks, stride_kh,
-             stride_vb, stride_vs, stride_vh, stride_ksegb, start_n, rows, qseg, seqlen_k,
-             qk_scale, band_lo, band_hi,
-             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-             MASKED: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
+def _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb, stride_ks,
+             stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n, rows, qseg, seqlen_k,
+             qk_scale, band_lo, band_hi, seed, threshold, drop_scale, qpos, k_pos0, pos_stride,
+             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_D: tl.constexpr, MASKED: tl.constexpr, BAND: tl.constexpr,
+             SEGMENTS: tl.constexpr, DROPOUT: tl.constexpr, GROUPED: tl.constexpr,
              PRECISION: tl.constexpr):
     # Keys past seqlen_k load as zeros, so they add nothing to dq: only the loads are bounded.
     k = _load_block(K, off_b, off_hk, start_n, stride_kb, stride_ks, stride_kh, seqlen_k,
@@ -474,6 +537,11 @@ def _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_hk, stride_kb, stride
         p = _masked(p, rows[:, None], cols[None, :], seqlen_k, band_lo, band_hi, qseg[:, None],
                     kseg, 0.0, False, MASKED and BAND, SEGMENTS)
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    if DROPOUT:
+        kpos = k_pos0 + (start_n + tl.arange(0, BLOCK_N)) * pos_stride
+        keep = _keep(seed, threshold, off_b, off_h, qpos, k_pos0 + start_n * pos_stride, kpos,
+                     BLOCK_M, BLOCK_N, GROUPED)
+        dp = tl.where(keep, dp * drop_scale, 0.0)
     ds = p * (dp - delta[:, None])
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
 
@@ -485,8 +553,10 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QSEG, KSEG, KLO, KHI,
                stride_dqb, stride_dqs, stride_dqh,
                stride_lb, stride_lh, stride_deltab, stride_deltah, stride_qsegb, stride_ksegb,
                H, GROUP, seqlen_q, seqlen_k, qk_scale, sm_scale, band_lo, band_hi,
+               seed, threshold, drop_scale, q_pos0, k_pos0, pos_stride,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
+               DROPOUT: tl.constexpr, GROUPED: tl.constexpr,
                ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr):
     start_m = _query_tile(BLOCK_M, BAND)
     off_b = tl.program_id(1) // H
@@ -505,25 +575,29 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QSEG, KSEG, KLO, KHI,
     qseg = rows  # placeholder of the right shape when there are no segments
     if SEGMENTS:
         qseg = _segment_ids(QSEG, off_b, stride_qsegb, rows, seqlen_q)
+    qpos = q_pos0 + rows * pos_stride
 
     start, full_start, full_end, end = _key_range(
         start_m, seqlen_q, seqlen_k, band_lo, band_hi, KLO, KHI, off_b, stride_qsegb,
         BLOCK_M, BLOCK_N, BAND, SEGMENTS)
     for start_n in range(start, full_start, BLOCK_N):
-        dq = _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_hk, stride_kb, stride_ks,
-                      stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n, rows, qseg,
-                      seqlen_k, qk_scale, band_lo, band_hi, HEAD_DIM, BLOCK_N, BLOCK_D, True, BAND,
-                      SEGMENTS, PRECISION)
+        dq = _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
+                      stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n,
+                      rows, qseg, seqlen_k, qk_scale, band_lo, band_hi, seed, threshold, drop_scale,
+                      qpos, k_pos0, pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, BAND,
+                      SEGMENTS, DROPOUT, GROUPED, PRECISION)
     for start_n in range(full_start, full_end, BLOCK_N):
-        dq = _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_hk, stride_kb, stride_ks,
-                      stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n, rows, qseg,
-                      seqlen_k, qk_scale, band_lo, band_hi, HEAD_DIM, BLOCK_N, BLOCK_D, False, BAND,
-                      SEGMENTS, PRECISION)
+        dq = _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
+                      stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n,
+                      rows, qseg, seqlen_k, qk_scale, band_lo, band_hi, seed, threshold, drop_scale,
+                      qpos, k_pos0, pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, BAND,
+                      SEGMENTS, DROPOUT, GROUPED, PRECISION)
     for start_n in range(full_end, end, BLOCK_N):
-        dq = _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_hk, stride_kb, stride_ks,
-                      stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n, rows, qseg,
-                      seqlen_k, qk_scale, band_lo, band_hi, HEAD_DIM, BLOCK_N, BLOCK_D, True, BAND,
-                      SEGMENTS, PRECISION)
+        dq = _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
+                      stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n,
+                      rows, qseg, seqlen_k, qk_scale, band_lo, band_hi, seed, threshold, drop_scale,
+                      qpos, k_pos0, pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, BAND,
+                      SEGMENTS, DROPOUT, GROUPED, PRECISION)
 
     mask = (rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
     dq_ptrs = DQ + off_b * stride_dqb + off_h * stride_dqh + rows[:, None] * stride_dqs + offs_d[None, :]
@@ -537,10 +611,10 @@ def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask, accu
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     dkdv_cfg, dq_cfg = bwd_config(d, q.dtype)
-    lo, hi, qseg, kseg, band, segments = _mask_args(mask, q.device)
-    common = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BAND=band, SEGMENTS=segments,
-                  ACCUMULATE=accumulate, PRECISION=_dot_precision(q.dtype))
-    scalars = (h // hkv, sq, sk, softmax_scale * LOG2E, softmax_scale, lo, hi)
+    (lo, hi, qseg, kseg, band, segments), drop = _mask_args(mask, q.device)
+    common = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BAND=band, SEGMENTS=segments, DROPOUT=drop[6],
+                  GROUPED=drop[7], ACCUMULATE=accumulate, PRECISION=_dot_precision(q.dtype))
+    scalars = (h // hkv, sq, sk, softmax_scale * LOG2E, softmax_scale, lo, hi, *drop[:6])
     qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                    v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
     stat_strides = (lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1),

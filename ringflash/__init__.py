@@ -10,11 +10,11 @@ queries against the visiting keys.
 from .api import (positions, ring_flash_attn, segment_ids_from_cu_seqlens,
                   segment_ids_from_position_ids, shard, unshard)
 from .exchange import transport
-from .kernels import flash_attn
+from .kernels import dropout_keep_mask, flash_attn
 from .layer import RingSelfAttention, all_reduce_gradients, broadcast_parameters
 from .layouts import LAYOUTS
 
 __version__ = "0.1.0"
 __all__ = ["LAYOUTS", "RingSelfAttention", "all_reduce_gradients", "broadcast_parameters",
-           "flash_attn", "positions", "ring_flash_attn", "segment_ids_from_cu_seqlens",
+           "dropout_keep_mask", "flash_attn", "positions", "ring_flash_attn", "segment_ids_from_cu_seqlens",
            "segment_ids_from_position_ids", "shard", "transport", "unshard"]

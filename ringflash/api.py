@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from .exchange import TRANSPORTS, PeerRing, Ring, transport
-from .kernels import (SUPPORTED_DTYPES, band_of_window, check_causal, check_qkv, check_segment_ids,
-                      check_window, resolve_scale)
+from .kernels import (SUPPORTED_DTYPES, band_of_window, check_causal, check_dropout, check_qkv,
+                      check_segment_ids, check_window, resolve_scale)
 from .layouts import LAYOUTS, check_layout, global_positions
 from .ring import RingAttention
 
@@ -20,19 +20,22 @@ _RANK_CHECK = os.environ.get("RINGFLASH_RANK_CHECK", "1") != "0"
 
 _SIGNATURE_FIELDS = ("batch", "seqlen_local", "heads", "head_dim", "kv_heads", "dtype", "causal",
                      "layout", "softmax_scale", "requires_grad", "transport", "window_left",
-                     "window_right", "segment_ids given")
+                     "window_right", "segment_ids given", "dropout_p", "seed")
 
 
-def _signature(q, k, causal, layout, scale, needs_grad, kind, window, segments) -> list[int]:
+def _float_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _signature(q, k, causal, layout, scale, needs_grad, kind, window, segments, dropout) -> list[int]:
     """A few integers that every rank of the ring must agree on."""
-    scale_bits = struct.unpack("<q", struct.pack("<d", scale))[0]
     return [*q.shape, k.shape[2], SUPPORTED_DTYPES.index(q.dtype), int(causal),
-            LAYOUTS.index(layout), scale_bits, int(needs_grad), TRANSPORTS.index(kind),
-            *window, int(segments is not None)]
+            LAYOUTS.index(layout), _float_bits(scale), int(needs_grad), TRANSPORTS.index(kind),
+            *window, int(segments is not None), _float_bits(dropout[0]), dropout[1]]
 
 
 def _shown(field: str, values) -> list:
-    if field == "softmax_scale":
+    if field in ("softmax_scale", "dropout_p"):
         return [struct.unpack("<d", struct.pack("<q", x))[0] for x in values]
     if field == "dtype":
         return [str(SUPPORTED_DTYPES[x]) for x in values]
@@ -68,7 +71,7 @@ def _check_ranks_agree(ring: Ring, signature: list[int] | None, error: Exception
                              "index i); every rank must call ring_flash_attn with the same arguments and shapes")
 
 
-def _check_local(q, k, v, causal, layout, softmax_scale, window_size, segment_ids):
+def _check_local(q, k, v, causal, layout, softmax_scale, window_size, segment_ids, dropout_p, seed):
     check_qkv(q, k, v)
     causal = check_causal(causal)
     layout = check_layout(layout)
@@ -79,12 +82,13 @@ def _check_local(q, k, v, causal, layout, softmax_scale, window_size, segment_id
     if layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"layout 'zigzag' needs an even seqlen_local (two chunks a rank), got {q.shape[1]}")
     segments = check_segment_ids(segment_ids, q.shape[0], q.shape[1], q.device)
-    return causal, layout, scale, window, segments
+    return causal, layout, scale, window, segments, check_dropout(dropout_p, seed)
 
 
 def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
                     group=None, layout: str = "contiguous", return_lse: bool = False,
-                    segment_ids: torch.Tensor | None = None, window_size: tuple[int, int] = (-1, -1)):
+                    segment_ids: torch.Tensor | None = None, window_size: tuple[int, int] = (-1, -1),
+                    dropout_p: float = 0.0, seed: int | None = None):
     """Exact attention of this rank's queries over the keys of every rank in ``group``.
 
     Args:
@@ -110,6 +114,13 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
             i - left <= j <= i + right; -1 is unbounded on that side. Combines with causal
             and segment_ids. Shards travel only as far as some rank needs them: with
             layout "contiguous" and a causal window w, about ceil(w / seqlen_local) hops.
+        dropout_p, seed: attention dropout, keyed by (seed, batch, head, global query
+            position, global key position), so the ring drops exactly what ``flash_attn``
+            with the same seed drops on the whole sequence (``dropout_keep_mask``). seed
+            None draws one from torch's default generator: seed it alike on every rank (the
+            rank check compares the seeds). Positions in runs of 8 (layouts contiguous and
+            zigzag with seqlen_local a multiple of 16) share a Philox call; stripe runs one
+            per element.
 
     Returns:
         out (batch, seqlen_local, heads, head_dim) in q's dtype: rows of
@@ -123,8 +134,8 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
     ring = Ring(group)
     check_everywhere = ring.world > 1 and _RANK_CHECK
     try:
-        causal, layout, scale, window, segments = _check_local(q, k, v, causal, layout, softmax_scale,
-                                                               window_size, segment_ids)
+        causal, layout, scale, window, segments, dropout = _check_local(
+            q, k, v, causal, layout, softmax_scale, window_size, segment_ids, dropout_p, seed)
         kind = transport(ring.group)
     except (TypeError, ValueError) as error:
         if not check_everywhere:
@@ -133,12 +144,12 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
         _check_ranks_agree(ring, None, error, device)
     if check_everywhere:
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        signature = _signature(q, k, causal, layout, scale, needs_grad, kind, window, segments)
+        signature = _signature(q, k, causal, layout, scale, needs_grad, kind, window, segments, dropout)
         _check_ranks_agree(ring, signature, None, q.device)
     if kind == "peer" and ring.world > 1:
         ring = PeerRing(ring.group)
     band = band_of_window(causal, window)
-    out, lse = RingAttention.apply(q, k, v, segments, scale, band, layout, ring)
+    out, lse = RingAttention.apply(q, k, v, segments, scale, band, dropout, layout, ring)
     return (out, lse) if return_lse else out
 
 

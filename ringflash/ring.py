@@ -7,8 +7,9 @@ and the receive of the next one from r-1, then runs the layout's block pairs for
 the online softmax from the running (out, lse), kept in fp32 until the last step.
 
 Masks are data on the way: the band on global positions (causal, sliding window) becomes
-each pair's band of local indices (layouts.step_pairs), and the visiting shard's segment
-ids travel with its K/V. Steps after the last one that computes anything on any rank are
+each pair's band of local indices (layouts.step_pairs), the visiting shard's segment
+ids travel with its K/V, and dropout is keyed by the pair's global positions, so every
+layout and world size drops the same elements as one device. Steps after the last one that computes anything on any rank are
 not run at all (``layouts.active_steps``): with a sliding window the shards stop
 travelling once no rank further on can see them.
 
@@ -57,26 +58,29 @@ def _pass_on(ring: Ring, cur, nxt) -> list:
     return ring.exchange((kv, kv_next), (seg, seg_next))
 
 
-def _schedule(ring: Ring, layout: str, local_len: int, band: Band):
-    """(number of steps, the pairs of each step, whether step 0 writes its results)."""
+def _schedule(ring: Ring, layout: str, local_len: int, band: Band, dropout: tuple[float, int]):
+    """(number of steps, the pairs of each step, whether step 0 writes its results). With
+    dropout, pairs keep their global positions (no merging across chunks)."""
     steps = active_steps(layout, ring.world, local_len, band) if ring.world > 1 else 1
-    pairs = [step_pairs(layout, ring.rank, (ring.rank - s) % ring.world, ring.world, local_len, band)
-             for s in range(steps)]
+    merge = dropout[0] == 0
+    pairs = [step_pairs(layout, ring.rank, (ring.rank - s) % ring.world, ring.world, local_len,
+                        band, merge) for s in range(steps)]
     return steps, pairs, writes_first(pairs[0])
 
 
-def _mask(pair, q_segments, k_segments) -> PairMask:
-    if q_segments is None:
-        return PairMask(pair.band_lo, pair.band_hi)
-    return PairMask(pair.band_lo, pair.band_hi, q_segments[:, pair.q].contiguous(),
-                    k_segments[:, pair.k].contiguous())
+def _mask(pair, q_segments, k_segments, dropout: tuple[float, int]) -> PairMask:
+    if q_segments is not None:
+        q_segments = q_segments[:, pair.q].contiguous()
+        k_segments = k_segments[:, pair.k].contiguous()
+    return PairMask(pair.band_lo, pair.band_hi, q_segments, k_segments, *dropout, pair.pos)
 
 
-def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, layout: str, ring: Ring):
+def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout: tuple[float, int],
+                 layout: str, ring: Ring):
     """Returns out (in q's dtype) and lse (fp32, (B, H, S)) of q against every rank's k, v.
-    segments: this rank's (B, S) int32 segment ids, or None."""
+    segments: this rank's (B, S) int32 segment ids, or None. dropout: (p, seed)."""
     b, n, h, d = q.shape
-    steps, schedule, first_writes = _schedule(ring, layout, n, band)
+    steps, schedule, first_writes = _schedule(ring, layout, n, band, dropout)
     out = torch.empty((b, n, h, d), device=q.device, dtype=torch.float32)
     lse = torch.empty((b, h, n), device=q.device, dtype=torch.float32)
     if not first_writes:  # several pairs share the first step: every pair merges into these
@@ -88,7 +92,7 @@ def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, layout:
         (kv, seg) = cur
         for pair in pairs:
             flash_attn_fwd(q[:, pair.q], kv[0][:, pair.k], kv[1][:, pair.k],
-                           softmax_scale=softmax_scale, mask=_mask(pair, segments, seg),
+                           softmax_scale=softmax_scale, mask=_mask(pair, segments, seg, dropout),
                            out=out[:, pair.q], lse=lse[:, :, pair.q],
                            accumulate=not (first_writes and step == 0))
         ring.wait(pending)
@@ -98,10 +102,10 @@ def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, layout:
 
 
 def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: float, band: Band,
-                  layout: str, ring: Ring):
+                  dropout: tuple[float, int], layout: str, ring: Ring):
     """Returns dq, dk, dv of this rank's shards (in their dtypes)."""
     n = q.shape[1]
-    steps, schedule, first_writes = _schedule(ring, layout, n, band)
+    steps, schedule, first_writes = _schedule(ring, layout, n, band, dropout)
     delta = attn_delta(out, dout, dlse)
     dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
     cur, nxt = _kv_buffers(k, v, segments, ring, steps)
@@ -118,7 +122,7 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
         dk, dv = (None, None) if dkv is None else (dkv[0][:, pair.k], dkv[1][:, pair.k])
         flash_attn_bwd(dout[:, pair.q], q[:, pair.q], kv[0][:, pair.k], kv[1][:, pair.k],
                        lse[:, :, pair.q], delta[:, :, pair.q], None if dq is None else dq[:, pair.q],
-                       dk, dv, softmax_scale=softmax_scale, mask=_mask(pair, segments, seg),
+                       dk, dv, softmax_scale=softmax_scale, mask=_mask(pair, segments, seg, dropout),
                        accumulate=not write)
 
     for step, pairs in enumerate(schedule):
@@ -153,11 +157,12 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, segments, softmax_scale, band, layout, ring):
+    def forward(ctx, q, k, v, segments, softmax_scale, band, dropout, layout, ring):
         out, lse = ring_forward(q, k, v, segments, softmax_scale=softmax_scale, band=band,
-                                layout=layout, ring=ring)
+                                dropout=dropout, layout=layout, ring=ring)
         ctx.save_for_backward(q, k, v, out, lse, segments)
-        ctx.args = dict(softmax_scale=softmax_scale, band=band, layout=layout, ring=ring)
+        ctx.args = dict(softmax_scale=softmax_scale, band=band, dropout=dropout, layout=layout,
+                        ring=ring)
         return out, lse
 
     @staticmethod
@@ -165,4 +170,4 @@ class RingAttention(torch.autograd.Function):
         no_double_backward()
         q, k, v, out, lse, segments = ctx.saved_tensors
         dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, dlse, segments, **ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None

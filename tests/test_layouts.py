@@ -15,7 +15,8 @@ import torch
 
 import ringflash
 from ringflash import api
-from ringflash.layouts import global_positions, step_pairs
+from ringflash.kernels import band_of_window
+from ringflash.layouts import active_steps, global_positions, step_pairs, writes_first
 
 LAYOUTS = ("contiguous", "zigzag", "stripe")
 WORLDS = (1, 2, 3, 4, 5)
@@ -139,11 +140,14 @@ def test_positions_bad_seqlen(seqlen):
 # ----------------------------------------------------------------------------- step_pairs
 
 
-def _computed(layout, world, rank, local_len, causal):
+def _band(causal, window=(-1, -1)):
+    return band_of_window(causal, window)
+
+
+def _computed(layout, world, rank, local_len, causal, window=(-1, -1), merge=True):
     """{step: Counter of global (query, key) pairs the rank computes at that step}.
 
-    A pair with a causal offset computes only the elements its mask keeps; a pair with
-    no mask computes its whole block.
+    A pair computes the elements its band of local indices keeps (all of them without).
     """
     seqlen = local_len * world
     q_pos = global_positions(seqlen, layout, rank, world).tolist()
@@ -152,30 +156,47 @@ def _computed(layout, world, rank, local_len, causal):
         src = (rank - step) % world
         k_pos = global_positions(seqlen, layout, src, world).tolist()
         done = Counter()
-        for pair in step_pairs(layout, rank, src, local_len, causal):
+        for pair in step_pairs(layout, rank, src, world, local_len, _band(causal, window), merge):
             qs, ks = q_pos[pair.q], k_pos[pair.k]
+            if pair.pos is not None:  # the positions a pair claims are the real ones
+                q0, k0, stride = pair.pos
+                assert qs == [q0 + i * stride for i in range(len(qs))], (layout, pair)
+                assert ks == [k0 + j * stride for j in range(len(ks))], (layout, pair)
             for i, gq in enumerate(qs):
                 for j, gk in enumerate(ks):
-                    if pair.causal_offset is None or j <= i + pair.causal_offset:
+                    lo_ok = pair.band_lo is None or j - i >= pair.band_lo
+                    hi_ok = pair.band_hi is None or j - i <= pair.band_hi
+                    if lo_ok and hi_ok:
                         done[gq, gk] += 1
         steps[step] = done
     return steps
 
 
+WINDOWS = [(-1, -1), (0, 0), (3, -1), (-1, 2), (5, 4), (9, 1)]
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"W{w}")
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_step_pairs_cover_the_mask_exactly_once(layout, world, causal):
-    """The union over ranks and steps is exactly the visible (query, key) set, no twice."""
+@pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"win{w[0]}_{w[1]}")
+@pytest.mark.parametrize("merge", [True, False], ids=["merged", "unmerged"])
+def test_step_pairs_cover_the_mask_exactly_once(layout, world, causal, window, merge):
+    """The union over ranks and steps is exactly the visible (query, key) set, no twice;
+    and no visible pair is left for the steps active_steps cuts off."""
+    left, right = window
     for local_len in (2, 4, 6):
         seqlen = local_len * world
         total = Counter()
+        steps = active_steps(layout, world, local_len, _band(causal, window))
         for rank in range(world):
-            for done in _computed(layout, world, rank, local_len, causal).values():
+            for step, done in _computed(layout, world, rank, local_len, causal, window, merge).items():
+                assert step < steps or not done, f"n={local_len}: step {step} of {steps} computes"
                 total.update(done)
         twice = [p for p, c in total.items() if c > 1]
         assert not twice, f"n={local_len}: computed more than once: {twice[:5]}"
-        visible = {(i, j) for i in range(seqlen) for j in range(seqlen) if not causal or j <= i}
+        visible = {(i, j) for i in range(seqlen) for j in range(seqlen)
+                   if (not causal or j <= i) and (left < 0 or j >= i - left)
+                   and (right < 0 or j <= i + right)}
         assert set(total) - visible == set(), f"n={local_len}: masked pairs computed"
         assert visible - set(total) == set(), f"n={local_len}: visible pairs never computed"
 
@@ -184,7 +205,7 @@ def test_step_pairs_cover_the_mask_exactly_once(layout, world, causal):
 def test_contiguous_causal_rank_r_computes_r_plus_1_steps(world):
     for rank in range(world):
         busy = [step for step in range(world)
-                if step_pairs("contiguous", rank, (rank - step) % world, 8, True)]
+                if step_pairs("contiguous", rank, (rank - step) % world, world, 8, _band(True))]
         assert len(busy) == rank + 1, f"rank {rank}: computing steps {busy}"
 
 
@@ -215,5 +236,14 @@ def test_own_shard_is_one_pair_over_every_row(layout, causal):
     first), which needs the own-shard step to be a single pair over all rows."""
     for world in WORLDS:
         for rank in range(world):
-            pairs = step_pairs(layout, rank, rank, 12, causal)
-            assert len(pairs) == 1 and pairs[0].q == pairs[0].k == slice(None), (layout, world, rank, pairs)
+            pairs = step_pairs(layout, rank, rank, world, 12, _band(causal))
+            assert writes_first(pairs), (layout, world, rank, pairs)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8], ids=lambda w: f"W{w}")
+def test_window_hops_follow_the_window(world):
+    """Contiguous, causal window w over shards of n: K/V travel ceil(w / n) hops."""
+    n = 16
+    for w in (0, 1, 15, 16, 17, 40):
+        want = min(world, -(-w // n) + 1)
+        assert active_steps("contiguous", world, n, _band(True, (w, -1))) == want, w

@@ -1,6 +1,7 @@
-"""Masks through the ring over gloo on CPU: segment ids and sliding windows on GLOBAL
-positions, every layout, world sizes 1-4, against the float64 oracle with the full
-boolean mask, and against single-device ``flash_attn`` with the same mask.
+"""Masks and dropout through the ring over gloo on CPU: segment ids and sliding windows on
+GLOBAL positions, every layout, world sizes 1-4, against the float64 oracle with the full
+boolean mask (and dropout's keep mask), and against single-device ``flash_attn`` with the
+same mask and seed.
 
 Like test_ring.py, one spawned world per world size runs many configurations; the
 items are (world size, layout) so that ``-k zigzag`` selects a layout.
@@ -14,6 +15,8 @@ import torch
 import ringflash
 from dist_utils import Worlds
 from oracle import NOISE_FLOOR, TOL, attention_oracle, global_mask, oracle_grads, rel_err
+from test_dropout import dropout_oracle
+from test_dropout import oracle_grads as dropout_grads
 
 LAYOUTS = ringflash.LAYOUTS
 
@@ -38,20 +41,22 @@ def _documents(seqlen: int, kind: str, seed: int) -> torch.Tensor:
 
 
 def _configs(world: int, layout: str, n: int):
-    """(name, causal, window, segment kind or None, n local, heads, kv_heads, dtype)."""
+    """(name, causal, window, segment kind or None, n local, heads, kv_heads, dtype, dropout_p)."""
     seq = n * world
     cases = [
-        ("docs", True, (-1, -1), "random", n, 4, 2, "float32"),
-        ("docs-full", False, (-1, -1), "tiny", n, 2, 2, "float32"),
-        ("padded", True, (-1, -1), "padded", n, 2, 1, "float32"),
-        ("one-doc", True, (-1, -1), "one", n, 2, 2, "float32"),
-        ("window-short", True, (5, -1), None, n, 4, 2, "float32"),
-        ("window-across", True, (n + n // 2, -1), None, n, 2, 2, "float32"),
-        ("window-both", False, (4, 7), None, n, 2, 1, "float32"),
-        ("window-0", False, (0, 0), None, n, 2, 2, "float32"),
-        ("window-wide", True, (seq, seq), None, n, 2, 2, "float32"),
-        ("window+docs", True, (n, -1), "random", n, 4, 2, "float32"),
-        ("docs-bf16", True, (-1, -1), "random", n, 4, 2, "bfloat16"),
+        ("docs", True, (-1, -1), "random", n, 4, 2, "float32", 0.0),
+        ("docs-full", False, (-1, -1), "tiny", n, 2, 2, "float32", 0.0),
+        ("padded", True, (-1, -1), "padded", n, 2, 1, "float32", 0.0),
+        ("one-doc", True, (-1, -1), "one", n, 2, 2, "float32", 0.0),
+        ("window-short", True, (5, -1), None, n, 4, 2, "float32", 0.0),
+        ("window-across", True, (n + n // 2, -1), None, n, 2, 2, "float32", 0.0),
+        ("window-both", False, (4, 7), None, n, 2, 1, "float32", 0.0),
+        ("window-0", False, (0, 0), None, n, 2, 2, "float32", 0.0),
+        ("window-wide", True, (seq, seq), None, n, 2, 2, "float32", 0.0),
+        ("window+docs", True, (n, -1), "random", n, 4, 2, "float32", 0.0),
+        ("docs-bf16", True, (-1, -1), "random", n, 4, 2, "bfloat16", 0.0),
+        ("dropout", False, (-1, -1), None, n, 4, 2, "float32", 0.2),
+        ("dropout+docs", True, (-1, -1), "random", n, 2, 1, "float32", 0.1),
     ]
     return cases
 
@@ -71,7 +76,7 @@ def check_masked_ring(rank, world, layout, seed=0, n=None, device="cpu"):
     ``device`` (the oracle and flash_attn on the CPU); returns this rank's failures."""
     failures = []
     n = n or (12 if layout != "stripe" else 11)
-    for i, (name, causal, window, docs, n, h, hkv, dtype) in enumerate(_configs(world, layout, n)):
+    for i, (name, causal, window, docs, n, h, hkv, dtype, p) in enumerate(_configs(world, layout, n)):
         seqlen = n * world
         gen = torch.Generator().manual_seed(seed + i)
         dt = getattr(torch, dtype)
@@ -79,6 +84,8 @@ def check_masked_ring(rank, world, layout, seed=0, n=None, device="cpu"):
         seg = None if docs is None else _documents(seqlen, docs, seed + i)
         local = [ringflash.shard(t.to(device), dim=1, layout=layout).requires_grad_() for t in (q, k, v)]
         kwargs = dict(causal=causal, window_size=window, layout=layout)
+        drop = dict(dropout_p=p, seed=1000 + i) if p else {}
+        kwargs.update(drop)
         if seg is not None:
             kwargs["segment_ids"] = ringflash.shard(seg.to(device), dim=1, layout=layout)
         out, lse = ringflash.ring_flash_attn(*local, return_lse=True, **kwargs)
@@ -90,13 +97,18 @@ def check_masked_ring(rank, world, layout, seed=0, n=None, device="cpu"):
         if i % world != rank:
             continue
         mask = global_mask(seqlen, causal, window, seg)
-        want_out, want_lse = attention_oracle(q, k, v, mask=mask)
-        want = dict(zip(("out", "lse", "dq", "dk", "dv"),
-                        (want_out, want_lse, *oracle_grads(q, k, v, dout, mask=mask))))
-        # The single-device kernel with the same mask, on the full sequence.
+        if p:  # the oracle applies the mask that dropout_keep_mask documents
+            keep = ringflash.dropout_keep_mask(drop["seed"], p, 1, h, seqlen)
+            want_out, want_lse = dropout_oracle(q, k, v, keep, p, mask)
+            grads = dropout_grads(q, k, v, dout, keep, p, mask)
+        else:
+            want_out, want_lse = attention_oracle(q, k, v, mask=mask)
+            grads = oracle_grads(q, k, v, dout, mask=mask)
+        want = dict(zip(("out", "lse", "dq", "dk", "dv"), (want_out, want_lse, *grads)))
+        # The single-device kernel with the same mask (and seed), on the full sequence.
         full = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         ref_out, ref_lse = ringflash.flash_attn(*full, causal=causal, window_size=window,
-                                                segment_ids=seg, return_lse=True)
+                                                segment_ids=seg, return_lse=True, **drop)
         ref_out.backward(dout)
         single = dict(zip(("out", "lse", "dq", "dk", "dv"),
                           (ref_out.detach(), ref_lse.detach(), *(t.grad for t in full))))

@@ -79,8 +79,9 @@ def ring_run(tmp_path_factory):
     return json.loads((tmp / "metrics.json").read_text()), tmp / "ckpt"
 
 
-def plain_attention(self, q, k, v):
+def plain_attention(self, q, k, v, segment_ids=None):
     """torch's attention on the full sequence, K/V heads repeated for GQA."""
+    assert segment_ids is None, "the reference run trains without documents"
     group = q.shape[2] // k.shape[2]
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.repeat_interleave(group, dim=2).transpose(1, 2),

@@ -1,0 +1,136 @@
+"""Attention dropout: the generator (Triton's Philox against its PyTorch twin, bit for bit),
+the keep rate, and flash_attn with dropout against the float64 oracle applied with the
+mask from ``dropout_keep_mask``, in the twin and the Triton kernels (interpreted on CPUs).
+The ring with dropout is checked in test_ring_masks.py."""
+
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from oracle import F16, F32, TOL, global_mask, rel_err
+
+from ringflash.kernels import dropout, dropout_keep_mask, flash_attn, interface, triton_attn
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def dropout_oracle(q, k, v, keep, p, mask=None):
+    """float64 out (B, Sq, H, D) and lse of softmax with the kept probabilities scaled by
+    keep_scale(p); ``keep`` (B, H, Sq, Sk); ``mask`` as oracle.global_mask."""
+    q, k, v = q.double(), k.double(), v.double()
+    g = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
+    if mask is not None:
+        mask = mask[:, None] if mask.dim() == 3 else mask
+        seen = mask.any(-1, keepdim=True)
+        s = torch.where(mask, s, torch.where(seen, -math.inf, 0.0))
+    lse = torch.logsumexp(s, dim=-1)
+    prob = torch.exp(s - lse[..., None])
+    if mask is not None:
+        prob = prob * seen
+        lse = torch.where(seen[..., 0], lse, -math.inf)
+    prob = torch.where(keep.to(prob.device), prob * dropout.keep_scale(p), 0.0)
+    return torch.einsum("bhqk,bkhd->bqhd", prob, v), lse
+
+
+def oracle_grads(q, k, v, dout, keep, p, mask=None):
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out, _ = dropout_oracle(q, k, v, keep, p, mask)
+    return torch.autograd.grad((out * dout.double()).sum(), (q, k, v))
+
+
+@triton.jit
+def _keep_kernel(OUT, seed, threshold, q_pos0, k_pos0, stride, SQ: tl.constexpr, SK: tl.constexpr,
+                 GROUPED: tl.constexpr):
+    """The kernels' keep decisions of one (batch 1, head 2) tile, written out as int8."""
+    rows = tl.arange(0, SQ)
+    cols = tl.arange(0, SK)
+    keep = triton_attn._keep(seed, threshold, tl.program_id(0) * 0 + 1, tl.program_id(0) * 0 + 2,
+                             q_pos0 + rows * stride, k_pos0, k_pos0 + cols * stride, SQ, SK, GROUPED)
+    tl.store(OUT + rows[:, None] * SK + cols[None, :], keep.to(tl.int8))
+
+
+@pytest.mark.parametrize("grouped, q0, k0, stride", [(True, 0, 0, 1), (True, 37, 1024, 1),
+                                                      (False, 5, 3, 1), (False, 2, 7, 4)],
+                         ids=["grouped", "grouped-offset", "unaligned", "strided"])
+def test_triton_keep_bits_equal_the_twin(grouped, q0, k0, stride):
+    device = "cuda" if HAS_CUDA else "cpu"
+    p, seed, sq, sk = 0.3, 2 ** 40 + 12345, 16, 32
+    out = torch.empty(sq, sk, dtype=torch.int8, device=device)
+    _keep_kernel[(1,)](out, seed, dropout.threshold(p), q0, k0, stride, sq, sk, grouped)
+    want = dropout_keep_mask(seed, p, 2, 3, sq, sk, q_positions=q0 + torch.arange(sq) * stride,
+                             k_positions=k0 + torch.arange(sk) * stride)[1, 2]
+    assert torch.equal(out.cpu().bool(), want)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_keep_rate(p):
+    keep = dropout_keep_mask(7, p, 2, 4, 128, 256)
+    n = keep.numel()
+    rate = keep.float().mean().item()
+    expected = 1 - dropout.threshold(p) / 65536
+    assert abs(rate - expected) < 5 * math.sqrt(expected * (1 - expected) / n), (rate, expected)
+
+
+def test_seeds_and_positions():
+    a = dropout_keep_mask(1, 0.5, 1, 2, 64)
+    assert torch.equal(a, dropout_keep_mask(1, 0.5, 1, 2, 64)), "same seed, same bits"
+    assert not torch.equal(a, dropout_keep_mask(2, 0.5, 1, 2, 64)), "another seed, other bits"
+    assert not torch.equal(a[0, 0], a[0, 1]), "heads draw apart"
+    # a sub-block at given positions is the same bits as the block of the full mask
+    part = dropout_keep_mask(1, 0.5, 1, 2, 8, 16, q_positions=torch.arange(40, 48),
+                             k_positions=torch.arange(3, 64, 4)[:16])
+    assert torch.equal(part, a[:, :, 40:48, 3::4][..., :16])
+
+
+def _impl(name, monkeypatch):
+    if name == "triton":
+        if not HAS_CUDA:
+            monkeypatch.setattr(interface, "_backend", lambda t: triton_attn)
+        return "cuda" if HAS_CUDA else "cpu"
+    return "cpu"
+
+
+@pytest.mark.parametrize("impl", ["twin", "triton"])
+@pytest.mark.parametrize("case", ["full", "causal", "docs+window"])
+def test_flash_attn_dropout_matches_oracle(impl, case, monkeypatch):
+    device = _impl(impl, monkeypatch)
+    dtype = F16 if impl == "triton" else F32
+    b, s, h, hkv, d, p, seed = 2, 70, 4, 2, 16, 0.25, 99
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(b, s, n, d, generator=gen).to(dtype) for n in (h, hkv, hkv, h))
+    kw, mask = {}, None
+    if case == "causal":
+        kw, mask = dict(causal=True), global_mask(s, True)
+    if case == "docs+window":
+        seg = torch.tensor([[0] * 30 + [1] * 40, [0] * 5 + [1] * 50 + [-1] * 15])
+        kw = dict(causal=True, window_size=(9, -1), segment_ids=seg.to(device))
+        mask = global_mask(s, True, (9, -1), seg)
+    qd, kd, vd = (t.to(device).requires_grad_() for t in (q, k, v))
+    out, lse = flash_attn(qd, kd, vd, dropout_p=p, seed=seed, return_lse=True, **kw)
+    out.backward(dout.to(device))
+    keep = dropout_keep_mask(seed, p, b, h, s)
+    want_out, want_lse = dropout_oracle(q, k, v, keep, p, mask)
+    want = (want_out, want_lse, *oracle_grads(q, k, v, dout, keep, p, mask))
+    for name, got, w in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, qd.grad, kd.grad, vd.grad), want):
+        err = rel_err(got.cpu(), w)
+        assert err <= TOL[dtype], f"{impl} {case}: {name} rel err {err:.3g}"
+
+
+def test_p_zero_is_no_dropout():
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 33, 2, 16, generator=gen) for _ in range(3))
+    assert torch.equal(flash_attn(q, k, v, dropout_p=0.0, seed=4), flash_attn(q, k, v))
+
+
+@pytest.mark.parametrize("p, seed, error", [(1.0, 1, ValueError), (-0.1, 1, ValueError),
+                                             ("0.1", 1, TypeError), (0.1, 1.5, TypeError),
+                                             (0.1, -1, ValueError), (0.1, 2 ** 63, ValueError)],
+                         ids=str)
+def test_bad_dropout_arguments(p, seed, error):
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(error, match="dropout_p|seed"):
+        flash_attn(q, q, q, dropout_p=p, seed=seed)
