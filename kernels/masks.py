@@ -80,21 +80,32 @@ def visible(qi: torch.Tensor, kj: torch.Tensor, mask: PairMask, batch: Optional[
     return ok
 
 
-def segment_ranges(rows_seg: torch.Tensor, cols_seg: torch.Tensor):
-    """For every row, the hull [lo, hi) of the columns whose segment id may equal its own,
-    as two (B, S_rows) int32 tensors, made so that a tile of rows [a, b] needs only
-    lo[a] and hi[b]: lo is a suffix minimum and hi a prefix maximum over the rows, and
-    padding rows (-1) contribute nothing. Needs the non-padding ids of both sides to be
-    non-decreasing."""
+def segment_ranges(rows_seg: torch.Tensor, cols_seg: torch.Tensor) -> torch.Tensor:
+    """(4, B, S_rows) int32: for every row, the hull [lo, hi) of the columns whose segment id
+    may equal its own, and the run [full_lo, full_hi) of columns that carry exactly its id
+    (every column in it visible to the row as far as segments go). Padding rows (-1) get
+    empty ranges. Needs the non-padding ids of both sides to be non-decreasing; a tile of
+    rows takes the min/max of these over its rows."""
     n_cols = cols_seg.shape[1]
     # A non-decreasing stand-in for the columns: padding takes the id before it, so a
     # search for id a lands on a run that holds every column with id a (and perhaps some
     # padding, which the element predicate masks).
-    cols_sorted = torch.cummax(cols_seg, dim=1).values.contiguous()
+    cols = cols_seg.contiguous()
+    cols_sorted = torch.cummax(cols, dim=1).values.contiguous()
     rows = rows_seg.contiguous()
     pad = rows < 0
-    lo = torch.searchsorted(cols_sorted, rows, side="left").masked_fill_(pad, n_cols)
-    hi = torch.searchsorted(cols_sorted, rows, side="right").masked_fill_(pad, 0)
-    lo = torch.flip(torch.cummin(torch.flip(lo, (1,)), dim=1).values, (1,))
-    hi = torch.cummax(hi, dim=1).values
-    return lo.to(torch.int32).contiguous(), hi.to(torch.int32).contiguous()
+    lo = torch.searchsorted(cols_sorted, rows, side="left")
+    hi = torch.searchsorted(cols_sorted, rows, side="right")
+    # Where each column's run of equal raw ids ends, read at the row's first column.
+    idx = torch.arange(n_cols, device=cols.device).expand_as(cols)
+    last_of_run = torch.ones_like(cols, dtype=torch.bool)
+    last_of_run[:, :-1] = cols[:, 1:] != cols[:, :-1]
+    run_end = torch.where(last_of_run, idx + 1, n_cols)
+    run_end = torch.flip(torch.cummin(torch.flip(run_end, (1,)), dim=1).values, (1,))
+    at = lo.clamp(max=n_cols - 1)
+    exact = (torch.gather(cols, 1, at) == rows) & ~pad & (lo < n_cols)
+    full_lo = torch.where(exact, lo, n_cols)
+    full_hi = torch.where(exact, torch.gather(run_end, 1, at), 0)
+    lo = lo.masked_fill(pad, n_cols)
+    hi = hi.masked_fill(pad, 0)
+    return torch.stack([lo, hi, full_lo, full_hi]).to(torch.int32).contiguous()

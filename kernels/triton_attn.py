@@ -199,51 +199,42 @@ def _keep(seed, threshold, off_b, off_h, qpos, kpos_start, kpos, BLOCK_M: tl.con
 
 
 @triton.jit
-def _key_range(start_m, seqlen_q, seqlen_k, band_lo, band_hi, KLO, KHI, off_b, stride_rb,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BAND: tl.constexpr,
-               SEGMENTS: tl.constexpr):
-    """Key loop bounds of query tile [start_m, start_m + BLOCK_M): (start, full_start,
-    full_end, end). Keys outside [start, end) are invisible to every row of the tile; the
-    BLOCK_N-aligned tiles in [full_start, full_end) lie inside the band for every row and
-    inside seqlen_k. start, full_start and full_end are BLOCK_N-aligned."""
-    last = tl.minimum(start_m + BLOCK_M, seqlen_q) - 1
-    lo = 0
-    hi = seqlen_k
+def _tile_range(start_r, n_rows, n_cols, lo, hi, RANGES, off_b, stride_plane, stride_b,
+                BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, BAND: tl.constexpr,
+                SEGMENTS: tl.constexpr):
+    """Loop bounds over the column tiles for the row tile [start_r, start_r + BLOCK_ROWS),
+    when column c is visible to row r only if lo <= c - r <= hi (BAND) and the segment
+    ranges allow: (start, full_start, full_end, end). Columns outside [start, end) are
+    invisible to every row of the tile; the BLOCK_COLS-aligned tiles in [full_start,
+    full_end) are visible to every row (no mask arithmetic). Rows are queries and columns
+    keys in the forward and dQ kernels; the reverse, with the band negated, in dK/dV.
+
+    RANGES (4, B, n_rows) int32, per row: the hull [lo, hi) of the columns of its segment
+    and the run [full_lo, full_hi) of columns that carry exactly its id (empty for padding).
+    """
+    last = tl.minimum(start_r + BLOCK_ROWS, n_rows) - 1
+    begin = 0
+    stop = n_cols
+    full_begin = 0
+    full_stop = n_cols  # first column no longer visible to every row
     if BAND:
-        lo = tl.maximum(lo, start_m + band_lo)
-        hi = tl.minimum(hi, last + band_hi + 1)
+        begin = tl.maximum(begin, start_r + lo)
+        stop = tl.minimum(stop, last + hi + 1)
+        full_begin = start_r + BLOCK_ROWS - 1 + lo
+        full_stop = tl.minimum(full_stop, start_r + hi + 1)
     if SEGMENTS:
-        lo = tl.maximum(lo, tl.load(KLO + off_b * stride_rb + start_m))
-        hi = tl.minimum(hi, tl.load(KHI + off_b * stride_rb + last))
-    start = tl.maximum(lo, 0) // BLOCK_N * BLOCK_N
-    end = tl.maximum(hi, start)
-    full_start = start
-    full_stop = seqlen_k  # first key no longer band-visible to every row
-    if BAND:
-        full_start = tl.maximum(start, (start_m + BLOCK_M - 1 + band_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N)
-        full_stop = tl.minimum(full_stop, start_m + band_hi + 1)
-    full_start = tl.minimum(full_start, end)
-    full_end = tl.maximum(tl.minimum(full_stop, end) // BLOCK_N * BLOCK_N, full_start)
+        rows = start_r + tl.arange(0, BLOCK_ROWS)
+        ok = rows < n_rows
+        base = RANGES + off_b * stride_b + rows
+        begin = tl.maximum(begin, tl.min(tl.load(base, mask=ok, other=n_cols), 0))
+        stop = tl.minimum(stop, tl.max(tl.load(base + stride_plane, mask=ok, other=0), 0))
+        full_begin = tl.maximum(full_begin, tl.max(tl.load(base + 2 * stride_plane, mask=ok, other=0), 0))
+        full_stop = tl.minimum(full_stop, tl.min(tl.load(base + 3 * stride_plane, mask=ok, other=n_cols), 0))
+    start = tl.maximum(begin, 0) // BLOCK_COLS * BLOCK_COLS
+    end = tl.maximum(stop, start)
+    full_start = tl.minimum(tl.maximum(start, (full_begin + BLOCK_COLS - 1) // BLOCK_COLS * BLOCK_COLS), end)
+    full_end = tl.maximum(tl.minimum(full_stop, end) // BLOCK_COLS * BLOCK_COLS, full_start)
     return start, full_start, full_end, end
-
-
-@triton.jit
-def _query_range(start_n, seqlen_q, seqlen_k, band_lo, band_hi, QLO, QHI, off_b, stride_rb,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BAND: tl.constexpr,
-                 SEGMENTS: tl.constexpr):
-    """Query loop bounds (begin BLOCK_M-aligned, end) of key tile [start_n, start_n + BLOCK_N):
-    queries outside them see no key of the tile."""
-    last = tl.minimum(start_n + BLOCK_N, seqlen_k) - 1
-    lo = 0
-    hi = seqlen_q
-    if BAND:
-        lo = tl.maximum(lo, start_n - band_hi)
-        hi = tl.minimum(hi, last - band_lo + 1)
-    if SEGMENTS:
-        lo = tl.maximum(lo, tl.load(QLO + off_b * stride_rb + start_n))
-        hi = tl.minimum(hi, tl.load(QHI + off_b * stride_rb + last))
-    begin = tl.maximum(lo, 0) // BLOCK_M * BLOCK_M
-    return begin, tl.maximum(hi, begin)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -289,10 +280,10 @@ def _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb, str
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, QSEG, KSEG, KLO, KHI,
+def _fwd_kernel(Q, K, V, O, LSE, QSEG, KSEG, RANGES,
                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                 stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
-                stride_lb, stride_lh, stride_qsegb, stride_ksegb,
+                stride_lb, stride_lh, stride_qsegb, stride_ksegb, stride_rp,
                 H, GROUP, seqlen_q, seqlen_k, qk_scale, band_lo, band_hi,
                 seed, threshold, drop_scale, q_pos0, k_pos0, pos_stride,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -326,8 +317,8 @@ def _fwd_kernel(Q, K, V, O, LSE, QSEG, KSEG, KLO, KHI,
         qseg = _segment_ids(QSEG, off_b, stride_qsegb, offs_m, seqlen_q)
     qpos = q_pos0 + offs_m * pos_stride  # global positions, for dropout
 
-    start, full_start, full_end, end = _key_range(
-        start_m, seqlen_q, seqlen_k, band_lo, band_hi, KLO, KHI, off_b, stride_qsegb,
+    start, full_start, full_end, end = _tile_range(
+        start_m, seqlen_q, seqlen_k, band_lo, band_hi, RANGES, off_b, stride_rp, stride_qsegb,
         BLOCK_M, BLOCK_N, BAND, SEGMENTS)
     for start_n in range(start, full_start, BLOCK_N):
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
@@ -378,8 +369,8 @@ def _mask_args(mask, device: torch.device):
 
 
 def _ranges(rows_seg, cols_seg, segments: bool):
-    """segment_ranges where there are segments, the stand-ins otherwise."""
-    return segment_ranges(rows_seg, cols_seg) if segments else (rows_seg, rows_seg)
+    """segment_ranges (4, B, rows) where there are segments, a stand-in otherwise."""
+    return segment_ranges(rows_seg, cols_seg) if segments else rows_seg.view(1, 1, -1)
 
 
 def fwd(q, k, v, out, lse, *, softmax_scale: float, mask, accumulate: bool):
@@ -389,14 +380,14 @@ def fwd(q, k, v, out, lse, *, softmax_scale: float, mask, accumulate: bool):
     bd = block_d(d)
     tma = _use_tma(q, k, v)
     (lo, hi, qseg, kseg, band, segments), drop = _mask_args(mask, q.device)
-    klo, khi = _ranges(qseg, kseg, segments)
+    ranges = _ranges(qseg, kseg, segments)
     grid = (triton.cdiv(sq, cfg["BLOCK_M"]), b * h)
     _fwd_kernel[grid](
         _source(q, cfg["BLOCK_M"], bd, tma), _source(k, cfg["BLOCK_N"], bd, tma),
-        _source(v, cfg["BLOCK_N"], bd, tma), out, lse, qseg, kseg, klo, khi,
+        _source(v, cfg["BLOCK_N"], bd, tma), out, lse, qseg, kseg, ranges,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1), qseg.stride(0), kseg.stride(0),
+        lse.stride(0), lse.stride(1), qseg.stride(0), kseg.stride(0), ranges.stride(0),
         h, h // hkv, sq, sk, softmax_scale * LOG2E, lo, hi, *drop[:6],
         HEAD_DIM=d, BLOCK_D=bd, BAND=band, SEGMENTS=segments, DROPOUT=drop[6], GROUPED=drop[7],
         ACCUMULATE=accumulate, PRECISION=_dot_precision(q.dtype), TMA=tma, **cfg)
@@ -420,9 +411,9 @@ def _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, off_b, off_h, stride_qb, stride_
                stride_dob, stride_dos, stride_doh, start_m, cols, kseg, QSEG, stride_qsegb,
                seqlen_q, seqlen_k, qk_scale, band_lo, band_hi, seed, threshold, drop_scale,
                q_pos0, kpos_start, kpos, pos_stride, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BAND: tl.constexpr,
-               SEGMENTS: tl.constexpr, DROPOUT: tl.constexpr, GROUPED: tl.constexpr,
-               PRECISION: tl.constexpr):
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
+               BAND: tl.constexpr, SEGMENTS: tl.constexpr, DROPOUT: tl.constexpr,
+               GROUPED: tl.constexpr, PRECISION: tl.constexpr):
     rows = start_m + tl.arange(0, BLOCK_M)
     q = _load_block(Q, off_b, off_h, start_m, stride_qb, stride_qs, stride_qh, seqlen_q,
                     BLOCK_M, BLOCK_D, HEAD_DIM, True, False)
@@ -431,7 +422,7 @@ def _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, off_b, off_h, stride_qb, stride_
     lse, delta = _load_stats(LSE, DELTA, rows, seqlen_q)
     # Transposed scores (keys x queries) so the tile products need no transposed store.
     pT = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse[None, :])
-    if BAND or SEGMENTS:
+    if MASKED and (BAND or SEGMENTS):
         qseg = kseg
         if SEGMENTS:
             qseg = _segment_ids(QSEG, off_b, stride_qsegb, rows, seqlen_q)[None, :]
@@ -461,11 +452,12 @@ def _store_grad(ptrs, mask, grad, ACCUMULATE: tl.constexpr):
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, QSEG, KSEG, QLO, QHI,
+def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, QSEG, KSEG, RANGES,
                  stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                  stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
                  stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
                  stride_lb, stride_lh, stride_deltab, stride_deltah, stride_qsegb, stride_ksegb,
+                 stride_rp,
                  HKV, GROUP, seqlen_q, seqlen_k, qk_scale, sm_scale, band_lo, band_hi,
                  seed, threshold, drop_scale, q_pos0, k_pos0, pos_stride,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -490,23 +482,45 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, QSEG, KSEG, QLO, QHI,
     if SEGMENTS:
         kseg = _segment_ids(KSEG, off_b, stride_ksegb, cols, seqlen_k)[:, None]
 
-    # Only the query tiles that see this key tile. One loop that masks every tile:
-    # splitting off the unmasked tiles into a second loop, as the forward does, measured
-    # 17% slower here (benchmarks/NOTES.md), the mask being cheap beside four matmuls.
-    begin, end = _query_range(start_n, seqlen_q, seqlen_k, band_lo, band_hi, QLO, QHI, off_b,
-                              stride_ksegb, BLOCK_M, BLOCK_N, BAND, SEGMENTS)
+    # Only the query tiles that see this key tile (band negated: rows are keys here).
+    # Without segments, one loop that masks every tile: splitting off the unmasked tiles,
+    # as the forward does, measured 17% slower here (benchmarks/NOTES.md), the mask being
+    # cheap beside four matmuls. With segments the inner tiles of a document skip the
+    # segment-id loads, which are not.
+    begin, full_start, full_end, end = _tile_range(
+        start_n, seqlen_k, seqlen_q, -band_hi, -band_lo, RANGES, off_b, stride_rp, stride_ksegb,
+        BLOCK_N, BLOCK_M, BAND, SEGMENTS)
+    if not SEGMENTS:
+        full_start = end
+        full_end = end
     for g in range(0, GROUP):
         off_h = off_hk * GROUP + g
         lse_base = LSE + off_b * stride_lb + off_h * stride_lh
         delta_base = DELTA + off_b * stride_deltab + off_h * stride_deltah
-        for start_m in range(begin, end, BLOCK_M):
+        for start_m in range(begin, full_start, BLOCK_M):
             dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, lse_base, delta_base, off_b, off_h,
                                 stride_qb, stride_qs, stride_qh, stride_dob, stride_dos,
                                 stride_doh, start_m, cols, kseg, QSEG, stride_qsegb, seqlen_q,
                                 seqlen_k, qk_scale, band_lo, band_hi, seed, threshold, drop_scale,
                                 q_pos0, k_pos0 + start_n * pos_stride, k_pos0 + cols * pos_stride,
-                                pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, BAND, SEGMENTS,
-                                DROPOUT, GROUPED, PRECISION)
+                                pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, BAND,
+                                SEGMENTS, DROPOUT, GROUPED, PRECISION)
+        for start_m in range(full_start, full_end, BLOCK_M):
+            dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, lse_base, delta_base, off_b, off_h,
+                                stride_qb, stride_qs, stride_qh, stride_dob, stride_dos,
+                                stride_doh, start_m, cols, kseg, QSEG, stride_qsegb, seqlen_q,
+                                seqlen_k, qk_scale, band_lo, band_hi, seed, threshold, drop_scale,
+                                q_pos0, k_pos0 + start_n * pos_stride, k_pos0 + cols * pos_stride,
+                                pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, BAND,
+                                SEGMENTS, DROPOUT, GROUPED, PRECISION)
+        for start_m in range(full_end, end, BLOCK_M):
+            dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, lse_base, delta_base, off_b, off_h,
+                                stride_qb, stride_qs, stride_qh, stride_dob, stride_dos,
+                                stride_doh, start_m, cols, kseg, QSEG, stride_qsegb, seqlen_q,
+                                seqlen_k, qk_scale, band_lo, band_hi, seed, threshold, drop_scale,
+                                q_pos0, k_pos0 + start_n * pos_stride, k_pos0 + cols * pos_stride,
+                                pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, BAND,
+                                SEGMENTS, DROPOUT, GROUPED, PRECISION)
 
     mask = (cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
     dk_ptrs = DK + off_b * stride_dkb + off_hk * stride_dkh + cols[:, None] * stride_dks + offs_d[None, :]
@@ -547,11 +561,12 @@ def _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QSEG, KSEG, KLO, KHI,
+def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QSEG, KSEG, RANGES,
                stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
                stride_dqb, stride_dqs, stride_dqh,
                stride_lb, stride_lh, stride_deltab, stride_deltah, stride_qsegb, stride_ksegb,
+               stride_rp,
                H, GROUP, seqlen_q, seqlen_k, qk_scale, sm_scale, band_lo, band_hi,
                seed, threshold, drop_scale, q_pos0, k_pos0, pos_stride,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -577,8 +592,8 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QSEG, KSEG, KLO, KHI,
         qseg = _segment_ids(QSEG, off_b, stride_qsegb, rows, seqlen_q)
     qpos = q_pos0 + rows * pos_stride
 
-    start, full_start, full_end, end = _key_range(
-        start_m, seqlen_q, seqlen_k, band_lo, band_hi, KLO, KHI, off_b, stride_qsegb,
+    start, full_start, full_end, end = _tile_range(
+        start_m, seqlen_q, seqlen_k, band_lo, band_hi, RANGES, off_b, stride_rp, stride_qsegb,
         BLOCK_M, BLOCK_N, BAND, SEGMENTS)
     for start_n in range(start, full_start, BLOCK_N):
         dq = _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
@@ -620,15 +635,15 @@ def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask, accu
     stat_strides = (lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1),
                     qseg.stride(0), kseg.stride(0))
     if dk is not None:  # key tiles outer: q and do are read in BLOCK_M rows, k and v once
-        qlo, qhi = _ranges(kseg, qseg, segments)
+        ranges = _ranges(kseg, qseg, segments)
         _dkdv_kernel[(triton.cdiv(sk, dkdv_cfg["BLOCK_N"]), b * hkv)](
-            q, k, v, do, lse, delta, dk, dv, qseg, kseg, qlo, qhi, *qkv_strides,
+            q, k, v, do, lse, delta, dk, dv, qseg, kseg, ranges, *qkv_strides,
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-            *stat_strides, hkv, *scalars, **common, **dkdv_cfg)
+            *stat_strides, ranges.stride(0), hkv, *scalars, **common, **dkdv_cfg)
     if dq is not None:  # query tiles outer: k and v are read in BLOCK_N rows
-        klo, khi = _ranges(qseg, kseg, segments)
+        ranges = _ranges(qseg, kseg, segments)
         _dq_kernel[(triton.cdiv(sq, dq_cfg["BLOCK_M"]), b * h)](
-            q, k, v, do, lse, delta, dq, qseg, kseg, klo, khi, *qkv_strides,
-            dq.stride(0), dq.stride(1), dq.stride(2), *stat_strides, h, *scalars, **common,
-            **dq_cfg)
+            q, k, v, do, lse, delta, dq, qseg, kseg, ranges, *qkv_strides,
+            dq.stride(0), dq.stride(1), dq.stride(2), *stat_strides, ranges.stride(0), h,
+            *scalars, **common, **dq_cfg)
     return dq, dk, dv
