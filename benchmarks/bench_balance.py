@@ -30,7 +30,7 @@ class ComputeOnly(Ring):
     """This rank's place in the ring with the network switched off: each "transfer" is a
     local copy, so the kernels see real data and no rank waits for another."""
 
-    def exchange(self, *pairs):
+    def exchange(self, *pairs, shift=1):
         for send, recv in pairs:
             recv.copy_(send)
         return []
@@ -64,9 +64,9 @@ def main():
     local_ring = ComputeOnly(None)
 
     def compute_only(layout):
-        out, lse = ring_forward(q, k, v, softmax_scale=scale, causal=True, layout=layout, ring=local_ring)
-        ring_backward(dout, q, k, v, out, lse, None, softmax_scale=scale, causal=True, layout=layout,
-                      ring=local_ring)
+        kw = dict(softmax_scale=scale, band=(None, 0), dropout=(0.0, 0), layout=layout, ring=local_ring)
+        out, lse = ring_forward(q, k, v, None, **kw)
+        ring_backward(dout, q, k, v, out, lse, None, None, **kw)
 
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
 

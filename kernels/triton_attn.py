@@ -249,7 +249,8 @@ def _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb, str
               SEGMENTS: tl.constexpr, DROPOUT: tl.constexpr, GROUPED: tl.constexpr,
               PRECISION: tl.constexpr, TMA: tl.constexpr):
     """One key tile of the online softmax. MASKED: the tile may cross the band's edge or
-    seqlen_k (loads bounded, band predicate); segments are checked on every tile."""
+    seqlen_k (loads bounded, band predicate); SEGMENTS: the segment-id predicate. Both False
+    for the tiles every row sees whole."""
     k = _load_block(K, off_b, off_hk, start_n, stride_kb, stride_ks, stride_kh, seqlen_k,
                     BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, TMA)
     v = _load_block(V, off_b, off_hk, start_n, stride_vb, stride_vs, stride_vh, seqlen_k,
@@ -332,7 +333,7 @@ def _fwd_kernel(Q, K, V, O, LSE, QSEG, KSEG, RANGES,
                                   stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb,
                                   start_n, offs_m, qseg, seqlen_k, qk_scale, band_lo, band_hi, seed,
                                   threshold, drop_scale, qpos, k_pos0, pos_stride, HEAD_DIM, BLOCK_M,
-                                  BLOCK_N, BLOCK_D, False, BAND, SEGMENTS, DROPOUT, GROUPED, PRECISION,
+                                  BLOCK_N, BLOCK_D, False, BAND, False, DROPOUT, GROUPED, PRECISION,
                                   TMA)
     for start_n in range(full_end, end, BLOCK_N):
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
@@ -606,7 +607,7 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QSEG, KSEG, RANGES,
                       stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n,
                       rows, qseg, seqlen_k, qk_scale, band_lo, band_hi, seed, threshold, drop_scale,
                       qpos, k_pos0, pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, BAND,
-                      SEGMENTS, DROPOUT, GROUPED, PRECISION)
+                      False, DROPOUT, GROUPED, PRECISION)
     for start_n in range(full_end, end, BLOCK_N):
         dq = _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
                       stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n,
