@@ -47,6 +47,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from . import api
 from .exchange import Ring
+from .groups import resolve_group
 from .layouts import check_layout
 
 
@@ -91,7 +92,8 @@ class RingSelfAttention(nn.Module):
             "stripe"); inputs must have been sharded with the same layout
             (``ringflash.shard(x, dim=1, layout=layout, group=group)``).
         group: the sequence-parallel process group (None: the world; without an
-            initialized process group the layer is plain single-device attention).
+            initialized process group the layer is plain single-device attention), or a
+            DeviceMesh: 1-D, or ``(mesh, dim)``.
         rope_base: rotary base (theta); raise it for very long contexts.
         bias: biases on the projections.
 
@@ -130,7 +132,7 @@ class RingSelfAttention(nn.Module):
             d_model, num_heads, num_kv_heads, head_dim)
         self.causal = causal
         self.layout = check_layout(layout)
-        self.group = group
+        self.group = resolve_group(group)
         self.rope_base = float(rope_base)
         factory = dict(device=device, dtype=dtype)
         # One matmul for q, k and v: columns [q heads | k heads | v heads].
@@ -184,6 +186,7 @@ class RingSelfAttention(nn.Module):
 
 def broadcast_parameters(module: nn.Module, group=None, src: int = 0) -> None:
     """Copy the parameters and buffers of ``group``'s rank ``src`` to every rank of it."""
+    group = resolve_group(group)
     world = Ring(group).world
     if world == 1:
         return
@@ -200,6 +203,7 @@ def all_reduce_gradients(parameters: Iterable[torch.Tensor], group=None) -> None
     gradient of the global loss on every rank. A parameter without a gradient on some
     rank must be without one on all (None is skipped).
     """
+    group = resolve_group(group)
     world = Ring(group).world
     if world == 1:
         return
