@@ -1,6 +1,6 @@
 """ringflash: exact attention over sequences sharded across a process group.
 
-    out = ringflash.ring_flash_attn(q, k, v, causal=True, layout="zigzag")
+    out = ringflash.ring_flash_attn(q, k, v, causal=True)      # layout "zigzag", the default
 
 q, k, v are this rank's shards (batch, seqlen_local, heads, head_dim); K/V shards
 travel around the ring of ranks while each rank runs a FlashAttention kernel on its
@@ -11,8 +11,9 @@ from .api import positions, ring_flash_attn, shard, unshard
 from .exchange import transport
 from .kernels import flash_attn
 from .layer import RingSelfAttention, all_reduce_gradients, broadcast_parameters
-from .layouts import LAYOUTS
+from .layouts import DEFAULT_LAYOUT, LAYOUTS
 
 __version__ = "0.1.0"
-__all__ = ["LAYOUTS", "RingSelfAttention", "all_reduce_gradients", "broadcast_parameters",
-           "flash_attn", "positions", "ring_flash_attn", "shard", "transport", "unshard"]
+__all__ = ["DEFAULT_LAYOUT", "LAYOUTS", "RingSelfAttention", "all_reduce_gradients",
+           "broadcast_parameters", "flash_attn", "positions", "ring_flash_attn", "shard",
+           "transport", "unshard"]

@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from .exchange import TRANSPORTS, PeerRing, Ring, transport
 from .kernels import SUPPORTED_DTYPES, check_causal, check_qkv, resolve_scale
-from .layouts import LAYOUTS, check_layout, check_seqlen, global_positions, split_factor
+from .layouts import (DEFAULT_LAYOUT, LAYOUTS, check_layout, check_seqlen, global_positions,
+                      split_factor)
 from .ring import RingAttention
 
 # Set RINGFLASH_RANK_CHECK=0 to skip the cross-rank agreement check (see _check_ranks_agree).
@@ -78,7 +79,7 @@ def _check_local(q, k, v, causal, layout, softmax_scale):
 
 
 def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
-                    group=None, layout: str = "contiguous", return_lse: bool = False):
+                    group=None, layout: str = DEFAULT_LAYOUT, return_lse: bool = False):
     """Exact attention of this rank's queries over the keys of every rank in ``group``.
 
     Args:
@@ -89,8 +90,8 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
         softmax_scale: a positive float; defaults to head_dim ** -0.5.
         group: the process group forming the ring (default: the world; without an
             initialized process group, a ring of one).
-        layout: how the global sequence is split ("contiguous", "zigzag", "stripe"; see
-            ``shard``). It only matters with causal=True.
+        layout: how the global sequence is split ("zigzag", the default, "contiguous",
+            "stripe"; see ``shard``); the same as the inputs were sharded with.
         return_lse: also return lse.
 
     Returns:
@@ -130,7 +131,7 @@ def _check_dim(x: torch.Tensor, dim: int) -> int:
     return dim % x.dim()
 
 
-def positions(seqlen: int, layout: str = "contiguous", group=None, *, device=None) -> torch.Tensor:
+def positions(seqlen: int, layout: str = DEFAULT_LAYOUT, group=None, *, device=None) -> torch.Tensor:
     """Global token ids of this rank's tokens, in local order (int64, (seqlen // W,)).
 
     For rotary embeddings, labels and masks. ``seqlen`` is the GLOBAL length; it must
@@ -143,7 +144,7 @@ def positions(seqlen: int, layout: str = "contiguous", group=None, *, device=Non
     return global_positions(seqlen, layout, ring.rank, ring.world).to(device)
 
 
-def shard(x: torch.Tensor, dim: int = 1, layout: str = "contiguous", group=None) -> torch.Tensor:
+def shard(x: torch.Tensor, dim: int = 1, layout: str = DEFAULT_LAYOUT, group=None) -> torch.Tensor:
     """This rank's part of the full-sequence tensor ``x`` along ``dim`` (a new tensor)."""
     dim = _check_dim(x, dim)
     layout = check_layout(layout)
@@ -157,13 +158,34 @@ def shard(x: torch.Tensor, dim: int = 1, layout: str = "contiguous", group=None)
     return torch.cat([chunks[ring.rank], chunks[2 * ring.world - 1 - ring.rank]], dim=dim)
 
 
-def unshard(x_local: torch.Tensor, dim: int = 1, layout: str = "contiguous", group=None) -> torch.Tensor:
+def unshard(x_local: torch.Tensor, dim: int = 1, layout: str = DEFAULT_LAYOUT, group=None) -> torch.Tensor:
     """Gather every rank's shard along ``dim`` back into the full sequence, in order.
 
-    The inverse of ``shard``; every rank gets the whole tensor. Not differentiable.
+    The inverse of ``shard``; every rank gets the whole tensor. Differentiable: the
+    gradient of the local shard is this rank's ``shard`` of the full tensor's gradient,
+    i.e. a loss computed from the gathered tensor counts once, as on one device (every
+    rank computes the same loss; gradients summed over the group, as ever).
     """
     dim = _check_dim(x_local, dim)
     layout = check_layout(layout)
+    if torch.is_grad_enabled() and x_local.requires_grad:
+        return _Unshard.apply(x_local, dim, layout, group)
+    return _gather(x_local, dim, layout, group)
+
+
+class _Unshard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_local, dim, layout, group):
+        ctx.args = (dim, layout, group)
+        return _gather(x_local, dim, layout, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, layout, group = ctx.args
+        return shard(grad, dim, layout, group), None, None, None
+
+
+def _gather(x_local: torch.Tensor, dim: int, layout: str, group) -> torch.Tensor:
     ring = Ring(group)
     if ring.world == 1:
         return x_local.clone()

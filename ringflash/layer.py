@@ -48,7 +48,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from . import api
 from .exchange import Ring
 from .groups import resolve_group
-from .layouts import check_layout
+from .layouts import DEFAULT_LAYOUT, check_layout
 
 
 # ----------------------------------------------------------------------------- rotary embeddings
@@ -88,9 +88,10 @@ class RingSelfAttention(nn.Module):
             num_heads.
         head_dim: defaults to d_model // num_heads; must be even (rotary).
         causal: causal mask on global positions.
-        layout: how sequences are split over the group ("contiguous", "zigzag",
-            "stripe"); inputs must have been sharded with the same layout
-            (``ringflash.shard(x, dim=1, layout=layout, group=group)``).
+        layout: how sequences are split over the group ("zigzag", the default of every
+            ringflash function, "contiguous", "stripe"); inputs must have been sharded
+            with the same layout (``ringflash.shard(x, dim=1, layout=layout, group=group)``,
+            or build the layer with ``SequenceParallel.self_attention``, which cannot differ).
         group: the sequence-parallel process group (None: the world; without an
             initialized process group the layer is plain single-device attention), or a
             DeviceMesh: 1-D, or ``(mesh, dim)``.
@@ -111,7 +112,7 @@ class RingSelfAttention(nn.Module):
     """
 
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: Optional[int] = None, *,
-                 head_dim: Optional[int] = None, causal: bool = True, layout: str = "zigzag",
+                 head_dim: Optional[int] = None, causal: bool = True, layout: str = DEFAULT_LAYOUT,
                  group=None, rope_base: float = 10000.0, bias: bool = False,
                  device=None, dtype=None):
         super().__init__()

@@ -21,6 +21,11 @@ from typing import NamedTuple
 import torch
 
 LAYOUTS = ("contiguous", "zigzag", "stripe")
+# The layout of every function that takes one (shard, unshard, positions, ring_flash_attn,
+# RingSelfAttention, SequenceParallel): balanced for causal attention, and its shards are
+# two contiguous chunks, so masks that are local in the sequence (windows, documents) leave
+# whole block pairs empty. It needs the global length divisible by 2W.
+DEFAULT_LAYOUT = "zigzag"
 _ALL = slice(None)
 
 
