@@ -8,11 +8,12 @@ import struct
 import torch
 import torch.distributed as dist
 
-from .exchange import TRANSPORTS, PeerRing, Ring, transport
+from .exchange import TRANSPORTS, Ring, transport  # noqa: F401 - transport: part of this module's API
+from .groups import resolve_group
 from .kernels import SUPPORTED_DTYPES, check_causal, check_qkv, resolve_scale
 from .layouts import (DEFAULT_LAYOUT, LAYOUTS, check_layout, check_seqlen, global_positions,
                       split_factor)
-from .ring import RingAttention
+from .ops import ring_attn
 
 # Set RINGFLASH_RANK_CHECK=0 to skip the cross-rank agreement check (see _check_ranks_agree).
 _RANK_CHECK = os.environ.get("RINGFLASH_RANK_CHECK", "1") != "0"
@@ -89,7 +90,8 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
         causal: causal mask on GLOBAL positions, as given by ``layout``.
         softmax_scale: a positive float; defaults to head_dim ** -0.5.
         group: the process group forming the ring (default: the world; without an
-            initialized process group, a ring of one).
+            initialized process group, a ring of one), or a DeviceMesh: 1-D, or
+            ``(mesh, dim)`` (see ``ringflash.groups``).
         layout: how the global sequence is split ("zigzag", the default, "contiguous",
             "stripe"; see ``shard``); the same as the inputs were sharded with.
         return_lse: also return lse.
@@ -101,26 +103,33 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
         in q, k and v.
 
     Invalid arguments raise ValueError/TypeError on every rank of the ring, including
-    ranks whose own arguments were fine (see ``_check_ranks_agree`` for the cost).
+    ranks whose own arguments were fine (see ``_check_ranks_agree`` for the cost); the
+    cross-rank check runs inside the ring's custom op (ops.py), so torch.compile traces
+    this function without a graph break. Under torch.compile a rank whose own arguments
+    are invalid raises while tracing, without telling the others.
     """
-    ring = Ring(group)
-    check_everywhere = ring.world > 1 and _RANK_CHECK
-    try:
+    group = resolve_group(group)
+    if torch.compiler.is_compiling():
         causal, layout, scale = _check_local(q, k, v, causal, layout, softmax_scale)
-        kind = transport(ring.group)
+    else:
+        causal, layout, scale = _check_local_on_every_rank(q, k, v, causal, layout, softmax_scale,
+                                                           group)
+    out, lse = ring_attn(q, k, v, softmax_scale=scale, causal=causal, layout=layout, group=group)
+    return (out, lse) if return_lse else out
+
+
+def _check_local_on_every_rank(q, k, v, causal, layout, softmax_scale, group):
+    """``_check_local``; if it fails on one rank of a ring, every rank raises (the failing
+    rank joins the agreement all-gather that the others run inside the op)."""
+    ring = Ring(group)
+    try:
+        return _check_local(q, k, v, causal, layout, softmax_scale)
     except (TypeError, ValueError) as error:
-        if not check_everywhere:
+        if not (ring.world > 1 and _RANK_CHECK):
             raise
         device = q.device if isinstance(q, torch.Tensor) and q.is_cuda else ring.collective_device()
         _check_ranks_agree(ring, None, error, device)
-    if check_everywhere:
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        signature = _signature(q, k, causal, layout, scale, needs_grad, kind)
-        _check_ranks_agree(ring, signature, None, q.device)
-    if kind == "peer" and ring.world > 1:
-        ring = PeerRing(ring.group)
-    out, lse = RingAttention.apply(q, k, v, scale, causal, layout, ring)
-    return (out, lse) if return_lse else out
+        raise  # not reached: _check_ranks_agree raises ``error``
 
 
 def _check_dim(x: torch.Tensor, dim: int) -> int:

@@ -1,4 +1,4 @@
-"""The ring schedule: forward and backward as one autograd.Function, for every layout.
+"""The ring schedule: forward and backward, for every layout (ops.py makes them custom ops).
 
 World size W, rank r. At step s the rank holds the K/V shard that started on rank
 src = (r - s) mod W. Before computing step s it posts the send of that shard to r+1
@@ -65,8 +65,9 @@ def ring_forward(q, k, v, *, softmax_scale: float, causal: bool, layout: str, ri
 
 
 def ring_backward(dout, q, k, v, out, lse, dlse, *, softmax_scale: float, causal: bool,
-                  layout: str, ring: Ring):
-    """Returns dq, dk, dv of this rank's shards (in their dtypes)."""
+                  layout: str, ring: Ring, packed_kv_grads: bool = False):
+    """Returns dq, dk, dv of this rank's shards (in their dtypes); with packed_kv_grads,
+    dq and one (2, *k.shape) tensor holding dk and dv."""
     n = q.shape[1]
     delta = attn_delta(out, dout, dlse)
     dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
@@ -102,7 +103,8 @@ def ring_backward(dout, q, k, v, out, lse, dlse, *, softmax_scale: float, causal
         cur, nxt = nxt, cur
         running, sending = sending, running
     if ring.world == 1:
-        return dq.to(q.dtype), sending[0].to(k.dtype), sending[1].to(k.dtype)
+        dkv = sending.to(k.dtype)
+        return (dq.to(q.dtype), dkv) if packed_kv_grads else (dq.to(q.dtype), dkv[0], dkv[1])
     # One more hop takes every shard's dK/dV to its owner, in the gradients' dtype: the
     # sums are complete, so rounding before or after the hop gives the same bits.
     dkv = ring.buffer("home", sending.shape, k.dtype, k.device)
@@ -110,20 +112,4 @@ def ring_backward(dout, q, k, v, out, lse, dlse, *, softmax_scale: float, causal
     home = torch.empty_like(dkv)
     ring.wait(ring.exchange((dkv, home)))
     ring.finish()
-    return dq.to(q.dtype), home[0], home[1]
-
-
-class RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, softmax_scale, causal, layout, ring):
-        out, lse = ring_forward(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                                layout=layout, ring=ring)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = dict(softmax_scale=softmax_scale, causal=causal, layout=layout, ring=ring)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, dlse, **ctx.args)
-        return dq, dk, dv, None, None, None, None
+    return (dq.to(q.dtype), home) if packed_kv_grads else (dq.to(q.dtype), home[0], home[1])
