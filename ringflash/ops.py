@@ -114,7 +114,8 @@ def ring_attn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        softmax_scale: float, causal: bool, layout: str, group_name: str
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """dq (like q) and dK/dV packed as one (2, *k.shape) tensor: an op may not return two
-    views of one buffer, which is what the ring's last hop delivers."""
+    views of one buffer, which is what the ring's last hop delivers. The transport is
+    chosen again here, from the same RINGFLASH_TRANSPORT as the forward's."""
     ring = ring_of(group_name)
     if ring.world > 1 and transport(ring.group) == "peer":
         ring = PeerRing(ring.group)
