@@ -4,13 +4,15 @@ A small attention block (q/k/v projections -> ring_flash_attn -> output projecti
 the loss) is compiled with fullgraph=True, which raises at the first graph break, behind
 a counting backend (one frame, one graph), with the backends eager, aot_eager and
 inductor; its outputs and every gradient must equal the uncompiled block's on the same
-rank. The cross-rank agreement check runs inside the ring's custom op, so it still
-catches ranks that disagree when the caller is compiled.
+rank. RingSelfAttention traces into one graph too. The cross-rank agreement check runs
+inside the ring's custom op, so it still catches ranks that disagree when the caller is
+compiled.
 
 One spawned gloo world per size (worlds fixture, as in test_ring.py). Every backend runs
-at W=1 and W=2; at W=4 aot_eager alone (the same Dynamo trace as eager, plus the traced
-backward; inductor would compile C++ on four ranks of a 2-core machine for nothing the op
-sees differently).
+at W=2; eager and aot_eager at W=1; aot_eager alone at W=4 (the same Dynamo trace as
+eager, plus the traced backward). Inductor compiles C++ on every rank, and the op is
+opaque to it whatever W is, so once over a real exchange (W=2) is enough on a 2-core
+machine.
 """
 
 from __future__ import annotations
@@ -77,6 +79,18 @@ def compile_matches_eager(rank, world, backends, cases=(("zigzag", True),)):
     return results
 
 
+def layer_graph_breaks(rank, world):
+    """Graphs and graph breaks of RingSelfAttention's forward under Dynamo."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    sp = ringflash.SequenceParallel()
+    layer = sp.self_attention(32, 4, 2)
+    explained = torch._dynamo.explain(layer)(sp.shard(torch.randn(2, 16 * world, 32)))
+    return explained.graph_count, explained.graph_break_count
+
+
 def disagree_under_compile(rank, world):
     """Rank 1 compiles a causal call, the others a non-causal one: every rank raises."""
     import torch._dynamo
@@ -104,7 +118,7 @@ def worlds():
 
 @pytest.mark.parametrize("world_size", [1, 2, 4], ids=lambda w: f"W{w}")
 def test_fullgraph_compile_matches_eager(worlds, world_size):
-    backends = BACKENDS if world_size <= 2 else ("aot_eager",)
+    backends = {1: ("eager", "aot_eager"), 2: BACKENDS, 4: ("aot_eager",)}[world_size]
     per_rank = worlds(world_size).run(compile_matches_eager, backends, timeout=400)
     failures = []
     for rank, results in enumerate(per_rank):
@@ -115,6 +129,10 @@ def test_fullgraph_compile_matches_eager(worlds, world_size):
             if not diff <= 1e-5:
                 failures.append(f"{case}: differs from eager by {diff:.3g}")
     assert not failures, "\n".join(failures)
+
+
+def test_ring_self_attention_compiles_without_graph_break(worlds):
+    assert worlds(4).run(layer_graph_breaks, timeout=120) == [(1, 0)] * 4
 
 
 def test_ranks_disagreeing_under_compile_all_raise(worlds):
