@@ -61,7 +61,7 @@ def _step(fn, sp, x, params):
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_fullgraph_compile_matches_eager(nccl, backend, dtype):
+def test_fullgraph_compile_matches_eager(nccl, backend, dtype):  # noqa: F811 - the fixture
     import torch._dynamo
     from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -85,7 +85,7 @@ def test_fullgraph_compile_matches_eager(nccl, backend, dtype):
 
 
 @pytest.mark.parametrize("transport", ["nccl", "peer"])
-def test_training_step_in_one_cuda_graph(nccl, transport, monkeypatch):
+def test_training_step_in_one_cuda_graph(nccl, transport, monkeypatch):  # noqa: F811
     """Forward, backward and an SGD update of the block captured as one CUDA graph after
     eager warm-up on a side stream (NCCL communicators, Triton autotuning and the
     copy-engine buffers are all set up then), replayed on new inputs."""

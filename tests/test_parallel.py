@@ -85,7 +85,7 @@ def mesh_and_helpers(rank, world):
 
     # ring_flash_attn and the layer on the mesh dimension equal those on the ProcessGroup.
     q, k, v = (torch.randn(1, 16, 2, 8, generator=gen) for _ in range(3))
-    sp_mesh, sp_pg = ringflash.SequenceParallel((mesh, "sp")), ringflash.SequenceParallel(pg)
+    sp_mesh = ringflash.SequenceParallel((mesh, "sp"))
     a = sp_mesh.attn(*(sp_mesh.shard(t) for t in (q, k, v)), causal=True)
     b = ringflash.ring_flash_attn(*(ringflash.shard(t, group=pg) for t in (q, k, v)), causal=True, group=pg)
     check(torch.equal(a, b), "ring_flash_attn on (mesh, 'sp')")
