@@ -1,6 +1,7 @@
 """ringflash: exact attention over sequences sharded across a process group.
 
-    out = ringflash.ring_flash_attn(q, k, v, causal=True, layout="zigzag")
+    out = ringflash.ring_flash_attn(q, k, v, causal=True)      # layout "zigzag", the default
+    sp = ringflash.SequenceParallel(group)                       # the group and layout, once
 
 q, k, v are this rank's shards (batch, seqlen_local, heads, head_dim); K/V shards
 travel around the ring of ranks while each rank runs a FlashAttention kernel on its
@@ -12,9 +13,11 @@ from .api import (positions, ring_flash_attn, segment_ids_from_cu_seqlens,
 from .exchange import transport
 from .kernels import dropout_keep_mask, flash_attn
 from .layer import RingSelfAttention, all_reduce_gradients, broadcast_parameters
-from .layouts import LAYOUTS
+from .layouts import DEFAULT_LAYOUT, LAYOUTS
+from .parallel import SequenceParallel
 
 __version__ = "0.1.0"
-__all__ = ["LAYOUTS", "RingSelfAttention", "all_reduce_gradients", "broadcast_parameters",
-           "dropout_keep_mask", "flash_attn", "positions", "ring_flash_attn", "segment_ids_from_cu_seqlens",
+__all__ = ["DEFAULT_LAYOUT", "LAYOUTS", "RingSelfAttention", "SequenceParallel",
+           "all_reduce_gradients", "broadcast_parameters", "dropout_keep_mask", "flash_attn",
+           "positions", "ring_flash_attn", "segment_ids_from_cu_seqlens",
            "segment_ids_from_position_ids", "shard", "transport", "unshard"]

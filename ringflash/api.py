@@ -8,11 +8,12 @@ import struct
 import torch
 import torch.distributed as dist
 
-from .exchange import TRANSPORTS, PeerRing, Ring, transport
-from .kernels import (SUPPORTED_DTYPES, band_of_window, check_causal, check_dropout, check_qkv,
-                      check_segment_ids, check_window, resolve_scale)
-from .layouts import LAYOUTS, check_layout, global_positions
-from .ring import RingAttention
+from .exchange import TRANSPORTS, Ring, transport  # noqa: F401 - transport: part of this module's API
+from .groups import resolve_group
+from .kernels import (SUPPORTED_DTYPES, check_causal, check_dropout, check_qkv, check_segment_ids,
+                      check_window, resolve_scale)
+from .layouts import DEFAULT_LAYOUT, LAYOUTS, check_layout, global_positions
+from .ops import ring_attn
 
 # Set RINGFLASH_RANK_CHECK=0 to skip the cross-rank agreement check (see _check_ranks_agree).
 _RANK_CHECK = os.environ.get("RINGFLASH_RANK_CHECK", "1") != "0"
@@ -86,7 +87,7 @@ def _check_local(q, k, v, causal, layout, softmax_scale, window_size, segment_id
 
 
 def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
-                    group=None, layout: str = "contiguous", return_lse: bool = False,
+                    group=None, layout: str = DEFAULT_LAYOUT, return_lse: bool = False,
                     segment_ids: torch.Tensor | None = None, window_size: tuple[int, int] = (-1, -1),
                     dropout_p: float = 0.0, seed: int | None = None):
     """Exact attention of this rank's queries over the keys of every rank in ``group``.
@@ -98,10 +99,13 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
         causal: causal mask on GLOBAL positions, as given by ``layout``.
         softmax_scale: a positive float; defaults to head_dim ** -0.5.
         group: the process group forming the ring (default: the world; without an
-            initialized process group, a ring of one).
-        layout: how the global sequence is split ("contiguous", "zigzag", "stripe"; see
-            ``shard``). Every mask is on GLOBAL positions, so the result does not depend
-            on it; the work per rank and the hops K/V travel do.
+            initialized process group, a ring of one), or a DeviceMesh: 1-D, or
+            ``(mesh, dim)`` (see ``ringflash.groups``).
+        layout: how the global sequence is split ("zigzag", the default, "contiguous",
+            "stripe"; see ``shard``); the same as the inputs were sharded with. Every mask
+            is on GLOBAL positions, so the result does not depend on it; the work per rank
+            and the hops K/V travel do (packed documents: "stripe"; sliding windows:
+            "contiguous").
         return_lse: also return lse.
         segment_ids: (batch, seqlen_local) integer ids of this rank's tokens, sharded like
             q (``shard(ids, dim=1, layout=...)``, or ``segment_ids_from_cu_seqlens`` /
@@ -129,28 +133,36 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
         in q, k and v.
 
     Invalid arguments raise ValueError/TypeError on every rank of the ring, including
-    ranks whose own arguments were fine (see ``_check_ranks_agree`` for the cost).
+    ranks whose own arguments were fine (see ``_check_ranks_agree`` for the cost); the
+    cross-rank check runs inside the ring's custom op (ops.py), so torch.compile traces
+    this function without a graph break. Under torch.compile a rank whose own arguments
+    are invalid raises while tracing, without telling the others.
     """
+    group = resolve_group(group)
+    args = (q, k, v, causal, layout, softmax_scale, window_size, segment_ids, dropout_p, seed)
+    if torch.compiler.is_compiling():
+        checked = _check_local(*args)
+    else:
+        checked = _check_local_on_every_rank(*args, group=group)
+    causal, layout, scale, window, segments, dropout = checked
+    out, lse = ring_attn(q, k, v, segments, softmax_scale=scale, causal=causal, layout=layout,
+                         window=window, dropout=dropout, group=group)
+    return (out, lse) if return_lse else out
+
+
+def _check_local_on_every_rank(*args, group):
+    """``_check_local``; if it fails on one rank of a ring, every rank raises (the failing
+    rank joins the agreement all-gather that the others run inside the op)."""
     ring = Ring(group)
-    check_everywhere = ring.world > 1 and _RANK_CHECK
+    q = args[0]
     try:
-        causal, layout, scale, window, segments, dropout = _check_local(
-            q, k, v, causal, layout, softmax_scale, window_size, segment_ids, dropout_p, seed)
-        kind = transport(ring.group)
+        return _check_local(*args)
     except (TypeError, ValueError) as error:
-        if not check_everywhere:
+        if not (ring.world > 1 and _RANK_CHECK):
             raise
         device = q.device if isinstance(q, torch.Tensor) and q.is_cuda else ring.collective_device()
         _check_ranks_agree(ring, None, error, device)
-    if check_everywhere:
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        signature = _signature(q, k, causal, layout, scale, needs_grad, kind, window, segments, dropout)
-        _check_ranks_agree(ring, signature, None, q.device)
-    if kind == "peer" and ring.world > 1:
-        ring = PeerRing(ring.group)
-    band = band_of_window(causal, window)
-    out, lse = RingAttention.apply(q, k, v, segments, scale, band, dropout, layout, ring)
-    return (out, lse) if return_lse else out
+        raise  # not reached: _check_ranks_agree raises ``error``
 
 
 def _check_dim(x: torch.Tensor, dim: int) -> int:
@@ -161,7 +173,7 @@ def _check_dim(x: torch.Tensor, dim: int) -> int:
     return dim % x.dim()
 
 
-def positions(seqlen: int, layout: str = "contiguous", group=None, *, device=None) -> torch.Tensor:
+def positions(seqlen: int, layout: str = DEFAULT_LAYOUT, group=None, *, device=None) -> torch.Tensor:
     """Global token ids of this rank's tokens, in local order (int64, (seqlen // W,)).
 
     For rotary embeddings, labels and masks. ``seqlen`` is the GLOBAL length; it must
@@ -174,7 +186,7 @@ def positions(seqlen: int, layout: str = "contiguous", group=None, *, device=Non
     return global_positions(seqlen, layout, ring.rank, ring.world).to(device)
 
 
-def shard(x: torch.Tensor, dim: int = 1, layout: str = "contiguous", group=None) -> torch.Tensor:
+def shard(x: torch.Tensor, dim: int = 1, layout: str = DEFAULT_LAYOUT, group=None) -> torch.Tensor:
     """This rank's part of the full-sequence tensor ``x`` along ``dim`` (a new tensor)."""
     dim = _check_dim(x, dim)
     layout = check_layout(layout)
@@ -183,13 +195,34 @@ def shard(x: torch.Tensor, dim: int = 1, layout: str = "contiguous", group=None)
     return x.index_select(dim, index)
 
 
-def unshard(x_local: torch.Tensor, dim: int = 1, layout: str = "contiguous", group=None) -> torch.Tensor:
+def unshard(x_local: torch.Tensor, dim: int = 1, layout: str = DEFAULT_LAYOUT, group=None) -> torch.Tensor:
     """Gather every rank's shard along ``dim`` back into the full sequence, in order.
 
-    The inverse of ``shard``; every rank gets the whole tensor. Not differentiable.
+    The inverse of ``shard``; every rank gets the whole tensor. Differentiable: the
+    gradient of the local shard is this rank's ``shard`` of the full tensor's gradient,
+    i.e. a loss computed from the gathered tensor counts once, as on one device (every
+    rank computes the same loss; gradients summed over the group, as ever).
     """
     dim = _check_dim(x_local, dim)
     layout = check_layout(layout)
+    if torch.is_grad_enabled() and x_local.requires_grad:
+        return _Unshard.apply(x_local, dim, layout, group)
+    return _gather(x_local, dim, layout, group)
+
+
+class _Unshard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_local, dim, layout, group):
+        ctx.args = (dim, layout, group)
+        return _gather(x_local, dim, layout, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, layout, group = ctx.args
+        return shard(grad, dim, layout, group), None, None, None
+
+
+def _gather(x_local: torch.Tensor, dim: int, layout: str, group) -> torch.Tensor:
     ring = Ring(group)
     if ring.world == 1:
         return x_local.clone()
@@ -209,7 +242,7 @@ def unshard(x_local: torch.Tensor, dim: int = 1, layout: str = "contiguous", gro
 # ----------------------------------------------------------------------------- packed documents
 
 
-def segment_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, seqlen: int, layout: str = "contiguous",
+def segment_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, seqlen: int, layout: str = DEFAULT_LAYOUT,
                                 group=None) -> torch.Tensor:
     """This rank's (1, seqlen // W) segment ids of one packed sequence of ``seqlen`` tokens
     whose documents are given in flash_attn's varlen format: document d holds tokens
@@ -231,7 +264,7 @@ def segment_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, seqlen: int, layout: s
     return shard(ids[None].to(torch.int32).to(cu_seqlens.device), dim=1, layout=layout, group=group)
 
 
-def segment_ids_from_position_ids(position_ids: torch.Tensor, layout: str = "contiguous",
+def segment_ids_from_position_ids(position_ids: torch.Tensor, layout: str = DEFAULT_LAYOUT,
                                   group=None) -> torch.Tensor:
     """This rank's (batch, seqlen // W) segment ids from FULL-sequence position ids
     (batch, seqlen) that restart at 0 at every document (Hugging Face packing): a new

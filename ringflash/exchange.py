@@ -24,6 +24,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from .groups import resolve_group
+
 TRANSPORTS = ("auto", "nccl", "peer")
 
 
@@ -32,6 +34,7 @@ class Ring:
     without an initialized process group, a ring of one)."""
 
     def __init__(self, group=None):
+        group = resolve_group(group)  # a DeviceMesh names its group
         if group is None and not (dist.is_available() and dist.is_initialized()):
             self.group, self.rank, self.world = None, 0, 1
             return

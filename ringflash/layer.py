@@ -47,8 +47,9 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from . import api
 from .exchange import Ring
+from .groups import resolve_group
 from .kernels import check_window
-from .layouts import check_layout
+from .layouts import DEFAULT_LAYOUT, check_layout
 
 
 # ----------------------------------------------------------------------------- rotary embeddings
@@ -88,11 +89,13 @@ class RingSelfAttention(nn.Module):
             num_heads.
         head_dim: defaults to d_model // num_heads; must be even (rotary).
         causal: causal mask on global positions.
-        layout: how sequences are split over the group ("contiguous", "zigzag",
-            "stripe"); inputs must have been sharded with the same layout
-            (``ringflash.shard(x, dim=1, layout=layout, group=group)``).
+        layout: how sequences are split over the group ("zigzag", the default of every
+            ringflash function, "contiguous", "stripe"); inputs must have been sharded
+            with the same layout (``ringflash.shard(x, dim=1, layout=layout, group=group)``,
+            or build the layer with ``SequenceParallel.self_attention``, which cannot differ).
         group: the sequence-parallel process group (None: the world; without an
-            initialized process group the layer is plain single-device attention).
+            initialized process group the layer is plain single-device attention), or a
+            DeviceMesh: 1-D, or ``(mesh, dim)``.
         rope_base: rotary base (theta); raise it for very long contexts.
         bias: biases on the projections.
         window_size: (left, right) sliding window on global positions, -1 = unbounded
@@ -115,7 +118,7 @@ class RingSelfAttention(nn.Module):
     """
 
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: Optional[int] = None, *,
-                 head_dim: Optional[int] = None, causal: bool = True, layout: str = "zigzag",
+                 head_dim: Optional[int] = None, causal: bool = True, layout: str = DEFAULT_LAYOUT,
                  group=None, rope_base: float = 10000.0, bias: bool = False,
                  window_size: tuple[int, int] = (-1, -1), device=None, dtype=None):
         super().__init__()
@@ -137,7 +140,7 @@ class RingSelfAttention(nn.Module):
         self.causal = causal
         self.layout = check_layout(layout)
         self.window_size = check_window(window_size)
-        self.group = group
+        self.group = resolve_group(group)
         self.rope_base = float(rope_base)
         factory = dict(device=device, dtype=dtype)
         # One matmul for q, k and v: columns [q heads | k heads | v heads].
@@ -194,6 +197,7 @@ class RingSelfAttention(nn.Module):
 
 def broadcast_parameters(module: nn.Module, group=None, src: int = 0) -> None:
     """Copy the parameters and buffers of ``group``'s rank ``src`` to every rank of it."""
+    group = resolve_group(group)
     world = Ring(group).world
     if world == 1:
         return
@@ -210,6 +214,7 @@ def all_reduce_gradients(parameters: Iterable[torch.Tensor], group=None) -> None
     gradient of the global loss on every rank. A parameter without a gradient on some
     rank must be without one on all (None is skipped).
     """
+    group = resolve_group(group)
     world = Ring(group).world
     if world == 1:
         return

@@ -22,6 +22,11 @@ from typing import NamedTuple, Optional
 import torch
 
 LAYOUTS = ("contiguous", "zigzag", "stripe")
+# The layout of every function that takes one (shard, unshard, positions, ring_flash_attn,
+# RingSelfAttention, SequenceParallel): balanced for causal attention, and its shards are
+# two contiguous chunks, so masks that are local in the sequence (windows, documents) leave
+# whole block pairs empty. It needs the global length divisible by 2W.
+DEFAULT_LAYOUT = "zigzag"
 _ALL = slice(None)
 
 # (lo, hi) of kp - qp on GLOBAL positions (None: unbounded): what a pair's keys must satisfy.

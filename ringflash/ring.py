@@ -1,4 +1,5 @@
-"""The ring schedule: forward and backward as one autograd.Function, for every layout and mask.
+"""The ring schedule: forward and backward, for every layout and mask (ops.py makes them
+custom ops).
 
 World size W, rank r. At step s the rank holds the K/V shard that started on rank
 src = (r - s) mod W. Before computing step s it posts the send of that shard to r+1
@@ -29,7 +30,7 @@ from typing import Optional
 import torch
 
 from .exchange import Ring
-from .kernels import PairMask, attn_delta, flash_attn_bwd, flash_attn_fwd, no_double_backward
+from .kernels import PairMask, attn_delta, flash_attn_bwd, flash_attn_fwd
 from .layouts import Band, active_steps, step_pairs, writes_first
 
 
@@ -103,7 +104,8 @@ def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout
 
 def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: float, band: Band,
                   dropout: tuple[float, int], layout: str, ring: Ring):
-    """Returns dq, dk, dv of this rank's shards (in their dtypes)."""
+    """Returns dq (like q) and dk, dv of this rank's shards packed as one (2, *k.shape)
+    tensor in k's dtype (the last hop delivers them as one message)."""
     n = q.shape[1]
     steps, schedule, first_writes = _schedule(ring, layout, n, band, dropout)
     delta = attn_delta(out, dout, dlse)
@@ -144,7 +146,7 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
         cur, nxt = nxt, cur
         running, sending = sending, running
     if steps == 1:
-        return dq.to(q.dtype), sending[0].to(k.dtype), sending[1].to(k.dtype)
+        return dq.to(q.dtype), sending.to(k.dtype, copy=True)  # the buffer is reused
     # One more trip takes every shard's dK/dV to its owner, steps - 1 ranks back, in the
     # gradients' dtype: the sums are complete, so rounding before or after gives the same bits.
     dkv = ring.buffer("home", sending.shape, k.dtype, k.device)
@@ -152,22 +154,4 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
     home = torch.empty_like(dkv)
     ring.wait(ring.exchange((dkv, home), shift=1 - steps))
     ring.finish()
-    return dq.to(q.dtype), home[0], home[1]
-
-
-class RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, segments, softmax_scale, band, dropout, layout, ring):
-        out, lse = ring_forward(q, k, v, segments, softmax_scale=softmax_scale, band=band,
-                                dropout=dropout, layout=layout, ring=ring)
-        ctx.save_for_backward(q, k, v, out, lse, segments)
-        ctx.args = dict(softmax_scale=softmax_scale, band=band, dropout=dropout, layout=layout,
-                        ring=ring)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        no_double_backward()
-        q, k, v, out, lse, segments = ctx.saved_tensors
-        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, dlse, segments, **ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None
+    return dq.to(q.dtype), home

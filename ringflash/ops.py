@@ -1,0 +1,172 @@
+"""The ring as two ``torch.library`` custom ops, so torch.compile traces it whole.
+
+FlashAttention-3's layering: custom ops (forward, backward) -> their registered autograd
+-> the public ``ring_flash_attn`` (api.py). To the compiler each op is one opaque call
+with a fake (meta) implementation giving its output shapes; everything the ring does at
+run time -- point-to-point exchanges, the cross-rank agreement check and its host
+synchronization, the choice of transport -- happens inside, where it cannot break a
+graph. So ``torch.compile(fullgraph=True)`` compiles a function that calls the ring into
+one graph, forward and backward, with any backend.
+
+Op arguments are what a schema can carry: tensors and scalars. The process group travels
+by name (``group.group_name``, "" for a ring of one without a process group) and is
+looked up again inside the op; the masks as segment ids (an optional tensor) and the
+window's two ints, dropout as its rate and seed (a Python int: under torch.compile each
+new seed value is a new specialization, so pass a fixed seed, or None outside compiled
+regions).
+
+The ops are functional (they return new tensors) and tagged ``cudagraph_unsafe``:
+inductor's CUDA-graph mode (mode="reduce-overhead") runs them outside its graphs, since
+the agreement check synchronizes the host (see README, "CUDA graphs").
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Optional
+
+import torch
+
+from .exchange import PeerRing, Ring, transport
+from .groups import group_name as name_of
+from .kernels import band_of_window, no_double_backward
+from .ring import ring_backward, ring_forward
+
+# Older torch has neither the tag nor custom_op's tags argument.
+_TAGS = ({"tags": (torch.Tag.cudagraph_unsafe,)}
+         if hasattr(torch.Tag, "cudagraph_unsafe")
+         and "tags" in inspect.signature(torch.library.custom_op).parameters else {})
+
+
+class _RingOfOne(Ring):
+    """The ring of a call made without a process group (group name "")."""
+
+    def __init__(self):  # noqa: D107 - no group to look at
+        self.group, self.rank, self.world = None, 0, 1
+
+
+def ring_of(group_name: str) -> Ring:
+    """The ring over the process group registered as ``group_name``."""
+    if not group_name:
+        return _RingOfOne()
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    return Ring(_resolve_process_group(group_name))
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _agreed_ring(q, k, segments, causal, layout, softmax_scale, window, dropout, requires_grad,
+                 group_name) -> Ring:
+    """The ring this call runs on, with its transport, once every rank agrees on the call.
+
+    The agreement check (``api._check_ranks_agree``: one all-gather of 12 int64 and one
+    host synchronization) runs here, inside the op, on every call of a ring of more than
+    one rank unless RINGFLASH_RANK_CHECK=0, and except while a CUDA graph is being
+    captured: a capture cannot synchronize the host, and the eager warm-up iterations that
+    every capture of NCCL work needs anyway ran the check on the same calls.
+    """
+    from . import api  # api imports this module
+
+    ring = ring_of(group_name)
+    check = ring.world > 1 and api._RANK_CHECK and not _capturing(q)
+    try:
+        kind = transport(ring.group)
+    except ValueError as error:
+        if not check:
+            raise
+        api._check_ranks_agree(ring, None, error, ring.collective_device())
+    if check:
+        signature = api._signature(q, k, causal, layout, softmax_scale, requires_grad, kind, window,
+                                   segments, dropout)
+        api._check_ranks_agree(ring, signature, None, q.device)
+    if kind == "peer" and ring.world > 1:
+        ring = PeerRing(ring.group)
+    return ring
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+@torch.library.custom_op("ringflash::ring_attn_forward", mutates_args=(), **_TAGS)
+def ring_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      segments: Optional[torch.Tensor], softmax_scale: float, causal: bool,
+                      layout: str, group_name: str, window_left: int = -1, window_right: int = -1,
+                      dropout_p: float = 0.0, seed: int = 0, requires_grad: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """out (B, S, H, D) in q's dtype and lse (B, H, S) fp32 of this rank's queries against
+    every rank's keys. ``requires_grad`` (will a backward follow?) only enters the
+    agreement check: a rank that skips the backward would leave the others waiting."""
+    window, dropout = (window_left, window_right), (dropout_p, seed)
+    ring = _agreed_ring(q, k, segments, causal, layout, softmax_scale, window, dropout,
+                        requires_grad, group_name)
+    return ring_forward(q, k, v, segments, softmax_scale=softmax_scale,
+                        band=band_of_window(causal, window), dropout=dropout, layout=layout, ring=ring)
+
+
+@ring_attn_forward.register_fake
+def _(q, k, v, segments, softmax_scale, causal, layout, group_name, window_left=-1, window_right=-1,
+      dropout_p=0.0, seed=0, requires_grad=False):
+    b, n, h, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((b, h, n), dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+@torch.library.custom_op("ringflash::ring_attn_backward", mutates_args=(), **_TAGS)
+def ring_attn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
+                       segments: Optional[torch.Tensor], softmax_scale: float, causal: bool,
+                       layout: str, group_name: str, window_left: int = -1, window_right: int = -1,
+                       dropout_p: float = 0.0, seed: int = 0
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """dq (like q) and dK/dV packed as one (2, *k.shape) tensor: an op may not return two
+    views of one buffer, which is what the ring's last hop delivers. The transport is
+    chosen again here, from the same RINGFLASH_TRANSPORT as the forward's."""
+    ring = ring_of(group_name)
+    if ring.world > 1 and transport(ring.group) == "peer":
+        ring = PeerRing(ring.group)
+    window = (window_left, window_right)
+    return ring_backward(dout.contiguous(), q, k, v, out, lse, dlse, segments,
+                         softmax_scale=softmax_scale, band=band_of_window(causal, window),
+                         dropout=(dropout_p, seed), layout=layout, ring=ring)
+
+
+@ring_attn_backward.register_fake
+def _(dout, q, k, v, out, lse, dlse, segments, softmax_scale, causal, layout, group_name,
+      window_left=-1, window_right=-1, dropout_p=0.0, seed=0):
+    return q.new_empty(q.shape), k.new_empty((2, *k.shape))
+
+
+# ----------------------------------------------------------------------------- autograd
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, segments, *args, _requires_grad = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, segments)
+    ctx.args = args  # softmax_scale, causal, layout, group_name, window, dropout
+
+
+def _backward(ctx, dout, dlse):
+    no_double_backward()
+    q, k, v, out, lse, segments = ctx.saved_tensors
+    dq, dkv = ring_attn_backward(dout, q, k, v, out, lse, dlse, segments, *ctx.args)
+    return (dq, dkv[0], dkv[1]) + (None,) * 10
+
+
+ring_attn_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def ring_attn(q, k, v, segments=None, *, softmax_scale: float, causal: bool, layout: str,
+              window=(-1, -1), dropout=(0.0, 0), group=None):
+    """Differentiable (out, lse) over the ring of ``group`` (already resolved); arguments
+    already checked. What ``ring_flash_attn`` calls once its checks passed."""
+    requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    return ring_attn_forward(q, k, v, segments, softmax_scale, causal, layout, name_of(group),
+                             *window, *dropout, requires_grad)
+
+
+__all__ = ["ring_attn", "ring_attn_backward", "ring_attn_forward", "ring_of"]

@@ -1,0 +1,147 @@
+"""``SequenceParallel``: the sequence sharding of a model in one object.
+
+    sp = ringflash.SequenceParallel(group, layout="zigzag")   # group: None, a ProcessGroup,
+                                                              # a 1-D DeviceMesh or (mesh, "sp")
+    ids = sp.shard(input_ids)                       # this rank's tokens (dim 1)
+    pos = sp.positions(input_ids.shape[1])          # their global positions (rotary)
+    labels = sp.shift_labels(input_ids)             # shifted on the WHOLE sequence, then sharded
+    out = sp.attn(q, k, v, causal=True)             # ring_flash_attn over sp's group and layout
+    loss = sp.loss(logits, labels)                  # this rank's term of the global mean
+    loss.backward(); sp.reduce_gradients(model.parameters())   # SUM over the group
+
+Everything that depends on which tokens a rank holds takes the group and the layout
+from the object, so data and attention cannot be split two different ways.
+
+The loss. The unsharded model's loss is the mean over the N labelled tokens of the
+global batch, L = (1/N) sum_r S_r, S_r being the sum of the token losses on rank r.
+``sp.loss`` returns S_r / N with N counted over the whole group (``num_tokens``), so the
+SUM of the ranks' losses is L (``reduce_loss`` gives it, for logging), and after each
+rank's backward the SUM of the ranks' gradients is dL/dtheta (``reduce_gradients``). With
+a wrapper that AVERAGES gradients over the W ranks instead (DDP, FSDP2 over the sp
+ranks), multiply the loss by W. Labels must be shifted before sharding: the label of a
+rank's last token is the first token of another rank's shard.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from . import api
+from .exchange import Ring
+from .groups import resolve_group
+from .layer import RingSelfAttention, all_reduce_gradients
+from .layouts import DEFAULT_LAYOUT, check_layout
+
+IGNORE_INDEX = -100
+
+
+class SequenceParallel:
+    """The sequence-parallel group of a model and the layout its sequences are split by.
+
+    Args:
+        group: None (the world; a ring of one without an initialized process group), a
+            ProcessGroup, a 1-D DeviceMesh, or ``(mesh, dim)`` with a dimension name or
+            index of an n-D mesh.
+        layout: "zigzag" (the default of every ringflash function), "contiguous" or
+            "stripe"; see ``ringflash.shard``.
+
+    Tensors are split along ``dim`` (default 1, the sequence of (batch, seq, ...)); the
+    global length must be a multiple of W (2W for zigzag).
+    """
+
+    def __init__(self, group=None, layout: str = DEFAULT_LAYOUT):
+        self.group = resolve_group(group)
+        self.layout = check_layout(layout)
+        Ring(self.group)  # a rank outside the group is told now
+
+    def __repr__(self) -> str:
+        return f"SequenceParallel(world={self.world}, rank={self.rank}, layout={self.layout!r})"
+
+    @property
+    def rank(self) -> int:
+        return Ring(self.group).rank
+
+    @property
+    def world(self) -> int:
+        return Ring(self.group).world
+
+    # ------------------------------------------------------------------------- sharding
+
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's part of the full-sequence tensor ``x`` (differentiable)."""
+        return api.shard(x, dim, self.layout, self.group)
+
+    def unshard(self, x_local: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """Every rank's part of ``x_local``, gathered in sequence order. Differentiable:
+        the gradient of ``x_local`` is this rank's shard of the full tensor's gradient."""
+        return api.unshard(x_local, dim, self.layout, self.group)
+
+    def positions(self, seqlen: int, *, device=None) -> torch.Tensor:
+        """Global positions (int64, (seqlen // W,)) of this rank's tokens of a sequence of
+        ``seqlen`` tokens (the GLOBAL length)."""
+        return api.positions(seqlen, self.layout, self.group, device=device)
+
+    # ------------------------------------------------------------------------- attention
+
+    def attn(self, q, k, v, **kwargs):
+        """``ring_flash_attn(q, k, v, group=sp's group, layout=sp's layout, **kwargs)``;
+        every other keyword (causal, softmax_scale, return_lse, masks, ...) passes on."""
+        self._fixed(kwargs)
+        return api.ring_flash_attn(q, k, v, group=self.group, layout=self.layout, **kwargs)
+
+    def self_attention(self, d_model: int, num_heads: int, num_kv_heads=None, **kwargs):
+        """A ``RingSelfAttention`` over sp's group and layout."""
+        self._fixed(kwargs)
+        return RingSelfAttention(d_model, num_heads, num_kv_heads, group=self.group,
+                                 layout=self.layout, **kwargs)
+
+    @staticmethod
+    def _fixed(kwargs) -> None:
+        for name in ("group", "layout"):
+            if name in kwargs:
+                raise TypeError(f"{name} is fixed by the SequenceParallel object; make another "
+                                "SequenceParallel for a different one")
+
+    # ------------------------------------------------------------------------- loss
+
+    def shift_labels(self, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+        """This rank's labels for next-token prediction: ``labels`` (batch, seqlen) of the
+        WHOLE sequence shifted left by one (the last position gets ``ignore_index``),
+        then sharded. Shifting after sharding would be wrong at every shard boundary."""
+        if not isinstance(labels, torch.Tensor) or labels.dim() < 2:
+            raise ValueError("labels must be a (batch, seqlen, ...) tensor of the whole sequence")
+        shifted = F.pad(labels[:, 1:], (0, 0) * (labels.dim() - 2) + (0, 1), value=ignore_index)
+        return self.shard(shifted, dim=1)
+
+    def num_tokens(self, labels_local: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+        """The number of labelled tokens on every rank together (an all-reduce; int64
+        tensor on the labels' device)."""
+        count = (labels_local != ignore_index).sum().to(torch.int64)
+        if self.world > 1:
+            dist.all_reduce(count, op=dist.ReduceOp.SUM, group=self.group)
+        return count
+
+    def loss(self, logits: torch.Tensor, labels_local: torch.Tensor, *, num_tokens=None,
+             ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+        """This rank's term of the unsharded model's mean cross-entropy: the sum of its
+        token losses (fp32) over the global token count ``num_tokens`` (counted with
+        ``num_tokens()`` when None, one all-reduce). The SUM over the group of these terms,
+        and of their gradients, are the unsharded model's loss and gradient."""
+        if num_tokens is None:
+            num_tokens = self.num_tokens(labels_local, ignore_index)
+        total = F.cross_entropy(logits.float().flatten(0, -2), labels_local.flatten(),
+                                ignore_index=ignore_index, reduction="sum")
+        return total / num_tokens
+
+    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The SUM over the group of each rank's ``loss`` (detached): the global loss."""
+        total = loss.detach().clone()
+        if self.world > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group)
+        return total
+
+    def reduce_gradients(self, parameters) -> None:
+        """SUM every parameter's .grad over the group (``all_reduce_gradients``)."""
+        all_reduce_gradients(parameters, self.group)

@@ -1,0 +1,139 @@
+"""The ring under torch.compile and CUDA graphs on GPUs (NCCL), every rank running pytest:
+
+    NCCL_NVLS_ENABLE=0 timeout 900 torchrun --nproc-per-node=2 \\
+        -m pytest tests/test_compile_gpu.py -x -q -p no:cacheprovider
+
+- torch.compile(fullgraph=True) of an attention block (projections -> ring -> projection)
+  with eager, aot_eager and inductor: one frame, forward and backward, equal to eager;
+- a training step (forward, backward, SGD update) captured in one CUDA graph, with each
+  transport (NCCL send/recv and the copy-engine ring), replayed on new inputs: the same
+  gradients and parameters as the step run eagerly.
+
+Skipped without CUDA or outside torchrun; verdicts agreed by an all-reduce (test_ring_gpu).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ringflash
+from oracle import rel_err
+from test_ring_gpu import _agree, nccl  # noqa: F401 - the NCCL world fixture
+
+pytestmark = pytest.mark.gpu
+
+D_MODEL, HEADS, KV_HEADS, HEAD_DIM = 256, 4, 2, 64
+
+
+def _params(device, dtype, seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)  # the same on every rank
+    w_qkv = torch.randn(D_MODEL, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen, device=device)
+    w_out = torch.randn(HEADS * HEAD_DIM, D_MODEL, generator=gen, device=device)
+    return [(w_qkv / D_MODEL ** 0.5).to(dtype), (w_out / D_MODEL ** 0.5).to(dtype)]
+
+
+def _block(sp):
+    def block(x, w_qkv, w_out):
+        b, n, _ = x.shape
+        qkv = (x @ w_qkv).view(b, n, HEADS + 2 * KV_HEADS, HEAD_DIM)
+        q, k, v = qkv.split([HEADS, KV_HEADS, KV_HEADS], dim=2)
+        out = sp.attn(q, k, v.contiguous(), causal=True)
+        y = out.reshape(b, n, HEADS * HEAD_DIM) @ w_out
+        return y, y.float().square().mean()
+
+    return block
+
+
+def _x(device, dtype, seed, n_local=1024):
+    gen = torch.Generator(device=device).manual_seed(100 + seed)
+    x = torch.randn(2, n_local * dist.get_world_size(), D_MODEL, generator=gen, device=device)
+    return x.to(dtype)
+
+
+def _step(fn, sp, x, params):
+    leaves = [sp.shard(x).requires_grad_(), *(p.detach().clone().requires_grad_() for p in params)]
+    y, loss = fn(*leaves)
+    loss.backward()
+    return [y.detach(), loss.detach(), *(t.grad for t in leaves)]
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_fullgraph_compile_matches_eager(nccl, backend, dtype):  # noqa: F811 - the fixture
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    sp = ringflash.SequenceParallel()
+    params = _params(nccl, dtype)
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(_block(sp), fullgraph=True, backend=counter)
+    failures = []
+    for seed in range(2):
+        x = _x(nccl, dtype, seed)
+        want = _step(_block(sp), sp, x, params)
+        got = _step(compiled, sp, x, params)
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+        for name, a, b in zip(("y", "loss", "dx", "dw_qkv", "dw_out"), got, want):
+            if not rel_err(a, b) <= tol:
+                failures.append(f"{backend} {dtype} seed {seed}: {name} rel err {rel_err(a, b):.3g}")
+    if counter.frame_count != 1:
+        failures.append(f"{backend}: {counter.frame_count} frames (graph breaks or recompiles)")
+    _agree(failures)
+
+
+@pytest.mark.parametrize("transport", ["nccl", "peer"])
+def test_training_step_in_one_cuda_graph(nccl, transport, monkeypatch):  # noqa: F811
+    """Forward, backward and an SGD update of the block captured as one CUDA graph after
+    eager warm-up on a side stream (NCCL communicators, Triton autotuning and the
+    copy-engine buffers are all set up then), replayed on new inputs."""
+    monkeypatch.setenv("RINGFLASH_TRANSPORT", transport)
+    sp = ringflash.SequenceParallel()
+    dtype, lr = torch.bfloat16, 0.1
+    block = _block(sp)
+    params = [p.requires_grad_() for p in _params(nccl, dtype)]
+    x_static = sp.shard(_x(nccl, dtype, 0))
+
+    def train_step():
+        _, loss = block(x_static, *params)
+        loss.backward()
+        with torch.no_grad():
+            for p in params:
+                p.sub_(lr * p.grad)
+                p.grad = None  # the next step's backward allocates it again (graph pool)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            train_step()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    start = [p.detach().clone() for p in params]
+
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: NCCL's watchdog thread may query events of the warm-up while we capture.
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        train_step()
+
+    failures = []
+    for seed in (1, 2):
+        x = sp.shard(_x(nccl, dtype, seed))
+        # Eager reference of one step from the current parameters.
+        ref = [p.detach().clone().requires_grad_() for p in params]
+        _, loss = block(x, *ref)
+        loss.backward()
+        want = [p.detach() - lr * p.grad for p in ref]
+        with torch.no_grad():
+            x_static.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (p, w) in enumerate(zip(params, want)):
+            if not rel_err(p.detach(), w) <= 1e-2:
+                failures.append(f"{transport} seed {seed}: parameter {i} after replay, rel err "
+                                f"{rel_err(p.detach(), w):.3g}")
+    if all(torch.equal(p, s) for p, s in zip(params, start)):
+        failures.append(f"{transport}: replay changed no parameter")
+    _agree(failures)

@@ -1,0 +1,227 @@
+"""Hugging Face transformers over the ring (ringflash.hf), on CPU over gloo.
+
+- A random-init LlamaForCausalLM with attn_implementation="ring_attn" on a prepared batch
+  equals the same model with transformers' eager attention on the whole batch, at W=2
+  and W=4: logits (gathered), loss (summed over ranks), every parameter gradient (summed).
+- launch/hf_finetune.py at W=2 trains exactly like the unsharded model (--reference).
+- The whole model with ring attention compiles with fullgraph=True into one graph.
+- Misuse raises instead of running silently wrong: a forward without the prepared
+  position_ids or without the prepared batch at all, an attention mask handed to the
+  model, a padded or packed batch (until ring_flash_attn takes segment_ids), a name
+  containing "flash".
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed (pip install -e '.[hf]' or '.[test]')")
+
+import ringflash  # noqa: E402
+import ringflash.hf  # noqa: E402
+from dist_utils import Worlds  # noqa: E402
+from oracle import rel_err  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TOL = 1e-5  # fp32, relative Frobenius error
+
+
+def tiny_config(**overrides):
+    config = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    config.update(overrides)
+    return transformers.LlamaConfig(**config)
+
+
+def tiny_models(attn="eager", seed=0):
+    """(reference with ``attn``, ring model): the same random parameters, separate configs
+    (the attention implementation lives in the config)."""
+    torch.manual_seed(seed)
+    config = tiny_config()
+    reference = transformers.LlamaForCausalLM(copy.deepcopy(config))
+    reference.set_attn_implementation(attn)
+    ring = transformers.LlamaForCausalLM(copy.deepcopy(config))
+    ring.load_state_dict(reference.state_dict())
+    ring.set_attn_implementation(ringflash.hf.register())
+    return reference, ring
+
+
+def _batch(seqlen, batch=2, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (batch, seqlen), generator=gen)
+    labels = ids.clone()
+    labels[0, : seqlen // 3] = -100  # unscored tokens, unevenly over the ranks
+    return ids, labels
+
+
+def _raises(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test inspects whatever was raised
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+# ----------------------------------------------------------------------------- worker side
+
+
+def matches_unsharded(rank, world, layout):
+    """Errors of the ring model against the unsharded one, and what misuse raised."""
+    reference, model = tiny_models()
+    sp = ringflash.SequenceParallel(layout=layout)
+    ids, labels = _batch(seqlen=8 * world)
+    want = reference(input_ids=ids, labels=labels)
+    want.loss.backward()
+
+    batch = ringflash.hf.prepare_batch(sp, ids, labels=labels)
+    got = model(**batch)
+    got.loss.backward()
+    sp.reduce_gradients(model.parameters())
+    errs = {"logits": rel_err(sp.unshard(got.logits.detach()), want.logits),
+            "loss": rel_err(sp.reduce_loss(got.loss), want.loss)}
+    ref_params = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        errs[f"grad {name}"] = rel_err(p.grad, ref_params[name].grad)
+
+    misuse = {  # each raises before the ring runs, on every rank alike: no rank waits
+        "no position_ids": _raises(lambda: model(input_ids=batch["input_ids"],
+                                                 **{ringflash.hf.CONTEXT_KEY: batch[ringflash.hf.CONTEXT_KEY]})),
+        "no prepared batch": _raises(lambda: model(input_ids=batch["input_ids"])),
+        "mask to the model": _raises(lambda: model(**batch, attention_mask=torch.ones_like(batch["input_ids"]))),
+    }
+    return errs, misuse
+
+
+def example_run(rank, world, argv, reference=False):
+    """launch/hf_finetune.py's train() in this world (or, reference: the unsharded model)."""
+    spec = importlib.util.spec_from_file_location("ringflash_hf_finetune", ROOT / "launch" / "hf_finetune.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    args = module.parse_args([*argv, *(["--reference"] if reference else [])])
+    if reference and rank != 0:
+        return None
+    result = module.train(args)
+    return result["losses"], result["params"]
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+@pytest.fixture(scope="module")
+def worlds():
+    cache = Worlds()
+    yield cache
+    cache.close()
+
+
+def test_example_trains_like_unsharded(worlds):
+    """launch/hf_finetune.py, 4 steps at W=2 (zigzag) against --reference (transformers'
+    sdpa on whole sequences): the same losses and final parameters."""
+    argv = ["--steps", "4", "--seqlen", "32", "--batch-size", "2", "--hidden", "32", "--log-every", "100"]
+    world = worlds(2)
+    ring = world.run(example_run, argv, timeout=180)
+    reference_losses, reference_params = world.run(example_run, argv, reference=True, timeout=180)[0]
+    for rank, (losses, params) in enumerate(ring):
+        assert len(losses) == 4
+        for step, (a, b) in enumerate(zip(losses, reference_losses), start=1):
+            assert abs(a - b) <= 1e-5 * abs(b), f"rank {rank} step {step}: loss {a} vs {b}"
+        for name, p in params.items():
+            assert rel_err(p, reference_params[name]) <= 1e-5, f"rank {rank}: {name}"
+
+
+@pytest.mark.parametrize("world_size,layout", [(2, "zigzag"), (4, "zigzag"), (4, "contiguous")],
+                         ids=["W2-zigzag", "W4-zigzag", "W4-contiguous"])
+def test_llama_matches_unsharded(worlds, world_size, layout):
+    per_rank = worlds(world_size).run(matches_unsharded, layout, timeout=180)
+    failures = []
+    for rank, (errs, misuse) in enumerate(per_rank):
+        failures += [f"rank {rank}: {what} rel err {err:.3g}" for what, err in errs.items()
+                     if not err <= TOL]
+        for case, caught in misuse.items():
+            if caught is None:
+                failures.append(f"rank {rank}: {case}: nothing raised")
+        assert "position_ids" in (misuse["no position_ids"] or ""), misuse["no position_ids"]
+        assert "prepare_batch" in (misuse["no prepared batch"] or ""), misuse["no prepared batch"]
+        assert "attention_mask" in (misuse["mask to the model"] or ""), misuse["mask to the model"]
+    assert not failures, "\n".join(failures)
+
+
+def test_padded_or_packed_batch_is_not_ignored():
+    """A padded batch equals the unsharded model with the same attention mask; a packed
+    one equals the unsharded model run on each document alone (its ground truth:
+    transformers itself finds packed documents only in some cases)."""
+    reference, model = tiny_models()
+    sp = ringflash.SequenceParallel()
+    ids, labels = _batch(seqlen=16)
+    padded = dict(attention_mask=torch.tensor([[1] * 16, [1] * 11 + [0] * 5]))
+    packed = dict(position_ids=torch.cat([torch.arange(6), torch.arange(10)]).expand(2, 16))
+    segments = "segment_ids" in inspect.signature(ringflash.ring_flash_attn).parameters
+    for case in (padded, packed):
+        if not segments:
+            with pytest.raises(NotImplementedError, match="segment_ids"):
+                ringflash.hf.prepare_batch(sp, ids, labels=labels, **case)
+            continue
+        got = model(**ringflash.hf.prepare_batch(sp, ids, labels=labels, **case))
+        if case is packed:
+            want = torch.cat([reference(input_ids=ids[:, :6]).logits,
+                              reference(input_ids=ids[:, 6:]).logits], dim=1)
+        else:
+            want = reference(input_ids=ids, labels=labels, **case).logits
+        keep = case.get("attention_mask", torch.ones_like(ids)).bool()
+        assert rel_err(got.logits[keep], want[keep]) <= TOL
+
+
+def test_unpadded_single_sequences_need_no_segments():
+    ids, _ = _batch(seqlen=16)
+    assert ringflash.hf.segment_ids_of(torch.arange(16).expand(2, 16)) is None
+    assert ringflash.hf.segment_ids_of(torch.arange(16).expand(2, 16), torch.ones_like(ids)) is None
+    seg = ringflash.hf.segment_ids_of(torch.tensor([[0, 1, 2, 0, 1, 5]]), torch.tensor([[1, 1, 1, 1, 1, 0]]))
+    assert seg.tolist() == [[0, 0, 0, 1, 1, -1]]
+
+
+def test_flash_in_the_name_is_refused():
+    with pytest.raises(ValueError, match="flash"):
+        ringflash.hf.register("ring_flash_attn")
+
+
+def test_sliding_window_layers_are_refused():
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=4))
+    model.set_attn_implementation(ringflash.hf.register())
+    ids, _ = _batch(seqlen=16)
+    with pytest.raises(NotImplementedError, match="sliding"):
+        model(**ringflash.hf.prepare_batch(ringflash.SequenceParallel(), ids))
+
+
+def test_llama_with_ring_attention_compiles_in_one_graph():
+    """torch.compile(fullgraph=True) of the whole model on a prepared batch: one graph,
+    the eager loss and gradients (ring of one: no process group in this process)."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    _, model = tiny_models()
+    ids, labels = _batch(seqlen=16)
+    batch = ringflash.hf.prepare_batch(ringflash.SequenceParallel(), ids, labels=labels)
+    want = model(**batch).loss
+    want.backward()
+    want_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    got = torch.compile(model, fullgraph=True, backend=counter)(**batch).loss
+    got.backward()
+    assert counter.frame_count == 1
+    assert rel_err(got, want) <= 1e-6
+    for p, g in zip(model.parameters(), want_grads):
+        assert rel_err(p.grad, g) <= 1e-5
