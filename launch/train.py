@@ -75,52 +75,69 @@ SCHEDULE = ("steps", "lr", "warmup", "min_lr_ratio", "weight_decay", "grad_clip"
 # ----------------------------------------------------------------------------- arguments
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's default in --help, but no "(default: None)" and no second default where
+    the help text already gives one."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default is None or action.default is False or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     g = p.add_argument_group("sequence parallelism")
-    g.add_argument("--seqlen", type=int, default=512, help="GLOBAL tokens per sequence")
-    g.add_argument("--batch-size", type=int, default=8, help="sequences per step, all replicas")
-    g.add_argument("--layout", default="zigzag", choices=ringflash.LAYOUTS)
+    g.add_argument("--seqlen", type=int, default=512,
+                   help="GLOBAL tokens per sequence (a multiple of 2 x sp for zigzag, sp for stripe)")
+    g.add_argument("--batch-size", type=int, default=8,
+                   help="sequences per step, all data-parallel replicas together")
+    g.add_argument("--layout", default="zigzag", choices=ringflash.LAYOUTS,
+                   help="which tokens each rank of a ring holds")
     g.add_argument("--sp-size", type=int, default=0,
                    help="ranks in one ring (sequence-parallel group); 0: the whole world. "
                         "The other factor of the world size is data parallelism")
     g = p.add_argument_group("model")
-    g.add_argument("--d-model", type=int, default=64)
-    g.add_argument("--layers", type=int, default=2)
-    g.add_argument("--heads", type=int, default=4)
-    g.add_argument("--kv-heads", type=int, default=2)
-    g.add_argument("--mlp-ratio", type=int, default=4)
-    g.add_argument("--rope-base", type=float, default=10000.0)
+    g.add_argument("--d-model", type=int, default=64, help="model width")
+    g.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    g.add_argument("--heads", type=int, default=4, help="query heads")
+    g.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA when fewer than --heads)")
+    g.add_argument("--mlp-ratio", type=int, default=4, help="MLP hidden width / d_model")
+    g.add_argument("--rope-base", type=float, default=10000.0,
+                   help="rotary embedding base; raise it (1e6) for contexts of 100k+ tokens")
     g = p.add_argument_group("task (synthetic key-value recall)")
-    g.add_argument("--num-keys", type=int, default=2)
-    g.add_argument("--values-per-key", type=int, default=16)
+    g.add_argument("--num-keys", type=int, default=2, help="keys bound to a value in every sequence")
+    g.add_argument("--values-per-key", type=int, default=16,
+                   help="values each key can take; chance loss is ln(values-per-key)")
     g.add_argument("--queries", type=int, default=32, help="scored queries per sequence")
-    g.add_argument("--noise-tokens", type=int, default=32)
+    g.add_argument("--noise-tokens", type=int, default=32, help="size of the noise vocabulary")
     g.add_argument("--fact-copies", type=int, default=8,
                    help="times each fact is written in the first half")
     g = p.add_argument_group("optimization")
-    g.add_argument("--steps", type=int, default=150)
-    g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument("--steps", type=int, default=150, help="optimizer steps of the whole run")
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
     g.add_argument("--warmup", type=int, default=20, help="linear warm-up steps, then cosine")
-    g.add_argument("--min-lr-ratio", type=float, default=0.1)
-    g.add_argument("--weight-decay", type=float, default=0.0)
-    g.add_argument("--grad-clip", type=float, default=1.0, help="0 disables")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--min-lr-ratio", type=float, default=0.1,
+                   help="final learning rate of the cosine, as a fraction of --lr")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm; 0 disables")
+    g.add_argument("--seed", type=int, default=0, help="seed of the parameters and of the data")
     g = p.add_argument_group("runtime")
-    g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto: cuda:LOCAL_RANK with NCCL if there is a GPU, else the CPU with gloo")
     g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="compute dtype (autocast); auto: bfloat16 on CUDA, float32 on CPU")
     g.add_argument("--ckpt-dir", default=None, help="where to write checkpoints (none if unset)")
     g.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints")
     g.add_argument("--keep-ckpts", type=int, default=2, help="how many recent checkpoints to keep")
     g.add_argument("--resume", action="store_true",
-                   help="continue from the newest checkpoint in --ckpt-dir (fresh start if none)")
+                   help="continue from the newest intact checkpoint in --ckpt-dir (fresh start if none)")
     g.add_argument("--metrics-out", default=None, help="write a JSON summary here (rank 0)")
     g.add_argument("--log-every", type=int, default=10, help="steps between log lines without a TTY")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
     g.add_argument("--dist-timeout", type=float, default=600.0,
-                   help="seconds before a stuck collective raises")
+                   help="seconds a collective waits for a missing rank before raising")
     # Testing aid: die right after step N (its checkpoint, if due, already written).
     g.add_argument("--crash-after-step", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
