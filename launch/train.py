@@ -33,7 +33,9 @@ fp32 rounding (tests/test_train.py checks it).
 Data are a pure function of (--seed, step, sequence index), so ``--resume`` repeats the
 uninterrupted run, even at a different world size. Checkpoints are written by rank 0,
 atomically (temporary file, fsync, rename); ``--ckpt-dir`` must be visible to every
-rank on resume (a shared file system across nodes).
+rank on resume (a shared file system across nodes). ``--resume`` takes the newest
+checkpoint that loads: rank 0 checks them newest first, renames an unreadable one to
+``*.corrupt``, says so, and tells every rank which one to load.
 
 Backend and device: NCCL with cuda:LOCAL_RANK and bf16 autocast when CUDA is present,
 gloo on CPU in fp32. Run without torchrun it trains in one process.
@@ -332,11 +334,105 @@ def checkpoint_path(ckpt_dir: str, step: int) -> str:
     return os.path.join(ckpt_dir, f"step_{step:08d}.pt")
 
 
-def latest_checkpoint(ckpt_dir: str) -> str | None:
+def checkpoints_newest_first(ckpt_dir: str) -> list[str]:
     if not ckpt_dir or not os.path.isdir(ckpt_dir):
-        return None
-    steps = [int(m.group(1)) for m in map(CKPT_PATTERN.match, os.listdir(ckpt_dir)) if m]
-    return checkpoint_path(ckpt_dir, max(steps)) if steps else None
+        return []
+    steps = sorted((int(m.group(1)) for m in map(CKPT_PATTERN.match, os.listdir(ckpt_dir)) if m),
+                   reverse=True)
+    return [checkpoint_path(ckpt_dir, step) for step in steps]
+
+
+def latest_checkpoint(ckpt_dir: str) -> str | None:
+    paths = checkpoints_newest_first(ckpt_dir)
+    return paths[0] if paths else None
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file that cannot be read (truncated, corrupted), or none that can."""
+
+
+CHECKPOINT_KEYS = ("step", "model", "optimizer", "history", "args")
+
+
+def read_checkpoint(path: str, device) -> dict:
+    """The state saved in ``path``; CheckpointError if it does not load."""
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - truncated zip, bad pickle, I/O error: all "unreadable"
+        raise CheckpointError(f"{path}: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}") from exc
+    if not isinstance(state, dict) or any(key not in state for key in CHECKPOINT_KEYS):
+        raise CheckpointError(f"{path}: not a checkpoint of launch/train.py")
+    return state
+
+
+def newest_intact_checkpoint(ckpt_dir: str, device, say=print) -> tuple[str | None, dict | None]:
+    """(path, state) of the newest checkpoint in ``ckpt_dir`` that loads; (None, None) if
+    there is none at all. Each newer one that does not load is renamed to ``<name>.corrupt``
+    (kept for inspection, no longer counted) and reported through ``say``. Raises
+    CheckpointError when there are checkpoints and none of them loads."""
+    paths = checkpoints_newest_first(ckpt_dir)
+    problems = []
+    for path in paths:
+        try:
+            state = read_checkpoint(path, device)
+        except CheckpointError as exc:
+            problems.append(str(exc))
+            aside = path + ".corrupt"
+            try:
+                os.replace(path, aside)
+            except OSError:
+                aside = None
+            say(f"checkpoint {os.path.basename(path)} does not load ({exc}); "
+                + (f"moved aside to {os.path.basename(aside)}; " if aside else "")
+                + "trying the previous one")
+            continue
+        if problems:
+            say(f"resuming from {os.path.basename(path)}, the newest checkpoint that loads")
+        return path, state
+    if problems:
+        raise CheckpointError(f"no checkpoint in {ckpt_dir} loads: " + "; ".join(problems))
+    return None, None
+
+
+def agree(ok: bool, d) -> bool:
+    """True on every rank iff ``ok`` is True on every rank (one all-reduce)."""
+    if d.world == 1:
+        return ok
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=d.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() == 0
+
+
+def resume_state(args, d) -> tuple[str | None, dict | None]:
+    """The checkpoint every rank resumes from, and its state: rank 0 picks the newest one
+    that loads and broadcasts its path; the others load that file. Raises on every rank
+    if rank 0 found only unreadable checkpoints or any rank cannot load the chosen one."""
+    decision = [None, None]  # path, error
+    if d.rank == 0:
+        try:
+            path, state = newest_intact_checkpoint(args.ckpt_dir, d.device,
+                                                   say=lambda msg: print(msg, flush=True))
+            decision = [path, None]
+        except CheckpointError as exc:
+            decision = [None, str(exc)]
+    if d.world > 1:
+        dist.broadcast_object_list(decision, src=0)
+    path, error = decision
+    if error is not None:
+        raise CheckpointError(error)
+    if path is None:
+        return None, None
+    problem = None
+    if d.rank != 0:
+        try:
+            state = read_checkpoint(path, d.device)
+        except CheckpointError as exc:
+            state, problem = None, exc
+    if not agree(problem is None, d):
+        raise CheckpointError(f"rank {d.rank}: " + (str(problem) if problem else
+                              f"another rank could not load {path}, which rank 0 chose "
+                              "(is --ckpt-dir on a file system every rank sees?)"))
+    return path, state
 
 
 def _atomic_write(path: str, write) -> None:
@@ -375,9 +471,12 @@ def save_checkpoint(args, step: int, model, optimizer, history: list) -> str:
     return path
 
 
-def load_checkpoint(path: str, args, model, optimizer, device) -> tuple[int, list, dict]:
-    """Restore model and optimizer; returns (step, history, {changed argument: (old, new)})."""
-    state = torch.load(path, map_location=device, weights_only=True)
+def load_checkpoint(path: str, args, model, optimizer, device, state: dict | None = None
+                    ) -> tuple[int, list, dict]:
+    """Restore model and optimizer from ``path`` (or its already loaded ``state``); returns
+    (step, history, {changed argument: (old, new)})."""
+    if state is None:
+        state = read_checkpoint(path, device)
     saved = state["args"]
     wrong = {k: (saved.get(k), getattr(args, k)) for k in RUN_DEFINING if saved.get(k) != getattr(args, k)}
     if wrong:
@@ -488,9 +587,10 @@ def _train(args, d: Dist) -> dict | None:
 
     start, history, changed = 0, [], {}
     if args.resume:
-        path = latest_checkpoint(args.ckpt_dir)
+        path, state = resume_state(args, d)
         if path is not None:
-            start, history, changed = load_checkpoint(path, args, model, optimizer, d.device)
+            start, history, changed = load_checkpoint(path, args, model, optimizer, d.device, state)
+            del state
     n_params = sum(p.numel() for p in model.parameters())
     progress = Progress(args, start, enabled=is_main)
     progress.write(

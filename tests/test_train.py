@@ -6,6 +6,8 @@
 - A run killed after step 5 and resumed from its step-4 checkpoint ends with the same
   parameters as the uninterrupted run (bitwise: same ranks, same reductions), and so
   does a resume in one process without torchrun (within fp32 rounding).
+- With the newest checkpoint truncated, --resume falls back to the previous one, says so,
+  and still ends with the uninterrupted run's parameters.
 
 Each torchrun job runs in its own session and is killed as a whole on timeout.
 """
@@ -43,13 +45,18 @@ def load_train_module():
     return module
 
 
-def torchrun(args, nproc=2, timeout=90):
-    """Run launch/train.py under torchrun; returns (returncode, output). Never hangs."""
+def start_torchrun(args, nproc=2) -> subprocess.Popen:
+    """launch/train.py under torchrun, in a session of its own, output piped (text)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", "--max-restarts=0", str(TRAIN), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def torchrun(args, nproc=2, timeout=90):
+    """Run launch/train.py under torchrun; returns (returncode, output). Never hangs."""
+    proc = start_torchrun(args, nproc)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -202,3 +209,40 @@ def test_resume_refuses_a_different_run(ring_run, tmp_path):
     args = train.parse_args([*SMALL, "--ckpt-dir", str(other), "--resume", "--d-model", "48"])
     with pytest.raises(ValueError, match="different run"):
         train.run(args)
+
+
+# ----------------------------------------------------------------------------- damaged checkpoints
+
+
+def test_resume_falls_back_past_a_truncated_checkpoint(ring_run, tmp_path):
+    """The newest checkpoint is cut in half (a write that never finished on a file system
+    without atomic rename): every rank resumes from the one before, rank 0 says so, and
+    the run ends where the uninterrupted one did."""
+    metrics, ckpt_dir = ring_run
+    damaged = tmp_path / "ckpt"
+    damaged.mkdir()
+    for name in ("step_00000004.pt", "step_00000006.pt"):
+        (damaged / name).write_bytes((ckpt_dir / name).read_bytes())
+    newest = damaged / "step_00000006.pt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+
+    rc, out = torchrun([*SMALL, "--ckpt-dir", str(damaged), "--resume", "--metrics-out",
+                        str(tmp_path / "metrics.json")])
+    assert rc == 0, out[-4000:]
+    assert "step_00000006.pt does not load" in out and "resuming from step_00000004.pt" in out, out[-4000:]
+    assert out.count("does not load") == 1, "only rank 0 decides and reports"
+    resumed = json.loads((tmp_path / "metrics.json").read_text())
+    assert resumed["resumed_from_step"] == 4 and resumed["losses"] == metrics["losses"]
+    assert (damaged / "step_00000006.pt.corrupt").exists()  # kept for inspection, not counted
+    want, got = _final_params(ckpt_dir), _final_params(damaged)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_resume_refuses_when_no_checkpoint_loads(tmp_path):
+    train = load_train_module()
+    (tmp_path / "step_00000002.pt").write_bytes(b"not a checkpoint")
+    args = train.parse_args([*SMALL, "--ckpt-dir", str(tmp_path), "--resume"])
+    with pytest.raises(train.CheckpointError, match="no checkpoint .* loads"):
+        train.run(args)
+
