@@ -37,6 +37,17 @@ rank on resume (a shared file system across nodes). ``--resume`` takes the newes
 checkpoint that loads: rank 0 checks them newest first, renames an unreadable one to
 ``*.corrupt``, says so, and tells every rank which one to load.
 
+Preemption: SIGTERM or SIGUSR1 to any rank (or SIGTERM to torchrun, which forwards it to
+every worker and kills them after its --shutdown-timeout, 30 s by default) does not kill
+the run. Each rank notes the signal; the ranks agree on it through the all-reduce every
+step already does, so all stop after the same step; rank 0 writes a checkpoint of that
+step (with --ckpt-dir), every rank waits for it, prints where to resume and exits with
+status 0 (torchrun, if it was the one signalled, still reports its own SignalException).
+
+Hangs: the process group is created with ``--dist-timeout`` (10 minutes by default)
+rather than torch's 30: a rank that dies or never reaches a collective makes the others
+raise after that long instead of waiting half an hour.
+
 Backend and device: NCCL with cuda:LOCAL_RANK and bf16 autocast when CUDA is present,
 gloo on CPU in fp32. Run without torchrun it trains in one process.
 """
@@ -49,7 +60,9 @@ import json
 import math
 import os
 import re
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -72,6 +85,8 @@ RUN_DEFINING = ("seqlen", "batch_size", "d_model", "layers", "heads", "kv_heads"
 # Arguments a resumed run may change (the run then differs from the uninterrupted one).
 SCHEDULE = ("steps", "lr", "warmup", "min_lr_ratio", "weight_decay", "grad_clip", "layout",
             "sp_size", "dtype")
+# Signals that stop the run after a checkpoint instead of killing it (SLURM: --signal).
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -531,9 +546,40 @@ class Progress:
 # ----------------------------------------------------------------------------- training
 
 
-def train_step(model, optimizer, task: Task, step: int, args, d: Dist, autocast_dtype):
+class StopSignals:
+    """While active, SIGTERM and SIGUSR1 are noted instead of killing the process: the
+    training loop stops at the next step boundary, after a checkpoint. Installed only in
+    the main thread (where Python delivers signals); the previous handlers come back on
+    exit."""
+
+    def __init__(self):
+        self.received: str | None = None
+        self._previous: dict = {}
+
+    def _note(self, signum, frame):
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for name in STOP_SIGNALS:
+                sig = getattr(signal, name, None)
+                if sig is not None:
+                    self._previous[sig] = signal.signal(sig, self._note)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+
+def train_step(model, optimizer, task: Task, step: int, args, d: Dist, autocast_dtype,
+               signals: StopSignals | None = None):
     """One optimizer step on the global batch of ``step``; returns the loss, accuracy and
-    gradient norm (before clipping) of the global batch, identical on every rank."""
+    gradient norm (before clipping) of the global batch, and whether any rank has received
+    a stop signal (``signals``): all identical on every rank. The stop flag rides on the
+    all-reduce of the statistics, so agreeing on it costs nothing."""
     per_replica = args.batch_size // d.dp_size
     first = d.dp_rank * per_replica
     tokens, labels = task.batch(step, range(first, first + per_replica))
@@ -559,23 +605,26 @@ def train_step(model, optimizer, task: Task, step: int, args, d: Dist, autocast_
 
     with torch.no_grad():
         correct = ((logits.argmax(-1) == labels) & (labels != IGNORE)).sum()
-        stats = torch.stack([loss_sum.detach(), correct.to(loss_sum.dtype)])
+        asked = signals is not None and signals.received is not None
+        stop = torch.tensor(1.0 if asked else 0.0, device=loss_sum.device)
+        stats = torch.stack([loss_sum.detach(), correct.to(loss_sum.dtype), stop])
     if d.world > 1:
         dist.all_reduce(stats)
-    loss, hits = stats.tolist()
-    return loss / scored, hits / scored, grad_norm.item()
+    loss, hits, stops = stats.tolist()
+    return loss / scored, hits / scored, grad_norm.item(), stops > 0
 
 
 def run(args) -> dict | None:
-    d = setup_distributed(args)
-    try:
-        return _train(args, d)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    with StopSignals() as signals:
+        d = setup_distributed(args)
+        try:
+            return _train(args, d, signals)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
-def _train(args, d: Dist) -> dict | None:
+def _train(args, d: Dist, signals: StopSignals | None = None) -> dict | None:
     is_main = d.rank == 0
     task = Task.from_args(args)
     ringflash.positions(args.seqlen, layout=args.layout, group=d.sp_group)  # checks divisibility
@@ -605,9 +654,11 @@ def _train(args, d: Dist) -> dict | None:
     tokens_per_step = args.batch_size * args.seqlen
     timed_steps, timed_s = 0, 0.0
     tokens_per_s = float("nan")
+    stopped_by = None
     for step in range(start + 1, args.steps + 1):
         t0 = time.perf_counter()
-        loss, acc, grad_norm = train_step(model, optimizer, task, step, args, d, autocast_dtype)
+        loss, acc, grad_norm, stop = train_step(model, optimizer, task, step, args, d, autocast_dtype,
+                                                signals)
         dt = time.perf_counter() - t0  # stats.tolist() synchronized the device
         if step > start + 1 or args.steps == start + 1:  # the first step warms up (JIT, caches)
             timed_steps, timed_s = timed_steps + 1, timed_s + dt
@@ -616,8 +667,18 @@ def _train(args, d: Dist) -> dict | None:
         history.append({"step": step, "loss": loss, "acc": acc, "lr": lr, "grad_norm": grad_norm})
         progress.update(step, loss, acc, tokens_per_step / dt if math.isnan(tokens_per_s)
                         else tokens_per_s, lr)
-        if args.ckpt_dir and (step % args.ckpt_every == 0 or step == args.steps) and is_main:
+        due = step % args.ckpt_every == 0 or step == args.steps
+        if args.ckpt_dir and (due or stop) and is_main:
             save_checkpoint(args, step, model, optimizer, history)
+        if stop:
+            # Every rank saw the same flag; none leaves before rank 0's checkpoint is on disk.
+            stopped_by = (signals.received if signals else None) or "a signal to another rank"
+            if d.world > 1:
+                dist.barrier()
+            where = (f"checkpoint {checkpoint_path(args.ckpt_dir, step)} written; continue with --resume"
+                     if args.ckpt_dir else "no --ckpt-dir, so nothing was saved")
+            progress.write(f"stopped after step {step} by {stopped_by}: {where}")
+            break
         if args.crash_after_step == step:
             progress.write(f"simulated crash after step {step}")
             os._exit(3)
@@ -640,6 +701,7 @@ def _train(args, d: Dist) -> dict | None:
         "tokens_per_s": None if math.isnan(tokens_per_s) else tokens_per_s,
         "timed_steps": timed_steps, "timed_s": timed_s,
         "resumed_from_step": start,
+        "stopped_by_signal": stopped_by,
         "seqlen": args.seqlen, "batch_size": args.batch_size, "layout": args.layout,
         "device": (torch.cuda.get_device_name(d.device) if d.device.type == "cuda" else "cpu"),
         "backend": d.backend, "dtype": "bfloat16" if autocast_dtype else "float32",
@@ -649,7 +711,7 @@ def _train(args, d: Dist) -> dict | None:
         "args": vars(args),
     }
     if is_main:
-        progress.write(f"done: loss {metrics['initial_loss']:.4f} -> {metrics['final_loss']:.4f} "
+        progress.write(f"{'done' if stopped_by is None else 'stopped'}: loss {metrics['initial_loss']:.4f} -> {metrics['final_loss']:.4f} "
                        f"(chance {task.chance_loss:.3f}), accuracy {metrics['final_accuracy']:.3f}, "
                        f"{tokens_per_s:,.0f} tok/s")  # nan if no step ran here
         if args.metrics_out:

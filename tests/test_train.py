@@ -8,6 +8,8 @@
   does a resume in one process without torchrun (within fp32 rounding).
 - With the newest checkpoint truncated, --resume falls back to the previous one, says so,
   and still ends with the uninterrupted run's parameters.
+- SIGTERM to one worker only stops every rank after the same step with a checkpoint of
+  it; SIGTERM to torchrun (which forwards it) does the same for the resumed run.
 
 Each torchrun job runs in its own session and is killed as a whole on timeout.
 """
@@ -17,9 +19,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -246,3 +251,104 @@ def test_resume_refuses_when_no_checkpoint_loads(tmp_path):
     with pytest.raises(train.CheckpointError, match="no checkpoint .* loads"):
         train.run(args)
 
+
+# ----------------------------------------------------------------------------- preemption
+
+
+class Output:
+    """The lines of a running process, read by a thread, so the test can wait for one."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.lines, self._queue = proc, [], queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def wait_for(self, text: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            self.lines.append(line)
+            if text in line:
+                return
+        self.kill()
+        pytest.fail(f"no line with {text!r}:\n{self.text[-4000:]}")
+
+    def finish(self, timeout: float = 60) -> tuple[int, str]:
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"still running {timeout} s after the signal:\n{self.text[-4000:]}")
+        while (line := self._queue.get(timeout=10)) is not None:
+            self.lines.append(line)
+        return self.proc.returncode, self.text
+
+    def kill(self):
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+
+def worker_pid(agent_pid: int, rank: int) -> int:
+    """The pid of torchrun's worker of global rank ``rank`` (Linux /proc)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if ppid != agent_pid:
+                continue
+            env = (stat.parent / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if f"RANK={rank}".encode() in env:
+            return int(stat.parent.name)
+    raise AssertionError(f"no worker of rank {rank} under torchrun pid {agent_pid}")
+
+
+def _step_of_stop(text: str) -> int:
+    line = next(l for l in text.splitlines() if "stopped after step" in l)
+    return int(line.split("stopped after step")[1].split()[0])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds torchrun's workers in /proc")
+def test_sigterm_checkpoints_and_resume_continues(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    endless = [*SMALL, "--steps", "100000", "--ckpt-every", "100000", "--log-every", "1",
+               "--ckpt-dir", str(ckpt)]
+    # 1. SIGTERM to rank 1 only: rank 0 learns of it through the step's all-reduce.
+    run = Output(start_torchrun(endless))
+    run.wait_for("step      3/")
+    os.kill(worker_pid(run.proc.pid, rank=1), signal.SIGTERM)
+    rc, out = run.finish()
+    assert rc == 0, out[-4000:]
+    assert "by a signal to another rank" in out, out[-4000:]
+    first = _step_of_stop(out)
+    assert sorted(os.listdir(ckpt)) == [f"step_{first:08d}.pt"], out[-4000:]
+    saved = torch.load(ckpt / f"step_{first:08d}.pt", weights_only=True)
+    assert saved["step"] == first and len(saved["history"]) == first
+
+    # 2. Resume, then SIGTERM to torchrun itself, which forwards it to every worker.
+    run = Output(start_torchrun([*endless, "--resume"]))
+    run.wait_for(f"step {first + 2:>6}/")
+    os.kill(run.proc.pid, signal.SIGTERM)
+    rc, out = run.finish()
+    assert f"resumed at step {first}" in out and "by SIGTERM" in out, out[-4000:]
+    second = _step_of_stop(out)
+    assert second > first
+    resumed = torch.load(ckpt / f"step_{second:08d}.pt", weights_only=True)
+    assert resumed["step"] == second
+    assert resumed["history"][:first] == saved["history"]
+    assert [h["step"] for h in resumed["history"]] == list(range(1, second + 1))
