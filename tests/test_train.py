@@ -31,6 +31,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from oracle import rel_err as _rel
 from ringflash.layer import RingSelfAttention
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,11 +70,6 @@ def torchrun(args, nproc=2, timeout=90):
         out, _ = proc.communicate()
         pytest.fail(f"torchrun timed out after {timeout} s:\n{out[-4000:]}")
     return proc.returncode, out
-
-
-def _rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    return (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b)).item()
 
 
 def _final_params(ckpt_dir):
