@@ -8,18 +8,27 @@ repetitions. Under a process group every rank runs the same number of repetition
 reported time is the maximum over ranks of the per-rank medians: a ring is as slow as its
 slowest rank.
 
+Where results go (``result_name``, ``results_dir``): a file named after the bench and the
+measured device (kernel_h200.json, ring_h200x4.json, ring_cpux2.json), in
+benchmarks/results for a real GPU run and in a fresh temporary directory for a smoke run
+(``--device cpu`` or ``--quick``) unless ``--out-dir`` says otherwise, so that a smoke run
+never replaces committed measurements.
+
 Nothing here imports ringflash; matplotlib is imported only when a plot is drawn.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
@@ -352,13 +361,103 @@ def init_process_group(device: torch.device, timeout) -> None:
     """NCCL on a GPU, gloo on the CPU. NCCL's kernels go on high-priority streams
     (TORCH_NCCL_HIGH_PRIORITY=1 unless the environment says otherwise): the ring's
     transfers run beside full-grid attention kernels, and at normal priority they wait
-    for SMs to free up. Every implementation in a run shares the setting."""
+    for SMs to free up. Every implementation in a run shares the setting.
+
+    Without torchrun (no RANK / WORLD_SIZE in the environment) the script runs as a
+    world of one process."""
     import torch.distributed as dist
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
     if device.type == "cuda":
         os.environ.setdefault("TORCH_NCCL_HIGH_PRIORITY", "1")
         dist.init_process_group("nccl", device_id=device, timeout=timeout)
     else:
         dist.init_process_group("gloo", timeout=timeout)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def backend_label(transport: str, group=None) -> str:
+    """What really moved the bytes: ringflash's "nccl" transport is the process group's own
+    send/recv, i.e. gloo on a CPU run."""
+    import torch.distributed as dist
+    if transport == "nccl" and dist.is_available() and dist.is_initialized():
+        return str(dist.get_backend(group))
+    return transport
+
+
+# ----------------------------------------------------------------------------- result names and places
+
+# Words of a device name that are not the model: vendors, product lines, memory sizes.
+_NOT_MODEL = {"nvidia", "geforce", "tesla", "quadro", "amd", "instinct", "radeon", "intel", "pcie",
+              "sxm", "nvl", "hbm3", "hbm3e", "hbm2e", "hbm2"}
+
+
+def gpu_slug(name: str) -> str:
+    """A short lowercase model name: 'NVIDIA H200' -> 'h200', 'NVIDIA H100 80GB HBM3' -> 'h100',
+    'NVIDIA A100-SXM4-80GB' -> 'a100', 'NVIDIA GeForce RTX 4090' -> 'rtx4090'."""
+    words = [w for w in re.split(r"[^a-z0-9]+", name.lower()) if w and w not in _NOT_MODEL]
+    for i, word in enumerate(words):
+        if re.search(r"\d", word) and not re.fullmatch(r"\d+gb", word):
+            if word.isdigit() and i > 0:  # 'rtx 4090': the line belongs to the model
+                return words[i - 1] + word
+            return word
+    return "".join(words)[:16] or "gpu"
+
+
+def device_slug(device: Optional[torch.device] = None) -> str:
+    """gpu_slug of the measured GPU, 'cpu' off CUDA."""
+    if device is None or device.type != "cuda" or not torch.cuda.is_available():
+        return "cpu"
+    return gpu_slug(torch.cuda.get_device_name(device))
+
+
+def result_name(bench: str, device: Optional[torch.device], ranks: Optional[int] = None) -> str:
+    """``<bench>_<device>``, with ``x<ranks>`` for a multi-process bench: kernel_h200,
+    ring_h200x4, balance_cpux2."""
+    return f"{bench}_{device_slug(device)}" + ("" if ranks is None else f"x{ranks}")
+
+
+def is_smoke_run(device: torch.device, quick: bool = False) -> bool:
+    """A run that checks the script rather than measures the hardware: on the CPU, or --quick."""
+    return device.type != "cuda" or quick
+
+
+def results_dir(out_dir: Optional[os.PathLike], smoke: bool) -> Path:
+    """``out_dir`` if given; a new temporary directory for a smoke run (so it never replaces
+    the committed results); benchmarks/results otherwise."""
+    if out_dir is not None:
+        return Path(out_dir)
+    if smoke:
+        return Path(tempfile.mkdtemp(prefix="ringflash-bench-"))
+    return RESULTS_DIR
+
+
+def throughput_unit(device: torch.device, per: str = "") -> tuple[str, float]:
+    """(label, factor) for printing a TFLOP/s figure: TFLOP/s on a GPU, GFLOP/s (x1000) on
+    the CPU, where TFLOP/s would print as 0.0. ``per``: e.g. 'GPU', said as 'process' on
+    the CPU."""
+    if device.type == "cuda":
+        return ("TFLOP/s" + (f" per {per}" if per else ""), 1.0)
+    return ("GFLOP/s" + (" per process" if per else "") + " (CPU)", 1e3)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, except where there is none (None, False) or the help
+    already says it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default is None or action.default is False or "default" in text:
+            return text
+        return super()._get_help_string(action)
 
 
 def collect_meta(device: Optional[torch.device] = None, **extra) -> dict:
@@ -407,7 +506,8 @@ def _clean(obj):
 
 
 def write_results(name: str, meta: dict, records: list[dict], out_dir: Optional[os.PathLike] = None) -> Path:
-    """Write {"meta": ..., "records": [...]} to <out_dir or benchmarks/results>/<name>.json."""
+    """Write {"meta": ..., "records": [...]} to <out_dir or benchmarks/results>/<name>.json
+    (``results_dir`` decides out_dir for the scripts)."""
     out = Path(out_dir) if out_dir is not None else RESULTS_DIR
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
@@ -469,13 +569,27 @@ def _linestyle(label: str) -> str:
     return "--" if "1gpu" in label else "-"
 
 
+MISSING_MATPLOTLIB = ('matplotlib is not installed; the plots need the "bench" extra: '
+                      'pip install -e ".[bench]" (from the repository root)')
+
+
+def import_pyplot():
+    """matplotlib.pyplot on the Agg backend; without matplotlib, an ImportError that says
+    which extra to install."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ImportError(MISSING_MATPLOTLIB) from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
 def plot_results(data: dict, png_path: os.PathLike, *, panel_keys: Optional[Sequence[str]] = None,
                  label_fn: Callable[[dict], str] = default_label, ylabel: Optional[str] = None) -> Path:
     """PNG of TFLOP/s against seqlen: one line per implementation, one subplot per
     (configuration, forward / forward+backward)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = import_pyplot()
 
     records = [r for r in data["records"] if isinstance(r, dict) and "seqlen" in r]
     meta = data.get("meta", {})
@@ -503,6 +617,7 @@ def plot_results(data: dict, png_path: os.PathLike, *, panel_keys: Optional[Sequ
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.4 * nrows), squeeze=False)
     seqlens = sorted({int(r["seqlen"]) for r in records})
     per_gpu = any(m.endswith("_per_gpu") for m, _ in metrics)
+    per = "process" if str(meta.get("device", "")).startswith("cpu") else "GPU"  # a CPU smoke run
     for i, cfg in enumerate(configs):
         cfg_records = [r for r in records if tuple(r.get(k) for k in panel_keys) == cfg]
         for j, (metric, metric_label) in enumerate(metrics):
@@ -523,7 +638,7 @@ def plot_results(data: dict, png_path: os.PathLike, *, panel_keys: Optional[Sequ
             ax.grid(True, alpha=0.3)
             ax.set_title(f"{_panel_title(dict(zip(panel_keys, cfg)))} | {metric_label}", fontsize=10)
             ax.set_xlabel("sequence length" + (" (global)" if per_gpu else ""))
-            ax.set_ylabel(ylabel or ("TFLOP/s per GPU" if per_gpu else "TFLOP/s"))
+            ax.set_ylabel(ylabel or (f"TFLOP/s per {per}" if per_gpu else "TFLOP/s"))
     handles = [plt.Line2D([], [], color=colors[lab], marker=markers[i % len(markers)], label=lab,
                           linestyle=_linestyle(lab))
                for i, lab in enumerate(labels)]

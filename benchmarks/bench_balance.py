@@ -1,11 +1,15 @@
 """Causal load balance of the layouts: per-rank compute time and whole-ring time.
 
     torchrun --nproc-per-node=4 benchmarks/bench_balance.py [--seqlen-local 16384]
+    torchrun --nproc-per-node=2 benchmarks/bench_balance.py --device cpu   # smoke test, gloo
 
 For each layout, every rank first replays its own part of one causal forward+backward
 (the exact kernel calls the ring schedules for it, each transfer replaced by a local
 copy), so the time is that rank's compute alone; then the real ring runs forward+backward with
-communication, once per transport in --transports. Writes benchmarks/results/balance_h200x<W>.json.
+communication, once per transport in --transports. Writes <out-dir>/balance_<gpu>x<W>.json,
+e.g. benchmarks/results/balance_h200x4.json; a CPU smoke run (gloo, small sizes, fp32)
+writes to a new temporary directory unless --out-dir is given. Without torchrun it runs
+as a world of one.
 """
 
 from __future__ import annotations
@@ -37,17 +41,31 @@ class ComputeOnly(Ring):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seqlen-local", type=int, default=16384)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--head-dim", type=int, default=128)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=H.HelpFormatter)
+    p.add_argument("--seqlen-local", type=int, default=None,
+                   help="tokens per rank (default 16384; on the cpu 256)")
+    p.add_argument("--heads", type=int, default=None, help="heads (default 32; on the cpu 4)")
+    p.add_argument("--head-dim", type=int, default=None, help="head dim (default 128; on the cpu 32)")
     p.add_argument("--transports", nargs="+", default=["auto"], choices=("auto", "nccl", "peer"),
                    help="ring transport(s) (RINGFLASH_TRANSPORT) of the whole-ring runs")
-    p.add_argument("--out-dir", default=None, help="default: benchmarks/results")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                   help="cuda if there is a GPU; cpu: a smoke test of the script over gloo")
+    p.add_argument("--out-dir", default=None,
+                   help="directory for the results (default benchmarks/results; a new temporary "
+                        "directory on the cpu)")
+    p.add_argument("--timeout-min", type=float, default=5.0, help="process group timeout (minutes)")
     args = p.parse_args()
 
-    timeout = datetime.timedelta(minutes=5)
-    if torch.cuda.is_available():
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    on_cpu = args.device == "cpu"
+    for name, gpu, cpu in (("seqlen_local", 16384, 256), ("heads", 32, 4), ("head_dim", 128, 32)):
+        if getattr(args, name) is None:
+            setattr(args, name, cpu if on_cpu else gpu)
+    timeout = datetime.timedelta(minutes=args.timeout_min)
+    if not on_cpu:
+        if not torch.cuda.is_available():
+            raise SystemExit("ERROR: no CUDA device; use --device cpu for a smoke test")
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     else:  # a smoke test of the script on CPUs (gloo, the PyTorch twin of the kernels)
@@ -84,12 +102,12 @@ def main():
             os.environ["RINGFLASH_TRANSPORT"] = choice
             ring_ms = H.bench_ms(lambda: whole_ring(layout), device=device, grad_to_none=leaves,
                                  group=dist.group.WORLD)
-            records.append(dict(layout=layout, transport=ringflash.transport(), seqlen_local=n,
+            records.append(dict(layout=layout, transport=H.backend_label(ringflash.transport()), seqlen_local=n,
                                 world=world, heads=h, head_dim=d, compute_ms_per_rank=per_rank,
                                 imbalance=max(per_rank) / min(per_rank), ring_fwdbwd_ms=ring_ms))
     if rank == 0:
-        print(f"causal fwd+bwd, {world} ranks ({device.type}), seqlen_local {n}, {h} heads, "
-              f"head_dim {d}, {dtype}")
+        print(f"causal fwd+bwd, {world} ranks ({device.type}, {dist.get_backend()}), seqlen_local {n}, "
+              f"{h} heads, head_dim {d}, {dtype}" + ("; smoke run" if device.type != "cuda" else ""))
         print(f"{'layout':<11} {'transport':<9} {'compute ms per rank':<36} {'max/min':>7} "
               f"{'ring ms':>8} {'vs contiguous':>13}")
         for r in records:
@@ -99,8 +117,11 @@ def main():
             ranks = " ".join(f"{x:7.1f}" for x in r["compute_ms_per_rank"])
             print(f"{r['layout']:<11} {r['transport']:<9} {ranks:<36} {r['imbalance']:7.2f} "
                   f"{r['ring_fwdbwd_ms']:8.1f} {r['ring_vs_contiguous']:13.2f}")
-        name = f"balance_h200x{world}" if device.type == "cuda" else f"balance_cpu{world}"
-        path = H.write_results(name, H.collect_meta(device), records, args.out_dir)
+        out_dir = H.results_dir(args.out_dir, H.is_smoke_run(device))
+        path = H.write_results(H.result_name("balance", device, world),
+                               H.collect_meta(device, world_size=world, bench="balance",
+                                              backend=dist.get_backend()),
+                               records, out_dir)
         print(f"wrote {path}")
     dist.destroy_process_group()
 

@@ -1,15 +1,18 @@
 """Single-GPU kernel benchmark: ringflash ``flash_attn`` against torch SDPA (flash and cuDNN
 backends), forward and forward+backward, side by side in one run.
 
-    python benchmarks/bench_kernel.py            # bf16, batch 1, 32 heads, head_dim 64/128,
-                                                 # seqlen 2k..64k, causal and not
-    python benchmarks/bench_kernel.py --quick    # a smoke run (about half a minute)
+    python benchmarks/bench_kernel.py               # bf16, batch 1, 32 heads, head_dim 64/128,
+                                                    # seqlen 2k..64k, causal and not
+    python benchmarks/bench_kernel.py --quick       # a short GPU run (seqlen 4k, 16k)
+    python benchmarks/bench_kernel.py --device cpu  # smoke test of the script, seconds
 
-Writes benchmarks/results/<out-name>.json (+ .png) and prints a TFLOP/s table. Before timing
-each configuration, ringflash's output (and gradients) are checked against SDPA's flash
-backend on the same inputs; a mismatch aborts the run, so a fast wrong kernel is never
-reported. A backend that raises for a configuration (cuDNN unsupported, out of memory) gets
-null and the run goes on.
+Writes <out-dir>/kernel_<gpu>.json (+ .png), e.g. benchmarks/results/kernel_h200.json, and
+prints a TFLOP/s table. A smoke run (--device cpu: small sizes, fp32, the PyTorch twin of
+the kernels; or --quick) writes to a new temporary directory unless --out-dir is given, so
+it never replaces committed results. Before timing each configuration, ringflash's output
+(and gradients) are checked against SDPA's flash backend on the same inputs; a mismatch
+aborts the run, so a fast wrong kernel is never reported. A backend that raises for a
+configuration (cuDNN unsupported, out of memory) gets null and the run goes on.
 """
 
 from __future__ import annotations
@@ -24,40 +27,65 @@ import torch
 import _harness as H
 
 IMPLS = ("ringflash", "sdpa_flash", "sdpa_cudnn")
-DEFAULT_SEQLENS = "2k,4k,8k,16k,32k,64k"
+# Defaults of a GPU run, and of a CPU smoke run (small enough to finish in seconds; no cuDNN).
+GPU_DEFAULTS = dict(seqlens="2k,4k,8k,16k,32k,64k", head_dims="64,128", heads=32, dtype="bf16",
+                    impls=",".join(IMPLS), warmup_ms=25.0, rep_ms=100.0)
+CPU_DEFAULTS = dict(seqlens="256,512", head_dims="64", heads=4, dtype="fp32",
+                    impls="ringflash,sdpa_flash", warmup_ms=2.0, rep_ms=10.0)
 QUICK_SEQLENS = "4k,16k"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--seqlens", nargs="+", default=[DEFAULT_SEQLENS],
-                   help="sequence lengths, e.g. 2k,4k or 2048 4096")
-    p.add_argument("--head-dims", nargs="+", default=["64,128"], help="head dims")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=H.HelpFormatter)
+    g, c = GPU_DEFAULTS, CPU_DEFAULTS
+    p.add_argument("--seqlens", nargs="+", default=None,
+                   help=f"sequence lengths, e.g. 2k,4k or 2048 4096 (default {g['seqlens']}; "
+                        f"--quick {QUICK_SEQLENS}; on the cpu {c['seqlens']})")
+    p.add_argument("--head-dims", nargs="+", default=None,
+                   help=f"head dims (default {g['head_dims']}; on the cpu {c['head_dims']})")
     p.add_argument("--add-hd256", action="store_true", help="also benchmark head_dim 256")
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--causal", choices=("both", "causal", "noncausal"), default="both")
-    p.add_argument("--impls", nargs="+", default=[",".join(IMPLS)], help=f"subset of {','.join(IMPLS)}")
-    p.add_argument("--dtype", choices=sorted(H.DTYPES), default="bf16")
+    p.add_argument("--heads", type=int, default=None,
+                   help=f"query (= key/value) heads (default {g['heads']}; on the cpu {c['heads']})")
+    p.add_argument("--batch", type=int, default=1, help="sequences per call")
+    p.add_argument("--causal", choices=("both", "causal", "noncausal"), default="both",
+                   help="which masks to run")
+    p.add_argument("--impls", nargs="+", default=None,
+                   help=f"subset of {','.join(IMPLS)} (default all; on the cpu {c['impls']})")
+    p.add_argument("--dtype", choices=sorted(H.DTYPES), default=None,
+                   help=f"input dtype (default {g['dtype']}; on the cpu {c['dtype']})")
     p.add_argument("--quick", action="store_true",
-                   help=f"seqlens {QUICK_SEQLENS}, head_dim 128 only, shorter timing")
-    p.add_argument("--out-name", default="kernel_h200", help="results/<out-name>.json and .png")
-    p.add_argument("--out-dir", default=None, help="directory for the results (default benchmarks/results)")
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--warmup-ms", type=float, default=25.0)
-    p.add_argument("--rep-ms", type=float, default=100.0, help="timed time per measurement")
-    p.add_argument("--min-reps", type=int, default=3)
-    p.add_argument("--max-reps", type=int, default=100)
+                   help=f"a short GPU run: seqlens {QUICK_SEQLENS}, head_dim 128 only, shorter timing; "
+                        "results to a temporary directory unless --out-dir")
+    p.add_argument("--out-name", default=None,
+                   help="results file name without .json (default kernel_<device>, e.g. kernel_h200)")
+    p.add_argument("--out-dir", default=None,
+                   help="directory for the results (default benchmarks/results; a new temporary "
+                        "directory for --quick and --device cpu)")
+    p.add_argument("--no-plot", action="store_true", help="write the JSON only")
+    p.add_argument("--warmup-ms", type=float, default=None,
+                   help=f"warm-up time per measurement (default {g['warmup_ms']:g}; cpu {c['warmup_ms']:g})")
+    p.add_argument("--rep-ms", type=float, default=None,
+                   help=f"timed time per measurement (default {g['rep_ms']:g}; cpu {c['rep_ms']:g})")
+    p.add_argument("--min-reps", type=int, default=3, help="timed repetitions at least")
+    p.add_argument("--max-reps", type=int, default=100, help="timed repetitions at most")
     p.add_argument("--tol", type=float, default=2e-2, help="max relative error of out vs sdpa_flash")
     p.add_argument("--grad-tol", type=float, default=5e-2, help="max relative error of dq, dk, dv")
     p.add_argument("--no-grad-check", action="store_true", help="check the forward output only")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cuda", help="cuda (default) or cpu for a smoke test of the script")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--device", default="cuda",
+                   help="cuda, cuda:N, or cpu: a smoke test of the script (small sizes, fp32, seconds)")
     args = p.parse_args(argv)
     try:
+        on_cpu = torch.device(args.device).type == "cpu"
+    except RuntimeError as exc:
+        p.error(f"--device: {exc}")
+    base = CPU_DEFAULTS if on_cpu else GPU_DEFAULTS
+    for key, value in base.items():
+        if getattr(args, key) is None:
+            setattr(args, key, [value] if key in ("seqlens", "head_dims", "impls") else value)
+    try:
         args.impls = H.parse_names(args.impls, IMPLS)
-        if args.quick:
+        if args.quick and not on_cpu:
             args.seqlens, args.head_dims = [QUICK_SEQLENS], ["128"]
             args.rep_ms, args.warmup_ms = min(args.rep_ms, 50.0), min(args.warmup_ms, 10.0)
         args.seqlens = H.parse_sizes(args.seqlens)
@@ -100,10 +128,6 @@ def make_impls(names) -> dict[str, Impl]:
 
 def _sdpa_call(q, k, v, causal):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-
-def _to_bshd(x: torch.Tensor, layout: str) -> torch.Tensor:
-    return x if layout == "bshd" else x.transpose(1, 2)
 
 
 # ----------------------------------------------------------------------------- correctness guard
@@ -221,13 +245,11 @@ def make_inputs(batch, seqlen, heads, head_dim, dtype, device, seed):
 # ----------------------------------------------------------------------------- main
 
 
-
-
 def run(args) -> int:
     device = torch.device(args.device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            print("ERROR: no CUDA device; use --device cpu for a smoke test", file=sys.stderr)
+            print("ERROR: no CUDA device; use --device cpu for a smoke test of the script", file=sys.stderr)
             return 2
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -242,7 +264,10 @@ def run(args) -> int:
                                   f"warmup {args.warmup_ms} ms, rep {args.rep_ms} ms"),
                           check=(f"before timing, ringflash out vs sdpa_flash out on the same inputs: rel err <= "
                                  f"{args.tol}" + ("" if args.no_grad_check else f", dq/dk/dv <= {args.grad_tol}")))
-    print(f"# {meta['device']} | torch {meta['torch']} | triton {meta['triton']} | commit {meta['commit'][:10]}",
+    unit, scale = H.throughput_unit(device)
+    meta["unit"] = "TFLOP/s (the *_tflops fields)"
+    print(f"# {meta['device']} | torch {meta['torch']} | triton {meta['triton']} | commit {meta['commit'][:10]}"
+          + (" | smoke run: CPU, the PyTorch twin of the kernels" if device.type != "cuda" else ""),
           flush=True)
 
     records = []
@@ -285,36 +310,40 @@ def run(args) -> int:
                     if err:
                         rec["error"] = err
                     records.append(rec)
-                    print(f"  {tag:<24} {name:<11} fwd {_f(rec['fwd_tflops'])}  fwd+bwd {_f(rec['fwdbwd_tflops'])}"
-                          " TFLOP/s" + (f"  ERROR {err}" if err else ""), flush=True)
+                    print(f"  {tag:<24} {name:<11} fwd {_f(rec['fwd_tflops'], scale)}  "
+                          f"fwd+bwd {_f(rec['fwdbwd_tflops'], scale)} {unit}"
+                          + (f"  ERROR {err}" if err else ""), flush=True)
                 del inputs, dout
                 H.free_memory(device)
 
-    path = H.write_results(args.out_name, meta, records, args.out_dir)
+    out_dir = H.results_dir(args.out_dir, H.is_smoke_run(device, args.quick))
+    path = H.write_results(args.out_name or H.result_name("kernel", device), meta, records, out_dir)
     print(f"\nwrote {path}", flush=True)
     if not args.no_plot:
         H.try_plot(path)
     print()
-    print(summary_table(records, list(impls)))
+    print(summary_table(records, list(impls), unit, scale))
     return 0
 
 
-def _f(x: Optional[float]) -> str:
-    return "   -  " if x is None else f"{x:6.1f}"
+def _f(x: Optional[float], scale: float = 1.0) -> str:
+    return "   -  " if x is None else f"{x * scale:6.1f}"
 
 
-def summary_table(records: list[dict], impl_names: list[str]) -> str:
-    """One row per configuration, TFLOP/s of every impl for fwd and fwd+bwd side by side."""
+def summary_table(records: list[dict], impl_names: list[str], unit: str = "TFLOP/s",
+                  scale: float = 1.0) -> str:
+    """One row per configuration, throughput of every impl for fwd and fwd+bwd side by side."""
     rows: dict[tuple, dict] = {}
     for r in records:
         key = (r["head_dim"], r["causal"], r["seqlen"])
         row = rows.setdefault(key, {"head_dim": r["head_dim"], "causal": r["causal"], "seqlen": H.fmt_size(r["seqlen"])})
-        row[f"fwd:{r['impl']}"] = r["fwd_tflops"]
-        row[f"fwdbwd:{r['impl']}"] = r["fwdbwd_tflops"]
+        for phase in ("fwd", "fwdbwd"):
+            value = r[f"{phase}_tflops"]
+            row[f"{phase}:{r['impl']}"] = None if value is None else value * scale
     cols = [("head_dim", "hdim"), ("causal", "causal"), ("seqlen", "seqlen")]
     for phase, label in (("fwd", "fwd"), ("fwdbwd", "f+b")):
         cols += [(f"{phase}:{n}", f"{label} {n}", ".1f") for n in impl_names]
-    return "TFLOP/s (higher is better)\n" + H.format_table(list(rows.values()), cols)
+    return f"{unit} (higher is better)\n" + H.format_table(list(rows.values()), cols)
 
 
 def main(argv=None) -> int:

@@ -5,10 +5,14 @@ whole sequence, forward and forward+backward, side by side in one run.
     torchrun --nproc-per-node=4 benchmarks/bench_ring.py              # seqlen 32k, 64k
     torchrun --nproc-per-node=4 benchmarks/bench_ring.py --add-128k   # and 128k
     torchrun --nproc-per-node=4 benchmarks/bench_ring.py --profile-only --profile trace.json
+    torchrun --nproc-per-node=2 benchmarks/bench_ring.py --device cpu   # smoke test, gloo
 
-Writes benchmarks/results/ring_h200x<N>.json (+ .png) and prints a table on rank 0.
-Throughput is per GPU: FLOPs of the global problem / world size / time, time being the max
-over ranks of each rank's median. Efficiency = ringflash per-GPU TFLOP/s / ringflash_1gpu
+Writes <out-dir>/ring_<gpu>x<N>.json (+ .png), e.g. benchmarks/results/ring_h200x4.json, and
+prints a table on rank 0. A smoke run (--device cpu: gloo, small sizes, fp32, ringflash
+only, since torch's context parallel has no CPU attention; or --quick) writes to a new
+temporary directory unless --out-dir is given, so it never replaces committed results.
+Throughput is per GPU (per process on the CPU): FLOPs of the global problem / world size /
+time, time being the max over ranks of each rank's median. Efficiency = ringflash per-GPU TFLOP/s / ringflash_1gpu
 TFLOP/s. At the smallest seqlen every implementation is checked against ringflash's kernel
 on the full sequence (out, dq, dk, dv); ringflash aborts the run on a mismatch, a peer that
 mismatches is reported as null.
@@ -37,20 +41,31 @@ IMPLS = ("ringflash", "torch_cp_flash", "torch_cp_cudnn", "ringflash_1gpu")
 LAYOUTS = ("contiguous", "zigzag", "stripe")
 CP_BACKENDS = {"torch_cp_flash": "FLASH_ATTENTION", "torch_cp_cudnn": "CUDNN_ATTENTION"}
 MULTI_GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+# Defaults of a GPU run, and of a CPU smoke run (seconds; torch CP has no CPU attention).
+GPU_DEFAULTS = dict(seqlens="32k,64k", heads=32, gqa_kv_heads=8, head_dim=128, dtype="bf16",
+                    impls=",".join(IMPLS), warmup_ms=25.0, rep_ms=100.0)
+CPU_DEFAULTS = dict(seqlens="1k", heads=4, gqa_kv_heads=2, head_dim=32, dtype="fp32",
+                    impls="ringflash,ringflash_1gpu", warmup_ms=2.0, rep_ms=10.0)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--seqlens", nargs="+", default=["32k,64k"], help="global sequence lengths")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=H.HelpFormatter)
+    g, c = GPU_DEFAULTS, CPU_DEFAULTS
+    p.add_argument("--seqlens", nargs="+", default=None,
+                   help=f"global sequence lengths (default {g['seqlens']}; on the cpu {c['seqlens']})")
     p.add_argument("--add-128k", action="store_true", help="also run global seqlen 128k")
-    p.add_argument("--heads", type=int, default=32, help="query heads")
-    p.add_argument("--gqa-kv-heads", type=int, default=8,
-                   help="kv heads of the extra GQA row (0: no GQA row)")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--causal", choices=("both", "causal", "noncausal"), default="both")
-    p.add_argument("--impls", nargs="+", default=[",".join(IMPLS)], help=f"subset of {','.join(IMPLS)}")
+    p.add_argument("--heads", type=int, default=None,
+                   help=f"query heads (default {g['heads']}; on the cpu {c['heads']})")
+    p.add_argument("--gqa-kv-heads", type=int, default=None,
+                   help=f"kv heads of the extra GQA row, 0: no GQA row (default {g['gqa_kv_heads']}; "
+                        f"on the cpu {c['gqa_kv_heads']})")
+    p.add_argument("--head-dim", type=int, default=None,
+                   help=f"head dim (default {g['head_dim']}; on the cpu {c['head_dim']})")
+    p.add_argument("--batch", type=int, default=1, help="sequences per call")
+    p.add_argument("--causal", choices=("both", "causal", "noncausal"), default="both",
+                   help="which masks to run")
+    p.add_argument("--impls", nargs="+", default=None,
+                   help=f"subset of {','.join(IMPLS)} (default all; on the cpu {c['impls']})")
     p.add_argument("--causal-layouts", nargs="+", default=["zigzag"],
                    help="ringflash layout(s) for causal runs, one record each")
     p.add_argument("--noncausal-layouts", nargs="+", default=["contiguous"],
@@ -61,29 +76,40 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="ringflash's ring transport(s) (RINGFLASH_TRANSPORT), each its own row")
     p.add_argument("--no-rank-check", action="store_true",
                    help="set RINGFLASH_RANK_CHECK=0 (skip ringflash's per-call cross-rank argument check)")
-    p.add_argument("--dtype", choices=sorted(H.DTYPES), default="bf16")
-    p.add_argument("--quick", action="store_true", help="smallest seqlen only, shorter timing")
-    p.add_argument("--out-name", default=None, help="results/<out-name>.json (default ring_h200x<N>)")
-    p.add_argument("--out-dir", default=None, help="directory for the results (default benchmarks/results)")
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--warmup-ms", type=float, default=25.0)
-    p.add_argument("--rep-ms", type=float, default=100.0)
-    p.add_argument("--min-reps", type=int, default=3)
-    p.add_argument("--max-reps", type=int, default=50)
+    p.add_argument("--dtype", choices=sorted(H.DTYPES), default=None,
+                   help=f"input dtype (default {g['dtype']}; on the cpu {c['dtype']})")
+    p.add_argument("--quick", action="store_true",
+                   help="a short GPU run: smallest seqlen only, shorter timing; results to a "
+                        "temporary directory unless --out-dir")
+    p.add_argument("--out-name", default=None,
+                   help="results file name without .json (default ring_<device>x<ranks>, e.g. ring_h200x4)")
+    p.add_argument("--out-dir", default=None,
+                   help="directory for the results (default benchmarks/results; a new temporary "
+                        "directory for --quick and --device cpu)")
+    p.add_argument("--no-plot", action="store_true", help="write the JSON only")
+    p.add_argument("--warmup-ms", type=float, default=None,
+                   help=f"warm-up time per measurement (default {g['warmup_ms']:g}; cpu {c['warmup_ms']:g})")
+    p.add_argument("--rep-ms", type=float, default=None,
+                   help=f"timed time per measurement (default {g['rep_ms']:g}; cpu {c['rep_ms']:g})")
+    p.add_argument("--min-reps", type=int, default=3, help="timed repetitions at least")
+    p.add_argument("--max-reps", type=int, default=50, help="timed repetitions at most")
     p.add_argument("--tol", type=float, default=2e-2, help="max relative error of out at the check")
     p.add_argument("--grad-tol", type=float, default=5e-2, help="max relative error of dq, dk, dv")
     p.add_argument("--timeout-min", type=float, default=10.0, help="process group timeout (minutes)")
     p.add_argument("--profile", metavar="PATH", default=None,
                    help="also write a chrome trace of one ringflash fwd+bwd to PATH (rank r>0: PATH.rank<r>)")
     p.add_argument("--profile-only", action="store_true", help="with --profile: skip the benchmark")
-    p.add_argument("--profile-seqlen", default="64k")
+    p.add_argument("--profile-seqlen", default="64k", help="global seqlen of the profiled call")
     p.add_argument("--profile-layout", default=None, choices=LAYOUTS,
                    help="default: first of --causal-layouts / --noncausal-layouts")
     p.add_argument("--profile-noncausal", action="store_true", help="profile the non-causal case")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                   help="cpu: gloo, for a smoke test of the script")
+                   help="cpu: a smoke test of the script over gloo (small sizes, fp32, seconds)")
     args = p.parse_args(argv)
+    for key, value in (CPU_DEFAULTS if args.device == "cpu" else GPU_DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, [value] if key in ("seqlens", "impls") else value)
     try:
         args.impls = H.parse_names(args.impls, IMPLS)
         args.causal_layouts = H.parse_names(args.causal_layouts, LAYOUTS)
@@ -91,7 +117,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         seqlens = H.parse_sizes(args.seqlens)
         if args.add_128k and 128 * 1024 not in seqlens:
             seqlens = sorted(seqlens + [128 * 1024])
-        if args.quick:
+        if args.quick and args.device != "cpu":
             seqlens = seqlens[:1]
             args.rep_ms, args.warmup_ms = min(args.rep_ms, 50.0), min(args.warmup_ms, 10.0)
         args.seqlens = seqlens
@@ -135,13 +161,8 @@ def setup(args) -> Ctx:
         os.environ.setdefault(k, v)
     if args.no_rank_check:
         os.environ["RINGFLASH_RANK_CHECK"] = "0"
-    # Also runs without torchrun, as a ring of one.
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    local_rank = int(os.environ["LOCAL_RANK"])
+    # Also runs without torchrun, as a ring of one (H.init_process_group).
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     timeout = datetime.timedelta(minutes=args.timeout_min)
     if args.device == "cuda":
         if not torch.cuda.is_available():
@@ -313,7 +334,8 @@ def run_ringflash(cfg: Cfg, layout: str, transport: str, full, ref: Optional[dic
     exchange.release_buffers()  # this run's own peer buffers, counted in its peak memory
     try:
         res = _run_ringflash(cfg, layout, full, ref, ctx, args)
-        res["transport"] = ringflash_api().transport(ctx.group)  # what "auto" resolved to
+        # What "auto" resolved to, and what really moved the bytes ("gloo", not "nccl", on a CPU run).
+        res["transport"] = H.backend_label(ringflash_api().transport(ctx.group), ctx.group)
         if res.get("peak_bytes") is not None:
             res["peak_bytes"] += exchange.symmetric_bytes()
     finally:
@@ -360,7 +382,8 @@ def _run_ringflash(cfg: Cfg, layout: str, full, ref: Optional[dict], ctx: Ctx, a
 
 def run_ringflash_1gpu(cfg: Cfg, full, ctx: Ctx, args) -> dict:
     """ringflash's kernel on rank 0 over the whole sequence; the other ranks wait."""
-    res = {"layout": "full", "note": "one GPU, whole sequence"}
+    res = {"layout": "full", "note": "one GPU, whole sequence" if ctx.device.type == "cuda"
+           else "one process, whole sequence"}
     if ctx.rank == 0:
         from ringflash.kernels import flash_attn
 
@@ -555,13 +578,16 @@ def _problem(r: dict) -> tuple:
     return (r["seqlen"], r["heads"], r["kv_heads"], r["head_dim"], r["causal"])
 
 
-def progress_line(rec: dict, tag: str) -> str:
-    def f(x, spec):
-        return "-" if x is None else format(x, spec)
+def progress_line(rec: dict, tag: str, unit: tuple[str, float] = ("TFLOP/s per GPU", 1.0)) -> str:
+    """One record as a log line; ``unit``: (label, factor) of H.throughput_unit."""
+    label, scale = unit
+
+    def f(x, spec, factor=1.0):
+        return "-" if x is None else format(x * factor, spec)
     where = [x for x in (rec.get("layout"), rec.get("transport")) if x]
     impl = rec["impl"] + (f"[{','.join(where)}]" if where else "")
-    line = (f"  {tag:<32} {impl:<28} fwd {f(rec['fwd_tflops_per_gpu'], '6.1f')}  "
-            f"f+b {f(rec['fwdbwd_tflops_per_gpu'], '6.1f')} TFLOP/s/GPU  "
+    line = (f"  {tag:<32} {impl:<28} fwd {f(rec['fwd_tflops_per_gpu'], '6.1f', scale)}  "
+            f"f+b {f(rec['fwdbwd_tflops_per_gpu'], '6.1f', scale)} {label}  "
             f"mem {f(rec['peak_mem_gib'], '.2f')} GiB")
     if rec.get("error"):
         line += f"  ERROR {rec['error']}"
@@ -570,10 +596,15 @@ def progress_line(rec: dict, tag: str) -> str:
     return line
 
 
-TABLE = [("impl", "impl"), ("layout", "layout"), ("transport", "transport"), ("seqlen", "seqlen", H.fmt_size), ("heads", "heads"),
-         ("kv_heads", "kv"), ("causal", "causal"), ("fwd_tflops_per_gpu", "fwd TF/GPU", ".1f"),
-         ("fwdbwd_tflops_per_gpu", "f+b TF/GPU", ".1f"), ("peak_mem_gib", "mem GiB", ".2f"),
-         ("efficiency", "eff f+b", ".2f"), ("fwd_efficiency", "eff fwd", ".2f"), ("remark", "remark")]
+def table_columns(device: torch.device) -> list[tuple]:
+    """Columns of the summary table; throughput in TFLOP/s per GPU, GFLOP/s per process on the CPU."""
+    short, scale = ("TF/GPU", 1.0) if device.type == "cuda" else ("GF/proc", 1e3)
+    per = (lambda x: f"{x * scale:.1f}")
+    return [("impl", "impl"), ("layout", "layout"), ("transport", "transport"), ("seqlen", "seqlen", H.fmt_size),
+            ("heads", "heads"), ("kv_heads", "kv"), ("causal", "causal"),
+            ("fwd_tflops_per_gpu", f"fwd {short}", per), ("fwdbwd_tflops_per_gpu", f"f+b {short}", per),
+            ("peak_mem_gib", "mem GiB", ".2f"), ("efficiency", "eff f+b", ".2f"),
+            ("fwd_efficiency", "eff fwd", ".2f"), ("remark", "remark")]
 
 
 def table_rows(records: list[dict]) -> list[dict]:
@@ -611,7 +642,7 @@ def benchmark(args, ctx: Ctx) -> list[dict]:
             for res in results:
                 rec = make_record(impl, cfg, res, ctx)
                 records.append(rec)
-                ctx.log(progress_line(rec, cfg.tag))
+                ctx.log(progress_line(rec, cfg.tag, H.throughput_unit(ctx.device, per="GPU")))
             H.free_memory(ctx.device)
         del full, ref
         H.free_memory(ctx.device)
@@ -813,7 +844,9 @@ def profile_report(infos: list[dict]) -> str:
 
 def run(args, ctx: Ctx) -> int:
     H.init_l2_flush(ctx.device)
-    ctx.log(f"# ring benchmark: {ctx.world} rank(s), device {ctx.device.type}, impls {', '.join(args.impls)}")
+    backend = dist.get_backend(ctx.group)
+    ctx.log(f"# ring benchmark: {ctx.world} rank(s), device {ctx.device.type}, {backend}, impls {', '.join(args.impls)}"
+            + ("; smoke run (CPU: the PyTorch twin of the kernels)" if ctx.device.type != "cuda" else ""))
     if not args.profile_only:
         records = benchmark(args, ctx)
         if ctx.rank == 0:
@@ -823,20 +856,24 @@ def run(args, ctx: Ctx) -> int:
                                   ringflash_rank_check=os.environ.get("RINGFLASH_RANK_CHECK", "1") != "0",
                                   timing=(f"per-rank median of >= {args.min_reps} reps "
                                           f"({'CUDA events, L2 flushed' if ctx.device.type == 'cuda' else 'wall clock'}), "
-                                          "max over ranks; TFLOP/s per GPU = global FLOPs / world / time"),
+                                          "max over ranks; *_tflops_per_gpu = global TFLOPs / world / time "
+                                          "(per process on a CPU run)"),
+                                  backend=backend,
                                   peak_mem=("max over ranks of (peak allocated during the impl's runs minus "
                                             "memory live before them + this rank's q, k, v, dout; "
                                             "ringflash with the peer transport: + its symmetric buffers)"),
                                   check=f"at seqlen {H.fmt_size(min(args.seqlens))} vs ringflash flash_attn on "
                                         f"the full sequence: out rel err <= {args.tol}, grads <= {args.grad_tol}")
-            name = args.out_name or f"ring_h200x{ctx.world}"
-            path = H.write_results(name, meta, records, args.out_dir)
+            name = args.out_name or H.result_name("ring", ctx.device, ctx.world)
+            out_dir = H.results_dir(args.out_dir, H.is_smoke_run(ctx.device, args.quick))
+            path = H.write_results(name, meta, records, out_dir)
             print(f"\nwrote {path}", flush=True)
             if not args.no_plot:
                 H.try_plot(path)
             print()
-            print("TFLOP/s per GPU (higher is better); eff = ringflash / ringflash_1gpu")
-            print(H.format_table(table_rows(records), TABLE), flush=True)
+            print(f"{H.throughput_unit(ctx.device, per='GPU')[0]} (higher is better); "
+                  "eff = ringflash / ringflash_1gpu")
+            print(H.format_table(table_rows(records), table_columns(ctx.device)), flush=True)
     if args.profile:
         profile(args, ctx)
     return 0

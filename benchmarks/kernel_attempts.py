@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+import _harness as H
 from ringflash.kernels import PairMask, attn_delta, triton_attn
 
 LOG2E = math.log2(math.e)
@@ -134,16 +135,15 @@ def atomic_bwd(do, q, k, v, lse, delta, dq, dk, dv, scale, *, BLOCK_M=64, BLOCK_
     return dq, dk, dv
 
 
-def _rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seqlen", type=int, default=16384)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--heads", type=int, default=32)
+    p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()).rstrip(":") + ".",
+                                formatter_class=H.HelpFormatter)
+    p.add_argument("--seqlen", type=int, default=16384, help="tokens (a multiple of the tiles, 128)")
+    p.add_argument("--head-dim", type=int, default=128, help="head dim")
+    p.add_argument("--heads", type=int, default=32, help="heads (MHA)")
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("ERROR: kernel_attempts.py times Triton kernels on a GPU; no CUDA device here")
     s, h, d = args.seqlen, args.heads, args.head_dim
     torch.manual_seed(0)
     q, k, v, do = (torch.randn(1, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
@@ -166,7 +166,7 @@ def main():
         except Exception as exc:  # noqa: BLE001 - a variant this triton cannot build
             print(f"ws BLOCK_N={bn} stages={stages} ws={ws}: {type(exc).__name__}")
             continue
-        report(f"ws BLOCK_N={bn} stages={stages} warp_specialize={ws}", bench(fn), 1.0, _rel(o2, out))
+        report(f"ws BLOCK_N={bn} stages={stages} warp_specialize={ws}", bench(fn), 1.0, H.rel_err(o2, out))
 
     delta = attn_delta(out, do)
     grads = [torch.empty(t.shape, device="cuda") for t in (q, k, v)]
@@ -179,7 +179,7 @@ def main():
         fn = lambda: atomic_bwd(do, q, k, v, lse, delta, *g, scale, BLOCK_M=bm, BLOCK_N=bn,
                                 num_warps=warps)
         fn()
-        err = max(_rel(a, r) for a, r in zip(g, grads))
+        err = max(H.rel_err(a, r) for a, r in zip(g, grads))
         report(f"atomic dQ {bm}x{bn} warps={warps}", bench(fn), 2.5, err)
 
 

@@ -1,28 +1,27 @@
 """Draw which global tokens each rank holds under every layout.
 
-    python benchmarks/plot_layouts.py   # -> benchmarks/results/layouts.png
+    python benchmarks/plot_layouts.py                      # -> benchmarks/results/layouts.png
+    python benchmarks/plot_layouts.py --out /tmp/layouts.png
 
-The picture is computed from ringflash.layouts, the same code the ring runs.
+The picture is computed from ringflash.layouts, the same code the ring runs. Needs
+matplotlib (pip install -e ".[bench]").
 """
 
+import argparse
+import sys
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-
-from ringflash.layouts import LAYOUTS, global_positions, step_pairs  # noqa: E402
+import _harness as H
+from ringflash.layouts import LAYOUTS, global_positions, step_pairs
 
 WORLD, SEQLEN = 4, 32
-COLORS = plt.get_cmap("tab10").colors
 
 
-def owner_map(layout):
-    owner = np.zeros(SEQLEN, dtype=int)
+def owner_map(layout) -> list[int]:
+    owner = [0] * SEQLEN
     for rank in range(WORLD):
-        owner[global_positions(SEQLEN, layout, rank, WORLD).numpy()] = rank
+        for t in global_positions(SEQLEN, layout, rank, WORLD).tolist():
+            owner[t] = rank
     return owner
 
 
@@ -43,14 +42,23 @@ def causal_work(layout):
     return work
 
 
-def main():
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=H.HelpFormatter)
+    p.add_argument("--out", default=None, help="PNG to write (default benchmarks/results/layouts.png)")
+    args = p.parse_args(argv)
+    try:
+        plt = H.import_pyplot()
+    except ImportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    colors = plt.get_cmap("tab10").colors
     fig, axes = plt.subplots(len(LAYOUTS), 2, figsize=(10, 1.6 * len(LAYOUTS)),
                              gridspec_kw={"width_ratios": [4, 1]})
     for row, layout in enumerate(LAYOUTS):
         ax = axes[row, 0]
         owner = owner_map(layout)
         for t in range(SEQLEN):
-            ax.add_patch(plt.Rectangle((t, 0), 1, 1, color=COLORS[owner[t]], ec="white"))
+            ax.add_patch(plt.Rectangle((t, 0), 1, 1, color=colors[owner[t]], ec="white"))
             ax.text(t + 0.5, 0.5, str(owner[t]), ha="center", va="center", fontsize=7, color="white")
         ax.set_xlim(0, SEQLEN)
         ax.set_ylim(0, 1)
@@ -59,16 +67,17 @@ def main():
         ax.set_title(f"{layout}: owner rank of each of {SEQLEN} tokens ({WORLD} ranks)",
                      fontsize=9, loc="left")
         work = causal_work(layout)
-        axes[row, 1].bar(range(WORLD), work, color=COLORS[:WORLD])
+        axes[row, 1].bar(range(WORLD), work, color=colors[:WORLD])
         axes[row, 1].set_title("causal work per rank", fontsize=9)
         axes[row, 1].set_xticks(range(WORLD))
     axes[-1, 0].set_xlabel("global token position")
     fig.tight_layout()
-    out = Path(__file__).resolve().parent / "results" / "layouts.png"
-    out.parent.mkdir(exist_ok=True)
+    out = Path(args.out) if args.out else H.RESULTS_DIR / "layouts.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     print(f"wrote {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+import _harness as H
 from ringflash.kernels import PairMask, attn_delta, triton_attn
 
 # Matmuls each kernel really runs, over the forward's two: dK/dV recomputes S and dP and
@@ -42,10 +43,6 @@ def _candidates(which, head_dim):
         yield dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=st)
 
 
-def _rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
 def sweep(which, head_dim, causal, seqlen, heads=32, batch=1, dtype=torch.bfloat16):
     torch.manual_seed(0)
     q, k, v, do = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=dtype)
@@ -64,14 +61,14 @@ def sweep(which, head_dim, causal, seqlen, heads=32, batch=1, dtype=torch.bfloat
         o2, l2 = torch.empty_like(out), torch.empty_like(lse)
         fn = lambda: triton_attn.fwd(q, k, v, o2, l2, softmax_scale=scale, mask=PairMask.causal(offset),
                                      accumulate=False)
-        check = lambda: _rel(o2, ref)
+        check = lambda: H.rel_err(o2, ref)
     else:
         g = [torch.empty_like(t) for t in grads]
         args = (g[0], None, None) if which == "dq" else (None, g[1], g[2])
         fn = lambda: triton_attn.bwd(do, q, k, v, lse, delta, *args, softmax_scale=scale,
                                      mask=PairMask.causal(offset), accumulate=False)
         checked = (0,) if which == "dq" else (1, 2)
-        check = lambda: max(_rel(g[i], grads[i]) for i in checked)
+        check = lambda: max(H.rel_err(g[i], grads[i]) for i in checked)
     original = triton_attn.fwd_config, triton_attn.bwd_config
     results = []
     for cfg in _candidates(which, head_dim):
@@ -99,13 +96,16 @@ def sweep(which, head_dim, causal, seqlen, heads=32, batch=1, dtype=torch.bfloat
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seqlen", type=int, default=16384)
-    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
-    p.add_argument("--which", nargs="+", default=["fwd", "dkdv", "dq"], choices=["fwd", "dkdv", "dq"])
-    p.add_argument("--causal", nargs="+", type=int, default=[0], help="0, 1 or both")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=H.HelpFormatter)
+    p.add_argument("--seqlen", type=int, default=16384, help="tokens (batch 1, 32 heads, bf16)")
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256], help="head dims to sweep")
+    p.add_argument("--which", nargs="+", default=["fwd", "dkdv", "dq"], choices=["fwd", "dkdv", "dq"],
+                   help="kernels to sweep")
+    p.add_argument("--causal", nargs="+", type=int, default=[0], help="0 (non-causal), 1 (causal) or both")
     p.add_argument("--no-tma", action="store_true", help="forward through pointer loads")
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("ERROR: tune_kernel.py times Triton kernels on a GPU; no CUDA device here")
     if args.no_tma:
         triton_attn._use_tma = lambda *tensors: False
     summary = []

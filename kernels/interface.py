@@ -83,8 +83,8 @@ def check_segment_ids(segment_ids, batch: int, seqlen: int, device: torch.device
                       name: str = "segment_ids") -> Optional[torch.Tensor]:
     """None, or (batch, seqlen) integer ids as contiguous int32: ids >= 0 name documents,
     -1 padding; outside padding they must not decrease along the sequence (each document
-    one contiguous run). The last rule is checked with one host synchronization, outside
-    torch.compile'd regions."""
+    one contiguous run). The values are checked with one host synchronization, except in
+    torch.compile'd regions and CUDA-graph captures."""
     if segment_ids is None:
         return None
     if not isinstance(segment_ids, torch.Tensor):
@@ -97,7 +97,8 @@ def check_segment_ids(segment_ids, batch: int, seqlen: int, device: torch.device
     if segment_ids.device != device:
         raise ValueError(f"{name} must be on q's device {device}, got {segment_ids.device}")
     ids = segment_ids.to(torch.int32).contiguous()
-    if not torch.compiler.is_compiling():
+    capturing = ids.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not (torch.compiler.is_compiling() or capturing):
         below = bool((ids < -1).any())
         decreasing = bool(((ids >= 0) & (ids < torch.cummax(ids, dim=1).values)).any())
         if below:

@@ -1,7 +1,7 @@
 """The PyTorch twin of the Triton kernels.
 
-Same contract as ``triton_attn.fwd`` / ``triton_attn.bwd`` (see ``ringflash.kernels``), written
-blockwise over key tiles so extra memory is O(seqlen_q * BLOCK_N), never the full
+Same contract as ``triton_attn.fwd`` / ``triton_attn.bwd`` (see ``ringflash.kernels``),
+written blockwise over key tiles so extra memory is O(seqlen_q * BLOCK_N), never the full
 N x N score matrix. It is the path for CPU tensors (the gloo ring) and an
 implementation independent of the Triton code for the tests.
 

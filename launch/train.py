@@ -33,7 +33,20 @@ fp32 rounding (tests/test_train.py checks it).
 Data are a pure function of (--seed, step, sequence index), so ``--resume`` repeats the
 uninterrupted run, even at a different world size. Checkpoints are written by rank 0,
 atomically (temporary file, fsync, rename); ``--ckpt-dir`` must be visible to every
-rank on resume (a shared file system across nodes).
+rank on resume (a shared file system across nodes). ``--resume`` takes the newest
+checkpoint that loads: rank 0 checks them newest first, renames an unreadable one to
+``*.corrupt``, says so, and tells every rank which one to load.
+
+Preemption: SIGTERM or SIGUSR1 to any rank (or SIGTERM to torchrun, which forwards it to
+every worker and kills them after its --shutdown-timeout, 30 s by default) does not kill
+the run. Each rank notes the signal; the ranks agree on it through the all-reduce every
+step already does, so all stop after the same step; rank 0 writes a checkpoint of that
+step (with --ckpt-dir), every rank waits for it, prints where to resume and exits with
+status 0 (torchrun, if it was the one signalled, still reports its own SignalException).
+
+Hangs: the process group is created with ``--dist-timeout`` (10 minutes by default)
+rather than torch's 30: a rank that dies or never reaches a collective makes the others
+raise after that long instead of waiting half an hour.
 
 Backend and device: NCCL with cuda:LOCAL_RANK and bf16 autocast when CUDA is present,
 gloo on CPU in fp32. Run without torchrun it trains in one process.
@@ -47,7 +60,9 @@ import json
 import math
 import os
 import re
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -70,57 +85,76 @@ RUN_DEFINING = ("seqlen", "batch_size", "d_model", "layers", "heads", "kv_heads"
 # Arguments a resumed run may change (the run then differs from the uninterrupted one).
 SCHEDULE = ("steps", "lr", "warmup", "min_lr_ratio", "weight_decay", "grad_clip", "layout",
             "sp_size", "dtype")
+# Signals that stop the run after a checkpoint instead of killing it (SLURM: --signal).
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
 
 
 # ----------------------------------------------------------------------------- arguments
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's default in --help, but no "(default: None)" and no second default where
+    the help text already gives one."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default is None or action.default is False or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     g = p.add_argument_group("sequence parallelism")
-    g.add_argument("--seqlen", type=int, default=512, help="GLOBAL tokens per sequence")
-    g.add_argument("--batch-size", type=int, default=8, help="sequences per step, all replicas")
-    g.add_argument("--layout", default="zigzag", choices=ringflash.LAYOUTS)
+    g.add_argument("--seqlen", type=int, default=512,
+                   help="GLOBAL tokens per sequence (a multiple of 2 x sp for zigzag, sp for stripe)")
+    g.add_argument("--batch-size", type=int, default=8,
+                   help="sequences per step, all data-parallel replicas together")
+    g.add_argument("--layout", default="zigzag", choices=ringflash.LAYOUTS,
+                   help="which tokens each rank of a ring holds")
     g.add_argument("--sp-size", type=int, default=0,
                    help="ranks in one ring (sequence-parallel group); 0: the whole world. "
                         "The other factor of the world size is data parallelism")
     g = p.add_argument_group("model")
-    g.add_argument("--d-model", type=int, default=64)
-    g.add_argument("--layers", type=int, default=2)
-    g.add_argument("--heads", type=int, default=4)
-    g.add_argument("--kv-heads", type=int, default=2)
-    g.add_argument("--mlp-ratio", type=int, default=4)
-    g.add_argument("--rope-base", type=float, default=10000.0)
+    g.add_argument("--d-model", type=int, default=64, help="model width")
+    g.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    g.add_argument("--heads", type=int, default=4, help="query heads")
+    g.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA when fewer than --heads)")
+    g.add_argument("--mlp-ratio", type=int, default=4, help="MLP hidden width / d_model")
+    g.add_argument("--rope-base", type=float, default=10000.0,
+                   help="rotary embedding base; raise it (1e6) for contexts of 100k+ tokens")
     g = p.add_argument_group("task (synthetic key-value recall)")
-    g.add_argument("--num-keys", type=int, default=2)
-    g.add_argument("--values-per-key", type=int, default=16)
+    g.add_argument("--num-keys", type=int, default=2, help="keys bound to a value in every sequence")
+    g.add_argument("--values-per-key", type=int, default=16,
+                   help="values each key can take; chance loss is ln(values-per-key)")
     g.add_argument("--queries", type=int, default=32, help="scored queries per sequence")
-    g.add_argument("--noise-tokens", type=int, default=32)
+    g.add_argument("--noise-tokens", type=int, default=32, help="size of the noise vocabulary")
     g.add_argument("--fact-copies", type=int, default=8,
                    help="times each fact is written in the first half")
     g = p.add_argument_group("optimization")
-    g.add_argument("--steps", type=int, default=150)
-    g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument("--steps", type=int, default=150, help="optimizer steps of the whole run")
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
     g.add_argument("--warmup", type=int, default=20, help="linear warm-up steps, then cosine")
-    g.add_argument("--min-lr-ratio", type=float, default=0.1)
-    g.add_argument("--weight-decay", type=float, default=0.0)
-    g.add_argument("--grad-clip", type=float, default=1.0, help="0 disables")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--min-lr-ratio", type=float, default=0.1,
+                   help="final learning rate of the cosine, as a fraction of --lr")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm; 0 disables")
+    g.add_argument("--seed", type=int, default=0, help="seed of the parameters and of the data")
     g = p.add_argument_group("runtime")
-    g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="auto: cuda:LOCAL_RANK with NCCL if there is a GPU, else the CPU with gloo")
     g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="compute dtype (autocast); auto: bfloat16 on CUDA, float32 on CPU")
     g.add_argument("--ckpt-dir", default=None, help="where to write checkpoints (none if unset)")
     g.add_argument("--ckpt-every", type=int, default=100, help="steps between checkpoints")
     g.add_argument("--keep-ckpts", type=int, default=2, help="how many recent checkpoints to keep")
     g.add_argument("--resume", action="store_true",
-                   help="continue from the newest checkpoint in --ckpt-dir (fresh start if none)")
+                   help="continue from the newest intact checkpoint in --ckpt-dir (fresh start if none)")
     g.add_argument("--metrics-out", default=None, help="write a JSON summary here (rank 0)")
     g.add_argument("--log-every", type=int, default=10, help="steps between log lines without a TTY")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
     g.add_argument("--dist-timeout", type=float, default=600.0,
-                   help="seconds before a stuck collective raises")
+                   help="seconds a collective waits for a missing rank before raising")
     # Testing aid: die right after step N (its checkpoint, if due, already written).
     g.add_argument("--crash-after-step", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -315,11 +349,105 @@ def checkpoint_path(ckpt_dir: str, step: int) -> str:
     return os.path.join(ckpt_dir, f"step_{step:08d}.pt")
 
 
-def latest_checkpoint(ckpt_dir: str) -> str | None:
+def checkpoints_newest_first(ckpt_dir: str) -> list[str]:
     if not ckpt_dir or not os.path.isdir(ckpt_dir):
-        return None
-    steps = [int(m.group(1)) for m in map(CKPT_PATTERN.match, os.listdir(ckpt_dir)) if m]
-    return checkpoint_path(ckpt_dir, max(steps)) if steps else None
+        return []
+    steps = sorted((int(m.group(1)) for m in map(CKPT_PATTERN.match, os.listdir(ckpt_dir)) if m),
+                   reverse=True)
+    return [checkpoint_path(ckpt_dir, step) for step in steps]
+
+
+def latest_checkpoint(ckpt_dir: str) -> str | None:
+    paths = checkpoints_newest_first(ckpt_dir)
+    return paths[0] if paths else None
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file that cannot be read (truncated, corrupted), or none that can."""
+
+
+CHECKPOINT_KEYS = ("step", "model", "optimizer", "history", "args")
+
+
+def read_checkpoint(path: str, device) -> dict:
+    """The state saved in ``path``; CheckpointError if it does not load."""
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - truncated zip, bad pickle, I/O error: all "unreadable"
+        raise CheckpointError(f"{path}: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]}") from exc
+    if not isinstance(state, dict) or any(key not in state for key in CHECKPOINT_KEYS):
+        raise CheckpointError(f"{path}: not a checkpoint of launch/train.py")
+    return state
+
+
+def newest_intact_checkpoint(ckpt_dir: str, device, say=print) -> tuple[str | None, dict | None]:
+    """(path, state) of the newest checkpoint in ``ckpt_dir`` that loads; (None, None) if
+    there is none at all. Each newer one that does not load is renamed to ``<name>.corrupt``
+    (kept for inspection, no longer counted) and reported through ``say``. Raises
+    CheckpointError when there are checkpoints and none of them loads."""
+    paths = checkpoints_newest_first(ckpt_dir)
+    problems = []
+    for path in paths:
+        try:
+            state = read_checkpoint(path, device)
+        except CheckpointError as exc:
+            problems.append(str(exc))
+            aside = path + ".corrupt"
+            try:
+                os.replace(path, aside)
+            except OSError:
+                aside = None
+            say(f"checkpoint {os.path.basename(path)} does not load ({exc}); "
+                + (f"moved aside to {os.path.basename(aside)}; " if aside else "")
+                + "trying the previous one")
+            continue
+        if problems:
+            say(f"resuming from {os.path.basename(path)}, the newest checkpoint that loads")
+        return path, state
+    if problems:
+        raise CheckpointError(f"no checkpoint in {ckpt_dir} loads: " + "; ".join(problems))
+    return None, None
+
+
+def agree(ok: bool, d) -> bool:
+    """True on every rank iff ``ok`` is True on every rank (one all-reduce)."""
+    if d.world == 1:
+        return ok
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=d.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return flag.item() == 0
+
+
+def resume_state(args, d) -> tuple[str | None, dict | None]:
+    """The checkpoint every rank resumes from, and its state: rank 0 picks the newest one
+    that loads and broadcasts its path; the others load that file. Raises on every rank
+    if rank 0 found only unreadable checkpoints or any rank cannot load the chosen one."""
+    decision = [None, None]  # path, error
+    if d.rank == 0:
+        try:
+            path, state = newest_intact_checkpoint(args.ckpt_dir, d.device,
+                                                   say=lambda msg: print(msg, flush=True))
+            decision = [path, None]
+        except CheckpointError as exc:
+            decision = [None, str(exc)]
+    if d.world > 1:
+        dist.broadcast_object_list(decision, src=0)
+    path, error = decision
+    if error is not None:
+        raise CheckpointError(error)
+    if path is None:
+        return None, None
+    problem = None
+    if d.rank != 0:
+        try:
+            state = read_checkpoint(path, d.device)
+        except CheckpointError as exc:
+            state, problem = None, exc
+    if not agree(problem is None, d):
+        raise CheckpointError(f"rank {d.rank}: " + (str(problem) if problem else
+                              f"another rank could not load {path}, which rank 0 chose "
+                              "(is --ckpt-dir on a file system every rank sees?)"))
+    return path, state
 
 
 def _atomic_write(path: str, write) -> None:
@@ -358,9 +486,12 @@ def save_checkpoint(args, step: int, model, optimizer, history: list) -> str:
     return path
 
 
-def load_checkpoint(path: str, args, model, optimizer, device) -> tuple[int, list, dict]:
-    """Restore model and optimizer; returns (step, history, {changed argument: (old, new)})."""
-    state = torch.load(path, map_location=device, weights_only=True)
+def load_checkpoint(path: str, args, model, optimizer, device, state: dict | None = None
+                    ) -> tuple[int, list, dict]:
+    """Restore model and optimizer from ``path`` (or its already loaded ``state``); returns
+    (step, history, {changed argument: (old, new)})."""
+    if state is None:
+        state = read_checkpoint(path, device)
     saved = state["args"]
     wrong = {k: (saved.get(k), getattr(args, k)) for k in RUN_DEFINING if saved.get(k) != getattr(args, k)}
     if wrong:
@@ -415,9 +546,40 @@ class Progress:
 # ----------------------------------------------------------------------------- training
 
 
-def train_step(model, optimizer, task: Task, step: int, args, d: Dist, autocast_dtype):
+class StopSignals:
+    """While active, SIGTERM and SIGUSR1 are noted instead of killing the process: the
+    training loop stops at the next step boundary, after a checkpoint. Installed only in
+    the main thread (where Python delivers signals); the previous handlers come back on
+    exit."""
+
+    def __init__(self):
+        self.received: str | None = None
+        self._previous: dict = {}
+
+    def _note(self, signum, frame):
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for name in STOP_SIGNALS:
+                sig = getattr(signal, name, None)
+                if sig is not None:
+                    self._previous[sig] = signal.signal(sig, self._note)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+
+def train_step(model, optimizer, task: Task, step: int, args, d: Dist, autocast_dtype,
+               signals: StopSignals | None = None):
     """One optimizer step on the global batch of ``step``; returns the loss, accuracy and
-    gradient norm (before clipping) of the global batch, identical on every rank."""
+    gradient norm (before clipping) of the global batch, and whether any rank has received
+    a stop signal (``signals``): all identical on every rank. The stop flag rides on the
+    all-reduce of the statistics, so agreeing on it costs nothing."""
     per_replica = args.batch_size // d.dp_size
     first = d.dp_rank * per_replica
     tokens, labels = task.batch(step, range(first, first + per_replica))
@@ -443,23 +605,26 @@ def train_step(model, optimizer, task: Task, step: int, args, d: Dist, autocast_
 
     with torch.no_grad():
         correct = ((logits.argmax(-1) == labels) & (labels != IGNORE)).sum()
-        stats = torch.stack([loss_sum.detach(), correct.to(loss_sum.dtype)])
+        asked = signals is not None and signals.received is not None
+        stop = torch.tensor(1.0 if asked else 0.0, device=loss_sum.device)
+        stats = torch.stack([loss_sum.detach(), correct.to(loss_sum.dtype), stop])
     if d.world > 1:
         dist.all_reduce(stats)
-    loss, hits = stats.tolist()
-    return loss / scored, hits / scored, grad_norm.item()
+    loss, hits, stops = stats.tolist()
+    return loss / scored, hits / scored, grad_norm.item(), stops > 0
 
 
 def run(args) -> dict | None:
-    d = setup_distributed(args)
-    try:
-        return _train(args, d)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    with StopSignals() as signals:
+        d = setup_distributed(args)
+        try:
+            return _train(args, d, signals)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
-def _train(args, d: Dist) -> dict | None:
+def _train(args, d: Dist, signals: StopSignals | None = None) -> dict | None:
     is_main = d.rank == 0
     task = Task.from_args(args)
     ringflash.positions(args.seqlen, layout=args.layout, group=d.sp_group)  # checks divisibility
@@ -471,9 +636,10 @@ def _train(args, d: Dist) -> dict | None:
 
     start, history, changed = 0, [], {}
     if args.resume:
-        path = latest_checkpoint(args.ckpt_dir)
+        path, state = resume_state(args, d)
         if path is not None:
-            start, history, changed = load_checkpoint(path, args, model, optimizer, d.device)
+            start, history, changed = load_checkpoint(path, args, model, optimizer, d.device, state)
+            del state
     n_params = sum(p.numel() for p in model.parameters())
     progress = Progress(args, start, enabled=is_main)
     progress.write(
@@ -488,9 +654,11 @@ def _train(args, d: Dist) -> dict | None:
     tokens_per_step = args.batch_size * args.seqlen
     timed_steps, timed_s = 0, 0.0
     tokens_per_s = float("nan")
+    stopped_by = None
     for step in range(start + 1, args.steps + 1):
         t0 = time.perf_counter()
-        loss, acc, grad_norm = train_step(model, optimizer, task, step, args, d, autocast_dtype)
+        loss, acc, grad_norm, stop = train_step(model, optimizer, task, step, args, d, autocast_dtype,
+                                                signals)
         dt = time.perf_counter() - t0  # stats.tolist() synchronized the device
         if step > start + 1 or args.steps == start + 1:  # the first step warms up (JIT, caches)
             timed_steps, timed_s = timed_steps + 1, timed_s + dt
@@ -499,8 +667,18 @@ def _train(args, d: Dist) -> dict | None:
         history.append({"step": step, "loss": loss, "acc": acc, "lr": lr, "grad_norm": grad_norm})
         progress.update(step, loss, acc, tokens_per_step / dt if math.isnan(tokens_per_s)
                         else tokens_per_s, lr)
-        if args.ckpt_dir and (step % args.ckpt_every == 0 or step == args.steps) and is_main:
+        due = step % args.ckpt_every == 0 or step == args.steps
+        if args.ckpt_dir and (due or stop) and is_main:
             save_checkpoint(args, step, model, optimizer, history)
+        if stop:
+            # Every rank saw the same flag; none leaves before rank 0's checkpoint is on disk.
+            stopped_by = (signals.received if signals else None) or "a signal to another rank"
+            if d.world > 1:
+                dist.barrier()
+            where = (f"checkpoint {checkpoint_path(args.ckpt_dir, step)} written; continue with --resume"
+                     if args.ckpt_dir else "no --ckpt-dir, so nothing was saved")
+            progress.write(f"stopped after step {step} by {stopped_by}: {where}")
+            break
         if args.crash_after_step == step:
             progress.write(f"simulated crash after step {step}")
             os._exit(3)
@@ -523,6 +701,7 @@ def _train(args, d: Dist) -> dict | None:
         "tokens_per_s": None if math.isnan(tokens_per_s) else tokens_per_s,
         "timed_steps": timed_steps, "timed_s": timed_s,
         "resumed_from_step": start,
+        "stopped_by_signal": stopped_by,
         "seqlen": args.seqlen, "batch_size": args.batch_size, "layout": args.layout,
         "device": (torch.cuda.get_device_name(d.device) if d.device.type == "cuda" else "cpu"),
         "backend": d.backend, "dtype": "bfloat16" if autocast_dtype else "float32",
@@ -532,7 +711,7 @@ def _train(args, d: Dist) -> dict | None:
         "args": vars(args),
     }
     if is_main:
-        progress.write(f"done: loss {metrics['initial_loss']:.4f} -> {metrics['final_loss']:.4f} "
+        progress.write(f"{'done' if stopped_by is None else 'stopped'}: loss {metrics['initial_loss']:.4f} -> {metrics['final_loss']:.4f} "
                        f"(chance {task.chance_loss:.3f}), accuracy {metrics['final_accuracy']:.3f}, "
                        f"{tokens_per_s:,.0f} tok/s")  # nan if no step ran here
         if args.metrics_out:

@@ -15,7 +15,11 @@ from .kernels import (SUPPORTED_DTYPES, check_causal, check_dropout, check_qkv, 
 from .layouts import DEFAULT_LAYOUT, LAYOUTS, check_layout, global_positions
 from .ops import ring_attn
 
-# Set RINGFLASH_RANK_CHECK=0 to skip the cross-rank agreement check (see _check_ranks_agree).
+# Set RINGFLASH_RANK_CHECK=0 to skip the cross-rank agreement check (see _check_ranks_agree);
+# read once, at import. Without it nothing compares the ranks' arguments: ranks that disagree
+# on a shape fail inside the exchange with the backend's error (gloo aborts: "Received data
+# size doesn't match expected size"; NCCL may hang until the group's timeout), and ranks
+# that disagree on causal, layout or softmax_scale return wrong results with no error.
 _RANK_CHECK = os.environ.get("RINGFLASH_RANK_CHECK", "1") != "0"
 
 

@@ -235,8 +235,3 @@ class Worlds:
             self._world.close()
             self._world = None
 
-
-def run_distributed(fn, world_size: int, *args, timeout: float = 120.0, **kwargs) -> list:
-    """One-shot: spawn a world, run ``fn(rank, world_size, *args, **kwargs)``, tear it down."""
-    with World(world_size) as world:
-        return world.run(fn, *args, timeout=timeout, **kwargs)

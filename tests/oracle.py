@@ -171,3 +171,45 @@ class Case:
     @property
     def softmax_scale(self) -> float:
         return self.d ** -0.5 if self.scale is None else self.scale
+
+
+# ----------------------------------------------------------------------------- shared by the ring and layer tests
+
+LAYOUTS = ("contiguous", "zigzag", "stripe")  # every sequence layout, in ringflash's order
+
+
+@dataclass(frozen=True)
+class RingCase:
+    """One ring configuration: ``n`` tokens per rank (the global length is n * W), heads and
+    kv heads, head_dim, batch, softmax scale (None: head_dim ** -0.5), whether lse enters
+    the loss (sum(out * dout) + sum(lse * dlse)), the dtype's name in torch, and whether q
+    and dout are non-contiguous views (heads outermost in memory)."""
+
+    layout: str
+    causal: bool
+    n: int
+    heads: int = 4
+    kv_heads: int = 4
+    head_dim: int = 16
+    batch: int = 1
+    scale: Optional[float] = None
+    use_lse: bool = False
+    dtype: str = "float32"
+    strided: bool = False
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def id(self) -> str:
+        parts = [self.layout, "causal" if self.causal else "full", f"n{self.n}",
+                 f"h{self.heads}kv{self.kv_heads}", f"d{self.head_dim}", f"b{self.batch}"]
+        if self.scale is not None:
+            parts.append(f"scale{self.scale:g}")
+        if self.use_lse:
+            parts.append("lse")
+        parts.append(DTYPE_ID[self.torch_dtype])
+        if self.strided:
+            parts.append("strided")
+        return "-".join(parts)

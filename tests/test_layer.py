@@ -19,17 +19,12 @@ import torch.distributed as dist
 
 import ringflash
 from dist_utils import Worlds
+from oracle import F32, LAYOUTS, TOL as DTYPE_TOL, rel_err as _rel
 from ringflash.layer import (RingSelfAttention, all_reduce_gradients, apply_rotary,
                              broadcast_parameters, rotary_cos_sin)
 
-LAYOUTS = ("contiguous", "zigzag", "stripe")
-TOL = 1e-5  # fp32 against float64, relative Frobenius error
+TOL = DTYPE_TOL[F32]  # fp32 against float64, relative Frobenius error
 CASES = [(layout, causal) for layout in LAYOUTS for causal in (True, False)]
-
-
-def _rel(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b)).item()
 
 
 # ----------------------------------------------------------------------------- the reference

@@ -14,12 +14,17 @@ import pytest
 import torch
 
 import ringflash
+from oracle import LAYOUTS
 from ringflash import api
 from ringflash.kernels import band_of_window
 from ringflash.layouts import active_steps, global_positions, step_pairs, writes_first
 
-LAYOUTS = ("contiguous", "zigzag", "stripe")
 WORLDS = (1, 2, 3, 4, 5)
+
+
+def test_every_layout_is_tested():
+    """tests/oracle.py's LAYOUTS, which every layout test iterates over, is the library's."""
+    assert LAYOUTS == tuple(ringflash.LAYOUTS)
 
 
 class SimulatedRing:

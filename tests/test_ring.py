@@ -1,11 +1,13 @@
 """The ring over gloo on CPU, against the float64 oracle on the gathered full sequence.
 
 Each world size gets ONE spawned gloo world (the module-scoped ``worlds`` fixture) and
-every case runs inside it: a worker loops over many configurations and returns the
-failures it found, so the few seconds of process start-up are paid once per world size.
-Tests are ordered by world size (1, 2, 3, 4, then everything else at 4) for that reason.
-Every rank computes the ring; the full-sequence comparison of configuration i is done
-by rank i mod W only, which spreads the float64 oracle over the ranks.
+every case runs inside it, so the few seconds of process start-up are paid once per
+world size. Tests are ordered by world size (1, 2, 3, 4, then everything else at 4) for
+that reason. test_ring_matches_oracle is one test item per (world size, configuration),
+e.g. ``test_ring_matches_oracle[W2-zigzag-causal-n26-h4kv2-d8-b2-lse-fp32-strided]``,
+selectable with ``-k``. Every rank computes the ring; the full-sequence comparison of
+configuration i is done by rank i mod W only, which spreads the float64 oracle over the
+ranks.
 """
 
 from __future__ import annotations
@@ -18,22 +20,9 @@ import torch.distributed as dist
 
 import ringflash
 from dist_utils import Worlds
-from oracle import attention_oracle, oracle_grads, rel_err
-
-LAYOUTS = ("contiguous", "zigzag", "stripe")
-TOL = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 2e-2}
-
+from oracle import LAYOUTS, TOL, RingCase, attention_oracle, oracle_grads, rel_err
 
 # ----------------------------------------------------------------------------- configurations
-
-
-def _cfg(layout, causal, n, heads=4, kv_heads=4, head_dim=16, batch=1, scale=None, use_lse=False,
-         dtype="float32", strided=False):
-    """One case: ``n`` tokens per rank (the global length is n * W); ``strided``: q and
-    dout are non-contiguous views (heads outermost in memory)."""
-    return dict(layout=layout, causal=causal, n=n, heads=heads, kv_heads=kv_heads,
-                head_dim=head_dim, batch=batch, scale=scale, use_lse=use_lse, dtype=dtype,
-                strided=strided)
 
 
 def _grid():
@@ -43,40 +32,40 @@ def _grid():
     for layout in LAYOUTS:
         for causal in (False, True):
             for i, (h, hkv) in enumerate(heads):
-                cases.append(_cfg(layout, causal, 26, h, hkv, head_dim=(16, 8, 32)[i],
-                                  batch=(1, 2, 1)[i], use_lse=(i != 1),
-                                  scale=0.3 if i == 2 else None, strided=(i == 1)))
+                cases.append(RingCase(layout, causal, 26, h, hkv, head_dim=(16, 8, 32)[i],
+                                      batch=(1, 2, 1)[i], use_lse=(i != 1),
+                                      scale=0.3 if i == 2 else None, strided=(i == 1)))
             if layout != "zigzag":  # zigzag needs an even seqlen_local
-                cases.append(_cfg(layout, causal, 13, 4, 2, head_dim=8, use_lse=True))
+                cases.append(RingCase(layout, causal, 13, 4, 2, head_dim=8, use_lse=True))
     return cases
 
 
 def _long():
     """300 tokens per rank: the CPU twin tiles keys by 256, so one shard spans two tiles."""
-    return [_cfg(layout, causal, 300, heads=2, kv_heads=1, head_dim=8, use_lse=True)
+    return [RingCase(layout, causal, 300, heads=2, kv_heads=1, head_dim=8, use_lse=True)
             for layout in LAYOUTS for causal in (False, True)]
 
 
 def _half_precision():
-    return [_cfg("zigzag", True, 26, 4, 2, head_dim=16, use_lse=True, dtype="bfloat16"),
-            _cfg("stripe", False, 13, 4, 4, head_dim=16, use_lse=False, dtype="float16")]
+    return [RingCase("zigzag", True, 26, 4, 2, head_dim=16, use_lse=True, dtype="bfloat16"),
+            RingCase("stripe", False, 13, 4, 4, head_dim=16, use_lse=False, dtype="float16")]
 
 
-def _describe(cfg, world):
-    return (f"W={world} {cfg['layout']} causal={cfg['causal']} n={cfg['n']} "
-            f"h={cfg['heads']}/{cfg['kv_heads']} d={cfg['head_dim']} b={cfg['batch']} "
-            f"scale={cfg['scale']} lse_loss={cfg['use_lse']} {cfg['dtype']}"
-            + (" strided" if cfg["strided"] else ""))
+ORACLE_CASES = _grid() + _long() + _half_precision()
+
+
+def _describe(cfg: RingCase, world):
+    return f"W={world} {cfg.id}"
 
 
 # ----------------------------------------------------------------------------- worker side
 
 
-def _full_inputs(cfg, world, seed):
+def _full_inputs(cfg: RingCase, world, seed):
     """The same full-sequence q, k, v, dout, dlse on every rank."""
     gen = torch.Generator().manual_seed(seed)
-    dtype = getattr(torch, cfg["dtype"])
-    b, n, h, hkv, d = cfg["batch"], cfg["n"] * world, cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
+    dtype = cfg.torch_dtype
+    b, n, h, hkv, d = cfg.batch, cfg.n * world, cfg.heads, cfg.kv_heads, cfg.head_dim
 
     def rand(*shape):
         return torch.randn(*shape, generator=gen)
@@ -87,17 +76,17 @@ def _full_inputs(cfg, world, seed):
     return q, k, v, dout, dlse
 
 
-def _run_ring(cfg, q, k, v, dout, dlse, group):
+def _run_ring(cfg: RingCase, q, k, v, dout, dlse, group):
     """Ring forward + backward on this rank's shards; returns the gathered full tensors."""
-    layout = cfg["layout"]
+    layout = cfg.layout
     ql, kl, vl = (ringflash.shard(t, dim=1, layout=layout, group=group) for t in (q, k, v))
     dout_l = ringflash.shard(dout, 1, layout, group)
-    if cfg["strided"]:
+    if cfg.strided:
         ql, dout_l = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (ql, dout_l))
         assert not ql.is_contiguous()
     ql, kl, vl = (t.requires_grad_() for t in (ql, kl, vl))
-    kwargs = dict(causal=cfg["causal"], softmax_scale=cfg["scale"], group=group, layout=layout)
-    if cfg["use_lse"]:  # the loss sum(out * dout) + sum(lse * dlse)
+    kwargs = dict(causal=cfg.causal, softmax_scale=cfg.scale, group=group, layout=layout)
+    if cfg.use_lse:  # the loss sum(out * dout) + sum(lse * dlse)
         out, lse = ringflash.ring_flash_attn(ql, kl, vl, return_lse=True, **kwargs)
         torch.autograd.backward([out, lse], [dout_l, ringflash.shard(dlse, 2, layout, group)])
     else:
@@ -122,13 +111,13 @@ def _run_ring(cfg, q, k, v, dout, dlse, group):
     return gathered
 
 
-def _compare(cfg, q, k, v, dout, dlse, got, world) -> list[str]:
-    offset = 0 if cfg["causal"] else None
-    out, lse = attention_oracle(q, k, v, causal_offset=offset, softmax_scale=cfg["scale"])
-    dq, dk, dv = oracle_grads(q, k, v, dout, causal_offset=offset, softmax_scale=cfg["scale"],
-                              dlse=dlse if cfg["use_lse"] else None)
+def _compare(cfg: RingCase, q, k, v, dout, dlse, got, world) -> list[str]:
+    offset = 0 if cfg.causal else None
+    out, lse = attention_oracle(q, k, v, causal_offset=offset, softmax_scale=cfg.scale)
+    dq, dk, dv = oracle_grads(q, k, v, dout, causal_offset=offset, softmax_scale=cfg.scale,
+                              dlse=dlse if cfg.use_lse else None)
     want = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
-    tol = TOL[getattr(torch, cfg["dtype"])]
+    tol = TOL[cfg.torch_dtype]
     failures = []
     for name, value in got.items():
         err = rel_err(value, want[name])
@@ -137,12 +126,14 @@ def _compare(cfg, q, k, v, dout, dlse, got, world) -> list[str]:
     return failures
 
 
-def check_configs(rank, world, configs, seed=0, group_ranks=None):
+def check_configs(rank, world, configs, seed=0, group_ranks=None, first_index=0):
     """Ring vs oracle for every configuration; returns this rank's failure messages.
 
-    With ``group_ranks`` the ring runs on ``dist.new_group(group_ranks)`` (every rank of
-    the world must create it; only members compute). Exceptions propagate: a rank that
-    raises mid-ring would leave its peers waiting, and the World reports its traceback.
+    Configuration i (counted from ``first_index``) gets inputs from seed + i and is
+    compared with the oracle on rank i mod W. With ``group_ranks`` the ring runs on
+    ``dist.new_group(group_ranks)`` (every rank of the world must create it; only members
+    compute). Exceptions propagate: a rank that raises mid-ring would leave its peers
+    waiting, and the World reports its traceback.
     """
     group, members = None, list(range(world))
     if group_ranks is not None:
@@ -155,7 +146,7 @@ def check_configs(rank, world, configs, seed=0, group_ranks=None):
             return []
     ring_world, ring_rank = len(members), members.index(rank)
     failures = []
-    for i, cfg in enumerate(configs):
+    for i, cfg in enumerate(configs, start=first_index):
         q, k, v, dout, dlse = _full_inputs(cfg, ring_world, seed + i)
         got = _run_ring(cfg, q, k, v, dout, dlse, group)
         if i % ring_world == ring_rank:
@@ -196,24 +187,29 @@ def _assert_no_failures(per_rank):
     assert not failures, f"{len(failures)} mismatch(es) vs the float64 oracle:\n" + "\n".join(failures)
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4], ids=lambda w: f"W{w}")
-def test_ring_matches_oracle(worlds, world_size):
+# World size outermost: the items of one size run back to back in the same spawned world.
+ORACLE_ITEMS = [(w, i) for w in (1, 2, 3, 4) for i in range(len(ORACLE_CASES))]
+
+
+@pytest.mark.parametrize("world_size,index", ORACLE_ITEMS,
+                         ids=[f"W{w}-{ORACLE_CASES[i].id}" for w, i in ORACLE_ITEMS])
+def test_ring_matches_oracle(worlds, world_size, index):
     """out, lse, dq, dk, dv for every layout, causal and not, MHA/GQA/MQA, ragged local
     lengths (13, 26, and 300 > the CPU twin's key tile of 256), lse in the loss, fp32 and
     a bf16/fp16 case each."""
-    configs = _grid() + _long() + _half_precision()
-    _assert_no_failures(worlds(world_size).run(check_configs, configs, timeout=240))
+    _assert_no_failures(worlds(world_size).run(check_configs, [ORACLE_CASES[index]],
+                                               first_index=index, timeout=120))
 
 
 def test_ring_on_subgroup(worlds):
     """A ring over ranks 1 and 3 of a world of 4 (ranks 0 and 2 stay out of it)."""
-    configs = [_cfg(layout, causal, 26, 4, 2, use_lse=True)
+    configs = [RingCase(layout, causal, 26, 4, 2, use_lse=True)
                for layout in LAYOUTS for causal in (False, True)]
     _assert_no_failures(worlds(4).run(check_configs, configs, seed=7, group_ranks=[1, 3]))
 
 
 def test_ring_on_two_subgroups_at_once(worlds):
-    configs = [_cfg("zigzag", True, 26, 4, 1, use_lse=True), _cfg("stripe", True, 13, 2, 2)]
+    configs = [RingCase("zigzag", True, 26, 4, 1, use_lse=True), RingCase("stripe", True, 13, 2, 2)]
     _assert_no_failures(worlds(4).run(check_concurrent_subgroups, configs))
 
 

@@ -33,17 +33,14 @@ import torch
 import torch.distributed as dist
 
 import ringflash
-from oracle import attention_oracle, oracle_grads, rel_err
+from oracle import BF16, DTYPE_ID, F16, F32, LAYOUTS, attention_oracle, oracle_grads, rel_err
 from ringflash.kernels import flash_attn
 
 pytestmark = pytest.mark.gpu
 
-LAYOUTS = ("contiguous", "zigzag", "stripe")
 NAMES = ("out", "lse", "dq", "dk", "dv")
-F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-DTYPE_ID = {F32: "fp32", F16: "fp16", BF16: "bf16"}
 # Against the float64 oracle. fp32 runs with TF32 off (IEEE dots); the GPU's exp2 is an
-# approximation, hence not the CPU's 1e-5.
+# approximation, hence not oracle.TOL's 1e-5 of the CPU.
 TOL = {F32: 1e-4, F16: 2e-2, BF16: 2e-2}
 RATIO = 1.5  # ring error <= RATIO * single-GPU error + SLACK
 SLACK = {F32: 1e-5, F16: 1e-4, BF16: 1e-4}

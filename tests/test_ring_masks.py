@@ -14,11 +14,11 @@ import torch
 
 import ringflash
 from dist_utils import Worlds
-from oracle import NOISE_FLOOR, TOL, attention_oracle, global_mask, oracle_grads, rel_err
+from oracle import LAYOUTS, NOISE_FLOOR, TOL, attention_oracle, global_mask, oracle_grads, rel_err
 from test_dropout import dropout_oracle
 from test_dropout import oracle_grads as dropout_grads
 
-LAYOUTS = ringflash.LAYOUTS
+
 
 
 def _documents(seqlen: int, kind: str, seed: int) -> torch.Tensor:

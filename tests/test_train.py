@@ -6,6 +6,10 @@
 - A run killed after step 5 and resumed from its step-4 checkpoint ends with the same
   parameters as the uninterrupted run (bitwise: same ranks, same reductions), and so
   does a resume in one process without torchrun (within fp32 rounding).
+- With the newest checkpoint truncated, --resume falls back to the previous one, says so,
+  and still ends with the uninterrupted run's parameters.
+- SIGTERM to one worker only stops every rank after the same step with a checkpoint of
+  it; SIGTERM to torchrun (which forwards it) does the same for the resumed run.
 
 Each torchrun job runs in its own session and is killed as a whole on timeout.
 """
@@ -15,15 +19,19 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from oracle import rel_err as _rel
 from ringflash.layer import RingSelfAttention
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,13 +51,18 @@ def load_train_module():
     return module
 
 
-def torchrun(args, nproc=2, timeout=90):
-    """Run launch/train.py under torchrun; returns (returncode, output). Never hangs."""
+def start_torchrun(args, nproc=2) -> subprocess.Popen:
+    """launch/train.py under torchrun, in a session of its own, output piped (text)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", "--max-restarts=0", str(TRAIN), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def torchrun(args, nproc=2, timeout=90):
+    """Run launch/train.py under torchrun; returns (returncode, output). Never hangs."""
+    proc = start_torchrun(args, nproc)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -57,11 +70,6 @@ def torchrun(args, nproc=2, timeout=90):
         out, _ = proc.communicate()
         pytest.fail(f"torchrun timed out after {timeout} s:\n{out[-4000:]}")
     return proc.returncode, out
-
-
-def _rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    return (torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b)).item()
 
 
 def _final_params(ckpt_dir):
@@ -203,3 +211,141 @@ def test_resume_refuses_a_different_run(ring_run, tmp_path):
     args = train.parse_args([*SMALL, "--ckpt-dir", str(other), "--resume", "--d-model", "48"])
     with pytest.raises(ValueError, match="different run"):
         train.run(args)
+
+
+# ----------------------------------------------------------------------------- damaged checkpoints
+
+
+def test_resume_falls_back_past_a_truncated_checkpoint(ring_run, tmp_path):
+    """The newest checkpoint is cut in half (a write that never finished on a file system
+    without atomic rename): every rank resumes from the one before, rank 0 says so, and
+    the run ends where the uninterrupted one did."""
+    metrics, ckpt_dir = ring_run
+    damaged = tmp_path / "ckpt"
+    damaged.mkdir()
+    for name in ("step_00000004.pt", "step_00000006.pt"):
+        (damaged / name).write_bytes((ckpt_dir / name).read_bytes())
+    newest = damaged / "step_00000006.pt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+
+    rc, out = torchrun([*SMALL, "--ckpt-dir", str(damaged), "--resume", "--metrics-out",
+                        str(tmp_path / "metrics.json")])
+    assert rc == 0, out[-4000:]
+    assert "step_00000006.pt does not load" in out and "resuming from step_00000004.pt" in out, out[-4000:]
+    assert out.count("does not load") == 1, "only rank 0 decides and reports"
+    resumed = json.loads((tmp_path / "metrics.json").read_text())
+    assert resumed["resumed_from_step"] == 4 and resumed["losses"] == metrics["losses"]
+    assert (damaged / "step_00000006.pt.corrupt").exists()  # kept for inspection, not counted
+    want, got = _final_params(ckpt_dir), _final_params(damaged)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_resume_refuses_when_no_checkpoint_loads(tmp_path):
+    train = load_train_module()
+    (tmp_path / "step_00000002.pt").write_bytes(b"not a checkpoint")
+    args = train.parse_args([*SMALL, "--ckpt-dir", str(tmp_path), "--resume"])
+    with pytest.raises(train.CheckpointError, match="no checkpoint .* loads"):
+        train.run(args)
+
+
+# ----------------------------------------------------------------------------- preemption
+
+
+class Output:
+    """The lines of a running process, read by a thread, so the test can wait for one."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.lines, self._queue = proc, [], queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def wait_for(self, text: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if line is None:
+                break
+            self.lines.append(line)
+            if text in line:
+                return
+        self.kill()
+        pytest.fail(f"no line with {text!r}:\n{self.text[-4000:]}")
+
+    def finish(self, timeout: float = 60) -> tuple[int, str]:
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"still running {timeout} s after the signal:\n{self.text[-4000:]}")
+        while (line := self._queue.get(timeout=10)) is not None:
+            self.lines.append(line)
+        return self.proc.returncode, self.text
+
+    def kill(self):
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+
+def worker_pid(agent_pid: int, rank: int) -> int:
+    """The pid of torchrun's worker of global rank ``rank`` (Linux /proc)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if ppid != agent_pid:
+                continue
+            env = (stat.parent / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if f"RANK={rank}".encode() in env:
+            return int(stat.parent.name)
+    raise AssertionError(f"no worker of rank {rank} under torchrun pid {agent_pid}")
+
+
+def _step_of_stop(text: str) -> int:
+    line = next(l for l in text.splitlines() if "stopped after step" in l)
+    return int(line.split("stopped after step")[1].split()[0])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds torchrun's workers in /proc")
+def test_sigterm_checkpoints_and_resume_continues(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    endless = [*SMALL, "--steps", "100000", "--ckpt-every", "100000", "--log-every", "1",
+               "--ckpt-dir", str(ckpt)]
+    # 1. SIGTERM to rank 1 only: rank 0 learns of it through the step's all-reduce.
+    run = Output(start_torchrun(endless))
+    run.wait_for("step      3/")
+    os.kill(worker_pid(run.proc.pid, rank=1), signal.SIGTERM)
+    rc, out = run.finish()
+    assert rc == 0, out[-4000:]
+    assert "by a signal to another rank" in out, out[-4000:]
+    first = _step_of_stop(out)
+    assert sorted(os.listdir(ckpt)) == [f"step_{first:08d}.pt"], out[-4000:]
+    saved = torch.load(ckpt / f"step_{first:08d}.pt", weights_only=True)
+    assert saved["step"] == first and len(saved["history"]) == first
+
+    # 2. Resume, then SIGTERM to torchrun itself, which forwards it to every worker.
+    run = Output(start_torchrun([*endless, "--resume"]))
+    run.wait_for(f"step {first + 2:>6}/")
+    os.kill(run.proc.pid, signal.SIGTERM)
+    rc, out = run.finish()
+    assert f"resumed at step {first}" in out and "by SIGTERM" in out, out[-4000:]
+    second = _step_of_stop(out)
+    assert second > first
+    resumed = torch.load(ckpt / f"step_{second:08d}.pt", weights_only=True)
+    assert resumed["step"] == second
+    assert resumed["history"][:first] == saved["history"]
+    assert [h["step"] for h in resumed["history"]] == list(range(1, second + 1))

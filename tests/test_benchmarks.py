@@ -1,0 +1,116 @@
+"""The benchmark scripts' CPU smoke runs: they finish, name the device they measured, label
+the backend and the unit truthfully, and write outside benchmarks/results.
+
+Each script runs in a subprocess (bench_ring under torchrun, 2 gloo ranks) with TMPDIR
+pointing into pytest's temporary directory, so the temporary directory a smoke run writes
+to by default lands there. Every file under benchmarks/results must be byte-identical
+afterwards, and git must see no change there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+RESULTS = BENCH / "results"
+
+
+def _digests() -> dict[str, str]:
+    return {str(p.relative_to(RESULTS)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(RESULTS.rglob("*")) if p.is_file()}
+
+
+def _git_status() -> str | None:
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        return None
+    done = subprocess.run(["git", "status", "--porcelain", "--", "benchmarks/results"], cwd=ROOT,
+                          capture_output=True, text=True)
+    return done.stdout if done.returncode == 0 else None
+
+
+def _run(cmd: list[str], tmp_path: Path, timeout: float = 120) -> str:
+    env = dict(os.environ, TMPDIR=str(tmp_path), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
+               PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} timed out after {timeout} s:\n{out[-4000:]}")
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-4000:]}"
+    return out
+
+
+@pytest.fixture
+def results_untouched():
+    before, status = _digests(), _git_status()
+    yield
+    assert _digests() == before, "a smoke run changed files under benchmarks/results"
+    assert _git_status() == status
+
+
+def _written(tmp_path: Path, name: str) -> dict:
+    """The one results file ``name`` a smoke run wrote into a temporary directory."""
+    found = list(tmp_path.glob(f"ringflash-bench-*/{name}"))
+    assert len(found) == 1, f"expected one {name} under {tmp_path}, found {found}"
+    return json.loads(found[0].read_text())
+
+
+def test_bench_kernel_cpu_smoke(tmp_path, results_untouched):
+    out = _run([sys.executable, str(BENCH / "bench_kernel.py"), "--device", "cpu"], tmp_path)
+    data = _written(tmp_path, "kernel_cpu.json")
+    assert data["meta"]["device"].startswith("cpu") and data["meta"]["gpu_count"] == 0
+    assert {r["impl"] for r in data["records"]} == {"ringflash", "sdpa_flash"}
+    assert all(r["fwd_tflops"] and r["fwdbwd_tflops"] for r in data["records"])
+    assert "GFLOP/s (CPU)" in out and "TFLOP/s" not in out
+
+
+def test_bench_ring_cpu_smoke_under_torchrun(tmp_path, results_untouched):
+    out = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                "--max-restarts=0", str(BENCH / "bench_ring.py"), "--device", "cpu", "--no-plot"],
+               tmp_path)
+    data = _written(tmp_path, "ring_cpux2.json")
+    meta = data["meta"]
+    assert meta["device"].startswith("cpu") and meta["world_size"] == 2 and meta["backend"] == "gloo"
+    ring = [r for r in data["records"] if r["impl"] == "ringflash"]
+    assert ring and all(r["transport"] == "gloo" and r["fwdbwd_tflops_per_gpu"] for r in ring)
+    assert "nccl" not in out.lower()
+    assert "per GPU" not in out and "TF/GPU" not in out and "TFLOP/s/GPU" not in out
+
+
+def test_bench_balance_cpu_smoke(tmp_path, results_untouched):
+    _run([sys.executable, str(BENCH / "bench_balance.py"), "--device", "cpu"], tmp_path)
+    data = _written(tmp_path, "balance_cpux1.json")
+    assert data["meta"]["device"].startswith("cpu") and data["meta"]["backend"] == "gloo"
+    assert {r["layout"] for r in data["records"]} == {"contiguous", "zigzag", "stripe"}
+    assert all(r["transport"] == "gloo" for r in data["records"])
+
+
+def test_result_names_come_from_the_device():
+    sys.path.insert(0, str(BENCH))
+    try:
+        import _harness as H
+    finally:
+        sys.path.remove(str(BENCH))
+    names = {"NVIDIA H200": "h200", "NVIDIA H100 80GB HBM3": "h100", "NVIDIA A100-SXM4-80GB": "a100",
+             "NVIDIA GeForce RTX 4090": "rtx4090", "NVIDIA H200 NVL": "h200", "NVIDIA L40S": "l40s"}
+    for name, slug in names.items():
+        assert H.gpu_slug(name) == slug, name
+    import torch
+    cpu = torch.device("cpu")
+    assert H.result_name("kernel", cpu) == "kernel_cpu"
+    assert H.result_name("ring", cpu, 2) == "ring_cpux2"
+    assert H.results_dir(None, smoke=False) == RESULTS
+    assert H.results_dir("elsewhere", smoke=True) == Path("elsewhere")
