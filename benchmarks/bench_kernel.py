@@ -23,7 +23,7 @@ import torch
 
 import _harness as H
 
-IMPLS = ("ringflash", "sdpa_flash", "sdpa_cudnn")
+IMPLS = ("ringflash", "ringflash_det", "sdpa_flash", "sdpa_cudnn")
 DEFAULT_SEQLENS = "2k,4k,8k,16k,32k,64k"
 QUICK_SEQLENS = "4k,16k"
 
@@ -89,6 +89,13 @@ def make_impls(names) -> dict[str, Impl]:
         impls["ringflash"] = Impl("ringflash", "bshd",
                                   lambda q, k, v, causal: flash_attn(q, k, v, causal=causal),
                                   contextlib.nullcontext)
+    if "ringflash_det" in names:  # deterministic=True: bit-identical gradients run to run
+        from ringflash.kernels import flash_attn
+
+        impls["ringflash_det"] = Impl("ringflash_det", "bshd",
+                                      lambda q, k, v, causal: flash_attn(q, k, v, causal=causal,
+                                                                         deterministic=True),
+                                      contextlib.nullcontext)
     for name, backend in (("sdpa_flash", "FLASH_ATTENTION"), ("sdpa_cudnn", "CUDNN_ATTENTION")):
         if name in names:
             from torch.nn.attention import SDPBackend, sdpa_kernel

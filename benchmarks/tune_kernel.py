@@ -1,10 +1,12 @@
 """Sweep the tile shapes of the Triton kernels on one GPU and print the fastest.
 
     python benchmarks/tune_kernel.py [--seqlen 16384] [--head-dims 64 128 256]
-                                     [--which fwd dkdv dq] [--causal 0 1] [--no-tma]
+                                     [--which fwd dkdv dq fused] [--causal 0 1] [--no-tma]
 
 The forward and the two backward kernels (dK/dV, dQ) are swept apart: each has its own
-tiles. Every forward candidate is checked against torch SDPA and every backward one
+tiles. ``fused`` sweeps the one-kernel backward (tiles, and the rotated query order) with
+bf16 gradients, i.e. with the fp32 dQ scratch and its epilogue, and times the two-kernel
+(deterministic) backward beside it; both counted as 2.5 forwards. Every forward candidate is checked against torch SDPA and every backward one
 against the library's current backward before it is timed; the chosen shapes go into
 fwd_config / bwd_config in kernels/triton_attn.py by hand.
 """
@@ -22,7 +24,7 @@ from ringflash.kernels import attn_delta, triton_attn
 
 # Matmuls each kernel really runs, over the forward's two: dK/dV recomputes S and dP and
 # accumulates dV and dK (4), dQ recomputes S and dP and accumulates dQ (3).
-FLOP_FACTOR = {"fwd": 1.0, "dkdv": 2.0, "dq": 1.5}
+FLOP_FACTOR = {"fwd": 1.0, "dkdv": 2.0, "dq": 1.5, "fused": 2.5, "ordered": 2.5}
 
 
 def _tflops(batch, heads, seqlen, head_dim, causal, ms, factor):
@@ -31,6 +33,15 @@ def _tflops(batch, heads, seqlen, head_dim, causal, ms, factor):
 
 
 def _candidates(which, head_dim):
+    if which in ("fused", "ordered"):  # (BLOCK_M, BLOCK_N, warps, stages): few spills for sm_90
+        cfgs = {64: [(64, 128, 8, 2), (64, 64, 8, 2), (128, 128, 8, 2), (64, 128, 8, 3), (128, 64, 8, 2)],
+                128: [(64, 128, 8, 2), (64, 64, 8, 2), (64, 64, 8, 3), (128, 64, 8, 2), (32, 128, 8, 2),
+                      (64, 128, 8, 3), (128, 128, 8, 2)],
+                256: [(64, 64, 8, 2), (32, 64, 8, 2), (64, 32, 8, 2), (32, 64, 4, 2)]}
+        for bm, bn, warps, st in cfgs[min((c for c in cfgs if c >= head_dim))][:3 if which == "ordered" else None]:
+            for rotate in (False, True) if which == "fused" else (False,):
+                yield dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=st, ROTATE=rotate)
+        return
     if which == "fwd":
         blocks = [(128, 32), (128, 64), (128, 128)] if head_dim <= 128 else [(128, 32), (128, 64), (64, 64)]
         stages = (2, 3, 4)
@@ -57,7 +68,7 @@ def sweep(which, head_dim, causal, seqlen, heads=32, batch=1, dtype=torch.bfloat
     delta = attn_delta(out, do)
     grads = [torch.empty(t.shape, device="cuda") for t in (q, k, v)]
     triton_attn.bwd(do, q, k, v, lse, delta, *grads, softmax_scale=scale, causal_offset=offset,
-                    accumulate=False)
+                    accumulate=False, deterministic=True)
     if which == "fwd":
         ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)),
                                              is_causal=causal).transpose(1, 2)
@@ -65,6 +76,18 @@ def sweep(which, head_dim, causal, seqlen, heads=32, batch=1, dtype=torch.bfloat
         fn = lambda: triton_attn.fwd(q, k, v, o2, l2, softmax_scale=scale, causal_offset=offset,
                                      accumulate=False)
         check = lambda: _rel(o2, ref)
+    elif which in ("fused", "ordered"):
+        g = [torch.empty_like(t) for t in (q, k, v)]  # the op's gradients: bf16, scratch dQ
+        fn = lambda: triton_attn.bwd(do, q, k, v, lse, delta, *g, softmax_scale=scale,
+                                     causal_offset=offset, accumulate=False,
+                                     deterministic=which == "ordered")
+        check = lambda: max(_rel(a, b) for a, b in zip(g, grads))
+        two = lambda: triton_attn.bwd(do, q, k, v, lse, delta, *g, softmax_scale=scale,
+                                      causal_offset=offset, accumulate=False, deterministic=True)
+        two()
+        ms = triton.testing.do_bench(two, warmup=25, rep=100, return_mode="median")
+        print(f"  two-kernel d={head_dim} causal={causal}: {ms:.3f} ms "
+              f"{_tflops(batch, heads, seqlen, head_dim, causal, ms, 2.5):.0f} TFLOP/s", flush=True)
     else:
         g = [torch.empty_like(t) for t in grads]
         args = (g[0], None, None) if which == "dq" else (None, g[1], g[2])
@@ -73,9 +96,16 @@ def sweep(which, head_dim, causal, seqlen, heads=32, batch=1, dtype=torch.bfloat
         checked = (0,) if which == "dq" else (1, 2)
         check = lambda: max(_rel(g[i], grads[i]) for i in checked)
     original = triton_attn.fwd_config, triton_attn.bwd_config
+    original_fused = triton_attn.fused_bwd_config, triton_attn.FUSED_ROTATE
     results = []
     for cfg in _candidates(which, head_dim):
-        if which == "fwd":
+        if which in ("fused", "ordered"):
+            triton_attn.FUSED_DETERMINISTIC = which == "ordered"
+            cfg = dict(cfg)
+            triton_attn.FUSED_ROTATE = cfg.pop("ROTATE")
+            triton_attn.fused_bwd_config = lambda d, dt, cfg=cfg: cfg
+            cfg = dict(cfg, ROTATE=triton_attn.FUSED_ROTATE)
+        elif which == "fwd":
             triton_attn.fwd_config = lambda d, dt, cfg=cfg: cfg
         else:
             dkdv_cfg, dq_cfg = original[1](head_dim, dtype)
@@ -90,6 +120,8 @@ def sweep(which, head_dim, causal, seqlen, heads=32, batch=1, dtype=torch.bfloat
             continue
         finally:
             triton_attn.fwd_config, triton_attn.bwd_config = original
+            triton_attn.fused_bwd_config, triton_attn.FUSED_ROTATE = original_fused
+            triton_attn.FUSED_DETERMINISTIC = False
         tf = _tflops(batch, heads, seqlen, head_dim, causal, ms, FLOP_FACTOR[which])
         ok = err < 2e-2
         results.append((tf if ok else 0.0, cfg, ms, err))
@@ -102,7 +134,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seqlen", type=int, default=16384)
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
-    p.add_argument("--which", nargs="+", default=["fwd", "dkdv", "dq"], choices=["fwd", "dkdv", "dq"])
+    p.add_argument("--which", nargs="+", default=["fwd", "dkdv", "dq"],
+                   choices=["fwd", "dkdv", "dq", "fused", "ordered"],
+                   help="ordered: the fused kernel with semaphore-ordered dQ adds (deterministic)")
     p.add_argument("--causal", nargs="+", type=int, default=[0], help="0, 1 or both")
     p.add_argument("--no-tma", action="store_true", help="forward through pointer loads")
     args = p.parse_args()

@@ -122,20 +122,25 @@ def attn_delta(out: torch.Tensor, dout: torch.Tensor,
 
 
 def flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float,
-                   causal_offset: Optional[int] = None, accumulate: bool = False):
+                   causal_offset: Optional[int] = None, accumulate: bool = False,
+                   deterministic: bool = False):
     """Gradients of one block pair, written (or, with accumulate, added) into dq, dk, dv.
 
     dout, q, dq (B, Sq, H, D); k, v, dk, dv (B, Sk, Hkv, D); lse, delta (B, H, Sq) fp32:
     the FINAL lse of these queries over every key block, and ``attn_delta`` of the FINAL
     out. Accumulators should be fp32; views are fine. dq=None skips dQ, and dk=dv=None
     skips dK and dV (they are separate passes, so a caller may run them apart).
+    With all three on CUDA, one fused kernel computes them, summing dQ in an order that
+    may vary run to run (last-bit differences); ``deterministic=True`` (or the environment
+    variable RINGFLASH_DETERMINISTIC=1, read at every call) runs the two passes instead,
+    bit-identical from run to run. The CPU twin is deterministic either way.
     """
     if (dk is None) != (dv is None):
         raise ValueError("dk and dv are computed together: pass both or neither")
     _check_outputs(lse=lse, delta=delta, dq=dq, dk=dk, dv=dv)
     _backend(q).bwd(_rowmajor(dout), _rowmajor(q), _rowmajor(k), _rowmajor(v), lse, delta, dq, dk,
                     dv, softmax_scale=softmax_scale, causal_offset=causal_offset,
-                    accumulate=accumulate)
+                    accumulate=accumulate, deterministic=deterministic)
     return dq, dk, dv
 
 
@@ -144,12 +149,14 @@ def flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: floa
 
 @torch.library.custom_op("ringflash::flash_attn_forward", mutates_args=())
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-                causal_offset: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+                causal_offset: Optional[int], deterministic: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    # deterministic only travels to the backward, through the autograd context.
     return flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal_offset=causal_offset)
 
 
 @_forward_op.register_fake
-def _(q, k, v, softmax_scale, causal_offset):
+def _(q, k, v, softmax_scale, causal_offset, deterministic=False):
     b, sq, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
 
@@ -157,38 +164,40 @@ def _(q, k, v, softmax_scale, causal_offset):
 @torch.library.custom_op("ringflash::flash_attn_backward", mutates_args=())
 def _backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
-                 softmax_scale: float, causal_offset: Optional[int]
+                 softmax_scale: float, causal_offset: Optional[int], deterministic: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     delta = attn_delta(out, dout, dlse)
     dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
     return flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale=softmax_scale,
-                          causal_offset=causal_offset)
+                          causal_offset=causal_offset, deterministic=deterministic)
 
 
 @_backward_op.register_fake
-def _(dout, q, k, v, out, lse, dlse, softmax_scale, causal_offset):
+def _(dout, q, k, v, out, lse, dlse, softmax_scale, causal_offset, deterministic=False):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, causal_offset = inputs
+    q, k, v, softmax_scale, causal_offset, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.softmax_scale = softmax_scale
     ctx.causal_offset = causal_offset
+    ctx.deterministic = deterministic
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = _backward_op(dout, q, k, v, out, lse, dlse, ctx.softmax_scale, ctx.causal_offset)
-    return dq, dk, dv, None, None
+    dq, dk, dv = _backward_op(dout, q, k, v, out, lse, dlse, ctx.softmax_scale, ctx.causal_offset,
+                              ctx.deterministic)
+    return dq, dk, dv, None, None, None
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def flash_attn(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] = None,
-               return_lse: bool = False):
+               return_lse: bool = False, deterministic: bool = False):
     """Exact softmax attention on one device, FlashAttention-2 style.
 
     Args:
@@ -199,6 +208,9 @@ def flash_attn(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] 
             torch's scaled_dot_product_attention).
         softmax_scale: a positive float; defaults to head_dim ** -0.5.
         return_lse: also return lse.
+        deterministic: bit-identical gradients from run to run (the backward's two-pass
+            path instead of the fused one, whose dQ summation order varies); the
+            environment variable RINGFLASH_DETERMINISTIC=1 does the same for every call.
 
     Returns:
         out (batch, seqlen_q, heads, head_dim) in q's dtype, and with return_lse the
@@ -208,5 +220,7 @@ def flash_attn(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] 
     check_qkv(q, k, v)
     causal = check_causal(causal)
     scale = resolve_scale(softmax_scale, q.shape[-1])
-    out, lse = _forward_op(q, k, v, scale, 0 if causal else None)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    out, lse = _forward_op(q, k, v, scale, 0 if causal else None, deterministic)
     return (out, lse) if return_lse else out

@@ -82,9 +82,9 @@ def delta(out, do):
 
 
 def bwd(do, q, k, v, lse, delta_, dq, dk, dv, *, softmax_scale: float,
-        causal_offset: int | None, accumulate: bool):
+        causal_offset: int | None, accumulate: bool, deterministic: bool = False):
     """Write (or add into) dq, dk, dv for this block pair, from the FINAL lse and delta;
-    a gradient passed as None is skipped."""
+    a gradient passed as None is skipped. Deterministic whatever ``deterministic`` says."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     g = h // hkv

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import triton
@@ -75,6 +76,26 @@ def bwd_config(head_dim: int, dtype: torch.dtype) -> tuple[dict, dict]:
                 dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3))
     return (dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
             dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3))
+
+
+def fused_bwd_config(head_dim: int, dtype: torch.dtype) -> dict:
+    """Tiles of the fused backward kernel: BLOCK_N key rows held by the program (dK and dV
+    in registers) by BLOCK_M query rows per step. First guesses, swept by
+    benchmarks/tune_kernel.py --which fused (benchmarks/NOTES.md, "Backward, fused")."""
+    if _interpreting():
+        return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)
+    if dtype == torch.float32:
+        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
+    if head_dim <= 64:
+        return dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2)
+    if head_dim <= 128:
+        return dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2)
+    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)
+
+
+def deterministic_requested(deterministic: bool = False) -> bool:
+    """The caller's flag, or RINGFLASH_DETERMINISTIC=1 in the environment (read per call)."""
+    return bool(deterministic) or os.environ.get("RINGFLASH_DETERMINISTIC", "") == "1"
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -402,11 +423,188 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
     _store_grad(dq_ptrs, mask, dq * sm_scale, ACCUMULATE)
 
 
+# ----------------------------------------------------------------------------- fused backward
+# One program per key tile: 5 matmuls per (query tile, key tile) pair instead of the
+# two-kernel path's 7; dQ partials are summed in fp32 by reduce-adds (non-deterministic
+# order). All mask logic sits in the two helpers below.
+
+
+@triton.jit
+def _bwd_query_range(start_n, seqlen_q, causal_offset, BLOCK_M: tl.constexpr,
+                     CAUSAL: tl.constexpr):
+    """Query rows [begin, end) whose tiles the key tile [start_n, start_n + BLOCK_N) must
+    visit, begin a multiple of BLOCK_M: causal, from the first query that sees its first key."""
+    if CAUSAL:
+        begin = tl.minimum(tl.maximum(start_n - causal_offset, 0), seqlen_q) // BLOCK_M * BLOCK_M
+    else:
+        begin = 0
+    return begin, seqlen_q
+
+
+@triton.jit
+def _bwd_mask(pT, rows, cols, causal_offset, CAUSAL: tl.constexpr):
+    """pT (keys x queries) with the probabilities of invisible pairs set to 0. Rows past the
+    queries need nothing here (their lse loads as +inf), keys past the end neither (their
+    k and v load as 0, and their dK/dV rows are never stored)."""
+    if CAUSAL:
+        pT = tl.where(cols[:, None] <= rows[None, :] + causal_offset, pT, 0.0)
+    return pT
+
+
+@triton.jit
+def _add_dq(DQACC, dq, off_b, off_h, start_m, rows, stride_ab, stride_as, stride_ah, seqlen_q,
+            LOCK, rank, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+            TMA_REDUCE: tl.constexpr, ORDERED: tl.constexpr):
+    """dQACC[rows] += dq in fp32: one TMA reduce-add of the tile (rows past the end are
+    clipped by the copy engine), or pointer atomics where there is no TMA (the interpreter,
+    pre-Hopper GPUs, unaligned accumulators). ORDERED: a plain read-add-write once the tile's
+    counter LOCK says that the programs of lower rank have added theirs (a fixed order of
+    the sums, so bit-identical results), then the counter passes to the next rank."""
+    if ORDERED:
+        offs_d = tl.arange(0, BLOCK_D)
+        ptrs = DQACC + off_b * stride_ab + off_h * stride_ah + rows[:, None] * stride_as + offs_d[None, :]
+        ok = (rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+        while tl.atomic_cas(LOCK, rank, rank, sem="acquire") != rank:
+            pass
+        cur = tl.load(ptrs, mask=ok, other=0.0, cache_modifier=".cg")
+        tl.store(ptrs, cur + dq, mask=ok, cache_modifier=".cg")
+        tl.debug_barrier()
+        tl.atomic_xchg(LOCK, rank + 1, sem="release")
+    elif TMA_REDUCE:
+        DQACC.atomic_add([off_b, start_m, off_h, 0], dq.reshape(1, BLOCK_M, 1, BLOCK_D))
+    else:
+        offs_d = tl.arange(0, BLOCK_D)
+        ptrs = DQACC + off_b * stride_ab + off_h * stride_ah + rows[:, None] * stride_as + offs_d[None, :]
+        tl.atomic_add(ptrs, dq, mask=(rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM),
+                      sem="relaxed")
+
+
+@triton.jit
+def _fused_bwd_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, LOCKS,
+                      stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                      stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
+                      stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+                      stride_ab, stride_as, stride_ah,
+                      stride_lb, stride_lh, stride_deltab, stride_deltah,
+                      HKV, GROUP, seqlen_q, seqlen_k, qk_scale, sm_scale, causal_offset,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr,
+                      PRECISION: tl.constexpr, TMA: tl.constexpr, TMA_REDUCE: tl.constexpr,
+                      ROTATE: tl.constexpr, ORDERED: tl.constexpr):
+    """One key tile of one kv head, over the query heads of its group and the query tiles
+    that see it: dK and dV stay in registers and are written once; every step adds its dQ
+    partial, dS·K·scale, into the fp32 accumulator DQACC. Program ids run key tiles fastest,
+    so the programs running together share a head and its accumulator stays in L2. Causal
+    key tiles are in ascending order: the first sees the most queries (longest first).
+    ORDERED (deterministic): the adds to each dQ tile come in key-tile order, through one
+    counter per (batch, head, query tile) in LOCKS; the key tiles that see a query tile are
+    0, 1, ..., so key tile n adds when the counter reads n. Lower program ids start first,
+    so nobody waits on a program that cannot run."""
+    start_n = tl.program_id(0) * BLOCK_N
+    off_b = tl.program_id(1) // HKV
+    off_hk = tl.program_id(1) % HKV
+    cols = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    k = _load_block(K, off_b, off_hk, start_n, stride_kb, stride_ks, stride_kh, seqlen_k,
+                    BLOCK_N, BLOCK_D, HEAD_DIM, True, TMA)
+    v = _load_block(V, off_b, off_hk, start_n, stride_vb, stride_vs, stride_vh, seqlen_k,
+                    BLOCK_N, BLOCK_D, HEAD_DIM, True, TMA)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    begin, end = _bwd_query_range(start_n, seqlen_q, causal_offset, BLOCK_M, CAUSAL)
+    n_tiles = tl.cdiv(end - begin, BLOCK_M)
+    # ROTATE: program i starts i tiles further on (wrapping), so the programs running
+    # together reduce into different dQ tiles instead of queueing on the same one.
+    shift = tl.program_id(0) % tl.maximum(n_tiles, 1)
+    for g in range(0, GROUP):
+        off_h = off_hk * GROUP + g
+        lse_base = LSE + off_b * stride_lb + off_h * stride_lh
+        delta_base = DELTA + off_b * stride_deltab + off_h * stride_deltah
+        lock_base = LOCKS + (off_b * HKV * GROUP + off_h) * tl.cdiv(seqlen_q, BLOCK_M)
+        for i in range(0, n_tiles):
+            if ROTATE:
+                j = i + shift
+                start_m = begin + tl.where(j >= n_tiles, j - n_tiles, j) * BLOCK_M
+            else:
+                start_m = begin + i * BLOCK_M
+            rows = start_m + tl.arange(0, BLOCK_M)
+            q = _load_block(Q, off_b, off_h, start_m, stride_qb, stride_qs, stride_qh, seqlen_q,
+                            BLOCK_M, BLOCK_D, HEAD_DIM, True, TMA)
+            do = _load_block(DO, off_b, off_h, start_m, stride_dob, stride_dos, stride_doh,
+                             seqlen_q, BLOCK_M, BLOCK_D, HEAD_DIM, True, TMA)
+            lse, delta = _load_stats(lse_base, delta_base, rows, seqlen_q)
+            pT = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
+                              - lse[None, :])
+            pT = _bwd_mask(pT, rows, cols, causal_offset, CAUSAL)
+            dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # before dV: overlaps exp2
+            dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
+            dsT = (pT * (dpT - delta[None, :]) * sm_scale).to(q.dtype)
+            dk = tl.dot(dsT, q, dk, input_precision=PRECISION)
+            dq = tl.dot(tl.trans(dsT), k, input_precision=PRECISION)
+            _add_dq(DQACC, dq, off_b, off_h, start_m, rows, stride_ab, stride_as, stride_ah,
+                    seqlen_q, lock_base + start_m // BLOCK_M, tl.program_id(0), HEAD_DIM,
+                    BLOCK_M, BLOCK_D, TMA_REDUCE, ORDERED)
+
+    mask = (cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+    dk_ptrs = DK + off_b * stride_dkb + off_hk * stride_dkh + cols[:, None] * stride_dks + offs_d[None, :]
+    dv_ptrs = DV + off_b * stride_dvb + off_hk * stride_dvh + cols[:, None] * stride_dvs + offs_d[None, :]
+    _store_grad(dk_ptrs, mask, dk, ACCUMULATE)
+    _store_grad(dv_ptrs, mask, dv, ACCUMULATE)
+
+
+def _reduce_target(dq: torch.Tensor, accumulate: bool):
+    """(fp32 tensor the fused kernel reduces dQ into, whether it is dq itself). An fp32 dq
+    takes the adds directly (zeroed first unless accumulating), any other gets a zeroed fp32
+    scratch, added or copied into dq afterwards."""
+    if dq.dtype == torch.float32:
+        if not accumulate:
+            dq.zero_()
+        return dq, True
+    return torch.zeros(dq.shape, device=dq.device, dtype=torch.float32), False
+
+
+def _fused_bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale, causal_offset, accumulate,
+               common, scalars, qkv_strides, stat_strides, ordered=False):
+    cfg = fused_bwd_config(q.shape[3], q.dtype)
+    b, sq, h, _ = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    acc, direct = _reduce_target(dq, accumulate)
+    # The interpreter has no descriptor reduce; the ordered adds are plain stores.
+    tma_reduce = acc.is_cuda and _use_tma(acc) and not ordered
+    locks = (torch.zeros((b, h, triton.cdiv(sq, cfg["BLOCK_M"])), device=q.device, dtype=torch.int32)
+             if ordered else acc)
+    target = _source(acc, cfg["BLOCK_M"], common["BLOCK_D"], True) if tma_reduce else acc
+    tma = FUSED_TMA_LOADS and _use_tma(q, k, v, do)
+    bm, bn, bd = cfg["BLOCK_M"], cfg["BLOCK_N"], common["BLOCK_D"]
+    _fused_bwd_kernel[(triton.cdiv(sk, bn), b * hkv)](
+        _source(q, bm, bd, tma), _source(k, bn, bd, tma), _source(v, bn, bd, tma), _source(do, bm, bd, tma),
+        lse, delta, dk, dv, target, locks, *qkv_strides,
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        acc.stride(0), acc.stride(1), acc.stride(2), *stat_strides, hkv, *scalars,
+        TMA=tma, TMA_REDUCE=tma_reduce, ROTATE=FUSED_ROTATE and not ordered, ORDERED=ordered,
+        **common, **cfg)
+    if not direct:  # the epilogue: cast (and add) the fp32 sums into the caller's dq
+        if accumulate:
+            dq.add_(acc)
+        else:
+            dq.copy_(acc)
+
+
+FUSED_ROTATE = False
+FUSED_TMA_LOADS = False
+FUSED_DETERMINISTIC = False  # deterministic=True runs the ordered fused kernel, not two kernels
+
+
 def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, causal_offset: int | None,
-        accumulate: bool):
-    """dq (skipped when None) and dk, dv (skipped when None): two kernels, so a caller can
-    run them apart. The backward reads through pointers: TMA descriptors measured slower
-    here (benchmarks/NOTES.md)."""
+        accumulate: bool, deterministic: bool = False):
+    """dq (skipped when None) and dk, dv (skipped when None). With all three and not
+    ``deterministic`` (nor RINGFLASH_DETERMINISTIC=1): the fused kernel, whose dQ sums come
+    in a varying order (bits may differ run to run, within rounding). Otherwise two kernels,
+    dK/dV and dQ, each recomputing S and dP, bit-identical run to run; a caller may also run
+    them apart. The backward reads through pointers: TMA descriptors measured slower here
+    (benchmarks/NOTES.md)."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     dkdv_cfg, dq_cfg = bwd_config(d, q.dtype)
@@ -416,6 +614,13 @@ def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, causal_off
     qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                    v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
     stat_strides = (lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1))
+    det = deterministic_requested(deterministic)
+    if dq is not None and dk is not None and (FUSED_DETERMINISTIC or not det):
+        _fused_bwd(do, q, k, v, lse, delta, dq, dk, dv, softmax_scale=softmax_scale,
+                   causal_offset=causal_offset, accumulate=accumulate, common=common,
+                   scalars=scalars, qkv_strides=qkv_strides, stat_strides=stat_strides,
+                   ordered=det)
+        return dq, dk, dv
     if dk is not None:  # key tiles outer: q and do are read in BLOCK_M rows, k and v once
         _dkdv_kernel[(triton.cdiv(sk, dkdv_cfg["BLOCK_N"]), b * hkv)](
             q, k, v, do, lse, delta, dk, dv, *qkv_strides,

@@ -56,6 +56,13 @@ def kernel_module(name: str, monkeypatch):
     if name == "triton-gpu-tiles":  # interpreted, with the tile shapes chosen for the GPU
         monkeypatch.setattr(triton_attn, "_interpreting", lambda: False)
         return triton_attn, TRITON_DEVICE
+    if name == "triton-two-pass":  # deterministic: the dK/dV and dQ kernels, not the fused one
+        monkeypatch.setenv("RINGFLASH_DETERMINISTIC", "1")
+        return triton_attn, TRITON_DEVICE
+    if name == "triton-ordered":  # deterministic through the fused kernel's ordered dQ adds
+        monkeypatch.setenv("RINGFLASH_DETERMINISTIC", "1")
+        monkeypatch.setattr(triton_attn, "FUSED_DETERMINISTIC", True)
+        return triton_attn, TRITON_DEVICE
     if name == "triton-pointers":  # masked pointer loads instead of TMA descriptors
         monkeypatch.setattr(triton_attn, "_use_tma", lambda *tensors: False)
         return triton_attn, TRITON_DEVICE
@@ -164,9 +171,12 @@ def block_params():
               ("twin-bn16", BLOCK_CASES, (F32, F16, BF16))]
     if HAS_CUDA:
         combos += [("triton", BLOCK_CASES + LARGE_CASES + GPU_TILE_CASES, (F32, F16)),
-                   ("triton-pointers", BLOCK_CASES + GPU_TILE_CASES, (F16,))]
+                   ("triton-pointers", BLOCK_CASES + GPU_TILE_CASES, (F16,)),
+                   ("triton-two-pass", BLOCK_CASES + GPU_TILE_CASES, (F16,)),
+                   ("triton-ordered", BLOCK_CASES + GPU_TILE_CASES, (F16,))]
     else:
         combos += [("triton", BLOCK_CASES, (F32, F16)), ("triton-pointers", BLOCK_CASES, (F16,)),
+                   ("triton-two-pass", BLOCK_CASES, (F16,)), ("triton-ordered", BLOCK_CASES[2:8], (F16,)),
                    ("triton-gpu-tiles", GPU_TILE_CASES, (F32,))]
     return [pytest.param(kernel, dtype, c, id=f"{kernel}-{DTYPE_ID[dtype]}-{c.id}")
             for kernel, cases, dtypes in combos for dtype in dtypes for c in cases]
@@ -234,7 +244,8 @@ def test_split_keys_accumulate(kernel, dtype, case, split, order, monkeypatch):
 
 @pytest.mark.parametrize("kernel", ["twin", "triton"])
 def test_backward_passes_run_apart(kernel, monkeypatch):
-    """dq alone, then dk and dv alone (the ring's order), give the bits of one joint call."""
+    """dq alone, then dk and dv alone (the ring's order), give the bits of one joint
+    deterministic call (the default joint call is the fused kernel: other rounding)."""
     mod, device = kernel_module(kernel, monkeypatch)
     case = Case(1, 45, 70, 4, 2, 32, 10)
     q, k, v, dout = make_inputs(case, F32, device)
@@ -243,7 +254,7 @@ def test_backward_passes_run_apart(kernel, monkeypatch):
     delta = attn_delta(out, dout)
     joint = [torch.full(t.shape, NAN, device=device) for t in (q, k, v)]
     mod.bwd(dout, q, k, v, lse, delta, *joint, softmax_scale=case.softmax_scale, causal_offset=10,
-            accumulate=False)
+            accumulate=False, deterministic=True)
     apart = [torch.full(t.shape, NAN, device=device) for t in (q, k, v)]
     mod.bwd(dout, q, k, v, lse, delta, apart[0], None, None, softmax_scale=case.softmax_scale,
             causal_offset=10, accumulate=False)
