@@ -32,7 +32,15 @@ def _tflops(batch, heads, seqlen, head_dim, causal, ms, factor):
     return flops / ms / 1e9
 
 
+FUSED_CONFIGS = None  # --fused-configs: "BLOCK_M,BLOCK_N,warps,stages[,rotate]" tuples
+
+
 def _candidates(which, head_dim):
+    if which in ("fused", "ordered") and FUSED_CONFIGS:
+        for c in FUSED_CONFIGS:
+            bm, bn, warps, st, *rot = c
+            yield dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=st, ROTATE=bool(rot and rot[0]))
+        return
     if which in ("fused", "ordered"):  # (BLOCK_M, BLOCK_N, warps, stages): few spills for sm_90
         cfgs = {64: [(64, 128, 8, 2), (64, 64, 8, 2), (128, 128, 8, 2), (64, 128, 8, 3), (128, 64, 8, 2)],
                 128: [(64, 128, 8, 2), (64, 64, 8, 2), (64, 64, 8, 3), (128, 64, 8, 2), (32, 128, 8, 2),
@@ -139,7 +147,18 @@ def main():
                    help="ordered: the fused kernel with semaphore-ordered dQ adds (deterministic)")
     p.add_argument("--causal", nargs="+", type=int, default=[0], help="0, 1 or both")
     p.add_argument("--no-tma", action="store_true", help="forward through pointer loads")
+    p.add_argument("--fused-configs", nargs="+", default=None,
+                   help="fused/ordered candidates, e.g. 64,128,8,3,1 (BLOCK_M,BLOCK_N,warps,stages,rotate)")
+    p.add_argument("--fused-switch", nargs="+", default=[],
+                   help="module switches of the fused kernel, e.g. FUSED_TMA_REDUCE=0 FUSED_TMA_LOADS=1")
     args = p.parse_args()
+    global FUSED_CONFIGS
+    if args.fused_configs:
+        FUSED_CONFIGS = [tuple(int(x) for x in c.split(",")) for c in args.fused_configs]
+    for switch in args.fused_switch:
+        name, value = switch.split("=")
+        setattr(triton_attn, name, bool(int(value)))
+        print(f"  {name} = {bool(int(value))}")
     if args.no_tma:
         triton_attn._use_tma = lambda *tensors: False
     summary = []

@@ -80,17 +80,17 @@ def bwd_config(head_dim: int, dtype: torch.dtype) -> tuple[dict, dict]:
 
 def fused_bwd_config(head_dim: int, dtype: torch.dtype) -> dict:
     """Tiles of the fused backward kernel: BLOCK_N key rows held by the program (dK and dV
-    in registers) by BLOCK_M query rows per step. First guesses, swept by
-    benchmarks/tune_kernel.py --which fused (benchmarks/NOTES.md, "Backward, fused")."""
+    in registers) by BLOCK_M query rows per step. Swept by benchmarks/tune_kernel.py
+    --which fused at 16k on an H200 (benchmarks/NOTES.md, "Backward, fused")."""
     if _interpreting():
         return dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)
     if dtype == torch.float32:
         return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
     if head_dim <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2)
+        return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2)
     if head_dim <= 128:
-        return dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2)
-    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2)
+        return dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=2)
 
 
 def deterministic_requested(deterministic: bool = False) -> bool:
@@ -490,7 +490,7 @@ def _fused_bwd_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, LOCKS,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, ACCUMULATE: tl.constexpr,
                       PRECISION: tl.constexpr, TMA: tl.constexpr, TMA_REDUCE: tl.constexpr,
-                      ROTATE: tl.constexpr, ORDERED: tl.constexpr):
+                      ROTATE: tl.constexpr, ORDERED: tl.constexpr, SKIP_DQ_ADD: tl.constexpr):
     """One key tile of one kv head, over the query heads of its group and the query tiles
     that see it: dK and dV stay in registers and are written once; every step adds its dQ
     partial, dS·K·scale, into the fp32 accumulator DQACC. Program ids run key tiles fastest,
@@ -543,9 +543,15 @@ def _fused_bwd_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, LOCKS,
             dsT = (pT * (dpT - delta[None, :]) * sm_scale).to(q.dtype)
             dk = tl.dot(dsT, q, dk, input_precision=PRECISION)
             dq = tl.dot(tl.trans(dsT), k, input_precision=PRECISION)
-            _add_dq(DQACC, dq, off_b, off_h, start_m, rows, stride_ab, stride_as, stride_ah,
-                    seqlen_q, lock_base + start_m // BLOCK_M, tl.program_id(0), HEAD_DIM,
-                    BLOCK_M, BLOCK_D, TMA_REDUCE, ORDERED)
+            if SKIP_DQ_ADD:  # a measurement: every cost but the adds (the test is never true)
+                if seqlen_k < 0:
+                    _add_dq(DQACC, dq, off_b, off_h, start_m, rows, stride_ab, stride_as,
+                            stride_ah, seqlen_q, lock_base, 0, HEAD_DIM, BLOCK_M, BLOCK_D,
+                            TMA_REDUCE, False)
+            else:
+                _add_dq(DQACC, dq, off_b, off_h, start_m, rows, stride_ab, stride_as, stride_ah,
+                        seqlen_q, lock_base + start_m // BLOCK_M, tl.program_id(0), HEAD_DIM,
+                        BLOCK_M, BLOCK_D, TMA_REDUCE, ORDERED)
 
     mask = (cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
     dk_ptrs = DK + off_b * stride_dkb + off_hk * stride_dkh + cols[:, None] * stride_dks + offs_d[None, :]
@@ -572,7 +578,7 @@ def _fused_bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale, causal_off
     sk, hkv = k.shape[1], k.shape[2]
     acc, direct = _reduce_target(dq, accumulate)
     # The interpreter has no descriptor reduce; the ordered adds are plain stores.
-    tma_reduce = acc.is_cuda and _use_tma(acc) and not ordered
+    tma_reduce = FUSED_TMA_REDUCE and acc.is_cuda and _use_tma(acc) and not ordered
     locks = (torch.zeros((b, h, triton.cdiv(sq, cfg["BLOCK_M"])), device=q.device, dtype=torch.int32)
              if ordered else acc)
     target = _source(acc, cfg["BLOCK_M"], common["BLOCK_D"], True) if tma_reduce else acc
@@ -584,7 +590,7 @@ def _fused_bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale, causal_off
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         acc.stride(0), acc.stride(1), acc.stride(2), *stat_strides, hkv, *scalars,
         TMA=tma, TMA_REDUCE=tma_reduce, ROTATE=FUSED_ROTATE and not ordered, ORDERED=ordered,
-        **common, **cfg)
+        SKIP_DQ_ADD=FUSED_SKIP_DQ_ADD, **common, **cfg)
     if not direct:  # the epilogue: cast (and add) the fp32 sums into the caller's dq
         if accumulate:
             dq.add_(acc)
@@ -592,8 +598,11 @@ def _fused_bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale, causal_off
             dq.copy_(acc)
 
 
-FUSED_ROTATE = False
-FUSED_TMA_LOADS = False
+# Launch variants, measured in benchmarks/NOTES.md ("Backward, fused"); the defaults won.
+FUSED_ROTATE = True       # program i starts its query loop i tiles on
+FUSED_TMA_LOADS = False   # q, k, v, do through TMA descriptors
+FUSED_TMA_REDUCE = True   # dQ adds by TMA reduce (False: pointer atomics)
+FUSED_SKIP_DQ_ADD = False  # a measurement only: drop the dQ adds (wrong dQ)
 FUSED_DETERMINISTIC = False  # deterministic=True runs the ordered fused kernel, not two kernels
 
 
