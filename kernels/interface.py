@@ -130,10 +130,11 @@ def flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: floa
     the FINAL lse of these queries over every key block, and ``attn_delta`` of the FINAL
     out. Accumulators should be fp32; views are fine. dq=None skips dQ, and dk=dv=None
     skips dK and dV (they are separate passes, so a caller may run them apart).
-    With all three on CUDA, one fused kernel computes them, summing dQ in an order that
-    may vary run to run (last-bit differences); ``deterministic=True`` (or the environment
-    variable RINGFLASH_DETERMINISTIC=1, read at every call) runs the two passes instead,
-    bit-identical from run to run. The CPU twin is deterministic either way.
+    ``deterministic=True`` (or the environment variable RINGFLASH_DETERMINISTIC=1, read at
+    every call) guarantees bit-identical results run to run. Today's default passes are
+    deterministic already; the fused one-kernel backward (triton_attn.FUSED_BWD, opt-in:
+    not faster on an H200) sums dQ in a varying order and is skipped when it is asked.
+    The CPU twin is deterministic either way.
     """
     if (dk is None) != (dv is None):
         raise ValueError("dk and dv are computed together: pass both or neither")
@@ -208,9 +209,9 @@ def flash_attn(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] 
             torch's scaled_dot_product_attention).
         softmax_scale: a positive float; defaults to head_dim ** -0.5.
         return_lse: also return lse.
-        deterministic: bit-identical gradients from run to run (the backward's two-pass
-            path instead of the fused one, whose dQ summation order varies); the
-            environment variable RINGFLASH_DETERMINISTIC=1 does the same for every call.
+        deterministic: bit-identical gradients from run to run (never the fused backward,
+            whose dQ summation order varies, should it be switched on); the environment
+            variable RINGFLASH_DETERMINISTIC=1 does the same for every call.
 
     Returns:
         out (batch, seqlen_q, heads, head_dim) in q's dtype, and with return_lse the

@@ -543,11 +543,9 @@ def _fused_bwd_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQACC, LOCKS,
             dsT = (pT * (dpT - delta[None, :]) * sm_scale).to(q.dtype)
             dk = tl.dot(dsT, q, dk, input_precision=PRECISION)
             dq = tl.dot(tl.trans(dsT), k, input_precision=PRECISION)
-            if SKIP_DQ_ADD:  # a measurement: every cost but the adds (the test is never true)
-                if seqlen_k < 0:
-                    _add_dq(DQACC, dq, off_b, off_h, start_m, rows, stride_ab, stride_as,
-                            stride_ah, seqlen_q, lock_base, 0, HEAD_DIM, BLOCK_M, BLOCK_D,
-                            TMA_REDUCE, False)
+            if SKIP_DQ_ADD:  # a measurement: every cost but the adds' traffic (mask never true)
+                tl.atomic_add(DQACC + rows[:, None] * stride_as + offs_d[None, :], dq,
+                              mask=(rows[:, None] < seqlen_q) & (seqlen_k < 0), sem="relaxed")
             else:
                 _add_dq(DQACC, dq, off_b, off_h, start_m, rows, stride_ab, stride_as, stride_ah,
                         seqlen_q, lock_base + start_m // BLOCK_M, tl.program_id(0), HEAD_DIM,
@@ -578,7 +576,7 @@ def _fused_bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale, causal_off
     sk, hkv = k.shape[1], k.shape[2]
     acc, direct = _reduce_target(dq, accumulate)
     # The interpreter has no descriptor reduce; the ordered adds are plain stores.
-    tma_reduce = FUSED_TMA_REDUCE and acc.is_cuda and _use_tma(acc) and not ordered
+    tma_reduce = FUSED_TMA_REDUCE and not FUSED_SKIP_DQ_ADD and acc.is_cuda and _use_tma(acc) and not ordered
     locks = (torch.zeros((b, h, triton.cdiv(sq, cfg["BLOCK_M"])), device=q.device, dtype=torch.int32)
              if ordered else acc)
     target = _source(acc, cfg["BLOCK_M"], common["BLOCK_D"], True) if tma_reduce else acc
@@ -598,7 +596,11 @@ def _fused_bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale, causal_off
             dq.copy_(acc)
 
 
-# Launch variants, measured in benchmarks/NOTES.md ("Backward, fused"); the defaults won.
+# The fused backward measured slower than the two kernels on an H200 overall (benchmarks/
+# NOTES.md, "Backward, fused": 0.97-1.04x at head_dim 128, 0.88-0.95x at 64, 0.6x at 256),
+# so it is opt-in: True sends every joint, non-deterministic dq+dk+dv call to it.
+FUSED_BWD = False
+# Launch variants of the fused kernel, measured in the same section; the defaults won.
 FUSED_ROTATE = True       # program i starts its query loop i tiles on
 FUSED_TMA_LOADS = False   # q, k, v, do through TMA descriptors
 FUSED_TMA_REDUCE = True   # dQ adds by TMA reduce (False: pointer atomics)
@@ -608,12 +610,12 @@ FUSED_DETERMINISTIC = False  # deterministic=True runs the ordered fused kernel,
 
 def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, causal_offset: int | None,
         accumulate: bool, deterministic: bool = False):
-    """dq (skipped when None) and dk, dv (skipped when None). With all three and not
-    ``deterministic`` (nor RINGFLASH_DETERMINISTIC=1): the fused kernel, whose dQ sums come
-    in a varying order (bits may differ run to run, within rounding). Otherwise two kernels,
-    dK/dV and dQ, each recomputing S and dP, bit-identical run to run; a caller may also run
-    them apart. The backward reads through pointers: TMA descriptors measured slower here
-    (benchmarks/NOTES.md)."""
+    """dq (skipped when None) and dk, dv (skipped when None). By default two kernels, dK/dV
+    and dQ, each recomputing S and dP: bit-identical run to run, and a caller may run them
+    apart. With FUSED_BWD on, all three requested and not ``deterministic`` (nor
+    RINGFLASH_DETERMINISTIC=1): the fused kernel, whose dQ sums come in a varying order
+    (bits may differ run to run, within rounding). The backward reads through pointers:
+    TMA descriptors measured slower here (benchmarks/NOTES.md)."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     dkdv_cfg, dq_cfg = bwd_config(d, q.dtype)
@@ -624,7 +626,7 @@ def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, causal_off
                    v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
     stat_strides = (lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1))
     det = deterministic_requested(deterministic)
-    if dq is not None and dk is not None and (FUSED_DETERMINISTIC or not det):
+    if dq is not None and dk is not None and FUSED_BWD and (FUSED_DETERMINISTIC or not det):
         _fused_bwd(do, q, k, v, lse, delta, dq, dk, dv, softmax_scale=softmax_scale,
                    causal_offset=causal_offset, accumulate=accumulate, common=common,
                    scalars=scalars, qkv_strides=qkv_strides, stat_strides=stat_strides,

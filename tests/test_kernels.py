@@ -53,14 +53,19 @@ def kernel_module(name: str, monkeypatch):
     """(module with fwd/bwd, device) of an implementation id."""
     if name == "triton":
         return triton_attn, TRITON_DEVICE
+    if name == "triton-fused-gpu-tiles":
+        monkeypatch.setattr(triton_attn, "FUSED_BWD", True)
+        monkeypatch.setattr(triton_attn, "_interpreting", lambda: False)
+        return triton_attn, TRITON_DEVICE
     if name == "triton-gpu-tiles":  # interpreted, with the tile shapes chosen for the GPU
         monkeypatch.setattr(triton_attn, "_interpreting", lambda: False)
         return triton_attn, TRITON_DEVICE
-    if name == "triton-two-pass":  # deterministic: the dK/dV and dQ kernels, not the fused one
-        monkeypatch.setenv("RINGFLASH_DETERMINISTIC", "1")
+    if name == "triton-fused":  # the one-kernel backward, dQ summed by reduce-adds
+        monkeypatch.setattr(triton_attn, "FUSED_BWD", True)
         return triton_attn, TRITON_DEVICE
     if name == "triton-ordered":  # deterministic through the fused kernel's ordered dQ adds
         monkeypatch.setenv("RINGFLASH_DETERMINISTIC", "1")
+        monkeypatch.setattr(triton_attn, "FUSED_BWD", True)
         monkeypatch.setattr(triton_attn, "FUSED_DETERMINISTIC", True)
         return triton_attn, TRITON_DEVICE
     if name == "triton-pointers":  # masked pointer loads instead of TMA descriptors
@@ -172,12 +177,12 @@ def block_params():
     if HAS_CUDA:
         combos += [("triton", BLOCK_CASES + LARGE_CASES + GPU_TILE_CASES, (F32, F16)),
                    ("triton-pointers", BLOCK_CASES + GPU_TILE_CASES, (F16,)),
-                   ("triton-two-pass", BLOCK_CASES + GPU_TILE_CASES, (F16,)),
+                   ("triton-fused", BLOCK_CASES + LARGE_CASES + GPU_TILE_CASES, (F32, F16)),
                    ("triton-ordered", BLOCK_CASES + GPU_TILE_CASES, (F16,))]
     else:
         combos += [("triton", BLOCK_CASES, (F32, F16)), ("triton-pointers", BLOCK_CASES, (F16,)),
-                   ("triton-two-pass", BLOCK_CASES, (F16,)), ("triton-ordered", BLOCK_CASES[2:8], (F16,)),
-                   ("triton-gpu-tiles", GPU_TILE_CASES, (F32,))]
+                   ("triton-fused", BLOCK_CASES, (F32, F16)), ("triton-ordered", BLOCK_CASES[2:8], (F16,)),
+                   ("triton-gpu-tiles", GPU_TILE_CASES, (F32,)), ("triton-fused-gpu-tiles", GPU_TILE_CASES, (F32,))]
     return [pytest.param(kernel, dtype, c, id=f"{kernel}-{DTYPE_ID[dtype]}-{c.id}")
             for kernel, cases, dtypes in combos for dtype in dtypes for c in cases]
 
@@ -204,7 +209,7 @@ SPLIT_CASES = [  # (case, first key of the second part)
 @pytest.mark.parametrize("order", ["ascending", "descending"])
 @pytest.mark.parametrize("case,split", SPLIT_CASES, ids=[f"{c.id}-split{s}" for c, s in SPLIT_CASES])
 @pytest.mark.parametrize("kernel,dtype", [pytest.param(k, d, id=f"{k}-{DTYPE_ID[d]}")
-                                          for k in ("twin", "triton") for d in (F32, F16)])
+                                          for k in ("twin", "triton", "triton-fused") for d in (F32, F16)])
 def test_split_keys_accumulate(kernel, dtype, case, split, order, monkeypatch):
     """The ring's use: merge partials over key ranges into a running (out, lse) that starts
     at (0, -inf), then add each range's gradients into buffers that already hold some."""
@@ -245,7 +250,7 @@ def test_split_keys_accumulate(kernel, dtype, case, split, order, monkeypatch):
 @pytest.mark.parametrize("kernel", ["twin", "triton"])
 def test_backward_passes_run_apart(kernel, monkeypatch):
     """dq alone, then dk and dv alone (the ring's order), give the bits of one joint
-    deterministic call (the default joint call is the fused kernel: other rounding)."""
+    deterministic call (the fused kernel, when on, rounds otherwise)."""
     mod, device = kernel_module(kernel, monkeypatch)
     case = Case(1, 45, 70, 4, 2, 32, 10)
     q, k, v, dout = make_inputs(case, F32, device)

@@ -140,12 +140,14 @@ def test_flash_attn_lse_gradient():
     check(case, (q, k, v, dout), (out, lse, q.grad, k.grad, v.grad), dlse=dlse)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["two-kernel", "fused"])
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
-def test_ring_like_accumulation(dtype):
+def test_ring_like_accumulation(dtype, fused, monkeypatch):
     """What a rank does in a causal ring: its 1024 queries (global rows 3072..4095) against
     four visiting 1024-key shards, own shard first, merged into an fp32 running (out, lse)
     from (0, -inf); then each shard's gradients added into views of fp32 buffers that
-    already hold something."""
+    already hold something (the fused kernel reduce-adds straight into the dq view)."""
+    monkeypatch.setattr(triton_attn, "FUSED_BWD", fused)
     case = Case(1, 1024, 4096, 8, 2, 128, 3072)
     q, k, v, dout = make_inputs(case, dtype)
     shards = [(s, s + 1024) for s in (3072, 2048, 1024, 0)]
@@ -171,8 +173,10 @@ def test_ring_like_accumulation(dtype):
                                   Case(1, 1536, 1536, 4, 1, 256, -1)],
                          ids=lambda c: c.id)
 def test_backward_modes(dtype, case, monkeypatch):
-    """The fused backward (default) and the deterministic one both match the oracle; the
-    deterministic one gives the same bits twice, through the keyword and the environment."""
+    """The fused backward (opt-in) and the deterministic one both match the oracle; the
+    deterministic one gives the same bits twice, through the keyword and the environment,
+    with the fused kernel switched on."""
+    monkeypatch.setattr(triton_attn, "FUSED_BWD", True)
     inputs = make_inputs(case, dtype)
     got = run_block(case, *inputs)
     check(case, inputs, got)
@@ -194,7 +198,9 @@ def test_backward_modes(dtype, case, monkeypatch):
         assert torch.equal(a, b)
 
 
-def test_flash_attn_deterministic_keyword():
+@pytest.mark.parametrize("fused", [False, True], ids=["default", "fused-on"])
+def test_flash_attn_deterministic_keyword(fused, monkeypatch):
+    monkeypatch.setattr(triton_attn, "FUSED_BWD", fused)
     case = Case(1, 2048, 2048, 8, 2, 128, 0)
     q, k, v, dout = make_inputs(case, BF16)
     runs = []
