@@ -105,9 +105,11 @@ def sweep(which, head_dim, causal, seqlen, heads=32, batch=1, dtype=torch.bfloat
         check = lambda: max(_rel(g[i], grads[i]) for i in checked)
     original = triton_attn.fwd_config, triton_attn.bwd_config
     original_fused = triton_attn.fused_bwd_config, triton_attn.FUSED_ROTATE
+    fused_on = triton_attn.FUSED_BWD
     results = []
     for cfg in _candidates(which, head_dim):
         if which in ("fused", "ordered"):
+            triton_attn.FUSED_BWD = True
             triton_attn.FUSED_DETERMINISTIC = which == "ordered"
             cfg = dict(cfg)
             triton_attn.FUSED_ROTATE = cfg.pop("ROTATE")
@@ -130,6 +132,7 @@ def sweep(which, head_dim, causal, seqlen, heads=32, batch=1, dtype=torch.bfloat
             triton_attn.fwd_config, triton_attn.bwd_config = original
             triton_attn.fused_bwd_config, triton_attn.FUSED_ROTATE = original_fused
             triton_attn.FUSED_DETERMINISTIC = False
+            triton_attn.FUSED_BWD = fused_on
         tf = _tflops(batch, heads, seqlen, head_dim, causal, ms, FLOP_FACTOR[which])
         ok = err < 2e-2
         results.append((tf if ok else 0.0, cfg, ms, err))
