@@ -14,6 +14,12 @@ offset, key j visible to query i iff j <= i + offset. Tiles that no query of the
 program can see are never loaded; in the forward and dQ kernels, tiles every query sees
 skip the mask (the causal dK/dV kernel masks all of its tiles: measured faster there).
 
+Backward: two kernels by default, dK/dV (key tiles outer) and dQ (query tiles outer), each
+recomputing S and dP: 7 matmuls per tile pair, no atomics, bit-identical run to run. The
+fused kernel (FUSED_BWD, opt-in) does 5 and reduce-adds dQ partials into fp32 through TMA;
+it measured no faster on an H200 (benchmarks/NOTES.md, "Backward, fused"). Its mask logic
+is in _bwd_query_range and _bwd_mask.
+
 Layouts: q, o, do (B, Sq, H, D); k, v, dk, dv (B, Sk, Hkv, D), H a multiple of Hkv;
 lse, delta (B, H, Sq). Any of them may be a strided view (last dim contiguous).
 The forward reads q, k and v through TMA tensor descriptors over the whole (B, S, H, D)
