@@ -204,9 +204,9 @@ def test_sliding_window_layers_are_refused():
         model(**ringflash.hf.prepare_batch(ringflash.SequenceParallel(), ids))
 
 
-def test_llama_with_ring_attention_compiles_in_one_graph():
-    """torch.compile(fullgraph=True) of the whole model on a prepared batch: one graph,
-    the eager loss and gradients (ring of one: no process group in this process)."""
+def compiles_in_one_graph(rank, world):
+    """torch.compile(fullgraph=True) of the whole model on a prepared batch: (frames, loss
+    error, worst gradient error) against eager."""
     import torch._dynamo
     from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -221,7 +221,15 @@ def test_llama_with_ring_attention_compiles_in_one_graph():
     counter = CompileCounterWithBackend("aot_eager")
     got = torch.compile(model, fullgraph=True, backend=counter)(**batch).loss
     got.backward()
-    assert counter.frame_count == 1
-    assert rel_err(got, want) <= 1e-6
-    for p, g in zip(model.parameters(), want_grads):
-        assert rel_err(p.grad, g) <= 1e-5
+    return (counter.frame_count, rel_err(got, want),
+            max(rel_err(p.grad, g) for p, g in zip(model.parameters(), want_grads)))
+
+
+def test_llama_with_ring_attention_compiles_in_one_graph(worlds):
+    """One graph, the eager loss and gradients, at a world of 1. In a spawned process: in
+    pytest's own, compiled state left behind has crashed later eager calls of the kernels'
+    custom ops (torch 2.13, CPU), even after torch._dynamo.reset()."""
+    frames, loss_err, grad_err = worlds(1).run(compiles_in_one_graph, timeout=180)[0]
+    assert frames == 1
+    assert loss_err <= 1e-6
+    assert grad_err <= 1e-5
