@@ -2,8 +2,8 @@
 and SDPA document by document on one GPU, and through the ring against the dense causal
 ring of the same length and the 1-GPU kernel.
 
-    python benchmarks/bench_masks.py                               # one GPU -> masks_<gpu>.json
-    torchrun --nproc-per-node=2 benchmarks/bench_masks.py --ring   # ring -> masks_<gpu>x2.json
+    python benchmarks/bench_masks.py                               # one GPU -> results/masks_<gpu>.json
+    torchrun --nproc-per-node=2 benchmarks/bench_masks.py --ring   # ring -> results/masks_<gpu>x2.json
 
 Documents: lengths drawn log-normal (median 2k, sigma 1.5: about 1% past 64k), packed
 into one row and cut at the sequence end; causal within each document. Window: causal
@@ -172,14 +172,15 @@ def main(argv=None):
         torch.cuda.set_device(device)
         H.init_process_group(device, timeout=datetime.timedelta(minutes=10))
         records = ring(args, device)
-        name = args.out_name or f"masks_h200x{dist.get_world_size()}"
+        name = args.out_name or H.result_name("masks", device, dist.get_world_size())
         if dist.get_rank() == 0:
             H.write_results(name, H.collect_meta(device), records, args.out_dir)
         dist.destroy_process_group()
     else:
         device = torch.device("cuda", 0)
         records = single_gpu(args, device)
-        H.write_results(args.out_name or "masks_h200", H.collect_meta(device), records, args.out_dir)
+        H.write_results(args.out_name or H.result_name("masks", device), H.collect_meta(device), records,
+                        args.out_dir)
 
 
 if __name__ == "__main__":

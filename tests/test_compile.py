@@ -141,11 +141,14 @@ def test_ranks_disagreeing_under_compile_all_raise(worlds):
         assert after_ok, f"rank {rank}: the next call is not finite"
 
 
-def test_fullgraph_compile_without_process_group():
-    """No process group in this process: the ring of one compiles and equals flash_attn."""
+def compile_without_process_group(rank, world):
+    """(frames, errors of out and of the three gradients) of the compiled ring of one
+    against flash_attn, in a process that never initializes a process group."""
     import torch._dynamo
+    import torch.distributed as dist
     from torch._dynamo.testing import CompileCounter
 
+    dist.destroy_process_group()  # the spawned world's; this check wants none at all
     torch._dynamo.reset()
     counter = CompileCounter()
     gen = torch.Generator().manual_seed(2)
@@ -159,7 +162,13 @@ def test_fullgraph_compile_without_process_group():
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     want = ringflash.flash_attn(*leaves, causal=True)
     want.sum().backward()
-    assert counter.frame_count == 1
-    assert rel_err(out, want) <= 1e-6
-    for t, w in zip((q, k, v), leaves):
-        assert rel_err(t.grad, w.grad) <= 1e-6
+    return counter.frame_count, [rel_err(out, want)] + [rel_err(t.grad, w.grad) for t, w in zip((q, k, v), leaves)]
+
+
+def test_fullgraph_compile_without_process_group(worlds):
+    """No process group: the ring of one compiles and equals flash_attn. In a spawned
+    process: compiled state left in pytest's own crashed later eager calls of the kernels'
+    custom ops (torch 2.13, CPU)."""
+    frames, errors = worlds(1).run(compile_without_process_group, timeout=180)[0]
+    assert frames == 1
+    assert max(errors) <= 1e-6, errors

@@ -155,21 +155,18 @@ def test_llama_matches_unsharded(worlds, world_size, layout):
     assert not failures, "\n".join(failures)
 
 
-def test_padded_or_packed_batch_is_not_ignored():
-    """A padded batch equals the unsharded model with the same attention mask; a packed
-    one equals the unsharded model run on each document alone (its ground truth:
-    transformers itself finds packed documents only in some cases)."""
+def padded_or_packed_errors(rank, world):
+    """Logit errors of the ring model on a padded and on a packed batch: against the
+    unsharded model with the same attention mask, and against the unsharded model run on
+    each document alone (the ground truth of packing: transformers itself finds packed
+    documents only in some cases)."""
     reference, model = tiny_models()
     sp = ringflash.SequenceParallel()
     ids, labels = _batch(seqlen=16)
     padded = dict(attention_mask=torch.tensor([[1] * 16, [1] * 11 + [0] * 5]))
     packed = dict(position_ids=torch.cat([torch.arange(6), torch.arange(10)]).expand(2, 16))
-    segments = "segment_ids" in inspect.signature(ringflash.ring_flash_attn).parameters
-    for case in (padded, packed):
-        if not segments:
-            with pytest.raises(NotImplementedError, match="segment_ids"):
-                ringflash.hf.prepare_batch(sp, ids, labels=labels, **case)
-            continue
+    errors = {}
+    for name, case in (("padded", padded), ("packed", packed)):
         got = model(**ringflash.hf.prepare_batch(sp, ids, labels=labels, **case))
         if case is packed:
             want = torch.cat([reference(input_ids=ids[:, :6]).logits,
@@ -177,7 +174,15 @@ def test_padded_or_packed_batch_is_not_ignored():
         else:
             want = reference(input_ids=ids, labels=labels, **case).logits
         keep = case.get("attention_mask", torch.ones_like(ids)).bool()
-        assert rel_err(got.logits[keep], want[keep]) <= TOL
+        errors[name] = rel_err(got.logits[keep], want[keep])
+    return errors
+
+
+def test_padded_or_packed_batch_is_not_ignored(worlds):
+    """A padded or packed batch gets its mask (in a spawned process: running the model in
+    pytest's own has crashed later eager custom-op calls there, torch 2.13 CPU)."""
+    errors = worlds(1).run(padded_or_packed_errors, timeout=180)[0]
+    assert all(err <= TOL for err in errors.values()), errors
 
 
 def test_unpadded_single_sequences_need_no_segments():
