@@ -149,6 +149,41 @@ def ring(args, device) -> list[dict]:
     return records
 
 
+def plot(json_path) -> str:
+    """Bars of forward+backward TFLOP/s over visible pairs (per GPU in the ring file), one
+    group per (mask, seqlen), one bar per implementation (and layout), beside the JSON."""
+    from pathlib import Path
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit('plots need matplotlib: pip install -e ".[bench]"')
+    data = H.load_results(json_path)
+    records = data["records"]
+    key = ("fwdbwd_tflops_visible_per_gpu" if any("fwdbwd_tflops_visible_per_gpu" in r for r in records)
+           else "fwdbwd_tflops_visible")
+    groups = sorted({(r["mask"], r["seqlen"]) for r in records}, key=lambda g: (g[1], g[0]))
+    labels = sorted({r["impl"] + (f" ({r['layout']})" if r.get("layout") else "") for r in records})
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 3.2))
+    width = 0.8 / len(labels)
+    for i, label in enumerate(labels):
+        values = [next((r.get(key) or r.get("fwdbwd_tflops_visible") for r in records
+                        if (r["mask"], r["seqlen"]) == g
+                        and r["impl"] + (f" ({r['layout']})" if r.get("layout") else "") == label), 0)
+                  for g in groups]
+        ax.bar([x + i * width for x in range(len(groups))], [v or 0 for v in values], width, label=label)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(groups))])
+    ax.set_xticklabels([f"{m}\n{H.fmt_size(n)}" for m, n in groups])
+    ax.set_ylabel("fwd+bwd TFLOP/s" + (" per GPU" if key.endswith("per_gpu") else "") + ", visible pairs")
+    ax.set_title(f"{data['meta'].get('device')} x{data['meta'].get('gpu_count')}, bf16, 32 heads, head_dim 128")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    png = str(Path(json_path).with_suffix(".png"))
+    fig.savefig(png, dpi=110)
+    return png
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -161,7 +196,11 @@ def main(argv=None):
     p.add_argument("--rep-ms", type=float, default=100.0, help="timed time per measurement")
     p.add_argument("--out-name", default=None, help="results file name (default: masks_<gpu>[xN])")
     p.add_argument("--out-dir", default=None, help="results directory (default benchmarks/results)")
+    p.add_argument("--plot", default=None, metavar="JSON", help="only draw the PNG of a results file")
     args = p.parse_args(argv)
+    if args.plot:
+        print(plot(args.plot))
+        return
     args.seqlens = H.parse_sizes(args.seqlens)
     args.masks = H.parse_names(args.masks, ("causal", "documents", "window"))
     if not torch.cuda.is_available():
@@ -174,13 +213,15 @@ def main(argv=None):
         records = ring(args, device)
         name = args.out_name or H.result_name("masks", device, dist.get_world_size())
         if dist.get_rank() == 0:
-            H.write_results(name, H.collect_meta(device), records, args.out_dir)
+            path = H.write_results(name, H.collect_meta(device), records, args.out_dir)
+            print(plot(path))
         dist.destroy_process_group()
     else:
         device = torch.device("cuda", 0)
         records = single_gpu(args, device)
-        H.write_results(args.out_name or H.result_name("masks", device), H.collect_meta(device), records,
-                        args.out_dir)
+        path = H.write_results(args.out_name or H.result_name("masks", device), H.collect_meta(device),
+                               records, args.out_dir)
+        print(plot(path))
 
 
 if __name__ == "__main__":

@@ -109,6 +109,18 @@ def check_segment_ids(segment_ids, batch: int, seqlen: int, device: torch.device
     return ids
 
 
+def check_unsupported(block_mask, deterministic) -> None:
+    """``deterministic``: a bool; every backward here is deterministic already (two kernels
+    that write each gradient once, without atomics), so both values give the same bits.
+    ``block_mask``: block-sparse attention is not built yet, so anything but None raises
+    rather than running a denser mask than asked for."""
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
+    if block_mask is not None:
+        raise NotImplementedError("block_mask (block-sparse attention) is not implemented yet; "
+                                  "segment_ids and window_size cover documents and windows")
+
+
 def check_dropout(dropout_p, seed) -> tuple[float, int]:
     """(p, seed): p a float in [0, 1); seed an int in [0, 2**63), or None for one drawn from
     torch's default (CPU) generator, which advances it: under torch.manual_seed the draws
@@ -280,7 +292,7 @@ _forward_op.register_autograd(_backward, setup_context=_setup_context)
 def flash_attn(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] = None,
                return_lse: bool = False, segment_ids: Optional[torch.Tensor] = None,
                window_size: tuple[int, int] = (-1, -1), dropout_p: float = 0.0,
-               seed: Optional[int] = None):
+               seed: Optional[int] = None, block_mask=None, deterministic: bool = False):
     """Exact softmax attention on one device, FlashAttention-2 style.
 
     Args:
@@ -302,6 +314,8 @@ def flash_attn(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] 
             ``dropout_keep_mask`` returns the dense mask), so the backward regenerates it
             and the ring with the same seed drops exactly the same elements.
         seed: an int, or None to draw one from torch's default generator.
+        block_mask: reserved for block-sparse attention; not implemented (raises).
+        deterministic: accepted for compatibility: the backward is always deterministic.
 
     Returns:
         out (batch, seqlen_q, heads, head_dim) in q's dtype, and with return_lse the
@@ -311,6 +325,7 @@ def flash_attn(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] 
     """
     check_qkv(q, k, v)
     causal = check_causal(causal)
+    check_unsupported(block_mask, deterministic)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     band_lo, band_hi = band_of_window(causal, check_window(window_size))
     if segment_ids is not None and q.shape[1] != k.shape[1]:

@@ -12,7 +12,14 @@ on the fly, so nothing is downloaded:
     <---------------- first half: the facts ------> <--- second half: the queries --->
                                                            ^ label v'      ^ label v
 
-Every sequence binds each of ``--num-keys`` keys to one of ``--values-per-key`` values.
+Packed documents: every sequence holds ``--documents`` independent instances of the task
+(2 by default), each ``seqlen / documents`` tokens, one after the other, with segment ids
+that stop attention at their boundaries (``ring_flash_attn(segment_ids=...)``). The
+documents bind the same keys to different values, so a model that attended across a
+boundary would be told two answers; the loss never crosses one either (labels are per
+document). ``--documents 1`` is one document per sequence.
+
+Every document binds each of ``--num-keys`` keys to one of ``--values-per-key`` values.
 A binding is one "fact" token (key k's values are tokens of their own), written
 ``--fact-copies`` times at random places of the FIRST half. The second half holds
 ``--queries`` query tokens Q(k) among the noise; the label at a query is the value of k,
@@ -81,7 +88,7 @@ CKPT_PATTERN = re.compile(r"^step_(\d{8})\.pt$")
 # that agrees on all of them.
 RUN_DEFINING = ("seqlen", "batch_size", "d_model", "layers", "heads", "kv_heads", "mlp_ratio",
                 "rope_base", "num_keys", "values_per_key", "queries", "noise_tokens", "fact_copies",
-                "seed")
+                "documents", "attn_dropout", "seed")
 # Arguments a resumed run may change (the run then differs from the uninterrupted one).
 SCHEDULE = ("steps", "lr", "warmup", "min_lr_ratio", "weight_decay", "grad_clip", "layout",
             "sp_size", "dtype")
@@ -121,10 +128,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--heads", type=int, default=4, help="query heads")
     g.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA when fewer than --heads)")
     g.add_argument("--mlp-ratio", type=int, default=4, help="MLP hidden width / d_model")
+    g.add_argument("--attn-dropout", type=float, default=0.0,
+                   help="attention dropout (regenerated from a per-step seed: resume stays exact)")
     g.add_argument("--rope-base", type=float, default=10000.0,
                    help="rotary embedding base; raise it (1e6) for contexts of 100k+ tokens")
     g = p.add_argument_group("task (synthetic key-value recall)")
-    g.add_argument("--num-keys", type=int, default=2, help="keys bound to a value in every sequence")
+    g.add_argument("--documents", type=int, default=2,
+                   help="documents packed into every sequence, each its own recall instance of "
+                        "seqlen/documents tokens; attention is masked at their boundaries")
+    g.add_argument("--num-keys", type=int, default=2, help="keys bound to a value in every document")
     g.add_argument("--values-per-key", type=int, default=16,
                    help="values each key can take; chance loss is ln(values-per-key)")
     g.add_argument("--queries", type=int, default=32, help="scored queries per sequence")
@@ -181,17 +193,24 @@ class Task:
     noise_tokens: int
     seed: int
     fact_copies: int = 1
+    documents: int = 1
 
     @classmethod
     def from_args(cls, args) -> "Task":
         task = cls(args.seqlen, args.num_keys, args.values_per_key, args.queries,
-                   args.noise_tokens, args.seed, args.fact_copies)
-        half = task.seqlen // 2
+                   args.noise_tokens, args.seed, args.fact_copies, args.documents)
+        if task.documents < 1 or task.seqlen % task.documents:
+            raise ValueError(f"--documents {task.documents} must divide --seqlen {task.seqlen}")
+        half = task.doc_len // 2
         if task.num_keys * task.fact_copies > half or task.queries > task.seqlen - half:
-            raise ValueError(f"--seqlen {task.seqlen} is too short: {task.num_keys} keys x "
-                             f"{task.fact_copies} copies must fit in its first half and "
-                             f"{task.queries} queries in its second half")
+            raise ValueError(f"documents of {task.doc_len} tokens are too short: {task.num_keys} "
+                             f"keys x {task.fact_copies} copies must fit in the first half of "
+                             f"each and {task.queries} queries in its second half")
         return task
+
+    @property
+    def doc_len(self) -> int:
+        return self.seqlen // self.documents
 
     @property
     def query_base(self) -> int:
@@ -215,9 +234,20 @@ class Task:
         return torch.Generator().manual_seed(int.from_bytes(digest, "little"))
 
     def sequence(self, step: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens and labels (seqlen,) int64 of sequence ``index`` of step ``step``."""
+        """Tokens and labels (seqlen,) int64 of sequence ``index`` of step ``step``: its
+        documents one after the other."""
         g = self.generator(step, index)
-        n, half = self.seqlen, self.seqlen // 2
+        parts = [self._document(g) for _ in range(self.documents)]
+        return torch.cat([t for t, _ in parts]), torch.cat([l for _, l in parts])
+
+    def segment_ids(self) -> torch.Tensor | None:
+        """(seqlen,) int32 document ids of every sequence, or None for one document."""
+        if self.documents == 1:
+            return None
+        return torch.arange(self.documents, dtype=torch.int32).repeat_interleave(self.doc_len)
+
+    def _document(self, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        n, half = self.doc_len, self.doc_len // 2
         seq = torch.randint(0, self.noise_tokens, (n,), generator=g)
         bound = (self.value_base + torch.arange(self.num_keys) * self.values_per_key
                  + torch.randint(0, self.values_per_key, (self.num_keys,), generator=g))
@@ -237,7 +267,7 @@ class Task:
         return torch.stack([t for t, _ in pairs]), torch.stack([l for _, l in pairs])
 
     def scored_per_sequence(self) -> int:
-        return self.queries
+        return self.queries * self.documents
 
 
 # ----------------------------------------------------------------------------- the model
@@ -249,13 +279,14 @@ class Block(nn.Module):
         d = args.d_model
         self.norm1 = nn.RMSNorm(d)
         self.attn = RingSelfAttention(d, args.heads, args.kv_heads, causal=True,
-                                      layout=args.layout, group=group, rope_base=args.rope_base)
+                                      layout=args.layout, group=group, rope_base=args.rope_base,
+                                      dropout_p=args.attn_dropout)
         self.norm2 = nn.RMSNorm(d)
         self.mlp = nn.Sequential(nn.Linear(d, args.mlp_ratio * d, bias=False), nn.GELU(),
                                  nn.Linear(args.mlp_ratio * d, d, bias=False))
 
-    def forward(self, x):
-        x = x + self.attn(self.norm1(x))
+    def forward(self, x, segment_ids=None, dropout_seed=None):
+        x = x + self.attn(self.norm1(x), segment_ids=segment_ids, dropout_seed=dropout_seed)
         return x + self.mlp(self.norm2(x))
 
 
@@ -271,10 +302,11 @@ class RingLM(nn.Module):
         self.head = nn.Linear(args.d_model, vocab_size, bias=False)
         self.head.weight = self.embed.weight  # tied
 
-    def forward(self, tokens):
+    def forward(self, tokens, segment_ids=None, dropout_seed=None):
+        """dropout_seed: an int; layer i's attention dropout uses dropout_seed + i."""
         x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x, segment_ids, None if dropout_seed is None else dropout_seed + i)
         return self.head(self.norm(x))
 
 
@@ -574,6 +606,15 @@ class StopSignals:
         self._previous = {}
 
 
+def dropout_seed(args, step: int) -> int | None:
+    """The attention-dropout seed of a step: a function of (--seed, step), the same on every
+    rank and after a resume."""
+    if args.attn_dropout == 0:
+        return None
+    digest = hashlib.blake2b(f"dropout/{args.seed}/{step}".encode(), digest_size=7).digest()
+    return int.from_bytes(digest, "little")
+
+
 def train_step(model, optimizer, task: Task, step: int, args, d: Dist, autocast_dtype,
                signals: StopSignals | None = None):
     """One optimizer step on the global batch of ``step``; returns the loss, accuracy and
@@ -587,11 +628,14 @@ def train_step(model, optimizer, task: Task, step: int, args, d: Dist, autocast_
     shard = dict(dim=1, layout=args.layout, group=d.sp_group)
     tokens = ringflash.shard(tokens.to(d.device), **shard)
     labels = ringflash.shard(labels.to(d.device), **shard)
+    segments = task.segment_ids()
+    if segments is not None:  # every row packs the same documents
+        segments = ringflash.shard(segments.expand(tokens.shape[0], -1).to(d.device), **shard)
 
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, args)
     with torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=autocast_dtype is not None):
-        logits = model(tokens)
+        logits = model(tokens, segments, dropout_seed(args, step))
     logits = logits.float().flatten(0, 1)
     labels = labels.flatten()
     loss_sum = F.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="sum")

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from .exchange import TRANSPORTS, Ring, transport  # noqa: F401 - transport: part of this module's API
 from .groups import resolve_group
 from .kernels import (SUPPORTED_DTYPES, check_causal, check_dropout, check_qkv, check_segment_ids,
-                      check_window, resolve_scale)
+                      check_unsupported, check_window, resolve_scale)
 from .layouts import DEFAULT_LAYOUT, LAYOUTS, check_layout, global_positions
 from .ops import ring_attn
 
@@ -93,7 +93,8 @@ def _check_local(q, k, v, causal, layout, softmax_scale, window_size, segment_id
 def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
                     group=None, layout: str = DEFAULT_LAYOUT, return_lse: bool = False,
                     segment_ids: torch.Tensor | None = None, window_size: tuple[int, int] = (-1, -1),
-                    dropout_p: float = 0.0, seed: int | None = None):
+                    dropout_p: float = 0.0, seed: int | None = None, block_mask=None,
+                    deterministic: bool = False):
     """Exact attention of this rank's queries over the keys of every rank in ``group``.
 
     Args:
@@ -129,6 +130,9 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
             rank check compares the seeds). Positions in runs of 8 (layouts contiguous and
             zigzag with seqlen_local a multiple of 16) share a Philox call; stripe runs one
             per element.
+        block_mask: reserved for block-sparse attention; not implemented (raises).
+        deterministic: accepted for compatibility: the ring's backward is always
+            deterministic (fixed summation order, no atomics).
 
     Returns:
         out (batch, seqlen_local, heads, head_dim) in q's dtype: rows of
@@ -143,6 +147,7 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
     are invalid raises while tracing, without telling the others.
     """
     group = resolve_group(group)
+    check_unsupported(block_mask, deterministic)
     args = (q, k, v, causal, layout, softmax_scale, window_size, segment_ids, dropout_p, seed)
     if torch.compiler.is_compiling():
         checked = _check_local(*args)

@@ -48,7 +48,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from . import api
 from .exchange import Ring
 from .groups import resolve_group
-from .kernels import check_window
+from .kernels import check_dropout, check_unsupported, check_window
 from .layouts import DEFAULT_LAYOUT, check_layout
 
 
@@ -100,14 +100,18 @@ class RingSelfAttention(nn.Module):
         bias: biases on the projections.
         window_size: (left, right) sliding window on global positions, -1 = unbounded
             (see ``ring_flash_attn``).
+        dropout_p: attention dropout, applied in training mode only.
+        deterministic: accepted for compatibility (the backward always is).
 
-    forward(x, positions=None, segment_ids=None):
+    forward(x, positions=None, segment_ids=None, dropout_seed=None):
         x: (batch, seqlen_local, d_model), this rank's tokens; the same shape on every rank.
         positions: optional (seqlen_local,) int64 global positions of those tokens;
             default ``ringflash.positions(seqlen_local * world, layout, group)``. With
             packed documents, rotary positions may restart per document: pass them here.
         segment_ids: optional (batch, seqlen_local) document ids of those tokens, -1 for
             padding (``ring_flash_attn``'s rules), sharded with the layer's layout.
+        dropout_seed: the dropout seed of this call (an int, the same on every rank); None
+            draws one from torch's default generator (``ring_flash_attn``'s ``seed``).
         Returns (batch, seqlen_local, d_model).
 
     Parameters are NOT synchronized by the layer: start every rank from the same values
@@ -120,7 +124,8 @@ class RingSelfAttention(nn.Module):
     def __init__(self, d_model: int, num_heads: int, num_kv_heads: Optional[int] = None, *,
                  head_dim: Optional[int] = None, causal: bool = True, layout: str = DEFAULT_LAYOUT,
                  group=None, rope_base: float = 10000.0, bias: bool = False,
-                 window_size: tuple[int, int] = (-1, -1), device=None, dtype=None):
+                 window_size: tuple[int, int] = (-1, -1), dropout_p: float = 0.0,
+                 deterministic: bool = False, device=None, dtype=None):
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
@@ -140,6 +145,8 @@ class RingSelfAttention(nn.Module):
         self.causal = causal
         self.layout = check_layout(layout)
         self.window_size = check_window(window_size)
+        self.dropout_p, _ = check_dropout(dropout_p, 0)
+        check_unsupported(None, deterministic)
         self.group = resolve_group(group)
         self.rope_base = float(rope_base)
         factory = dict(device=device, dtype=dtype)
@@ -152,7 +159,8 @@ class RingSelfAttention(nn.Module):
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"causal={self.causal}, layout={self.layout!r}, window_size={self.window_size}")
+                f"causal={self.causal}, layout={self.layout!r}, window_size={self.window_size}, "
+                f"dropout_p={self.dropout_p}")
 
     def local_positions(self, seqlen_local: int, device=None) -> torch.Tensor:
         """Global positions of this rank's ``seqlen_local`` tokens under the layer's layout."""
@@ -173,14 +181,18 @@ class RingSelfAttention(nn.Module):
         return self._rotary_cache[1:]
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                segment_ids: Optional[torch.Tensor] = None,
+                dropout_seed: Optional[int] = None) -> torch.Tensor:
         """(B, S_local, H, D) x (B, S_local, Hkv, D) -> (B, S_local, H, D) over the ring."""
+        dropout_p = self.dropout_p if self.training else 0.0
         return api.ring_flash_attn(q, k, v, causal=self.causal, group=self.group,
                                    layout=self.layout, segment_ids=segment_ids,
-                                   window_size=self.window_size)
+                                   window_size=self.window_size, dropout_p=dropout_p,
+                                   seed=dropout_seed if dropout_p else None)
 
     def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                segment_ids: Optional[torch.Tensor] = None,
+                dropout_seed: Optional[int] = None) -> torch.Tensor:
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must be (batch, seqlen_local, {self.d_model}), got {tuple(x.shape)}")
         b, n, _ = x.shape
@@ -188,7 +200,7 @@ class RingSelfAttention(nn.Module):
         q, k, v = self.qkv_proj(x).view(b, n, h + 2 * hkv, d).split([h, hkv, hkv], dim=2)
         cos, sin = self._rotary(n, positions, x.device)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self._attend(q, k, v.contiguous(), segment_ids)
+        out = self._attend(q, k, v.contiguous(), segment_ids, dropout_seed)
         return self.out_proj(out.reshape(b, n, h * d))
 
 

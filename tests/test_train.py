@@ -87,13 +87,18 @@ def ring_run(tmp_path_factory):
     return json.loads((tmp / "metrics.json").read_text()), tmp / "ckpt"
 
 
-def plain_attention(self, q, k, v, segment_ids=None):
-    """torch's attention on the full sequence, K/V heads repeated for GQA."""
-    assert segment_ids is None, "the reference run trains without documents"
+def plain_attention(self, q, k, v, segment_ids=None, dropout_seed=None):
+    """torch's attention on the full sequence, K/V heads repeated for GQA, causal within
+    each document of ``segment_ids``."""
     group = q.shape[2] // k.shape[2]
+    n = q.shape[1]
+    mask = torch.ones(n, n, dtype=torch.bool).tril() if self.causal else torch.ones(n, n, dtype=torch.bool)
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+        mask = mask[:, None]
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.repeat_interleave(group, dim=2).transpose(1, 2),
-        v.repeat_interleave(group, dim=2).transpose(1, 2), is_causal=self.causal)
+        v.repeat_interleave(group, dim=2).transpose(1, 2), attn_mask=mask)
     return out.transpose(1, 2)
 
 
@@ -106,9 +111,11 @@ def single_process_reference(train, argv):
     losses, grad_norms = [], []
     for step in range(1, args.steps + 1):
         tokens, labels = task.batch(step, range(args.batch_size))
+        segments = task.segment_ids()
+        segments = None if segments is None else segments.expand(args.batch_size, -1)
         for group in optimizer.param_groups:
             group["lr"] = train.lr_at(step, args)
-        logits = model(tokens)
+        logits = model(tokens, segments)
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=train.IGNORE)
         loss.backward()
         grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip).item())
