@@ -410,13 +410,10 @@ def _cp_modules():
 
 
 def _headtail_positions(seqlen: int, world: int, rank: int, load_balanced: bool) -> torch.Tensor:
-    """Global positions of a rank's tokens under torch CP's sharding (head-tail = zigzag)."""
-    if not load_balanced:
-        n = seqlen // world
-        return torch.arange(rank * n, (rank + 1) * n)
-    c = seqlen // (2 * world)
-    first, second = rank * c, (2 * world - 1 - rank) * c
-    return torch.cat([torch.arange(first, first + c), torch.arange(second, second + c)])
+    """Global positions of a rank's tokens under torch CP's sharding: head-tail is
+    ringflash's zigzag, no load balancing its contiguous."""
+    from ringflash.layouts import global_positions
+    return global_positions(seqlen, "zigzag" if load_balanced else "contiguous", rank, world)
 
 
 def _cp_unshard(tensors: list, seqlen: int, load_balanced: bool, ctx: Ctx, cp_attention):

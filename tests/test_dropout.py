@@ -11,7 +11,9 @@ import triton
 import triton.language as tl
 from oracle import F16, F32, TOL, global_mask, rel_err
 
-from ringflash.kernels import dropout, dropout_keep_mask, flash_attn, interface, triton_attn
+from test_masks import _impl
+
+from ringflash.kernels import dropout, dropout_keep_mask, flash_attn, triton_attn
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -84,14 +86,6 @@ def test_seeds_and_positions():
     part = dropout_keep_mask(1, 0.5, 1, 2, 8, 16, q_positions=torch.arange(40, 48),
                              k_positions=torch.arange(3, 64, 4)[:16])
     assert torch.equal(part, a[:, :, 40:48, 3::4][..., :16])
-
-
-def _impl(name, monkeypatch):
-    if name == "triton":
-        if not HAS_CUDA:
-            monkeypatch.setattr(interface, "_backend", lambda t: triton_attn)
-        return "cuda" if HAS_CUDA else "cpu"
-    return "cpu"
 
 
 @pytest.mark.parametrize("impl", ["twin", "triton"])

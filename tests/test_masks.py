@@ -256,3 +256,10 @@ def test_deterministic_and_block_mask_keywords():
     import ringflash
     with pytest.raises(NotImplementedError, match="block_mask"):
         ringflash.ring_flash_attn(q, k, v, block_mask=torch.ones(1, 1, 1, dtype=torch.bool))
+
+
+def test_zero_heads_are_named():
+    q = torch.randn(1, 8, 0, 16)
+    k = torch.randn(1, 8, 1, 16)
+    with pytest.raises(ValueError, match="heads must be at least 1"):
+        flash_attn(q, k, k)
