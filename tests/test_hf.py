@@ -198,15 +198,26 @@ def test_flash_in_the_name_is_refused():
         ringflash.hf.register("ring_flash_attn")
 
 
-def test_sliding_window_layers_are_refused():
+def sliding_window_error(rank, world):
     torch.manual_seed(0)
     model = transformers.MistralForCausalLM(transformers.MistralConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2, sliding_window=4))
     model.set_attn_implementation(ringflash.hf.register())
     ids, _ = _batch(seqlen=16)
-    with pytest.raises(NotImplementedError, match="sliding"):
+    try:
         model(**ringflash.hf.prepare_batch(ringflash.SequenceParallel(), ids))
+    except NotImplementedError as error:
+        return str(error)
+    return None
+
+
+def test_sliding_window_layers_are_refused(worlds):
+    """In a spawned process, as the other tests that run a model here: in pytest's own,
+    running transformers' Mistral has crashed later eager calls of the kernels' custom ops
+    (torch 2.13, CPU)."""
+    caught = worlds(1).run(sliding_window_error, timeout=120)[0]
+    assert caught is not None and "sliding" in caught, caught
 
 
 def compiles_in_one_graph(rank, world):
