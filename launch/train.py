@@ -761,6 +761,8 @@ def _train(args, d: Dist, signals: StopSignals | None = None) -> dict | None:
         if args.metrics_out:
             text = json.dumps(metrics, indent=2)
             _atomic_write(args.metrics_out, lambda f: f.write(text.encode()))
+    if d.world > 1:  # no rank tears the group down while another still uses it
+        dist.barrier()
     return metrics
 
 
