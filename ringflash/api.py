@@ -57,7 +57,7 @@ def _check_ranks_agree(ring: Ring, signature: list[int] | None, error: Exception
 
     ``signature`` is None on a rank whose own checks failed with ``error``: it still joins
     the all-gather, so the other ranks learn of it instead of waiting in the ring.
-    Costs one all-gather of 12 int64 and one host synchronization per call. It runs on
+    Costs one all-gather of 17 int64 and one host synchronization per call. It runs on
     every call rather than once per signature: a rank that skipped it because its own
     signature was cached, while another rank's changed, would leave that rank waiting in a
     collective nobody else joins.

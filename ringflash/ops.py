@@ -61,7 +61,7 @@ def _agreed_ring(q, k, segments, causal, layout, softmax_scale, window, dropout,
                  group_name) -> Ring:
     """The ring this call runs on, with its transport, once every rank agrees on the call.
 
-    The agreement check (``api._check_ranks_agree``: one all-gather of 12 int64 and one
+    The agreement check (``api._check_ranks_agree``: one all-gather of 17 int64 and one
     host synchronization) runs here, inside the op, on every call of a ring of more than
     one rank unless RINGFLASH_RANK_CHECK=0, and except while a CUDA graph is being
     captured: a capture cannot synchronize the host, and the eager warm-up iterations that
