@@ -20,18 +20,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import _harness as H
 import ringflash
+from bench_masks import timed
 
 # The efficient (xformers) backend also takes dropout, at ~90 TFLOP/s: 10 s an iteration
 # at 128k, so it is left out; the math backend materializes the N x N matrix.
 SDPA = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
-
-
-def timed(fn, inputs, device, args, group=None):
-    dout = torch.randn_like(inputs[0])
-    fwd = H.bench_ms(lambda: fn(*inputs), device=device, rep_ms=args.rep_ms, group=group)
-    fwdbwd = H.bench_ms(lambda: fn(*inputs).backward(dout), device=device, rep_ms=args.rep_ms,
-                        grad_to_none=inputs, group=group)
-    return fwd, fwdbwd
 
 
 def main(argv=None):
@@ -67,7 +60,7 @@ def main(argv=None):
             for drop in (0.0, args.p):
                 fn = (lambda q, k, v, drop=drop: ringflash.ring_flash_attn(
                     q, k, v, causal=causal, layout=layout, dropout_p=drop, seed=1234))
-                fwd, fwdbwd = timed(fn, local, device, args, group)
+                fwd, fwdbwd = timed(fn, *local, device, args, group)
                 records.append(dict(impl="ringflash", dropout_p=drop, seqlen=seqlen, causal=causal,
                                     gpus=world, layout=layout, fwd_ms=fwd, fwdbwd_ms=fwdbwd,
                                     fwdbwd_tflops_per_gpu=H.tflops(flops / world, fwdbwd)))
@@ -78,7 +71,7 @@ def main(argv=None):
                         with sdpa_kernel(backend):
                             return F.scaled_dot_product_attention(q, k, v, dropout_p=args.p, is_causal=causal)
                     try:
-                        fwd, fwdbwd = timed(sdpa, qt, device, args)
+                        fwd, fwdbwd = timed(sdpa, *qt, device, args)
                         err = None
                     except RuntimeError as e:  # this backend refuses dropout here
                         fwd = fwdbwd = None
