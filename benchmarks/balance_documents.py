@@ -8,7 +8,8 @@ pairs its queries see, counted exactly from the global positions it holds
 (``ringflash.layouts.global_positions``): the query at position p of a document starting at
 s sees p - s + 1 keys. Imbalance = busiest rank / average rank: the ring runs at the pace of
 its busiest rank, so 1.10 means 10% of the ring's time is waiting. Runs on a CPU in
-seconds; writes benchmarks/results/balance_documents.json with --out-dir or by default.
+seconds; writes balance_documents.json to a new temporary directory, or to --out-dir (the
+committed file came from --out-dir benchmarks/results).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def main(argv=None):
     p.add_argument("--seqlen", default="128k", help="global sequence length")
     p.add_argument("--world", type=int, default=4, help="ranks")
     p.add_argument("--draws", type=int, default=20, help="packed sequences drawn (seeds 0..draws-1)")
-    p.add_argument("--out-dir", default=None, help="results directory (default benchmarks/results)")
+    p.add_argument("--out-dir", default=None, help="results directory (default: a new temporary one)")
     args = p.parse_args(argv)
     seqlen = H.parse_size(args.seqlen)
     records = []
@@ -51,7 +52,8 @@ def main(argv=None):
           "busiest rank / average rank")
     print(H.format_table(records, [("layout", "layout"), ("imbalance_mean", "mean", ".3f"),
                                    ("imbalance_worst", "worst", ".3f")]))
-    path = H.write_results("balance_documents", H.collect_meta(None), records, args.out_dir)
+    path = H.write_results("balance_documents", H.collect_meta(None), records,
+                           H.results_dir(args.out_dir, smoke=True))
     print(f"wrote {path}")
 
 
