@@ -34,13 +34,11 @@ forward (none under torch.compile); the model compiles with fullgraph=True.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from . import api
 from .parallel import IGNORE_INDEX, SequenceParallel
 
 # The name under which ``register`` installs the attention function. It must not contain
@@ -94,10 +92,6 @@ class RingContext:
     segment_ids: Optional[torch.Tensor] = None
 
 
-def _ring_accepts(keyword: str) -> bool:
-    return keyword in inspect.signature(api.ring_flash_attn).parameters
-
-
 def segment_ids_of(position_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None
                    ) -> Optional[torch.Tensor]:
     """Segment ids (batch, seqlen) int32 of a full batch, or None when every row is one
@@ -141,8 +135,8 @@ def prepare_batch(sp: SequenceParallel, input_ids: torch.Tensor, *,
             sp, average over dp).
         device: where the returned tensors go (default: input_ids').
 
-    Raises NotImplementedError for padded or packed batches until ``ring_flash_attn``
-    takes ``segment_ids``: such a batch is never run without its mask.
+    A padded or packed batch is never run without its mask: it reaches the ring as
+    segment ids.
     """
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError("input_ids must be a (batch, seqlen) tensor of the whole sequences, "
@@ -159,11 +153,6 @@ def prepare_batch(sp: SequenceParallel, input_ids: torch.Tensor, *,
         raise ValueError(f"attention_mask must be {tuple(input_ids.shape)} (batch, seqlen), "
                          f"got {tuple(attention_mask.shape)}")
     segments = segment_ids_of(position_ids, attention_mask)
-    if segments is not None and not _ring_accepts("segment_ids"):
-        raise NotImplementedError(
-            "this batch is padded (attention_mask has zeros) or packed (position_ids restart), "
-            "which needs ring_flash_attn(segment_ids=...); this ringflash has no segment ids yet. "
-            "Use unpadded batches of single sequences meanwhile.")
 
     local_positions = sp.shard(position_ids).to(device)
     context = RingContext(sp, local_positions,
@@ -224,10 +213,7 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     extra = {}
     if context.segment_ids is not None:
         extra["segment_ids"] = context.segment_ids
-    if dropout:
-        if not _ring_accepts("dropout_p"):
-            raise NotImplementedError(f"attention dropout ({dropout}) is not supported by ring "
-                                      "attention yet; set the config's attention_dropout to 0")
+    if dropout:  # the seed from torch's default generator: seed every rank alike
         extra["dropout_p"] = dropout
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
