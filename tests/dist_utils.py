@@ -235,3 +235,31 @@ class Worlds:
             self._world.close()
             self._world = None
 
+
+
+def run_command(cmd, cwd, timeout: float = 120, **env_changes) -> tuple[int, str]:
+    """(returncode, stdout+stderr) of ``cmd`` run in its own process session on the CPU
+    (one thread, gloo on loopback, no torchrun variables inherited); ``env_changes`` set or
+    (with None) remove variables. On timeout the whole session is killed and the test fails."""
+    import signal
+    import subprocess
+
+    import pytest
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", CUDA_VISIBLE_DEVICES="")
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    for name, value in env_changes.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(map(str, cmd))} timed out after {timeout} s:\n{out[-4000:]}")
+    return proc.returncode, out

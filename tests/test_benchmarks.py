@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from dist_utils import run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
@@ -39,17 +38,8 @@ def _git_status() -> str | None:
 
 
 def _run(cmd: list[str], tmp_path: Path, timeout: float = 120) -> str:
-    env = dict(os.environ, TMPDIR=str(tmp_path), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
-               PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} timed out after {timeout} s:\n{out[-4000:]}")
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-4000:]}"
+    rc, out = run_command(cmd, ROOT, timeout, TMPDIR=str(tmp_path), PYTHONUNBUFFERED="1")
+    assert rc == 0, f"{' '.join(cmd)} failed ({rc}):\n{out[-4000:]}"
     return out
 
 

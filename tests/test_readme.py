@@ -5,14 +5,11 @@ that says how to start it."""
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from dist_utils import run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,18 +23,7 @@ def readme_example() -> str:
 
 
 def _run(cmd, cwd, timeout=120):
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", CUDA_VISIBLE_DEVICES="")
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{cmd} timed out:\n{out[-4000:]}")
-    return proc.returncode, out
+    return run_command(cmd, cwd, timeout)
 
 
 def test_readme_example_under_torchrun(tmp_path):
