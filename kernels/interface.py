@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from . import reference, triton_attn
-from .masks import NO_MASK, PairMask, band_of_window
+from .masks import BLOCK, NO_MASK, PairMask, band_of_window
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -109,16 +109,33 @@ def check_segment_ids(segment_ids, batch: int, seqlen: int, device: torch.device
     return ids
 
 
-def check_unsupported(block_mask, deterministic) -> None:
-    """``deterministic``: a bool; every backward here is deterministic already (two kernels
-    that write each gradient once, without atomics), so both values give the same bits.
-    ``block_mask``: block-sparse attention is not built yet, so anything but None raises
-    rather than running a denser mask than asked for."""
+def check_deterministic(deterministic) -> bool:
+    """A bool; every backward here is deterministic already (two kernels that write each
+    gradient once, without atomics), so both values give the same bits."""
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
-    if block_mask is not None:
-        raise NotImplementedError("block_mask (block-sparse attention) is not implemented yet; "
-                                  "segment_ids and window_size cover documents and windows")
+    return deterministic
+
+
+def check_block_mask(block_mask, heads: int, seqlen_q: int, seqlen_k: int,
+                     device: torch.device) -> Optional[torch.Tensor]:
+    """None, or a bool (heads or 1, cdiv(seqlen_q, BLOCK), cdiv(seqlen_k, BLOCK)) tensor on
+    ``device`` (seqlen_* GLOBAL lengths), returned contiguous. Block (a, c) covers queries
+    [a * BLOCK, (a + 1) * BLOCK) and keys [c * BLOCK, (c + 1) * BLOCK); BLOCK = 128."""
+    if block_mask is None:
+        return None
+    if not isinstance(block_mask, torch.Tensor):
+        raise TypeError(f"block_mask must be a torch.Tensor or None, got {type(block_mask).__name__}")
+    if block_mask.dtype != torch.bool:
+        raise TypeError(f"block_mask must be a bool tensor, got {block_mask.dtype}")
+    want = (-(-seqlen_q // BLOCK), -(-seqlen_k // BLOCK))
+    if block_mask.dim() != 3 or block_mask.shape[0] not in (1, heads) or tuple(block_mask.shape[1:]) != want:
+        raise ValueError(f"block_mask must have shape (heads or 1, seqlen_q / {BLOCK}, seqlen_k / {BLOCK}) "
+                         f"= ({heads} or 1, {want[0]}, {want[1]}) over blocks of {BLOCK} tokens, "
+                         f"got {tuple(block_mask.shape)}")
+    if block_mask.device != device:
+        raise ValueError(f"block_mask must be on q's device {device}, got {block_mask.device}")
+    return block_mask.contiguous()
 
 
 def check_dropout(dropout_p, seed) -> tuple[float, int]:
@@ -226,21 +243,21 @@ def flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: floa
 # ----------------------------------------------------------------------------- differentiable op
 
 
-def _op_mask(band_lo, band_hi, segment_ids, dropout_p, seed) -> PairMask:
-    return PairMask(band_lo, band_hi, segment_ids, segment_ids, dropout_p, seed, (0, 0, 1))
+def _op_mask(band_lo, band_hi, segment_ids, dropout_p, seed, block_mask) -> PairMask:
+    return PairMask(band_lo, band_hi, segment_ids, segment_ids, dropout_p, seed, (0, 0, 1), block_mask)
 
 
 @torch.library.custom_op("ringflash::flash_attn_forward", mutates_args=())
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
                 band_lo: Optional[int], band_hi: Optional[int],
-                segment_ids: Optional[torch.Tensor], dropout_p: float,
-                seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+                segment_ids: Optional[torch.Tensor], dropout_p: float, seed: int,
+                block_mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return flash_attn_fwd(q, k, v, softmax_scale=softmax_scale,
-                          mask=_op_mask(band_lo, band_hi, segment_ids, dropout_p, seed))
+                          mask=_op_mask(band_lo, band_hi, segment_ids, dropout_p, seed, block_mask))
 
 
 @_forward_op.register_fake
-def _(q, k, v, softmax_scale, band_lo, band_hi, segment_ids, dropout_p, seed):
+def _(q, k, v, softmax_scale, band_lo, band_hi, segment_ids, dropout_p, seed, block_mask):
     b, sq, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
 
@@ -249,23 +266,25 @@ def _(q, k, v, softmax_scale, band_lo, band_hi, segment_ids, dropout_p, seed):
 def _backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
                  softmax_scale: float, band_lo: Optional[int], band_hi: Optional[int],
-                 segment_ids: Optional[torch.Tensor], dropout_p: float, seed: int
+                 segment_ids: Optional[torch.Tensor], dropout_p: float, seed: int,
+                 block_mask: Optional[torch.Tensor]
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     delta = attn_delta(out, dout, dlse)
     dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
     return flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale=softmax_scale,
-                          mask=_op_mask(band_lo, band_hi, segment_ids, dropout_p, seed))
+                          mask=_op_mask(band_lo, band_hi, segment_ids, dropout_p, seed, block_mask))
 
 
 @_backward_op.register_fake
-def _(dout, q, k, v, out, lse, dlse, softmax_scale, band_lo, band_hi, segment_ids, dropout_p, seed):
+def _(dout, q, k, v, out, lse, dlse, softmax_scale, band_lo, band_hi, segment_ids, dropout_p, seed,
+      block_mask):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, band_lo, band_hi, segment_ids, dropout_p, seed = inputs
+    q, k, v, softmax_scale, band_lo, band_hi, segment_ids, dropout_p, seed, block_mask = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, segment_ids)
+    ctx.save_for_backward(q, k, v, out, lse, segment_ids, block_mask)
     ctx.args = (softmax_scale, band_lo, band_hi, dropout_p, seed)
 
 
@@ -279,11 +298,11 @@ def no_double_backward() -> None:
 
 def _backward(ctx, dout, dlse):
     no_double_backward()
-    q, k, v, out, lse, segment_ids = ctx.saved_tensors
+    q, k, v, out, lse, segment_ids, block_mask = ctx.saved_tensors
     softmax_scale, band_lo, band_hi, dropout_p, seed = ctx.args
     dq, dk, dv = _backward_op(dout, q, k, v, out, lse, dlse, softmax_scale, band_lo, band_hi,
-                              segment_ids, dropout_p, seed)
-    return dq, dk, dv, None, None, None, None, None, None
+                              segment_ids, dropout_p, seed, block_mask)
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -292,7 +311,8 @@ _forward_op.register_autograd(_backward, setup_context=_setup_context)
 def flash_attn(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] = None,
                return_lse: bool = False, segment_ids: Optional[torch.Tensor] = None,
                window_size: tuple[int, int] = (-1, -1), dropout_p: float = 0.0,
-               seed: Optional[int] = None, block_mask=None, deterministic: bool = False):
+               seed: Optional[int] = None, block_mask: Optional[torch.Tensor] = None,
+               deterministic: bool = False):
     """Exact softmax attention on one device, FlashAttention-2 style.
 
     Args:
@@ -314,7 +334,11 @@ def flash_attn(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] 
             ``dropout_keep_mask`` returns the dense mask), so the backward regenerates it
             and the ring with the same seed drops exactly the same elements.
         seed: an int, or None to draw one from torch's default generator.
-        block_mask: reserved for block-sparse attention; not implemented (raises).
+        block_mask: block-sparse attention: bool (heads or 1, cdiv(seqlen_q, 128),
+            cdiv(seqlen_k, 128)); block (a, c) covers queries [128a, 128a + 128) and keys
+            [128c, 128c + 128). False blocks are never computed (no load, no FLOP);
+            the elements of a True block follow causal, window_size and segment_ids.
+            Helpers: ``ringflash.kernels.block_sparse``.
         deterministic: accepted for compatibility: the backward is always deterministic.
 
     Returns:
@@ -325,7 +349,8 @@ def flash_attn(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] 
     """
     check_qkv(q, k, v)
     causal = check_causal(causal)
-    check_unsupported(block_mask, deterministic)
+    check_deterministic(deterministic)
+    block_mask = check_block_mask(block_mask, q.shape[2], q.shape[1], k.shape[1], q.device)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     band_lo, band_hi = band_of_window(causal, check_window(window_size))
     if segment_ids is not None and q.shape[1] != k.shape[1]:
@@ -333,5 +358,5 @@ def flash_attn(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] 
                          f"{q.shape[1]} and {k.shape[1]}")
     segment_ids = check_segment_ids(segment_ids, q.shape[0], q.shape[1], q.device)
     dropout_p, seed = check_dropout(dropout_p, seed)
-    out, lse = _forward_op(q, k, v, scale, band_lo, band_hi, segment_ids, dropout_p, seed)
+    out, lse = _forward_op(q, k, v, scale, band_lo, band_hi, segment_ids, dropout_p, seed, block_mask)
     return (out, lse) if return_lse else out

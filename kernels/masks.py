@@ -4,6 +4,7 @@ One mechanism for every mask (DESIGN.md, Masks). Key j of a pair is visible to q
 
     band_lo <= j - i <= band_hi          (local indices; None = unbounded on that side)
     and, with segment ids, q_segments[b, i] == k_segments[b, j] >= 0
+    and, with a block mask, blocks[h, i // BLOCK, j // BLOCK]
 
 The causal diagonal with offset o is ``band_hi = o``. A sliding window on global
 positions becomes a band of local indices wherever the pair's global positions are an
@@ -11,7 +12,9 @@ affine function of its local indices with one common stride (ringflash.layouts d
 conversion); on one device the band is the window itself. Segment ids mark packed
 documents (equal id: may attend) and padding (-1: sees nothing, never seen). Within a
 pair, the ids that are not -1 must not decrease along the rows (documents are contiguous
-runs): that is what lets a tile find the keys of its documents from two loads.
+runs): that is what lets a tile find the keys of its documents from two loads. A block
+mask (block-sparse attention) marks which (BLOCK x BLOCK) blocks of the pair are computed
+at all; the elements of a computed block follow the band and the segment ids.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import torch
 
 # An unbounded band side, as the kernels see it: far past any sequence length.
 BAND_INF = 1 << 30
+# The side of a block-mask block, in tokens (DESIGN.md: B). Kernel tiles divide it.
+BLOCK = 128
 
 
 class PairMask(NamedTuple):
@@ -33,6 +38,9 @@ class PairMask(NamedTuple):
     dropout_p, seed: attention dropout (kernels/dropout.py), keyed by global positions:
     pos = (q_pos, k_pos, stride): query i of the pair is at q_pos + i * stride, key j at
         k_pos + j * stride (needed with dropout only).
+    blocks: (heads or 1, cdiv(Sq, BLOCK), cdiv(Sk, BLOCK)) bool, or None: block (a, c)
+        holds queries [a * BLOCK, (a + 1) * BLOCK) and keys [c * BLOCK, (c + 1) * BLOCK)
+        of the pair; False blocks are never computed.
     """
 
     band_lo: Optional[int] = None
@@ -42,6 +50,7 @@ class PairMask(NamedTuple):
     dropout_p: float = 0.0
     seed: int = 0
     pos: Optional[tuple[int, int, int]] = None
+    blocks: Optional[torch.Tensor] = None
 
     @classmethod
     def causal(cls, offset: Optional[int]) -> "PairMask":
@@ -62,9 +71,10 @@ def band_of_window(causal: bool, window_size: tuple[int, int]) -> tuple[Optional
     return lo, hi
 
 
-def visible(qi: torch.Tensor, kj: torch.Tensor, mask: PairMask, batch: Optional[int] = None):
-    """The element predicate (len(qi), len(kj)) bool, or (B, len(qi), len(kj)) with segment
-    ids; None when every key is visible. qi, kj: local row indices."""
+def visible(qi: torch.Tensor, kj: torch.Tensor, mask: PairMask):
+    """The element predicate, None when every key is visible; otherwise bool of shape
+    (len(qi), len(kj)), or (B, len(qi), len(kj)) with segment ids, or with a block mask
+    (B or 1, heads or 1, len(qi), len(kj)). qi, kj: local row indices."""
     ok = None
     diff = kj[None, :] - qi[:, None]
     if mask.band_lo is not None:
@@ -77,7 +87,44 @@ def visible(qi: torch.Tensor, kj: torch.Tensor, mask: PairMask, batch: Optional[
         ks = mask.k_segments[:, kj][:, None, :]
         seg = (qs == ks) & (qs >= 0)
         ok = seg if ok is None else ok[None] & seg
+    if mask.blocks is not None:
+        blocks = mask.blocks.to(qi.device)[:, qi // BLOCK][:, :, kj // BLOCK][None]
+        if ok is not None:
+            ok = ok[None, None] if ok.dim() == 2 else ok[:, None]
+        ok = blocks if ok is None else ok & blocks
     return ok
+
+
+def block_lists(blocks: torch.Tensor, lo: int, hi: int, n_rows: int, n_cols: int):
+    """What a kernel iterates over under a block mask: for every (head, row block), the
+    column blocks it computes, split into partial ones (the band crosses them, or they run
+    past n_rows / n_cols: element predicate) and full ones (no mask arithmetic).
+
+    blocks (Hm, R, C) bool over row blocks and column blocks of BLOCK; a column c is
+    visible to row r only if lo <= c - r <= hi (lo, hi: ints, +-BAND_INF when unbounded).
+    Returns (partial counts (Hm, R) int32, partial indices (Hm, R, C) int32, full counts,
+    full indices): the first ``count`` indices of a row, ascending, are its blocks. One
+    pass over the mask per kernel launch, so the kernel's work follows the nonzero blocks.
+    """
+    hm, n_r, n_c = blocks.shape
+    dev = blocks.device
+    r0 = torch.arange(n_r, device=dev) * BLOCK
+    c0 = torch.arange(n_c, device=dev) * BLOCK
+    r1, c1 = (r0 + BLOCK).clamp(max=n_rows), (c0 + BLOCK).clamp(max=n_cols)
+    diff_min = c0[None, :] - (r1[:, None] - 1)
+    diff_max = (c1[None, :] - 1) - r0[:, None]
+    some = (diff_max >= lo) & (diff_min <= hi)
+    whole = (r1 - r0 == BLOCK)[:, None] & (c1 - c0 == BLOCK)[None, :]
+    every = (diff_min >= lo) & (diff_max <= hi) & whole
+    live = blocks & some
+    return (*_compact(live & ~every), *_compact(live & every))
+
+
+def _compact(m: torch.Tensor):
+    """(counts, indices): per row the number of True columns and their indices first."""
+    counts = m.sum(-1, dtype=torch.int32)
+    order = torch.argsort((~m).to(torch.uint8), dim=-1, stable=True)
+    return counts.contiguous(), order.to(torch.int32).contiguous()
 
 
 def segment_ranges(rows_seg: torch.Tensor, cols_seg: torch.Tensor) -> torch.Tensor:

@@ -41,8 +41,11 @@ def _key_tiles(qg, k, v, softmax_scale: float, mask: PairMask):
         kb = k[:, start:end].float()
         vb = v[:, start:end].float()
         s = torch.einsum("bqhgd,bkhd->bhgqk", qg, kb) * softmax_scale
-        if ok is not None:  # (Sq, n) or (B, Sq, n) -> broadcast over (B, Hkv, G)
-            ok = ok[:, None, None] if ok.dim() == 3 else ok
+        if ok is not None:  # (Sq, n), (B, Sq, n) or (B|1, H|1, Sq, n) -> (B, Hkv, G, Sq, n)
+            if ok.dim() == 3:
+                ok = ok[:, None, None]
+            elif ok.dim() == 4:
+                ok = ok.unflatten(1, (k.shape[2], -1) if ok.shape[1] > 1 else (1, 1))
             s = s.masked_fill(~ok, -math.inf)
         yield start, end, kb, vb, s
 

@@ -24,6 +24,11 @@ loaded), inside the band on every row (no band arithmetic), or partial (the pred
 In the forward and dQ kernels the band-partial tiles run in their own loops; the dK/dV
 kernel masks all of its tiles (measured faster there, benchmarks/NOTES.md).
 
+    blocks    block-sparse (``SPARSE``): a tile's row block iterates over index lists of
+              the column blocks it computes, built once per launch (masks.block_lists):
+              partial blocks with the predicate, then full ones without. Blocks not
+              listed are never loaded, so the work follows the mask's nonzero blocks.
+
 Layouts: q, o, do (B, Sq, H, D); k, v, dk, dv (B, Sk, Hkv, D), H a multiple of Hkv;
 lse, delta (B, H, Sq). Any of them may be a strided view (last dim contiguous).
 The forward reads q, k and v through TMA tensor descriptors over the whole (B, S, H, D)
@@ -42,9 +47,10 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import dropout
-from .masks import BAND_INF, segment_ranges
+from .masks import BAND_INF, BLOCK, block_lists, segment_ranges
 
 LOG2E = math.log2(math.e)
+SPARSE_BLOCK = tl.constexpr(BLOCK)
 
 
 def _interpreting() -> bool:
@@ -237,6 +243,47 @@ def _tile_range(start_r, n_rows, n_cols, lo, hi, RANGES, off_b, stride_plane, st
     return start, full_start, full_end, end
 
 
+@triton.jit
+def _loops(start_r, n_rows, n_cols, lo, hi, RANGES, off_b, stride_plane, stride_b, PCNT, FCNT, row,
+           BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, BAND: tl.constexpr,
+           SEGMENTS: tl.constexpr, SPARSE: tl.constexpr):
+    """The three column-tile loops of a row tile, as ranges of tile ordinals (t0, t1), (t2, t3),
+    (t4, t5): masked, unmasked, masked. ``_tile_start`` turns an ordinal into a column.
+    Dense: consecutive tiles from ``_tile_range``. SPARSE: the partial blocks listed for
+    row block ``row`` (PCNT, with the predicate), then its full blocks (FCNT, without)."""
+    if SPARSE:
+        tiles: tl.constexpr = SPARSE_BLOCK // BLOCK_COLS
+        t0 = 0
+        t1 = tl.load(PCNT + row) * tiles
+        t2 = 0
+        t3 = tl.load(FCNT + row) * tiles
+        t4 = 0
+        t5 = 0
+    else:
+        start, full_start, full_end, end = _tile_range(
+            start_r, n_rows, n_cols, lo, hi, RANGES, off_b, stride_plane, stride_b, BLOCK_ROWS,
+            BLOCK_COLS, BAND, SEGMENTS)
+        t0 = start // BLOCK_COLS
+        t1 = tl.cdiv(full_start, BLOCK_COLS)
+        t2 = t1
+        t3 = tl.cdiv(full_end, BLOCK_COLS)
+        t4 = t3
+        t5 = tl.cdiv(end, BLOCK_COLS)
+    return t0, t1, t2, t3, t4, t5
+
+
+@triton.jit
+def _tile_start(t, INDEX, row, n_col_blocks, BLOCK_COLS: tl.constexpr, SPARSE: tl.constexpr):
+    """First column of tile ordinal t: t * BLOCK_COLS, or with SPARSE the t-th tile over the
+    column blocks that INDEX lists for row block ``row``."""
+    if SPARSE:
+        tiles: tl.constexpr = SPARSE_BLOCK // BLOCK_COLS
+        block = t // tiles
+        return tl.load(INDEX + row * n_col_blocks + block) * SPARSE_BLOCK + (t - block * tiles) * BLOCK_COLS
+    else:
+        return t * BLOCK_COLS
+
+
 # ----------------------------------------------------------------------------- forward
 
 
@@ -281,15 +328,15 @@ def _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb, str
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, QSEG, KSEG, RANGES,
+def _fwd_kernel(Q, K, V, O, LSE, QSEG, KSEG, RANGES, PCNT, PIDX, FCNT, FIDX,
                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                 stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
                 stride_lb, stride_lh, stride_qsegb, stride_ksegb, stride_rp,
                 H, GROUP, seqlen_q, seqlen_k, qk_scale, band_lo, band_hi,
-                seed, threshold, drop_scale, q_pos0, k_pos0, pos_stride,
+                seed, threshold, drop_scale, q_pos0, k_pos0, pos_stride, stride_sh, n_col_blocks,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
-                DROPOUT: tl.constexpr, GROUPED: tl.constexpr,
+                DROPOUT: tl.constexpr, GROUPED: tl.constexpr, SPARSE: tl.constexpr,
                 ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
     start_m = _query_tile(BLOCK_M, BAND)
     off_b = tl.program_id(1) // H
@@ -318,24 +365,28 @@ def _fwd_kernel(Q, K, V, O, LSE, QSEG, KSEG, RANGES,
         qseg = _segment_ids(QSEG, off_b, stride_qsegb, offs_m, seqlen_q)
     qpos = q_pos0 + offs_m * pos_stride  # global positions, for dropout
 
-    start, full_start, full_end, end = _tile_range(
-        start_m, seqlen_q, seqlen_k, band_lo, band_hi, RANGES, off_b, stride_rp, stride_qsegb,
-        BLOCK_M, BLOCK_N, BAND, SEGMENTS)
-    for start_n in range(start, full_start, BLOCK_N):
+    row = off_h * stride_sh + start_m // SPARSE_BLOCK  # the query block's index lists
+    t0, t1, t2, t3, t4, t5 = _loops(start_m, seqlen_q, seqlen_k, band_lo, band_hi, RANGES, off_b,
+                                    stride_rp, stride_qsegb, PCNT, FCNT, row, BLOCK_M, BLOCK_N,
+                                    BAND, SEGMENTS, SPARSE)
+    for t in range(t0, t1):
+        start_n = _tile_start(t, PIDX, row, n_col_blocks, BLOCK_N, SPARSE)
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
                                   stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb,
                                   start_n, offs_m, qseg, seqlen_k, qk_scale, band_lo, band_hi, seed,
                                   threshold, drop_scale, qpos, k_pos0, pos_stride, HEAD_DIM, BLOCK_M,
                                   BLOCK_N, BLOCK_D, True, BAND, SEGMENTS, DROPOUT, GROUPED, PRECISION,
                                   TMA)
-    for start_n in range(full_start, full_end, BLOCK_N):
+    for t in range(t2, t3):
+        start_n = _tile_start(t, FIDX, row, n_col_blocks, BLOCK_N, SPARSE)
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
                                   stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb,
                                   start_n, offs_m, qseg, seqlen_k, qk_scale, band_lo, band_hi, seed,
                                   threshold, drop_scale, qpos, k_pos0, pos_stride, HEAD_DIM, BLOCK_M,
-                                  BLOCK_N, BLOCK_D, False, BAND, False, DROPOUT, GROUPED, PRECISION,
-                                  TMA)
-    for start_n in range(full_end, end, BLOCK_N):
+                                  BLOCK_N, BLOCK_D, False, BAND, SEGMENTS and SPARSE, DROPOUT, GROUPED,
+                                  PRECISION, TMA)
+    for t in range(t4, t5):
+        start_n = _tile_start(t, PIDX, row, n_col_blocks, BLOCK_N, SPARSE)
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
                                   stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb,
                                   start_n, offs_m, qseg, seqlen_k, qk_scale, band_lo, band_hi, seed,
@@ -369,6 +420,21 @@ def _mask_args(mask, device: torch.device):
     return (lo, hi, mask.q_segments, mask.k_segments, band, True), drop
 
 
+def _sparse_args(mask, lo: int, hi: int, n_rows: int, n_cols: int, transpose: bool, device):
+    """Kernel arguments of a block mask for one kernel: (partial counts, partial indices,
+    full counts, full indices, head stride of the lists, index row length) and SPARSE.
+    Rows are queries (forward, dQ) or, with transpose, keys (dK/dV, band negated)."""
+    if mask.blocks is None:
+        dummy = torch.zeros(1, dtype=torch.int32, device=device)
+        return (dummy, dummy, dummy, dummy, 0, 0), False
+    blocks = mask.blocks.transpose(1, 2) if transpose else mask.blocks
+    if transpose:
+        lo, hi = -hi, -lo
+    heads, n_row_blocks, n_col_blocks = blocks.shape
+    lists = block_lists(blocks, lo, hi, n_rows, n_cols)
+    return (*lists, n_row_blocks if heads > 1 else 0, n_col_blocks), True
+
+
 def _ranges(rows_seg, cols_seg, segments: bool):
     """segment_ranges (4, B, rows) where there are segments, a stand-in otherwise."""
     return segment_ranges(rows_seg, cols_seg) if segments else rows_seg.view(1, 1, -1)
@@ -382,16 +448,17 @@ def fwd(q, k, v, out, lse, *, softmax_scale: float, mask, accumulate: bool):
     tma = _use_tma(q, k, v)
     (lo, hi, qseg, kseg, band, segments), drop = _mask_args(mask, q.device)
     ranges = _ranges(qseg, kseg, segments)
+    (*lists, sparse_h, n_cb), sparse = _sparse_args(mask, lo, hi, sq, sk, False, q.device)
     grid = (triton.cdiv(sq, cfg["BLOCK_M"]), b * h)
     _fwd_kernel[grid](
         _source(q, cfg["BLOCK_M"], bd, tma), _source(k, cfg["BLOCK_N"], bd, tma),
-        _source(v, cfg["BLOCK_N"], bd, tma), out, lse, qseg, kseg, ranges,
+        _source(v, cfg["BLOCK_N"], bd, tma), out, lse, qseg, kseg, ranges, *lists,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1), qseg.stride(0), kseg.stride(0), ranges.stride(0),
-        h, h // hkv, sq, sk, softmax_scale * LOG2E, lo, hi, *drop[:6],
+        h, h // hkv, sq, sk, softmax_scale * LOG2E, lo, hi, *drop[:6], sparse_h, n_cb,
         HEAD_DIM=d, BLOCK_D=bd, BAND=band, SEGMENTS=segments, DROPOUT=drop[6], GROUPED=drop[7],
-        ACCUMULATE=accumulate, PRECISION=_dot_precision(q.dtype), TMA=tma, **cfg)
+        SPARSE=sparse, ACCUMULATE=accumulate, PRECISION=_dot_precision(q.dtype), TMA=tma, **cfg)
     return out, lse
 
 
@@ -423,13 +490,13 @@ def _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, off_b, off_h, stride_qb, stride_
     lse, delta = _load_stats(LSE, DELTA, rows, seqlen_q)
     # Transposed scores (keys x queries) so the tile products need no transposed store.
     pT = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse[None, :])
-    if MASKED and (BAND or SEGMENTS):
+    if (MASKED and BAND) or SEGMENTS:
         qseg = kseg
         if SEGMENTS:
             qseg = _segment_ids(QSEG, off_b, stride_qsegb, rows, seqlen_q)[None, :]
         # Keys past seqlen_k are zeros and their rows are never stored: no bound needed.
         pT = _masked(pT, rows[None, :], cols[:, None], seqlen_k, band_lo, band_hi, qseg, kseg,
-                     0.0, False, BAND, SEGMENTS)
+                     0.0, False, MASKED and BAND, SEGMENTS)
     dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
     if DROPOUT:  # dV takes the dropped probabilities, dP the dropped gradient (D unchanged)
         keep = _keep(seed, threshold, off_b, off_h, q_pos0 + rows * pos_stride, kpos_start, kpos,
@@ -453,17 +520,17 @@ def _store_grad(ptrs, mask, grad, ACCUMULATE: tl.constexpr):
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, QSEG, KSEG, RANGES,
+def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, QSEG, KSEG, RANGES, PCNT, PIDX, FCNT, FIDX,
                  stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                  stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
                  stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
                  stride_lb, stride_lh, stride_deltab, stride_deltah, stride_qsegb, stride_ksegb,
                  stride_rp,
                  HKV, GROUP, seqlen_q, seqlen_k, qk_scale, sm_scale, band_lo, band_hi,
-                 seed, threshold, drop_scale, q_pos0, k_pos0, pos_stride,
+                 seed, threshold, drop_scale, q_pos0, k_pos0, pos_stride, stride_sh, n_col_blocks,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
-                 DROPOUT: tl.constexpr, GROUPED: tl.constexpr,
+                 DROPOUT: tl.constexpr, GROUPED: tl.constexpr, SPARSE: tl.constexpr,
                  ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr):
     """One key tile of one kv head; loops over the query heads of its group and over
     the query tiles that see it, so dK and dV are written once, without atomics."""
@@ -487,18 +554,23 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, QSEG, KSEG, RANGES,
     # Without segments, one loop that masks every tile: splitting off the unmasked tiles,
     # as the forward does, measured 17% slower here (benchmarks/NOTES.md), the mask being
     # cheap beside four matmuls. With segments the inner tiles of a document skip the
-    # segment-id loads, which are not.
-    begin, full_start, full_end, end = _tile_range(
-        start_n, seqlen_k, seqlen_q, -band_hi, -band_lo, RANGES, off_b, stride_rp, stride_ksegb,
-        BLOCK_N, BLOCK_M, BAND, SEGMENTS)
-    if not SEGMENTS:
-        full_start = end
-        full_end = end
+    # segment-id loads, which are not. Block-sparse: the index lists of the key block, per
+    # query head (rows are key blocks there).
     for g in range(0, GROUP):
         off_h = off_hk * GROUP + g
         lse_base = LSE + off_b * stride_lb + off_h * stride_lh
         delta_base = DELTA + off_b * stride_deltab + off_h * stride_deltah
-        for start_m in range(begin, full_start, BLOCK_M):
+        row = off_h * stride_sh + start_n // SPARSE_BLOCK
+        t0, t1, t2, t3, t4, t5 = _loops(start_n, seqlen_k, seqlen_q, -band_hi, -band_lo, RANGES,
+                                        off_b, stride_rp, stride_ksegb, PCNT, FCNT, row, BLOCK_N,
+                                        BLOCK_M, BAND, SEGMENTS, SPARSE)
+        if not (SEGMENTS or SPARSE):
+            t1 = t5
+            t2 = t5
+            t3 = t5
+            t4 = t5
+        for t in range(t0, t1):
+            start_m = _tile_start(t, PIDX, row, n_col_blocks, BLOCK_M, SPARSE)
             dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, lse_base, delta_base, off_b, off_h,
                                 stride_qb, stride_qs, stride_qh, stride_dob, stride_dos,
                                 stride_doh, start_m, cols, kseg, QSEG, stride_qsegb, seqlen_q,
@@ -506,15 +578,17 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, QSEG, KSEG, RANGES,
                                 q_pos0, k_pos0 + start_n * pos_stride, k_pos0 + cols * pos_stride,
                                 pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, BAND,
                                 SEGMENTS, DROPOUT, GROUPED, PRECISION)
-        for start_m in range(full_start, full_end, BLOCK_M):
+        for t in range(t2, t3):
+            start_m = _tile_start(t, FIDX, row, n_col_blocks, BLOCK_M, SPARSE)
             dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, lse_base, delta_base, off_b, off_h,
                                 stride_qb, stride_qs, stride_qh, stride_dob, stride_dos,
                                 stride_doh, start_m, cols, kseg, QSEG, stride_qsegb, seqlen_q,
                                 seqlen_k, qk_scale, band_lo, band_hi, seed, threshold, drop_scale,
                                 q_pos0, k_pos0 + start_n * pos_stride, k_pos0 + cols * pos_stride,
                                 pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, BAND,
-                                SEGMENTS, DROPOUT, GROUPED, PRECISION)
-        for start_m in range(full_end, end, BLOCK_M):
+                                SEGMENTS and SPARSE, DROPOUT, GROUPED, PRECISION)
+        for t in range(t4, t5):
+            start_m = _tile_start(t, PIDX, row, n_col_blocks, BLOCK_M, SPARSE)
             dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, lse_base, delta_base, off_b, off_h,
                                 stride_qb, stride_qs, stride_qh, stride_dob, stride_dos,
                                 stride_doh, start_m, cols, kseg, QSEG, stride_qsegb, seqlen_q,
@@ -562,17 +636,17 @@ def _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QSEG, KSEG, RANGES,
+def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QSEG, KSEG, RANGES, PCNT, PIDX, FCNT, FIDX,
                stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
                stride_dqb, stride_dqs, stride_dqh,
                stride_lb, stride_lh, stride_deltab, stride_deltah, stride_qsegb, stride_ksegb,
                stride_rp,
                H, GROUP, seqlen_q, seqlen_k, qk_scale, sm_scale, band_lo, band_hi,
-               seed, threshold, drop_scale, q_pos0, k_pos0, pos_stride,
+               seed, threshold, drop_scale, q_pos0, k_pos0, pos_stride, stride_sh, n_col_blocks,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
-               DROPOUT: tl.constexpr, GROUPED: tl.constexpr,
+               DROPOUT: tl.constexpr, GROUPED: tl.constexpr, SPARSE: tl.constexpr,
                ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr):
     start_m = _query_tile(BLOCK_M, BAND)
     off_b = tl.program_id(1) // H
@@ -593,22 +667,26 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QSEG, KSEG, RANGES,
         qseg = _segment_ids(QSEG, off_b, stride_qsegb, rows, seqlen_q)
     qpos = q_pos0 + rows * pos_stride
 
-    start, full_start, full_end, end = _tile_range(
-        start_m, seqlen_q, seqlen_k, band_lo, band_hi, RANGES, off_b, stride_rp, stride_qsegb,
-        BLOCK_M, BLOCK_N, BAND, SEGMENTS)
-    for start_n in range(start, full_start, BLOCK_N):
+    row = off_h * stride_sh + start_m // SPARSE_BLOCK
+    t0, t1, t2, t3, t4, t5 = _loops(start_m, seqlen_q, seqlen_k, band_lo, band_hi, RANGES, off_b,
+                                    stride_rp, stride_qsegb, PCNT, FCNT, row, BLOCK_M, BLOCK_N,
+                                    BAND, SEGMENTS, SPARSE)
+    for t in range(t0, t1):
+        start_n = _tile_start(t, PIDX, row, n_col_blocks, BLOCK_N, SPARSE)
         dq = _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
                       stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n,
                       rows, qseg, seqlen_k, qk_scale, band_lo, band_hi, seed, threshold, drop_scale,
                       qpos, k_pos0, pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, BAND,
                       SEGMENTS, DROPOUT, GROUPED, PRECISION)
-    for start_n in range(full_start, full_end, BLOCK_N):
+    for t in range(t2, t3):
+        start_n = _tile_start(t, FIDX, row, n_col_blocks, BLOCK_N, SPARSE)
         dq = _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
                       stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n,
                       rows, qseg, seqlen_k, qk_scale, band_lo, band_hi, seed, threshold, drop_scale,
                       qpos, k_pos0, pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, BAND,
-                      False, DROPOUT, GROUPED, PRECISION)
-    for start_n in range(full_end, end, BLOCK_N):
+                      SEGMENTS and SPARSE, DROPOUT, GROUPED, PRECISION)
+    for t in range(t4, t5):
+        start_n = _tile_start(t, PIDX, row, n_col_blocks, BLOCK_N, SPARSE)
         dq = _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
                       stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n,
                       rows, qseg, seqlen_k, qk_scale, band_lo, band_hi, seed, threshold, drop_scale,
@@ -629,7 +707,8 @@ def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask, accu
     dkdv_cfg, dq_cfg = bwd_config(d, q.dtype)
     (lo, hi, qseg, kseg, band, segments), drop = _mask_args(mask, q.device)
     common = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BAND=band, SEGMENTS=segments, DROPOUT=drop[6],
-                  GROUPED=drop[7], ACCUMULATE=accumulate, PRECISION=_dot_precision(q.dtype))
+                  GROUPED=drop[7], SPARSE=mask.blocks is not None, ACCUMULATE=accumulate,
+                  PRECISION=_dot_precision(q.dtype))
     scalars = (h // hkv, sq, sk, softmax_scale * LOG2E, softmax_scale, lo, hi, *drop[:6])
     qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                    v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
@@ -637,14 +716,16 @@ def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask, accu
                     qseg.stride(0), kseg.stride(0))
     if dk is not None:  # key tiles outer: q and do are read in BLOCK_M rows, k and v once
         ranges = _ranges(kseg, qseg, segments)
+        (*lists, sparse_h, n_cb), _ = _sparse_args(mask, lo, hi, sk, sq, True, q.device)
         _dkdv_kernel[(triton.cdiv(sk, dkdv_cfg["BLOCK_N"]), b * hkv)](
-            q, k, v, do, lse, delta, dk, dv, qseg, kseg, ranges, *qkv_strides,
+            q, k, v, do, lse, delta, dk, dv, qseg, kseg, ranges, *lists, *qkv_strides,
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-            *stat_strides, ranges.stride(0), hkv, *scalars, **common, **dkdv_cfg)
+            *stat_strides, ranges.stride(0), hkv, *scalars, sparse_h, n_cb, **common, **dkdv_cfg)
     if dq is not None:  # query tiles outer: k and v are read in BLOCK_N rows
         ranges = _ranges(qseg, kseg, segments)
+        (*lists, sparse_h, n_cb), _ = _sparse_args(mask, lo, hi, sq, sk, False, q.device)
         _dq_kernel[(triton.cdiv(sq, dq_cfg["BLOCK_M"]), b * h)](
-            q, k, v, do, lse, delta, dq, qseg, kseg, ranges, *qkv_strides,
+            q, k, v, do, lse, delta, dq, qseg, kseg, ranges, *lists, *qkv_strides,
             dq.stride(0), dq.stride(1), dq.stride(2), *stat_strides, ranges.stride(0), h,
-            *scalars, **common, **dq_cfg)
+            *scalars, sparse_h, n_cb, **common, **dq_cfg)
     return dq, dk, dv

@@ -10,9 +10,10 @@ import torch.distributed as dist
 
 from .exchange import TRANSPORTS, Ring, transport  # noqa: F401 - transport: part of this module's API
 from .groups import resolve_group
-from .kernels import (SUPPORTED_DTYPES, check_causal, check_dropout, check_qkv, check_segment_ids,
-                      check_unsupported, check_window, resolve_scale)
-from .layouts import DEFAULT_LAYOUT, LAYOUTS, check_layout, global_positions
+from .kernels import (SUPPORTED_DTYPES, check_block_mask, check_causal, check_deterministic,
+                      check_dropout, check_qkv, check_segment_ids, check_window, resolve_scale)
+from .kernels.masks import BLOCK
+from .layouts import DEFAULT_LAYOUT, LAYOUTS, check_block_layout, check_layout, global_positions
 from .ops import ring_attn
 
 # Set RINGFLASH_RANK_CHECK=0 to skip the cross-rank agreement check (see _check_ranks_agree);
@@ -25,18 +26,31 @@ _RANK_CHECK = os.environ.get("RINGFLASH_RANK_CHECK", "1") != "0"
 
 _SIGNATURE_FIELDS = ("batch", "seqlen_local", "heads", "head_dim", "kv_heads", "dtype", "causal",
                      "layout", "softmax_scale", "requires_grad", "transport", "window_left",
-                     "window_right", "segment_ids given", "dropout_p", "seed")
+                     "window_right", "segment_ids given", "dropout_p", "seed",
+                     "block_mask's nonzero blocks", "block_mask's checksum")
 
 
 def _float_bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", x))[0]
 
 
-def _signature(q, k, causal, layout, scale, needs_grad, kind, window, segments, dropout) -> list[int]:
+def _block_digest(blocks) -> list[int]:
+    """(nonzero blocks, a position-weighted checksum) of a block mask; (-1, -1) for none.
+    One reduction on the mask's device (a host synchronization)."""
+    if blocks is None:
+        return [-1, -1]
+    flat = blocks.reshape(-1)
+    weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.int64) % 1_000_003
+    return [int(flat.sum()), int((weights * flat).sum())]
+
+
+def _signature(q, k, causal, layout, scale, needs_grad, kind, window, segments, dropout,
+               blocks=None) -> list[int]:
     """A few integers that every rank of the ring must agree on."""
     return [*q.shape, k.shape[2], SUPPORTED_DTYPES.index(q.dtype), int(causal),
             LAYOUTS.index(layout), _float_bits(scale), int(needs_grad), TRANSPORTS.index(kind),
-            *window, int(segments is not None), _float_bits(dropout[0]), dropout[1]]
+            *window, int(segments is not None), _float_bits(dropout[0]), dropout[1],
+            *_block_digest(blocks)]
 
 
 def _shown(field: str, values) -> list:
@@ -57,7 +71,8 @@ def _check_ranks_agree(ring: Ring, signature: list[int] | None, error: Exception
 
     ``signature`` is None on a rank whose own checks failed with ``error``: it still joins
     the all-gather, so the other ranks learn of it instead of waiting in the ring.
-    Costs one all-gather of 17 int64 and one host synchronization per call. It runs on
+    Costs one all-gather of 19 int64 and one host synchronization per call (two with a
+    block mask, whose checksum is reduced first). It runs on
     every call rather than once per signature: a rank that skipped it because its own
     signature was cached, while another rank's changed, would leave that rank waiting in a
     collective nobody else joins.
@@ -76,8 +91,10 @@ def _check_ranks_agree(ring: Ring, signature: list[int] | None, error: Exception
                              "index i); every rank must call ring_flash_attn with the same arguments and shapes")
 
 
-def _check_local(q, k, v, causal, layout, softmax_scale, window_size, segment_ids, dropout_p, seed):
+def _check_local(q, k, v, causal, layout, softmax_scale, window_size, segment_ids, dropout_p, seed,
+                 block_mask, deterministic, world):
     check_qkv(q, k, v)
+    check_deterministic(deterministic)
     causal = check_causal(causal)
     layout = check_layout(layout)
     scale = resolve_scale(softmax_scale, q.shape[-1])
@@ -87,14 +104,18 @@ def _check_local(q, k, v, causal, layout, softmax_scale, window_size, segment_id
     if layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"layout 'zigzag' needs an even seqlen_local (two chunks a rank), got {q.shape[1]}")
     segments = check_segment_ids(segment_ids, q.shape[0], q.shape[1], q.device)
-    return causal, layout, scale, window, segments, check_dropout(dropout_p, seed)
+    seqlen = q.shape[1] * world
+    blocks = check_block_mask(block_mask, q.shape[2], seqlen, seqlen, q.device)
+    if blocks is not None:
+        check_block_layout(layout, world, q.shape[1], BLOCK)
+    return causal, layout, scale, window, segments, check_dropout(dropout_p, seed), blocks
 
 
 def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
                     group=None, layout: str = DEFAULT_LAYOUT, return_lse: bool = False,
                     segment_ids: torch.Tensor | None = None, window_size: tuple[int, int] = (-1, -1),
-                    dropout_p: float = 0.0, seed: int | None = None, block_mask=None,
-                    deterministic: bool = False):
+                    dropout_p: float = 0.0, seed: int | None = None,
+                    block_mask: torch.Tensor | None = None, deterministic: bool = False):
     """Exact attention of this rank's queries over the keys of every rank in ``group``.
 
     Args:
@@ -130,7 +151,15 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
             rank check compares the seeds). Positions in runs of 8 (layouts contiguous and
             zigzag with seqlen_local a multiple of 16) share a Philox call; stripe runs one
             per element.
-        block_mask: reserved for block-sparse attention; not implemented (raises).
+        block_mask: block-sparse attention over GLOBAL token blocks of 128: bool
+            (heads or 1, N / 128, N / 128), N the global length, the same tensor on every
+            rank (the rank check compares checksums). Block (a, c) covers global queries
+            [128a, 128a + 128) and keys [128c, 128c + 128); False blocks are never computed,
+            a ring step whose pairs are all False computes nothing, and K/V stop travelling
+            once no rank further on needs them. The elements of a True block follow causal,
+            window_size and segment_ids. Layouts "contiguous" and "zigzag" with chunks
+            (seqlen_local, or seqlen_local / 2 for zigzag) a multiple of 128; "stripe"
+            raises. Helpers: ``ringflash.kernels.block_sparse``.
         deterministic: accepted for compatibility: the ring's backward is always
             deterministic (fixed summation order, no atomics).
 
@@ -147,15 +176,15 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
     are invalid raises while tracing, without telling the others.
     """
     group = resolve_group(group)
-    check_unsupported(block_mask, deterministic)
-    args = (q, k, v, causal, layout, softmax_scale, window_size, segment_ids, dropout_p, seed)
+    args = (q, k, v, causal, layout, softmax_scale, window_size, segment_ids, dropout_p, seed,
+            block_mask, deterministic)
     if torch.compiler.is_compiling():
-        checked = _check_local(*args)
+        checked = _check_local(*args, Ring(group).world)
     else:
         checked = _check_local_on_every_rank(*args, group=group)
-    causal, layout, scale, window, segments, dropout = checked
+    causal, layout, scale, window, segments, dropout, blocks = checked
     out, lse = ring_attn(q, k, v, segments, softmax_scale=scale, causal=causal, layout=layout,
-                         window=window, dropout=dropout, group=group)
+                         window=window, dropout=dropout, blocks=blocks, group=group)
     return (out, lse) if return_lse else out
 
 
@@ -165,7 +194,7 @@ def _check_local_on_every_rank(*args, group):
     ring = Ring(group)
     q = args[0]
     try:
-        return _check_local(*args)
+        return _check_local(*args, ring.world)
     except (TypeError, ValueError) as error:
         if not (ring.world > 1 and _RANK_CHECK):
             raise

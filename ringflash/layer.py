@@ -48,7 +48,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from . import api
 from .exchange import Ring
 from .groups import resolve_group
-from .kernels import check_dropout, check_unsupported, check_window
+from .kernels import check_deterministic, check_dropout, check_window
 from .layouts import DEFAULT_LAYOUT, check_layout
 
 
@@ -146,7 +146,7 @@ class RingSelfAttention(nn.Module):
         self.layout = check_layout(layout)
         self.window_size = check_window(window_size)
         self.dropout_p, _ = check_dropout(dropout_p, 0)
-        check_unsupported(None, deterministic)
+        check_deterministic(deterministic)
         self.group = resolve_group(group)
         self.rope_base = float(rope_base)
         factory = dict(device=device, dtype=dtype)

@@ -12,6 +12,10 @@ World size W, global length N, n = N / W tokens per rank:
   2W-1-r. Every causal step costs half a full block pair, on every rank.
 - stripe: rank r holds tokens t with t mod W == r. Every causal step is one block pair
   with a diagonal offset of 0 or -1.
+
+A block mask (block-sparse attention) enters as the set of (query chunk, key chunk)
+pairs of GLOBAL chunks it leaves any block in (``occupied_chunks``): pairs outside it
+are dropped like pairs the band leaves empty, so steps and hops shrink the same way.
 """
 
 from __future__ import annotations
@@ -78,9 +82,12 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _local_pair(qc: _Chunk, kc: _Chunk, band: Band, n: int) -> Optional[Pair]:
+def _local_pair(qc: _Chunk, kc: _Chunk, band: Band, n: int,
+                occupied: Optional[frozenset] = None) -> Optional[Pair]:
     """The pair of two chunks with its band in local indices, or None if no key is visible.
     kp - qp = d + (j - i) * stride, so lo <= kp - qp <= hi is a band of j - i."""
+    if occupied is not None and (qc.gpos // qc.length, kc.gpos // kc.length) not in occupied:
+        return None
     lo, hi = band
     d, stride = kc.gpos - qc.gpos, qc.stride
     lo_l = None if lo is None else _ceil_div(lo - d, stride)
@@ -136,9 +143,11 @@ def _merged(pairs: list[Pair], n: int) -> list[Pair]:
 
 @functools.lru_cache(maxsize=4096)
 def step_pairs(layout: str, rank: int, src: int, world: int, local_len: int,
-               band: Band = NO_BAND, merge: bool = True) -> tuple[Pair, ...]:
+               band: Band = NO_BAND, merge: bool = True,
+               occupied: Optional[frozenset] = None) -> tuple[Pair, ...]:
     """The block pairs rank ``rank`` computes against the K/V shard of rank ``src``, for
-    keys visible iff band[0] <= kp - qp <= band[1] on global positions (``NO_BAND``: all).
+    keys visible iff band[0] <= kp - qp <= band[1] on global positions (``NO_BAND``: all)
+    and, with ``occupied`` (a block mask's ``occupied_chunks``), only chunk pairs in it.
 
     Every pair of (query chunk, key chunk) is classified from its positions: empty
     (dropped), full (no band) or partial (a band of local indices). With ``merge``, full
@@ -148,7 +157,7 @@ def step_pairs(layout: str, rank: int, src: int, world: int, local_len: int,
     """
     pairs = [p for qc in _chunks(layout, rank, world, local_len)
              for kc in _chunks(layout, src, world, local_len)
-             if (p := _local_pair(qc, kc, band, local_len)) is not None]
+             if (p := _local_pair(qc, kc, band, local_len, occupied)) is not None]
     if not merge:
         return tuple(pairs)
     if src == rank and band in (NO_BAND, (None, 0)) and len(pairs) > 1:
@@ -156,13 +165,42 @@ def step_pairs(layout: str, rank: int, src: int, world: int, local_len: int,
     return tuple(_merged(pairs, local_len))
 
 
-def active_steps(layout: str, world: int, local_len: int, band: Band = NO_BAND) -> int:
+def active_steps(layout: str, world: int, local_len: int, band: Band = NO_BAND,
+                 occupied: Optional[frozenset] = None) -> int:
     """Ring steps that compute anything on some rank: the steps after them are empty on
     every rank, so K/V stop travelling there (a sliding window shorter than the sequence
-    needs about window / local_len hops instead of W - 1)."""
+    needs about window / local_len hops instead of W - 1; a block mask, as many as the
+    farthest occupied chunk pair needs)."""
     busy = [s for s in range(world) for r in range(world)
-            if step_pairs(layout, r, (r - s) % world, world, local_len, band)]
+            if step_pairs(layout, r, (r - s) % world, world, local_len, band, occupied=occupied)]
     return max(busy, default=0) + 1
+
+
+def check_block_layout(layout: str, world: int, local_len: int, block: int) -> int:
+    """The layout's chunk length, if a block mask of ``block``-token blocks can be cut along
+    it (ValueError otherwise): stripe shards interleave the tokens of every block, and the
+    chunks of the others must hold whole blocks."""
+    if layout == "stripe":
+        raise ValueError("block_mask needs layout 'contiguous' or 'zigzag': stripe shards "
+                         "interleave the tokens of every block")
+    chunk = world * local_len // split_factor(layout, world)
+    if chunk % block:
+        raise ValueError(f"block_mask needs the layout's chunks ({chunk} tokens: seqlen_local "
+                         f"{local_len}{' / 2' if layout == 'zigzag' else ''}) to be a multiple of "
+                         f"the block size {block}")
+    return chunk
+
+
+def occupied_chunks(block_mask: torch.Tensor, layout: str, world: int, local_len: int,
+                    block: int) -> frozenset:
+    """The (query chunk, key chunk) pairs of GLOBAL chunks in which ``block_mask`` (heads or
+    1, N / block, N / block) has a nonzero block: chunks are the layout's pieces (W for
+    contiguous, 2W for zigzag), numbered along the sequence. One host synchronization."""
+    parts = split_factor(layout, world)
+    per = check_block_layout(layout, world, local_len, block) // block
+    any_head = block_mask.any(0)
+    grid = any_head.view(parts, per, parts, per).any(3).any(1).cpu()
+    return frozenset((int(a), int(c)) for a, c in grid.nonzero().tolist())
 
 
 def writes_first(pairs) -> bool:

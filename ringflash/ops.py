@@ -10,8 +10,8 @@ one graph, forward and backward, with any backend.
 
 Op arguments are what a schema can carry: tensors and scalars. The process group travels
 by name (``group.group_name``, "" for a ring of one without a process group) and is
-looked up again inside the op; the masks as segment ids (an optional tensor) and the
-window's two ints, dropout as its rate and seed (a Python int: under torch.compile each
+looked up again inside the op; the masks as segment ids and the global block mask
+(optional tensors) and the window's two ints, dropout as its rate and seed (a Python int: under torch.compile each
 new seed value is a new specialization, so pass a fixed seed, or None outside compiled
 regions).
 
@@ -57,11 +57,11 @@ def _capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def _agreed_ring(q, k, segments, causal, layout, softmax_scale, window, dropout, requires_grad,
-                 group_name) -> Ring:
+def _agreed_ring(q, k, segments, blocks, causal, layout, softmax_scale, window, dropout,
+                 requires_grad, group_name) -> Ring:
     """The ring this call runs on, with its transport, once every rank agrees on the call.
 
-    The agreement check (``api._check_ranks_agree``: one all-gather of 17 int64 and one
+    The agreement check (``api._check_ranks_agree``: one all-gather of 19 int64 and one
     host synchronization) runs here, inside the op, on every call of a ring of more than
     one rank unless RINGFLASH_RANK_CHECK=0, and except while a CUDA graph is being
     captured: a capture cannot synchronize the host, and the eager warm-up iterations that
@@ -79,7 +79,7 @@ def _agreed_ring(q, k, segments, causal, layout, softmax_scale, window, dropout,
         api._check_ranks_agree(ring, None, error, ring.collective_device())
     if check:
         signature = api._signature(q, k, causal, layout, softmax_scale, requires_grad, kind, window,
-                                   segments, dropout)
+                                   segments, dropout, blocks)
         api._check_ranks_agree(ring, signature, None, q.device)
     if kind == "peer" and ring.world > 1:
         ring = PeerRing(ring.group)
@@ -91,7 +91,8 @@ def _agreed_ring(q, k, segments, causal, layout, softmax_scale, window, dropout,
 
 @torch.library.custom_op("ringflash::ring_attn_forward", mutates_args=(), **_TAGS)
 def ring_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      segments: Optional[torch.Tensor], softmax_scale: float, causal: bool,
+                      segments: Optional[torch.Tensor], blocks: Optional[torch.Tensor],
+                      softmax_scale: float, causal: bool,
                       layout: str, group_name: str, window_left: int = -1, window_right: int = -1,
                       dropout_p: float = 0.0, seed: int = 0, requires_grad: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,14 +100,15 @@ def ring_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     every rank's keys. ``requires_grad`` (will a backward follow?) only enters the
     agreement check: a rank that skips the backward would leave the others waiting."""
     window, dropout = (window_left, window_right), (dropout_p, seed)
-    ring = _agreed_ring(q, k, segments, causal, layout, softmax_scale, window, dropout,
+    ring = _agreed_ring(q, k, segments, blocks, causal, layout, softmax_scale, window, dropout,
                         requires_grad, group_name)
     return ring_forward(q, k, v, segments, softmax_scale=softmax_scale,
-                        band=band_of_window(causal, window), dropout=dropout, layout=layout, ring=ring)
+                        band=band_of_window(causal, window), dropout=dropout, layout=layout, ring=ring,
+                        blocks=blocks)
 
 
 @ring_attn_forward.register_fake
-def _(q, k, v, segments, softmax_scale, causal, layout, group_name, window_left=-1, window_right=-1,
+def _(q, k, v, segments, blocks, softmax_scale, causal, layout, group_name, window_left=-1, window_right=-1,
       dropout_p=0.0, seed=0, requires_grad=False):
     b, n, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, n), dtype=torch.float32)
@@ -118,7 +120,8 @@ def _(q, k, v, segments, softmax_scale, causal, layout, group_name, window_left=
 @torch.library.custom_op("ringflash::ring_attn_backward", mutates_args=(), **_TAGS)
 def ring_attn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
-                       segments: Optional[torch.Tensor], softmax_scale: float, causal: bool,
+                       segments: Optional[torch.Tensor], blocks: Optional[torch.Tensor],
+                       softmax_scale: float, causal: bool,
                        layout: str, group_name: str, window_left: int = -1, window_right: int = -1,
                        dropout_p: float = 0.0, seed: int = 0
                        ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,11 +134,11 @@ def ring_attn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     window = (window_left, window_right)
     return ring_backward(dout.contiguous(), q, k, v, out, lse, dlse, segments,
                          softmax_scale=softmax_scale, band=band_of_window(causal, window),
-                         dropout=(dropout_p, seed), layout=layout, ring=ring)
+                         dropout=(dropout_p, seed), layout=layout, ring=ring, blocks=blocks)
 
 
 @ring_attn_backward.register_fake
-def _(dout, q, k, v, out, lse, dlse, segments, softmax_scale, causal, layout, group_name,
+def _(dout, q, k, v, out, lse, dlse, segments, blocks, softmax_scale, causal, layout, group_name,
       window_left=-1, window_right=-1, dropout_p=0.0, seed=0):
     return q.new_empty(q.shape), k.new_empty((2, *k.shape))
 
@@ -144,29 +147,29 @@ def _(dout, q, k, v, out, lse, dlse, segments, softmax_scale, causal, layout, gr
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, segments, *args, _requires_grad = inputs
+    q, k, v, segments, blocks, *args, _requires_grad = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, segments)
+    ctx.save_for_backward(q, k, v, out, lse, segments, blocks)
     ctx.args = args  # softmax_scale, causal, layout, group_name, window, dropout
 
 
 def _backward(ctx, dout, dlse):
     no_double_backward()
-    q, k, v, out, lse, segments = ctx.saved_tensors
-    dq, dkv = ring_attn_backward(dout, q, k, v, out, lse, dlse, segments, *ctx.args)
-    return (dq, dkv[0], dkv[1]) + (None,) * 10
+    q, k, v, out, lse, segments, blocks = ctx.saved_tensors
+    dq, dkv = ring_attn_backward(dout, q, k, v, out, lse, dlse, segments, blocks, *ctx.args)
+    return (dq, dkv[0], dkv[1]) + (None,) * 11
 
 
 ring_attn_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def ring_attn(q, k, v, segments=None, *, softmax_scale: float, causal: bool, layout: str,
-              window=(-1, -1), dropout=(0.0, 0), group=None):
+              window=(-1, -1), dropout=(0.0, 0), blocks=None, group=None):
     """Differentiable (out, lse) over the ring of ``group`` (already resolved); arguments
     already checked. What ``ring_flash_attn`` calls once its checks passed."""
     requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    return ring_attn_forward(q, k, v, segments, softmax_scale, causal, layout, name_of(group),
-                             *window, *dropout, requires_grad)
+    return ring_attn_forward(q, k, v, segments, blocks, softmax_scale, causal, layout,
+                             name_of(group), *window, *dropout, requires_grad)
 
 
 __all__ = ["ring_attn", "ring_attn_backward", "ring_attn_forward", "ring_of"]

@@ -10,9 +10,12 @@ the online softmax from the running (out, lse), kept in fp32 until the last step
 Masks are data on the way: the band on global positions (causal, sliding window) becomes
 each pair's band of local indices (layouts.step_pairs), the visiting shard's segment
 ids travel with its K/V, and dropout is keyed by the pair's global positions, so every
-layout and world size drops the same elements as one device. Steps after the last one that computes anything on any rank are
-not run at all (``layouts.active_steps``): with a sliding window the shards stop
-travelling once no rank further on can see them.
+layout and world size drops the same elements as one device. A block mask on global
+token blocks is sliced per pair (each pair of contiguous chunks is a rectangle of it), and
+chunk pairs it leaves empty are dropped from the schedule. Steps after the last one that
+computes anything on any rank are not run at all (``layouts.active_steps``): with a
+sliding window or a local block mask the shards stop travelling once no rank further on
+can see them.
 
 Backward: the same rotation of K/V. The running fp32 dK/dV of the visiting shard
 arrives from r-1 during the step (it left r-1 once r-1 had finished its own previous
@@ -31,7 +34,8 @@ import torch
 
 from .exchange import Ring
 from .kernels import PairMask, attn_delta, flash_attn_bwd, flash_attn_fwd
-from .layouts import Band, active_steps, step_pairs, writes_first
+from .kernels.masks import BLOCK
+from .layouts import Band, active_steps, occupied_chunks, step_pairs, writes_first
 
 
 def _kv_buffers(k: torch.Tensor, v: torch.Tensor, segments: Optional[torch.Tensor], ring: Ring,
@@ -59,29 +63,37 @@ def _pass_on(ring: Ring, cur, nxt) -> list:
     return ring.exchange((kv, kv_next), (seg, seg_next))
 
 
-def _schedule(ring: Ring, layout: str, local_len: int, band: Band, dropout: tuple[float, int]):
+def _schedule(ring: Ring, layout: str, local_len: int, band: Band, dropout: tuple[float, int],
+              blocks: Optional[torch.Tensor]):
     """(number of steps, the pairs of each step, whether step 0 writes its results). With
-    dropout, pairs keep their global positions (no merging across chunks)."""
-    steps = active_steps(layout, ring.world, local_len, band) if ring.world > 1 else 1
-    merge = dropout[0] == 0
+    dropout or a block mask, pairs keep their global positions (no merging across chunks)."""
+    occupied = None if blocks is None else occupied_chunks(blocks, layout, ring.world, local_len, BLOCK)
+    steps = active_steps(layout, ring.world, local_len, band, occupied) if ring.world > 1 else 1
+    merge = dropout[0] == 0 and blocks is None
     pairs = [step_pairs(layout, ring.rank, (ring.rank - s) % ring.world, ring.world, local_len,
-                        band, merge) for s in range(steps)]
+                        band, merge, occupied) for s in range(steps)]
     return steps, pairs, writes_first(pairs[0])
 
 
-def _mask(pair, q_segments, k_segments, dropout: tuple[float, int]) -> PairMask:
+def _mask(pair, q_segments, k_segments, dropout: tuple[float, int], blocks, n: int) -> PairMask:
+    """The kernel's mask of one pair: its band, its rows' segment ids, dropout keyed by its
+    positions, and its rectangle of the global block mask (contiguous chunks: stride 1)."""
     if q_segments is not None:
         q_segments = q_segments[:, pair.q].contiguous()
         k_segments = k_segments[:, pair.k].contiguous()
-    return PairMask(pair.band_lo, pair.band_hi, q_segments, k_segments, *dropout, pair.pos)
+    if blocks is not None:
+        (q0, k0, _), (lq, lk) = pair.pos, (len(range(n)[pair.q]), len(range(n)[pair.k]))
+        blocks = blocks[:, q0 // BLOCK:(q0 + lq) // BLOCK, k0 // BLOCK:(k0 + lk) // BLOCK]
+    return PairMask(pair.band_lo, pair.band_hi, q_segments, k_segments, *dropout, pair.pos, blocks)
 
 
 def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout: tuple[float, int],
-                 layout: str, ring: Ring):
+                 layout: str, ring: Ring, blocks: Optional[torch.Tensor] = None):
     """Returns out (in q's dtype) and lse (fp32, (B, H, S)) of q against every rank's k, v.
-    segments: this rank's (B, S) int32 segment ids, or None. dropout: (p, seed)."""
+    segments: this rank's (B, S) int32 segment ids, or None. dropout: (p, seed).
+    blocks: the GLOBAL block mask (heads or 1, N / BLOCK, N / BLOCK) bool, or None."""
     b, n, h, d = q.shape
-    steps, schedule, first_writes = _schedule(ring, layout, n, band, dropout)
+    steps, schedule, first_writes = _schedule(ring, layout, n, band, dropout, blocks)
     out = torch.empty((b, n, h, d), device=q.device, dtype=torch.float32)
     lse = torch.empty((b, h, n), device=q.device, dtype=torch.float32)
     if not first_writes:  # several pairs share the first step: every pair merges into these
@@ -93,7 +105,7 @@ def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout
         (kv, seg) = cur
         for pair in pairs:
             flash_attn_fwd(q[:, pair.q], kv[0][:, pair.k], kv[1][:, pair.k],
-                           softmax_scale=softmax_scale, mask=_mask(pair, segments, seg, dropout),
+                           softmax_scale=softmax_scale, mask=_mask(pair, segments, seg, dropout, blocks, n),
                            out=out[:, pair.q], lse=lse[:, :, pair.q],
                            accumulate=not (first_writes and step == 0))
         ring.wait(pending)
@@ -103,11 +115,12 @@ def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout
 
 
 def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: float, band: Band,
-                  dropout: tuple[float, int], layout: str, ring: Ring):
+                  dropout: tuple[float, int], layout: str, ring: Ring,
+                  blocks: Optional[torch.Tensor] = None):
     """Returns dq (like q) and dk, dv of this rank's shards packed as one (2, *k.shape)
     tensor in k's dtype (the last hop delivers them as one message)."""
     n = q.shape[1]
-    steps, schedule, first_writes = _schedule(ring, layout, n, band, dropout)
+    steps, schedule, first_writes = _schedule(ring, layout, n, band, dropout, blocks)
     delta = attn_delta(out, dout, dlse)
     dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
     cur, nxt = _kv_buffers(k, v, segments, ring, steps)
@@ -124,7 +137,8 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
         dk, dv = (None, None) if dkv is None else (dkv[0][:, pair.k], dkv[1][:, pair.k])
         flash_attn_bwd(dout[:, pair.q], q[:, pair.q], kv[0][:, pair.k], kv[1][:, pair.k],
                        lse[:, :, pair.q], delta[:, :, pair.q], None if dq is None else dq[:, pair.q],
-                       dk, dv, softmax_scale=softmax_scale, mask=_mask(pair, segments, seg, dropout),
+                       dk, dv, softmax_scale=softmax_scale,
+                       mask=_mask(pair, segments, seg, dropout, blocks, n),
                        accumulate=not write)
 
     for step, pairs in enumerate(schedule):

@@ -46,10 +46,26 @@ def global_mask(seqlen: int, causal: bool = False, window_size=(-1, -1), segment
     return mask
 
 
+def block_elements(block_mask: torch.Tensor, seqlen_q: int, seqlen_k: int, block: int = 128):
+    """(heads or 1, Sq, Sk) bool: every element of a block mask's True blocks, written with
+    repeat_interleave (not the library's indexing)."""
+    dense = block_mask.cpu().repeat_interleave(block, dim=1).repeat_interleave(block, dim=2)
+    return dense[:, :seqlen_q, :seqlen_k]
+
+
+def with_blocks(mask: Optional[torch.Tensor], block_mask: torch.Tensor, seqlen: int) -> torch.Tensor:
+    """global_mask's (Sq, Sk) / (B, Sq, Sk) / None, and a block mask: (B or 1, H or 1, S, S)."""
+    blocks = block_elements(block_mask, seqlen, seqlen)[None]
+    if mask is None:
+        return blocks
+    return (mask[None, None] if mask.dim() == 2 else mask[:, None]) & blocks
+
+
 def attention_oracle(q, k, v, causal_offset: int | None = None, softmax_scale: float | None = None,
                      mask: torch.Tensor | None = None):
     """(out (B, Sq, H, D), lse (B, H, Sq)), both float64; differentiable without NaN.
-    ``mask`` (Sq, Sk) or (B, Sq, Sk) bool, True = visible, replaces ``causal_offset``."""
+    ``mask`` (Sq, Sk), (B, Sq, Sk) or (B or 1, H or 1, Sq, Sk) bool, True = visible,
+    replaces ``causal_offset``."""
     q, k, v = q.double(), k.double(), v.double()
     group = q.shape[2] // k.shape[2]
     k = k.repeat_interleave(group, dim=2)
@@ -62,7 +78,7 @@ def attention_oracle(q, k, v, causal_offset: int | None = None, softmax_scale: f
         lse = torch.logsumexp(s, dim=-1)
         p = torch.exp(s - lse[..., None])
     else:
-        # (Sq, Sk) or (B, 1, Sq, Sk) against scores (B, H, Sq, Sk).
+        # (Sq, Sk), (B, 1, Sq, Sk) or (B|1, H|1, Sq, Sk) against scores (B, H, Sq, Sk).
         mask = mask.to(q.device)[:, None] if mask.dim() == 3 else mask.to(q.device)
         # Rows that see nothing get finite stand-in scores, then are zeroed: logsumexp of an
         # all -inf row is fine forward but its backward is NaN.

@@ -242,20 +242,17 @@ def test_gpu_masks_at_scale(case):
             assert rel_err(a[:, rows], w[:, rows]) <= max(2 * ref, 1e-3), f"{case}: {name} {err:.3g} vs torch {ref:.3g}"
 
 
-def test_deterministic_and_block_mask_keywords():
-    """deterministic is accepted (the backward is deterministic anyway: same bits twice);
-    block_mask is not built and must raise, never run unmasked."""
+def test_deterministic_keyword():
+    """deterministic is accepted (the backward is deterministic anyway: same bits twice)."""
     q, k, v, dout = _inputs(1, 40, 2, 1, 16, F32, "cpu")
     runs = [_run_flash_attn(q, k, v, dout, causal=True, deterministic=True) for _ in range(2)]
     for a, b in zip(*runs):
         assert torch.equal(a, b)
     with pytest.raises(TypeError, match="deterministic"):
         flash_attn(q, k, v, deterministic=1)
-    with pytest.raises(NotImplementedError, match="block_mask"):
-        flash_attn(q, k, v, block_mask=torch.ones(1, 1, 1, dtype=torch.bool))
     import ringflash
-    with pytest.raises(NotImplementedError, match="block_mask"):
-        ringflash.ring_flash_attn(q, k, v, block_mask=torch.ones(1, 1, 1, dtype=torch.bool))
+    with pytest.raises(TypeError, match="deterministic"):
+        ringflash.ring_flash_attn(q, k, v, deterministic=1)
 
 
 def test_zero_heads_are_named():

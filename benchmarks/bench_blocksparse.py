@@ -1,0 +1,187 @@
+"""Block-sparse attention: time against the density of the block mask, ringflash beside the
+dense kernel and FlexAttention with the same blocks on one GPU, and through the ring.
+
+    python benchmarks/bench_blocksparse.py                               # -> results/blocksparse_<gpu>.json
+    torchrun --nproc-per-node=2 benchmarks/bench_blocksparse.py --ring   # -> results/blocksparse_<gpu>x2.json
+
+Patterns (blocks of 128 tokens, shared by the heads, non-causal): ``random`` (exactly
+round(d * n * n) blocks, the diagonal first) and ``local_global`` (one global block, a
+local band wide enough for density d). ``dense`` is the kernel without a block mask. The
+ring (layout zigzag) is timed beside the same mask on one GPU of the same run, so
+``efficiency`` = 1-GPU time / (GPUs x ring time) counts the computed blocks only.
+Every implementation's output is checked against ringflash's before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+
+import torch
+
+import _harness as H
+import ringflash
+from bench_masks import timed
+from ringflash.kernels import block_sparse
+from ringflash.kernels.masks import BAND_INF, BLOCK, block_lists
+
+
+def pattern_mask(pattern: str, seqlen: int, density: float, device) -> torch.Tensor:
+    n = seqlen // BLOCK
+    if pattern == "random":
+        return block_sparse.random_block_mask(seqlen, density, seed=0, device=device)
+    # local + global: 1 global block (row and column: 2n - 1 blocks), the band the rest
+    local = max(1, round((density * n * n - (2 * n - 1) + n) / (2 * n)))
+    return block_sparse.local_global_block_mask(seqlen, local_blocks=local, global_blocks=1,
+                                                device=device)
+
+
+def flex_block_mask(bm: torch.Tensor, seqlen: int):
+    """FlexAttention's BlockMask of the same blocks, all of them full (no mask_mod to run)."""
+    from torch.nn.attention.flex_attention import BlockMask
+    _, _, counts, index = block_lists(bm, -BAND_INF, BAND_INF, seqlen, seqlen)
+    zeros = torch.zeros_like(counts)[None]
+    return BlockMask.from_kv_blocks(zeros, index[None], counts[None], index[None], BLOCK_SIZE=BLOCK,
+                                    seq_lengths=(seqlen, seqlen))
+
+
+def cases(args):
+    yield "dense", 1.0
+    for pattern in args.patterns:
+        for d in args.densities:
+            yield pattern, d
+
+
+def record(impl, pattern, bm, seqlen, fwd, fwdbwd, args, gpus=1, **extra):
+    d = 1.0 if bm is None else block_sparse.density(bm)
+    flops = 4 * args.heads * args.head_dim * seqlen * seqlen * d  # computed blocks only
+    return dict(impl=impl, pattern=pattern, density=d, seqlen=seqlen, gpus=gpus, heads=args.heads,
+                head_dim=args.head_dim, fwd_ms=fwd, fwdbwd_ms=fwdbwd,
+                fwdbwd_tflops_per_gpu=H.tflops(3.5 * flops / gpus, fwdbwd), **extra)
+
+
+def run(args, device, group, world, rank) -> list[dict]:
+    records = []
+    flex = None
+    for seqlen in args.seqlens:
+        gen = torch.Generator(device=device).manual_seed(0)
+        full = [torch.randn(1, seqlen, args.heads, args.head_dim, device=device, generator=gen,
+                            dtype=torch.bfloat16) for _ in range(3)]
+        local = [ringflash.shard(t, 1, "zigzag", group).requires_grad_() for t in full] if args.ring else None
+        for pattern, d in cases(args):
+            bm = None if pattern == "dense" else pattern_mask(pattern, seqlen, d, device)
+            if args.ring:
+                ring = lambda q, k, v: ringflash.ring_flash_attn(q, k, v, block_mask=bm, group=group)
+                rec = record("ringflash", pattern, bm, seqlen, *timed(ring, *local, device, args, group),
+                             args, gpus=world)
+                if rank == 0:
+                    one = [t.clone().requires_grad_() for t in full]
+                    single = timed(lambda q, k, v: ringflash.flash_attn(q, k, v, block_mask=bm), *one,
+                                   device, args)
+                    records.append(record("ringflash_1gpu", pattern, bm, seqlen, *single, args))
+                    rec["efficiency"] = single[1] / (world * rec["fwdbwd_ms"])
+                    del one
+                records.append(rec)
+                H.barrier(group)
+            else:
+                one = [t.clone().requires_grad_() for t in full]
+                ours = lambda q, k, v: ringflash.flash_attn(q, k, v, block_mask=bm)
+                want = ours(*one).detach()
+                records.append(record("ringflash", pattern, bm, seqlen, *timed(ours, *one, device, args), args))
+                if bm is not None:
+                    from torch.nn.attention.flex_attention import flex_attention
+                    flex = flex or torch.compile(flex_attention)
+                    fbm = flex_block_mask(bm, seqlen)
+                    qt = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in full]
+                    theirs = lambda q, k, v: flex(q, k, v, block_mask=fbm)
+                    err = H.rel_err(theirs(*qt).detach().transpose(1, 2), want)
+                    records.append(record("flex_attention", pattern, bm, seqlen,
+                                          *timed(theirs, *qt, device, args), args, check_rel_err=err))
+                    del qt
+                del one
+            if rank == 0:
+                print(H.format_table(records[-2:], [
+                    ("impl", "impl"), ("pattern", "pattern"), ("density", "density", ".3f"),
+                    ("seqlen", "seqlen"), ("fwd_ms", "fwd ms", ".2f"), ("fwdbwd_ms", "fwd+bwd ms", ".2f"),
+                    ("fwdbwd_tflops_per_gpu", "TFLOP/s/GPU", ".0f"), ("efficiency", "eff", ".2f")]), flush=True)
+                write(records, args, device, world)  # a run cut short keeps what it measured
+        del full, local
+        H.free_memory(device)
+    return records
+
+
+def write(records, args, device, world):
+    name = args.out_name or H.result_name("blocksparse", device, world if args.ring else None)
+    return H.write_results(name, H.collect_meta(device), records, args.out_dir)
+
+
+def plot(json_path) -> str:
+    """fwd+bwd time against density, one panel per seqlen, with the d x dense line."""
+    from pathlib import Path
+    plt = H.import_pyplot()
+    data = H.load_results(json_path)
+    records = data["records"]
+    seqlens = sorted({r["seqlen"] for r in records})
+    fig, axes = plt.subplots(1, len(seqlens), figsize=(5 * len(seqlens), 3.4), squeeze=False)
+    for ax, seqlen in zip(axes[0], seqlens):
+        rs = [r for r in records if r["seqlen"] == seqlen and r.get("fwdbwd_ms")]
+        dense = next((r["fwdbwd_ms"] for r in rs if r["pattern"] == "dense" and r["impl"] == "ringflash"), None)
+        for impl, pattern in sorted({(r["impl"], r["pattern"]) for r in rs if r["pattern"] != "dense"}):
+            pts = sorted((r["density"], r["fwdbwd_ms"]) for r in rs if (r["impl"], r["pattern"]) == (impl, pattern))
+            ax.plot(*zip(*pts), marker="o", label=f"{impl} {pattern}")
+        if dense:
+            ax.plot([0.05, 1], [0.05 * dense, dense], "k--", linewidth=1, label="density x dense")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("density (fraction of blocks computed)")
+        ax.set_ylabel("fwd+bwd ms")
+        ax.set_title(f"{H.fmt_size(seqlen)} tokens", fontsize=10)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    meta = data["meta"]
+    fig.suptitle(f"{meta.get('device')} x{meta.get('gpu_count')}, bf16, {records[0]['heads']} heads, "
+                 f"head_dim {records[0]['head_dim']}", fontsize=9)
+    fig.tight_layout()
+    png = str(Path(json_path).with_suffix(".png"))
+    fig.savefig(png, dpi=110)
+    return png
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--ring", action="store_true", help="run the ring under torchrun (NCCL)")
+    p.add_argument("--seqlens", nargs="+", default=["32k,128k"], help="sequence lengths")
+    p.add_argument("--patterns", nargs="+", default=["random,local_global"], help="block patterns")
+    p.add_argument("--densities", nargs="+", type=float, default=[1.0, 0.5, 0.25, 0.1, 0.05])
+    p.add_argument("--heads", type=int, default=32, help="query (= key/value) heads")
+    p.add_argument("--head-dim", type=int, default=128, help="head dim")
+    p.add_argument("--rep-ms", type=float, default=100.0, help="timed time per measurement")
+    p.add_argument("--out-name", default=None, help="results file name (default blocksparse_<gpu>[xN])")
+    p.add_argument("--out-dir", default=None, help="results directory (default benchmarks/results)")
+    p.add_argument("--plot", default=None, metavar="JSON", help="only draw the PNG of a results file")
+    args = p.parse_args(argv)
+    if args.plot:
+        print(plot(args.plot))
+        return
+    args.seqlens = H.parse_sizes(args.seqlens)
+    args.patterns = H.parse_names(args.patterns, ("random", "local_global"))
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_blocksparse.py needs a GPU")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    group, world, rank = None, 1, 0
+    if args.ring:
+        import torch.distributed as dist
+        H.init_process_group(device, timeout=datetime.timedelta(minutes=10))
+        group, world, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+    records = run(args, device, group, world, rank)
+    if rank == 0:
+        print(plot(write(records, args, device, world)))
+    if args.ring:
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

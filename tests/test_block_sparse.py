@@ -1,0 +1,263 @@
+"""Block-sparse attention: the block mask on one device (PyTorch twin and Triton kernels,
+interpreted on CPUs), through the ring over gloo (world sizes 1-4, the layouts that can
+serve it), the index lists the kernels iterate over, the pattern helpers, and bad input.
+
+The oracle expands the block mask to elements with repeat_interleave (oracle.block_elements)
+and combines it with the mask written from DESIGN.md's definitions (oracle.global_mask).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from oracle import F32, TOL, attention_oracle, global_mask, oracle_grads, rel_err, with_blocks
+
+import ringflash
+from dist_utils import Worlds
+from ringflash.kernels import block_sparse, flash_attn
+from ringflash.kernels.masks import BAND_INF, BLOCK, block_lists
+from ringflash.layouts import active_steps, occupied_chunks
+from test_masks import _impl, _inputs, _run_flash_attn, segments
+
+SEQLEN = 300  # three blocks, the last one ragged
+
+
+def _mask_of(kind: str, heads: int, seqlen: int = SEQLEN) -> torch.Tensor:
+    n = -(-seqlen // BLOCK)
+    if kind == "random":
+        return block_sparse.random_block_mask(seqlen, 0.5, seed=3)
+    if kind == "per-head":
+        return block_sparse.random_block_mask(seqlen, 0.4, heads=heads, seed=4)
+    if kind == "local-global":
+        return block_sparse.local_global_block_mask(seqlen, local_blocks=1, global_blocks=1)
+    if kind == "empty-row":  # query block 1 sees nothing; key block 2 is never seen
+        m = torch.ones(1, n, n, dtype=torch.bool)
+        m[:, 1] = False
+        m[:, :, 2] = False
+        return m
+    if kind == "zeros":
+        return torch.zeros(1, n, n, dtype=torch.bool)
+    return torch.ones(1, n, n, dtype=torch.bool)
+
+
+CASES = [  # (name, block mask kind, causal, window, documents)
+    ("random", "random", False, (-1, -1), None),
+    ("per-head-causal", "per-head", True, (-1, -1), None),
+    ("local-global-window", "local-global", True, (70, -1), None),
+    ("documents", "random", True, (-1, -1), [[100, 1, 120, -79]]),
+    ("empty-row", "empty-row", False, (-1, -1), None),
+    ("zeros", "zeros", True, (-1, -1), None),
+]
+
+
+@pytest.mark.parametrize("impl", ["twin", "triton"])
+@pytest.mark.parametrize("name, kind, causal, window, docs", CASES, ids=[c[0] for c in CASES])
+def test_block_mask_matches_oracle(impl, name, kind, causal, window, docs, monkeypatch):
+    device = _impl(impl, monkeypatch)
+    h, hkv = 2, 1
+    dtype = F32
+    q, k, v, dout = _inputs(1, SEQLEN, h, hkv, 16, dtype, device, seed=7)
+    bm = _mask_of(kind, h)
+    seg = None if docs is None else segments(docs, SEQLEN)
+    out, lse, dq, dk, dv = _run_flash_attn(q, k, v, dout, causal=causal, window_size=window,
+                                           block_mask=bm.to(device),
+                                           segment_ids=None if seg is None else seg.to(device))
+    mask = with_blocks(global_mask(SEQLEN, causal, window, seg), bm, SEQLEN)
+    want_out, want_lse = attention_oracle(q, k, v, mask=mask)
+    want = (want_out, want_lse, *oracle_grads(q, k, v, dout, mask=mask))
+    for key, a, w in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), want):
+        err = rel_err(a, w)
+        assert err <= TOL[dtype], f"{impl} {name}: {key} rel err {err:.3g}"
+    blind = ~mask.expand(1, h, SEQLEN, SEQLEN).any(-1)  # (1, H, S): rows that see nothing
+    assert torch.isneginf(lse.cpu()[blind]).all()
+    assert (out.cpu().transpose(1, 2)[blind] == 0).all()
+    assert (dq.cpu().transpose(1, 2)[blind] == 0).all()
+    assert not any(torch.isnan(t).any() for t in (out, lse, dq, dk, dv))
+
+
+@pytest.mark.parametrize("impl", ["twin", "triton"])
+def test_all_ones_is_dense(impl, monkeypatch):
+    """An all-True block mask computes what no block mask computes (up to summation order)."""
+    device = _impl(impl, monkeypatch)
+    q, k, v, dout = _inputs(1, SEQLEN, 2, 1, 16, F32, device, seed=8)
+    for causal in (False, True) if impl == "twin" else (True,):  # the interpreter is slow
+        dense = _run_flash_attn(q, k, v, dout, causal=causal)
+        ones = _run_flash_attn(q, k, v, dout, causal=causal, block_mask=_mask_of("ones", 2).to(device))
+        for a, b in zip(dense, ones):
+            assert rel_err(a, b) <= 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["random", "per-head", "local-global"])
+def test_gpu_block_mask(kind):
+    """bf16 on the GPU's own tiles (hd 128, GQA, 2000 tokens, causal) against the oracle."""
+    s, h, hkv = 2000, 8, 2
+    q, k, v, dout = _inputs(1, s, h, hkv, 128, torch.bfloat16, "cuda", seed=9)
+    bm = _mask_of(kind, h, s)
+    got = _run_flash_attn(q, k, v, dout, causal=True, block_mask=bm.cuda())
+    mask = with_blocks(global_mask(s, True), bm, s).cuda()
+    want_out, want_lse = attention_oracle(q, k, v, mask=mask)
+    want = (want_out, want_lse, *oracle_grads(q, k, v, dout, mask=mask))
+    for key, a, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        err = rel_err(a, w)
+        assert err <= 2e-2, f"{kind}: {key} rel err {err:.3g}"
+
+
+def test_block_lists_classify_and_order():
+    """A causal band over 2.5 blocks. Row block 0: block 0 partial (diagonal), block 1
+    empty; row block 1: block 0 full, block 1 partial, block 2 empty; row block 2 (ragged):
+    both listed blocks partial. False blocks are never listed; indices ascend."""
+    blocks = torch.tensor([[[True, True, False], [True, True, True], [True, False, True]]])
+    pc, pi, fc, fi = block_lists(blocks, -BAND_INF, 0, 300, 300)
+    assert pc.tolist() == [[1, 1, 2]] and fc.tolist() == [[0, 1, 0]]
+    assert pi[0, 0, :1].tolist() == [0] and pi[0, 1, :1].tolist() == [1]
+    assert pi[0, 2, :2].tolist() == [0, 2] and fi[0, 1, :1].tolist() == [0]
+    # no band: ragged rows and columns are partial, the whole ones full
+    pc, pi, fc, fi = block_lists(blocks, -BAND_INF, BAND_INF, 300, 300)
+    assert pc.tolist() == [[0, 1, 2]] and fc.tolist() == [[2, 2, 0]]
+    assert fi[0, 0, :2].tolist() == [0, 1] and pi[0, 2, :2].tolist() == [0, 2]
+
+
+def test_helpers():
+    n = 8
+    m = block_sparse.random_block_mask(n * BLOCK, 0.25, heads=3, seed=1)
+    assert m.shape == (3, n, n) and m.dtype == torch.bool
+    assert (m.sum((1, 2)) == round(0.25 * n * n)).all()
+    assert m.diagonal(dim1=1, dim2=2).all()
+    assert torch.equal(m, block_sparse.random_block_mask(n * BLOCK, 0.25, heads=3, seed=1))
+    assert not torch.equal(m, block_sparse.random_block_mask(n * BLOCK, 0.25, heads=3, seed=2))
+    a = torch.arange(n)[:, None]
+    c = torch.arange(n)[None, :]
+    lg = block_sparse.local_global_block_mask(n * BLOCK, local_blocks=2, global_blocks=1, causal=True)
+    assert torch.equal(lg[0], (((a - c).abs() <= 1) | (a == 0) | (c == 0)) & (c <= a))
+    st = block_sparse.strided_block_mask(n * BLOCK, stride=3, heads=2)
+    assert st.shape == (2, n, n) and torch.equal(st[1], (a - c) % 3 == 0)
+    docs = block_sparse.block_mask_from_mask_mod(lambda b, h, q, k: q // 256 == k // 256,
+                                                 heads=1, seqlen_q=600)
+    assert torch.equal(docs[0], a[:5, :1] // 2 == c[:1, :5] // 2)
+    with pytest.raises(ValueError, match="partly visible"):
+        block_sparse.block_mask_from_mask_mod(lambda b, h, q, k: q >= k, heads=1, seqlen_q=300)
+    causal = block_sparse.block_mask_from_mask_mod(lambda b, h, q, k: q >= k, heads=2,
+                                                   seqlen_q=300, partial=True)
+    assert torch.equal(causal, torch.ones(2, 3, 3, dtype=torch.bool).tril())
+    assert torch.equal(block_sparse.expand_block_mask(m, 1000)[:, ::BLOCK, ::BLOCK], m)
+    with pytest.raises(ValueError, match="density"):
+        block_sparse.random_block_mask(1024, 1.5)
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (torch.ones(1, 3, 3), TypeError, "bool"),
+    (torch.ones(1, 3, 2, dtype=torch.bool), ValueError, "shape"),
+    (torch.ones(3, 3, 3, dtype=torch.bool), ValueError, "heads"),
+    (torch.ones(3, 3, dtype=torch.bool), ValueError, "shape"),
+    ([[True]], TypeError, "Tensor"),
+], ids=["float", "blocks", "heads", "2d", "list"])
+def test_bad_block_mask(bad, error, match):
+    q, k, v, _ = _inputs(1, SEQLEN, 2, 1, 16, F32, "cpu")
+    with pytest.raises(error, match=match):
+        flash_attn(q, k, v, block_mask=bad)
+
+
+def test_ring_refuses_what_it_cannot_serve():
+    q, k, v, _ = _inputs(1, 256, 2, 1, 16, F32, "cpu")
+    bm = torch.ones(1, 2, 2, dtype=torch.bool)
+    with pytest.raises(ValueError, match="stripe"):
+        ringflash.ring_flash_attn(q, k, v, block_mask=bm, layout="stripe")
+    q, k, v, _ = _inputs(1, 384, 2, 1, 16, F32, "cpu")
+    with pytest.raises(ValueError, match="multiple of the block size"):  # zigzag chunks of 192
+        ringflash.ring_flash_attn(q, k, v, block_mask=torch.ones(1, 3, 3, dtype=torch.bool))
+
+
+def test_local_mask_stops_the_ring_early():
+    """A block mask that only looks one chunk back needs 2 of 8 steps on contiguous shards;
+    an all-zero mask needs one step that computes nothing."""
+    world, n = 8, BLOCK
+    local = block_sparse.local_global_block_mask(world * n, local_blocks=2, causal=True)
+    occupied = occupied_chunks(local, "contiguous", world, n, BLOCK)
+    assert occupied == {(a, c) for a in range(world) for c in (a - 1, a) if c >= 0}
+    assert active_steps("contiguous", world, n, (None, 0), occupied) == 2
+    assert active_steps("contiguous", world, n, (None, 0)) == world
+    assert active_steps("contiguous", world, n, (None, None), frozenset()) == 1
+
+
+# ----------------------------------------------------------------------------- the ring
+
+
+def check_block_sparse_ring(rank, world, layout, seed=0, device="cpu", chunk=BLOCK):
+    """Block masks through the ring on ``device`` (CPU: the twin kernels over gloo) against
+    the oracle and single-device flash_attn (on the CPU) with the same global mask, chunks
+    of ``chunk`` tokens (zigzag: two a rank); returns this rank's failures."""
+    failures = []
+    n = chunk * (2 if layout == "zigzag" else 1)
+    seqlen = n * world
+    configs = [  # (name, mask, causal, window, documents, heads, kv heads)
+        ("random", block_sparse.random_block_mask(seqlen, 0.4, seed=seed + 1), False, (-1, -1), None, 2, 1),
+        ("per-head-causal", block_sparse.random_block_mask(seqlen, 0.5, heads=2, seed=seed + 2),
+         True, (-1, -1), None, 2, 2),
+        ("local-window", block_sparse.local_global_block_mask(seqlen, local_blocks=2), True,
+         (150, -1), None, 2, 1),
+        ("documents", block_sparse.strided_block_mask(seqlen, stride=2), True, (-1, -1),
+         [[seqlen // 3, 5, seqlen - seqlen // 3 - 5]], 2, 1),
+    ]
+    for i, (name, bm, causal, window, docs, h, hkv) in enumerate(configs):
+        gen = torch.Generator().manual_seed(seed + 10 + i)
+        q, k, v, dout = (torch.randn(1, seqlen, x, 16, generator=gen) for x in (h, hkv, hkv, h))
+        seg = None if docs is None else segments(docs, seqlen)
+        local = [ringflash.shard(t.to(device), dim=1, layout=layout).requires_grad_() for t in (q, k, v)]
+        kwargs = dict(causal=causal, window_size=window)
+        seg_local = None if seg is None else ringflash.shard(seg.to(device), dim=1, layout=layout)
+        out, lse = ringflash.ring_flash_attn(*local, return_lse=True, layout=layout, block_mask=bm.to(device),
+                                             segment_ids=seg_local, **kwargs)
+        out.backward(ringflash.shard(dout.to(device), dim=1, layout=layout))
+        got = dict(zip(("out", "lse", "dq", "dk", "dv"),
+                       (out.detach(), lse.detach(), *(t.grad for t in local))))
+        got = {key: ringflash.unshard(val, dim=2 if key == "lse" else 1, layout=layout).cpu()
+               for key, val in got.items()}
+        if i % world != rank:
+            continue
+        mask = with_blocks(global_mask(seqlen, causal, window, seg), bm, seqlen)
+        want_out, want_lse = attention_oracle(q, k, v, mask=mask)
+        want = dict(zip(("out", "lse", "dq", "dk", "dv"),
+                        (want_out, want_lse, *oracle_grads(q, k, v, dout, mask=mask))))
+        full = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        ref_out, ref_lse = flash_attn(*full, return_lse=True, segment_ids=seg, block_mask=bm, **kwargs)
+        ref_out.backward(dout)
+        single = dict(zip(("out", "lse", "dq", "dk", "dv"),
+                          (ref_out.detach(), ref_lse.detach(), *(t.grad for t in full))))
+        for key in got:
+            err, err_single = rel_err(got[key], want[key]), rel_err(got[key], single[key])
+            if not (err <= TOL[F32] and err_single <= TOL[F32]):
+                failures.append(f"W={world} {layout} {name}: {key} rel err {err:.3g} vs oracle, "
+                                f"{err_single:.3g} vs flash_attn")
+    return failures
+
+
+@pytest.fixture(scope="module")
+def worlds():
+    cache = Worlds()
+    yield cache
+    cache.close()
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4], ids=lambda w: f"W{w}")
+def test_block_sparse_ring_matches_oracle(worlds, world_size, layout):
+    per_rank = worlds(world_size).run(check_block_sparse_ring, layout, timeout=300)
+    failures = [f for fs in per_rank for f in fs]
+    assert not failures, "\n".join(failures)
+
+
+def test_ranks_must_agree_on_the_block_mask(worlds):
+    per_rank = worlds(2).run(_disagree, timeout=120)
+    assert all("block_mask" in msg for msg in per_rank), per_rank
+
+
+def _disagree(rank, world):
+    q, k, v, _ = _inputs(1, 2 * BLOCK, 2, 1, 16, F32, "cpu")
+    bm = torch.ones(1, 2 * world, 2 * world, dtype=torch.bool)
+    bm[0, 0, rank] = False  # the same count of blocks, in different places
+    try:
+        ringflash.ring_flash_attn(q, k, v, block_mask=bm, layout="zigzag")
+    except ValueError as error:
+        return str(error)
+    return "no error"
