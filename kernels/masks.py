@@ -38,9 +38,9 @@ class PairMask(NamedTuple):
     dropout_p, seed: attention dropout (kernels/dropout.py), keyed by global positions:
     pos = (q_pos, k_pos, stride): query i of the pair is at q_pos + i * stride, key j at
         k_pos + j * stride (needed with dropout only).
-    blocks: (heads or 1, cdiv(Sq, BLOCK), cdiv(Sk, BLOCK)) bool, or None: block (a, c)
-        holds queries [a * BLOCK, (a + 1) * BLOCK) and keys [c * BLOCK, (c + 1) * BLOCK)
-        of the pair; False blocks are never computed.
+    blocks: a ``Blocks`` over (heads or 1, cdiv(Sq, BLOCK), cdiv(Sk, BLOCK)), or None:
+        block (a, c) holds queries [a * BLOCK, (a + 1) * BLOCK) and keys
+        [c * BLOCK, (c + 1) * BLOCK) of the pair; False blocks are never computed.
     """
 
     band_lo: Optional[int] = None
@@ -50,7 +50,7 @@ class PairMask(NamedTuple):
     dropout_p: float = 0.0
     seed: int = 0
     pos: Optional[tuple[int, int, int]] = None
-    blocks: Optional[torch.Tensor] = None
+    blocks: Optional["Blocks"] = None
 
     @classmethod
     def causal(cls, offset: Optional[int]) -> "PairMask":
@@ -88,11 +88,30 @@ def visible(qi: torch.Tensor, kj: torch.Tensor, mask: PairMask):
         seg = (qs == ks) & (qs >= 0)
         ok = seg if ok is None else ok[None] & seg
     if mask.blocks is not None:
-        blocks = mask.blocks.to(qi.device)[:, qi // BLOCK][:, :, kj // BLOCK][None]
+        blocks = mask.blocks.mask.to(qi.device)[:, qi // BLOCK][:, :, kj // BLOCK][None]
         if ok is not None:
             ok = ok[None, None] if ok.dim() == 2 else ok[:, None]
         ok = blocks if ok is None else ok & blocks
     return ok
+
+
+class Blocks:
+    """A pair's block mask (``mask``: (heads or 1, row blocks, column blocks) bool) and the
+    index lists the kernels iterate over, built on first use for each band and shape and
+    kept: a ring that reuses its pairs' Blocks builds them once for every call."""
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask = mask
+        self._lists: dict = {}
+
+    def lists(self, lo: int, hi: int, n_rows: int, n_cols: int, transpose: bool = False):
+        """``block_lists`` of the mask (transposed: rows are keys, band negated)."""
+        key = (lo, hi, n_rows, n_cols, transpose)
+        if key not in self._lists:
+            mask = self.mask.transpose(1, 2) if transpose else self.mask
+            self._lists[key] = block_lists(mask, -hi, -lo, n_rows, n_cols) if transpose \
+                else block_lists(mask, lo, hi, n_rows, n_cols)
+        return self._lists[key]
 
 
 def block_lists(blocks: torch.Tensor, lo: int, hi: int, n_rows: int, n_cols: int):

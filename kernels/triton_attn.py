@@ -47,7 +47,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import dropout
-from .masks import BAND_INF, BLOCK, block_lists, segment_ranges
+from .masks import BAND_INF, BLOCK, segment_ranges
 
 LOG2E = math.log2(math.e)
 SPARSE_BLOCK = tl.constexpr(BLOCK)
@@ -427,11 +427,8 @@ def _sparse_args(mask, lo: int, hi: int, n_rows: int, n_cols: int, transpose: bo
     if mask.blocks is None:
         dummy = torch.zeros(1, dtype=torch.int32, device=device)
         return (dummy, dummy, dummy, dummy, 0, 0), False
-    blocks = mask.blocks.transpose(1, 2) if transpose else mask.blocks
-    if transpose:
-        lo, hi = -hi, -lo
-    heads, n_row_blocks, n_col_blocks = blocks.shape
-    lists = block_lists(blocks, lo, hi, n_rows, n_cols)
+    lists = mask.blocks.lists(lo, hi, n_rows, n_cols, transpose)
+    heads, n_row_blocks, n_col_blocks = lists[1].shape
     return (*lists, n_row_blocks if heads > 1 else 0, n_col_blocks), True
 
 

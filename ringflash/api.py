@@ -15,6 +15,7 @@ from .kernels import (SUPPORTED_DTYPES, check_block_mask, check_causal, check_de
 from .kernels.masks import BLOCK
 from .layouts import DEFAULT_LAYOUT, LAYOUTS, check_block_layout, check_layout, global_positions
 from .ops import ring_attn
+from .ring import tensor_memo
 
 # Set RINGFLASH_RANK_CHECK=0 to skip the cross-rank agreement check (see _check_ranks_agree);
 # read once, at import. Without it nothing compares the ranks' arguments: ranks that disagree
@@ -36,12 +37,16 @@ def _float_bits(x: float) -> int:
 
 def _block_digest(blocks) -> list[int]:
     """(nonzero blocks, a position-weighted checksum) of a block mask; (-1, -1) for none.
-    One reduction on the mask's device (a host synchronization)."""
+    One reduction on the mask's device (a host synchronization) the first time a mask
+    object is seen."""
     if blocks is None:
         return [-1, -1]
-    flat = blocks.reshape(-1)
-    weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.int64) % 1_000_003
-    return [int(flat.sum()), int((weights * flat).sum())]
+
+    def digest():
+        flat = blocks.reshape(-1)
+        weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.int64) % 1_000_003
+        return [int(flat.sum()), int((weights * flat).sum())]
+    return tensor_memo(blocks, ("digest",), digest)
 
 
 def _signature(q, k, causal, layout, scale, needs_grad, kind, window, segments, dropout,

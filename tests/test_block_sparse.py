@@ -180,6 +180,18 @@ def test_local_mask_stops_the_ring_early():
     assert active_steps("contiguous", world, n, (None, None), frozenset()) == 1
 
 
+def test_ring_sees_a_mask_changed_in_place():
+    """The ring keeps what it derives from a block mask (chunk pairs, index lists) while the
+    same tensor comes back unmodified; an in-place change must be seen at once."""
+    q, k, v, _ = _inputs(1, 4 * BLOCK, 2, 1, 16, F32, "cpu", seed=11)
+    bm = torch.ones(1, 4, 4, dtype=torch.bool)
+    for step in range(3):
+        got = ringflash.ring_flash_attn(q, k, v, block_mask=bm, layout="contiguous")
+        want = flash_attn(q, k, v, block_mask=bm.clone())
+        assert rel_err(got, want) <= 1e-6, step
+        bm[:, step + 1, : step + 1] = False  # in place: the version counter moves
+
+
 # ----------------------------------------------------------------------------- the ring
 
 
