@@ -283,6 +283,58 @@ def bench_ms(fn: Callable[[], object], *, device: torch.device, warmup_ms: float
     return allreduce_max(statistics.median(times), group, device)
 
 
+def timing_opts(args: argparse.Namespace) -> dict:
+    """bench_ms's options from a script's --warmup-ms, --rep-ms, --min-reps and --max-reps."""
+    return dict(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, min_reps=args.min_reps,
+                max_reps=args.max_reps)
+
+
+def time_phases(call: Callable, inputs: Sequence[torch.Tensor], dout: torch.Tensor, *,
+                device: torch.device, group=None, **timing) -> dict:
+    """Forward (no grad) and forward+backward of ``call(*inputs)`` with output gradient ``dout``.
+
+    Returns fwd_ms, fwdbwd_ms (bench_ms: max over the ranks of ``group`` of their medians),
+    peak_bytes (working set plus the inputs, max over the ranks) and error. A phase that
+    fails on any rank is None on all. ``group`` None: this process alone. ``timing``:
+    bench_ms's options (``timing_opts``).
+    """
+    res = {"fwd_ms": None, "fwdbwd_ms": None, "peak_bytes": None, "error": None}
+    errors = []
+    opts = dict(timing, device=device, group=group)
+    with PeakMemory(device) as mem:
+        try:
+            with torch.no_grad():
+                ms = bench_ms(lambda: call(*inputs), **opts)
+        except Exception as exc:  # noqa: BLE001
+            ms = None
+            errors.append(f"fwd: {short_error(exc)}")
+            free_memory(device)
+        res["fwd_ms"] = ms if all_ranks_ok(ms is not None, group, device) else None
+        leaves = [t.detach().requires_grad_() for t in inputs]
+        try:
+            ms = bench_ms(lambda: call(*leaves).backward(dout), grad_to_none=leaves, **opts)
+        except Exception as exc:  # noqa: BLE001
+            ms = None
+            errors.append(f"fwd+bwd: {short_error(exc)}")
+        res["fwdbwd_ms"] = ms if all_ranks_ok(ms is not None, group, device) else None
+        leaves = None  # drop the grads' owners before the next impl
+    if mem.working_set is not None:
+        local = mem.working_set + tensor_bytes(*inputs, dout)
+        res["peak_bytes"] = allreduce_max(float(local), group, device)
+    if errors:
+        res["error"] = "; ".join(errors)
+    elif res["fwd_ms"] is None or res["fwdbwd_ms"] is None:
+        res["error"] = "failed on another rank"
+    free_memory(device)
+    return res
+
+
+def failed_checks(errs: dict[str, float], tol: float, grad_tol: float) -> list[str]:
+    """The relative errors above tolerance: ``tol`` for "out", ``grad_tol`` for the rest."""
+    limits = {n: tol if n == "out" else grad_tol for n in errs}
+    return [f"{n} rel err {e:.3g} > {limits[n]:g}" for n, e in errs.items() if not e <= limits[n]]
+
+
 class PeakMemory:
     """Peak of torch.cuda.max_memory_allocated over a block, as the block's working set.
 

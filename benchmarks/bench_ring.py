@@ -16,19 +16,19 @@ time, time being the max over ranks of each rank's median. Efficiency = ringflas
 TFLOP/s. At the smallest seqlen every implementation is checked against ringflash's kernel
 on the full sequence (out, dq, dk, dv); ringflash aborts the run on a mismatch, a peer that
 mismatches is reported as null.
+
+torch's context parallel runs through torch_cp.py, the --profile breakdown comes from
+trace_analysis.py, and timing, FLOPs and results files from _harness.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import gzip
-import json
 import math
 import os
 import sys
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Optional
 
@@ -36,10 +36,11 @@ import torch
 import torch.distributed as dist
 
 import _harness as H
+import torch_cp
+from trace_analysis import key_averages_breakdown, load_trace, profile_report, trace_breakdown, trace_path
 
-IMPLS = ("ringflash", "torch_cp_flash", "torch_cp_cudnn", "ringflash_1gpu")
+IMPLS = ("ringflash", *torch_cp.CP_BACKENDS, "ringflash_1gpu")
 LAYOUTS = ("contiguous", "zigzag", "stripe")
-CP_BACKENDS = {"torch_cp_flash": "FLASH_ATTENTION", "torch_cp_cudnn": "CUDNN_ATTENTION"}
 MULTI_GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 # Defaults of a GPU run, and of a CPU smoke run (seconds; torch CP has no CPU attention).
 GPU_DEFAULTS = dict(seqlens="32k,64k", heads=32, gqa_kv_heads=8, head_dim=128, dtype="bf16",
@@ -175,18 +176,6 @@ def setup(args) -> Ctx:
     return Ctx(rank=dist.get_rank(), world=dist.get_world_size(), device=device, group=dist.group.WORLD)
 
 
-def get_mesh(ctx: Ctx):
-    if ctx.mesh is None and ctx.mesh_error is None:
-        try:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            ctx.mesh = init_device_mesh(ctx.device.type, (ctx.world,), mesh_dim_names=("cp",))
-        except Exception as exc:  # noqa: BLE001 - the torch CP rows become null
-            ctx.mesh_error = f"DeviceMesh: {H.short_error(exc)}"
-    if ctx.mesh is None:
-        raise RuntimeError(ctx.mesh_error)
-    return ctx.mesh
-
 
 def broadcast_obj(obj, ctx: Ctx, src: int = 0):
     box = [obj]
@@ -264,57 +253,6 @@ def global_rel_errs(pairs: dict, ctx: Ctx) -> dict:
     return out
 
 
-def failed_checks(errs: dict, args) -> list[str]:
-    return [f"{n} rel err {e:.3g} > {args.tol if n == 'out' else args.grad_tol:g}"
-            for n, e in errs.items() if not e <= (args.tol if n == "out" else args.grad_tol)]
-
-
-def bench_opts(ctx: Ctx, args, group) -> dict:
-    return dict(device=ctx.device, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
-                min_reps=args.min_reps, max_reps=args.max_reps, group=group)
-
-
-def time_phases(call, inputs, dout, ctx: Ctx, args, group) -> dict:
-    """Forward (no grad) and forward+backward of ``call`` on this rank's inputs.
-
-    Returns fwd_ms, fwdbwd_ms (max over ranks of medians), peak_bytes (working set plus the
-    inputs, max over ranks) and error. A phase that fails on any rank is None on all.
-    """
-    res = {"fwd_ms": None, "fwdbwd_ms": None, "peak_bytes": None, "error": None}
-    errors = []
-    opts = bench_opts(ctx, args, group)
-    with H.PeakMemory(ctx.device) as mem:
-        try:
-            with torch.no_grad():
-                ms = H.bench_ms(lambda: call(*inputs), **opts)
-        except Exception as exc:  # noqa: BLE001
-            ms = None
-            errors.append(f"fwd: {H.short_error(exc)}")
-            H.free_memory(ctx.device)
-        res["fwd_ms"] = ms if _agree(ms is not None, ctx, group) else None
-        leaves = [t.detach().requires_grad_() for t in inputs]
-        try:
-            ms = H.bench_ms(lambda: call(*leaves).backward(dout), grad_to_none=leaves, **opts)
-        except Exception as exc:  # noqa: BLE001
-            ms = None
-            errors.append(f"fwd+bwd: {H.short_error(exc)}")
-        res["fwdbwd_ms"] = ms if _agree(ms is not None, ctx, group) else None
-        leaves = None  # drop the grads' owners before the next impl
-    if mem.working_set is not None:
-        local = mem.working_set + H.tensor_bytes(*inputs, dout)
-        res["peak_bytes"] = H.allreduce_max(float(local), ctx.group, ctx.device) if group is not None else float(local)
-    if errors:
-        res["error"] = "; ".join(errors)
-    elif res["fwd_ms"] is None or res["fwdbwd_ms"] is None:
-        res["error"] = "failed on another rank"
-    H.free_memory(ctx.device)
-    return res
-
-
-def _agree(ok: bool, ctx: Ctx, group) -> bool:
-    return H.all_ranks_ok(ok, ctx.group, ctx.device) if group is not None else ok
-
-
 # ----------------------------------------------------------------------------- ringflash
 
 
@@ -371,12 +309,12 @@ def _run_ringflash(cfg: Cfg, layout: str, full, ref: Optional[dict], ctx: Ctx, a
             return {**res, "error": f"check: {error or 'failed on another rank'}"}
         want = {n: api.shard(t, dim=1, layout=layout, group=ctx.group) for n, t in ref.items()}
         errs = global_rel_errs({n: (got[n], want[n]) for n in got}, ctx)
-        bad = failed_checks(errs, args)
+        bad = H.failed_checks(errs, args.tol, args.grad_tol)
         if bad:
             raise Abort(f"ringflash ring_flash_attn (layout {layout}) is WRONG at {cfg.tag}: " + "; ".join(bad))
         res["rel_err"] = errs["out"]
         del got, want
-    res.update(time_phases(call, (q, k, v), do, ctx, args, ctx.group))
+    res.update(H.time_phases(call, (q, k, v), do, device=ctx.device, group=ctx.group, **H.timing_opts(args)))
     return res
 
 
@@ -391,139 +329,12 @@ def run_ringflash_1gpu(cfg: Cfg, full, ctx: Ctx, args) -> dict:
             return flash_attn(q_, k_, v_, causal=cfg.causal)
 
         try:
-            res.update(time_phases(call, tuple(full[:3]), full[3], ctx, args, None))
+            res.update(H.time_phases(call, full[:3], full[3], device=ctx.device, **H.timing_opts(args)))
         except Exception as exc:  # noqa: BLE001 - out of memory and the like: null
             res["error"] = H.short_error(exc)
             H.free_memory(ctx.device)
     H.barrier(ctx.group)
     return broadcast_obj(res, ctx)
-
-
-# ----------------------------------------------------------------------------- torch context parallel
-
-
-def _cp_modules():
-    from torch.distributed.tensor.experimental import context_parallel
-    from torch.distributed.tensor.experimental import _attention as cp_attention
-
-    return context_parallel, cp_attention
-
-
-def _headtail_positions(seqlen: int, world: int, rank: int, load_balanced: bool) -> torch.Tensor:
-    """Global positions of a rank's tokens under torch CP's sharding: head-tail is
-    ringflash's zigzag, no load balancing its contiguous."""
-    from ringflash.layouts import global_positions
-    return global_positions(seqlen, "zigzag" if load_balanced else "contiguous", rank, world)
-
-
-def _cp_unshard(tensors: list, seqlen: int, load_balanced: bool, ctx: Ctx, cp_attention):
-    """Full-sequence (B, H, S, D) copies of CP's local outputs, on every rank."""
-    try:
-        return list(cp_attention.context_parallel_unshard(get_mesh(ctx), tensors, [2] * len(tensors))), "torch"
-    except Exception:  # noqa: BLE001 - fall back to our own copy of its sharding rule
-        fulls = []
-        for t in tensors:
-            t = t.contiguous()
-            parts = [torch.empty_like(t) for _ in range(ctx.world)]
-            dist.all_gather(parts, t, group=ctx.group)
-            full = torch.empty((*t.shape[:2], seqlen, *t.shape[3:]), device=t.device, dtype=t.dtype)
-            for r, part in enumerate(parts):
-                full.index_copy_(2, _headtail_positions(seqlen, ctx.world, r, load_balanced).to(t.device), part)
-            fulls.append(full)
-        return fulls, "own head-tail rule"
-
-
-def run_torch_cp(impl: str, cfg: Cfg, full, ref: Optional[dict], ctx: Ctx, args) -> dict:
-    """torch context_parallel over a 1-D mesh, SDPA restricted to one backend.
-
-    GQA: tries SDPA's enable_gqa=True first; if that fails or gives a wrong result, repeats
-    K/V to the query heads (what a user of torch CP would do) and says so in the note.
-    """
-    modes = ["enable_gqa", "repeat_kv"] if cfg.kv_heads != cfg.heads else ["mha"]
-    wrong = ctx.cp_wrong_modes.setdefault((impl, cfg.heads, cfg.kv_heads, cfg.causal), set())
-    notes = [f"{m}: skipped, wrong at the checked seqlen" for m in modes if m in wrong]
-    modes = [m for m in modes if m not in wrong]
-    partial = None  # a failed attempt that still timed one phase
-    res = {"layout": None, "error": "not run"}
-    for mode in modes:
-        try:
-            res = _run_torch_cp_once(impl, mode, cfg, full, ref, ctx, args)
-        except Exception as exc:  # noqa: BLE001 - never crash the run for a peer
-            res = {"layout": None, "error": H.short_error(exc)}
-            H.free_memory(ctx.device)
-        ok = res.get("error") is None and not res.get("wrong")
-        if not H.all_ranks_ok(ok, ctx.group, ctx.device):
-            why = res.get("wrong") or res.get("error") or "failed on another rank"
-            notes.append(f"{mode}: {why}")
-            ctx.log(f"  {cfg.tag} {impl} [{mode}] failed: {why}")
-            if res.get("wrong"):
-                wrong.add(mode)
-            if partial is None and not res.get("wrong") and (res.get("fwd_ms") or res.get("fwdbwd_ms")):
-                partial = dict(res, note=f"mode {mode}")
-            continue
-        if mode == "repeat_kv":
-            notes.append("repeat_kv: K/V repeated to the query heads (enable_gqa path unusable)")
-        elif mode == "enable_gqa":
-            notes.append("enable_gqa=True")
-        res["note"] = "; ".join(notes) or None
-        return res
-    if partial is not None:  # keep the phase that worked, say why the other is missing
-        partial["error"] = "; ".join(notes)
-        return partial
-    return {"layout": res.get("layout"), "error": "; ".join(notes) or res.get("error")}
-
-
-def _run_torch_cp_once(impl: str, mode: str, cfg: Cfg, full, ref, ctx: Ctx, args) -> dict:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    context_parallel, cp_attention = _cp_modules()
-    mesh = get_mesh(ctx)
-    cp_attention.set_rotate_method(args.rotate_method)
-    # Its load balancer (head-tail) requires is_causal=True; off for non-causal runs.
-    cp_attention._cp_options.enable_load_balance = cfg.causal
-    backend = getattr(SDPBackend, CP_BACKENDS[impl])
-    group_size = cfg.heads // cfg.kv_heads
-    sdpa_kwargs = {"enable_gqa": True} if mode == "enable_gqa" else {}
-
-    q, k, v, do = full
-    if mode == "repeat_kv":
-        k, v = (t.repeat_interleave(group_size, dim=2) for t in (k, v))
-    # Plain full-sequence tensors in SDPA's layout (B, H, S, D); the context manager shards
-    # them in place along dim 2 (no_restore: nobody uses them after the context).
-    bufs = [t.transpose(1, 2).contiguous() for t in (q, k, v, do)]
-    del k, v
-
-    def call(q_, k_, v_):
-        return torch.nn.functional.scaled_dot_product_attention(q_, k_, v_, is_causal=cfg.causal, **sdpa_kwargs)
-
-    res = {"error": None}
-    with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2, 2, 2, 2], no_restore_buffers=set(bufs)):
-        load_balanced = bool(cp_attention._cp_options.enable_load_balance)
-        res["layout"] = "headtail" if load_balanced else "contiguous"
-        qs, ks, vs, dos = bufs
-        with sdpa_kernel(backend):
-            if ref is not None:
-                leaves = [t.detach().requires_grad_() for t in (qs, ks, vs)]
-                out = call(*leaves)
-                out.backward(dos)
-                got, how = _cp_unshard([out.detach()] + [t.grad for t in leaves], cfg.seqlen, load_balanced,
-                                       ctx, cp_attention)
-                del out, leaves
-                out_f, dq_f, dk_f, dv_f = got
-                if mode == "repeat_kv":  # the repeated heads' grads add up to the kv head's grad
-                    dk_f, dv_f = (g.unflatten(1, (cfg.kv_heads, group_size)).sum(2) for g in (dk_f, dv_f))
-                errs = {n: H.rel_err(a.transpose(1, 2), ref[n])
-                        for n, a in (("out", out_f), ("dq", dq_f), ("dk", dk_f), ("dv", dv_f))}
-                errs = {n: H.allreduce_max(e, ctx.group, ctx.device) for n, e in errs.items()}
-                del got, out_f, dq_f, dk_f, dv_f
-                res["rel_err"] = errs["out"]
-                bad = failed_checks(errs, args)
-                if bad:
-                    res["wrong"] = "WRONG RESULT: " + "; ".join(bad) + f" (unshard: {how})"
-                    return res
-            # Inputs of the timed calls are CP's local shards, views of the resized buffers.
-            res.update(time_phases(call, (qs, ks, vs), dos, ctx, args, ctx.group))
-    return res
 
 
 # ----------------------------------------------------------------------------- the benchmark
@@ -635,7 +446,7 @@ def benchmark(args, ctx: Ctx) -> list[dict]:
             elif impl == "ringflash_1gpu":
                 results = [run_ringflash_1gpu(cfg, full, ctx, args)]
             else:
-                results = [run_torch_cp(impl, cfg, full, ref, ctx, args)]
+                results = [torch_cp.run_torch_cp(impl, cfg, full, ref, ctx, args)]
             for res in results:
                 rec = make_record(impl, cfg, res, ctx)
                 records.append(rec)
@@ -648,108 +459,6 @@ def benchmark(args, ctx: Ctx) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- profile
-
-
-def classify_kernel(name: str) -> str:
-    n = name.lower()
-    if "nccl" in n:
-        return "comm"
-    if "merge" in n:
-        return "merge"
-    if any(s in n for s in ("_fwd_kernel", "_dkdv_kernel", "_dq_kernel", "attn", "attention", "flash", "fmha")):
-        return "attention"
-    return "other"
-
-
-def _union_us(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, -math.inf
-    for s, e in sorted(intervals):
-        if e <= end:
-            continue
-        total += e - max(s, end)
-        end = e
-    return total
-
-
-def _clip(intervals, lo, hi):
-    return [(max(s, lo), min(e, hi)) for s, e in intervals if e > lo and s < hi]
-
-
-GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-
-
-def trace_breakdown(trace: dict, wall_ms: Optional[float] = None, phases=("ringflash.fwd", "ringflash.bwd")) -> dict:
-    """GPU time of one profiled step from a chrome trace, in ms.
-
-    attention / merge / other / comm: summed kernel durations by class (NCCL kernels are
-    comm; copies and memsets count as other). exposed_comm: time when an NCCL kernel runs
-    and nothing else does, i.e. communication the compute did not hide. idle: wall time
-    with no kernel running (launch gaps, host work). Per phase too when the trace has
-    the phases' GPU annotations.
-    """
-    events = [e for e in trace.get("traceEvents", []) if isinstance(e, dict) and e.get("ph") == "X"]
-    kernels = [(e.get("name", ""), float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e.get("cat"))
-               for e in events if e.get("cat") in GPU_CATS and "ts" in e]
-
-    def summarize(lo=-math.inf, hi=math.inf, wall=None) -> dict:
-        by_class = defaultdict(list)
-        for name, s, e, cat in kernels:
-            cls = classify_kernel(name) if cat == "kernel" else "other"
-            by_class[cls].extend(_clip([(s, e)], lo, hi))
-        total = {c: sum(e - s for s, e in iv) / 1e3 for c, iv in by_class.items()}
-        all_iv = [iv for ivs in by_class.values() for iv in ivs]
-        non_comm = [iv for c, ivs in by_class.items() if c != "comm" for iv in ivs]
-        busy = _union_us(all_iv) / 1e3
-        out = {c: total.get(c, 0.0) for c in ("attention", "merge", "other", "comm")}
-        out["exposed_comm"] = busy - _union_us(non_comm) / 1e3
-        out["gpu_busy"] = busy
-        if all_iv:
-            out["gpu_span"] = (max(e for _, e in all_iv) - min(s for s, _ in all_iv)) / 1e3
-        else:
-            out["gpu_span"] = 0.0
-        if wall is None and math.isfinite(lo) and math.isfinite(hi):
-            wall = (hi - lo) / 1e3
-        out["wall"] = wall
-        out["idle"] = None if wall is None else max(wall - busy, 0.0)
-        return out
-
-    result = {"step": summarize(wall=wall_ms)}
-    for ph in phases:
-        windows = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
-                   if e.get("name") == ph and e.get("cat") == "gpu_user_annotation"]
-        if windows:
-            result[ph] = summarize(min(s for s, _ in windows), max(e for _, e in windows))
-    return result
-
-
-def key_averages_breakdown(prof) -> dict:
-    """Self device time (ms) of the profiler's key_averages, by kernel class."""
-    from torch.autograd import DeviceType
-
-    totals = defaultdict(float)
-    for evt in prof.key_averages():
-        if getattr(evt, "device_type", None) != DeviceType.CUDA:
-            continue
-        t = getattr(evt, "self_device_time_total", None)
-        if t is None:
-            t = getattr(evt, "self_cuda_time_total", 0.0)
-        totals[classify_kernel(evt.key)] += float(t) / 1e3
-    return {c: totals.get(c, 0.0) for c in ("attention", "merge", "other", "comm")}
-
-
-def trace_path(path: str, rank: int) -> str:
-    if rank == 0:
-        return path
-    for ext in (".json.gz", ".json"):
-        if path.endswith(ext):
-            return path[: -len(ext)] + f".rank{rank}" + ext
-    return path + f".rank{rank}"
-
-
-def load_trace(path: str) -> dict:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        return json.load(f)
 
 
 def profile(args, ctx: Ctx) -> None:
@@ -810,30 +519,6 @@ def profile(args, ctx: Ctx) -> None:
             print(table)
         print(profile_report(infos))
         print("traces: " + ", ".join(i["path"] for i in infos), flush=True)
-
-
-def profile_report(infos: list[dict]) -> str:
-    rows = []
-    for info in infos:
-        for phase, b in (info.get("trace") or {}).items():
-            rows.append({"rank": info["rank"], "phase": phase, **b})
-    cols = [("rank", "rank"), ("phase", "phase"), ("wall", "wall ms", ".2f"),
-            ("attention", "attn kern ms", ".2f"), ("merge", "merge ms", ".2f"), ("other", "other ms", ".2f"),
-            ("comm", "nccl kern ms", ".2f"), ("exposed_comm", "exposed comm ms", ".2f"),
-            ("idle", "gpu idle ms", ".2f")]
-    lines = ["From the trace (kernel time by class; exposed comm = NCCL running while no other kernel is):"]
-    lines.append(H.format_table(rows, cols) if rows else "  (no trace breakdown)")
-    ka_rows = [{"rank": i["rank"], **i["key_averages"]} for i in infos if "key_averages" in i]
-    if ka_rows:
-        lines.append("From key_averages (self device time by class, ms):")
-        lines.append(H.format_table(ka_rows, [("rank", "rank"), ("attention", "attention", ".2f"),
-                                              ("merge", "merge", ".2f"), ("other", "other", ".2f"),
-                                              ("comm", "nccl", ".2f")]))
-    for i in infos:
-        for key in ("trace_error", "key_averages_error"):
-            if key in i:
-                lines.append(f"rank {i['rank']} {key}: {i[key]}")
-    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- main
