@@ -1,18 +1,34 @@
 """Attention dropout regenerated from a counter-based generator, the same at every world size.
 
 Whether the probability of query i for key j is kept depends only on
-(seed, batch b, query head h, GLOBAL query position qp, GLOBAL key position kp):
+(seed, batch b, query head h, GLOBAL query position qp, GLOBAL key position kp).
+One Philox call serves a block of 16 elements, 2 queries by 8 keys (query bit 3; key
+bits 0, 3 and 4), one byte each:
 
-    words = Philox4x32-10(key = seed (64 bits), counter = (kp >> 3, qp, h, b))
-    bits  = 16-bit half (kp & 1) of word ((kp & 7) >> 1)        (8 keys share one call)
-    keep  = bits >= threshold,  threshold = round(p * 65536)
+    counter = (kp without bits 0, 3, 4:  (kp >> 5) << 2 | (kp >> 1) & 3,
+               qp without bit 3:         (qp >> 4) << 3 | qp & 7,   h, b)
+    words   = Philox4x32-7(key = seed (64 bits), counter)
+    byte    = byte (kp & 1) | ((kp >> 4) & 1) << 1  of word  (kp >> 3) & 1 | ((qp >> 3) & 1) << 1
+    keep    = byte >= threshold,  threshold = min(round(p * 256), 255)
 
 so no layout, world size or tile order can change a decision, the forward saves nothing
-but the seed, and the backward regenerates the same bits. Kept probabilities are scaled
-by 1 / (1 - threshold / 65536): the scale of the drop rate actually applied (p rounded
-to 1/65536), which keeps the output unbiased. Dropout applies to the normalized
-probabilities feeding the output; lse and the softmax statistics are those of the
-undropped scores (FlashAttention's derivation).
+but the seed, and the backward regenerates the same bytes. The rate applied is therefore
+p rounded to a multiple of 1/256 (``applied_rate``; 0.1 -> 26/256 = 0.1016, at most
+255/256), and kept probabilities are scaled by 1 / (1 - applied rate) (``keep_scale``),
+which keeps the output unbiased. Dropout applies to the normalized probabilities feeding
+the output; lse and the softmax statistics are those of the undropped scores
+(FlashAttention's derivation).
+
+Why this layout of bytes: in the Hopper MMA accumulator a thread holds, per row, pairs of
+adjacent columns every 8 columns, and rows r and r + 8. Query bit 3 and key bits 0, 3, 4
+are register bits of the query-by-key tiles (forward, dQ), so a call's 16 bytes land in
+the thread that uses them and are joined into place without data movement; in the
+key-by-query tiles of the dK/dV kernel only key bit 3 and query bit 3 are, and the word
+index is made of those two, so a thread there takes one byte (by its lane and warp) of
+each word of the calls it runs. Why 7 rounds: FlashAttention's dropout uses
+Philox4x32-7 (csrc/flash_attn/src/philox.cuh: 6 rounds in a loop and a last one), and
+Random123's authors report Philox4x32-7 passing TestU01's BigCrush (their default, 10,
+keeps a safety margin).
 
 This file is the PyTorch twin of the generator (int64 arithmetic on 32-bit words), used
 by the CPU kernels and by ``dropout_keep_mask``; the Triton kernels run the same rounds
@@ -26,17 +42,22 @@ import torch
 _M32 = 0xFFFFFFFF
 _ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
 _KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
-ROUNDS = 10
+ROUNDS = 7
 
 
 def threshold(p: float) -> int:
-    """The 16-bit drop threshold of rate p."""
-    return int(round(p * 65536))
+    """The 8-bit drop threshold of rate p: a key is dropped iff its byte is below it."""
+    return min(int(round(p * 256)), 255)
+
+
+def applied_rate(p: float) -> float:
+    """The drop rate the kernels apply for ``dropout_p=p``: p rounded to 1/256."""
+    return threshold(p) / 256
 
 
 def keep_scale(p: float) -> float:
     """What a kept probability is multiplied by: 1 / (1 - applied drop rate)."""
-    return 1.0 / (1.0 - threshold(p) / 65536)
+    return 1.0 / (1.0 - applied_rate(p))
 
 
 def _mulhilo(a: int, b: torch.Tensor):
@@ -67,13 +88,13 @@ def philox(seed: int, c0, c1, c2, c3, rounds: int = ROUNDS):
 def keep(seed: int, p: float, batch, head, q_pos, k_pos) -> torch.Tensor:
     """The keep decisions (bool) for broadcastable int64 tensors of batch, query head,
     global query position and global key position."""
-    k_pos = torch.as_tensor(k_pos).to(torch.int64)
-    words = philox(seed, k_pos >> 3, q_pos, head, batch)
-    t = k_pos & 7
-    word = torch.where(t < 4, torch.where(t < 2, words[0], words[1]),
-                       torch.where(t < 6, words[2], words[3]))
-    bits = torch.where(t % 2 == 0, word & 0xFFFF, word >> 16)
-    return bits >= threshold(p)
+    kp, qp = (torch.as_tensor(x).to(torch.int64) for x in (k_pos, q_pos))
+    words = philox(seed, (kp >> 5) << 2 | (kp >> 1) & 3, (qp >> 4) << 3 | qp & 7, head, batch)
+    w = (kp >> 3) & 1 | (qp >> 2) & 2
+    word = torch.where(w < 2, torch.where(w == 0, words[0], words[1]),
+                       torch.where(w == 2, words[2], words[3]))
+    byte = (word >> (8 * ((kp & 1) | (kp >> 3) & 2))) & 0xFF
+    return byte >= threshold(p)
 
 
 def dropout_keep_mask(seed: int, p: float, batch: int, heads: int, seqlen_q: int,

@@ -333,7 +333,8 @@ def flash_attn(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] 
         dropout_p: attention dropout rate in [0, 1). Whether key j's probability for query
             i is kept depends only on (seed, batch, head, i, j) (kernels/dropout.py;
             ``dropout_keep_mask`` returns the dense mask), so the backward regenerates it
-            and the ring with the same seed drops exactly the same elements.
+            and the ring with the same seed drops exactly the same elements. The rate
+            applied is p rounded to 1/256 (``dropout.applied_rate``).
         seed: an int, or None to draw one from torch's default generator.
         block_mask: block-sparse attention: bool (heads or 1, cdiv(seqlen_q, 128),
             cdiv(seqlen_k, 128)); block (a, c) covers queries [128a, 128a + 128) and keys

@@ -179,29 +179,72 @@ def _segment_ids(SEG, off_b, stride_b, idx, n):
     return tl.load(SEG + off_b * stride_b + idx, mask=idx < n, other=-1)
 
 
+_PHILOX_ROUNDS = tl.constexpr(dropout.ROUNDS)
+
+
+@triton.jit
+def _byte_keep(word, t24, shift):
+    """The byte at bit ``shift`` of word >= t, compared at the top of the word
+    (t24 = t << 24): no extraction."""
+    return (word << (24 - shift)) >= t24
+
+
+@triton.jit
+def _word_keep(word, t24):
+    """The keep decisions of a word's 4 bytes, on two appended axes (key bit 0, key bit 4)."""
+    return tl.join(tl.join(_byte_keep(word, t24, 0), _byte_keep(word, t24, 8)),
+                   tl.join(_byte_keep(word, t24, 16), _byte_keep(word, t24, 24)))
+
+
 @triton.jit
 def _keep(seed, threshold, off_b, off_h, qpos, kpos_start, kpos, BLOCK_M: tl.constexpr,
-          BLOCK_N: tl.constexpr, GROUPED: tl.constexpr):
+          BLOCK_N: tl.constexpr, GROUPED: tl.constexpr, KEYS_MAJOR: tl.constexpr = False):
     """(BLOCK_M, BLOCK_N) dropout keep decisions of queries at global positions qpos and keys
-    at kpos (kernels/dropout.py has the definition and its PyTorch twin). GROUPED: kpos is
-    one run of consecutive positions starting at a multiple of 8, so each Philox call
-    serves the 8 keys that share its counter; otherwise every element runs its own.
-    kpos_start: kpos[0]."""
-    qp = qpos.to(tl.uint32)[:, None]
+    at kpos (kernels/dropout.py has the definition and its PyTorch twin).
+
+    GROUPED: qpos is one run of consecutive positions starting at a multiple of 16, and
+    kpos one starting at kpos_start, a multiple of 32. Then a Philox call's 16 elements
+    (query bit 3; key bits 0, 3, 4) lie in registers of one thread of the query-by-key MMA
+    layout (forward, dQ): each call runs once and its bytes are joined into place. In the
+    key-by-query layout of the dK/dV kernel (KEYS_MAJOR) only query bit 3 and key bit 3 do,
+    so each thread runs the calls of its own elements (4 threads share each) and takes
+    one byte of each word. Otherwise every element runs its own call. Counter parts that
+    vary along one axis stay unbroadcast, so Philox's first two rounds cost next to nothing."""
     head = off_h.to(tl.uint32)
     batch = off_b.to(tl.uint32)
-    if GROUPED:
-        group = (kpos_start // 8 + tl.arange(0, BLOCK_N // 8)).to(tl.uint32)[None, :]
-        o0, o1, o2, o3 = tl.philox(seed, group + qp * 0, qp + group * 0, head, batch)
-        words = tl.interleave(tl.interleave(o0, o2), tl.interleave(o1, o3))
-        bits = tl.interleave(words & 0xFFFF, words >> 16)
+    t24 = threshold.to(tl.uint32) << 24
+    if GROUPED and BLOCK_M >= 16 and BLOCK_N >= 32:
+        q = tl.split(tl.permute(qpos.to(tl.uint32).reshape(BLOCK_M // 16, 2, 8), (0, 2, 1)))[0]
+        qc = ((q >> 4) << 3) | (q & 7)  # (query bits 4.., query bits 0-2)
+        if KEYS_MAJOR:
+            k = (kpos_start + 16 * tl.arange(0, BLOCK_N // 16)[:, None]
+                 + tl.arange(0, 8)[None, :]).to(tl.uint32)  # (key bits 4.., key bits 0-2)
+            kc = ((k >> 5) << 2) | ((k >> 1) & 3)
+            o0, o1, o2, o3 = tl.philox(seed, kc[:, :, None, None], qc[None, None, :, :], head,
+                                       batch, _PHILOX_ROUNDS)
+            shift = (8 * (k & 1) + 16 * ((k >> 4) & 1))[:, :, None, None]
+            keep = tl.join(tl.join(_byte_keep(o0, t24, shift), _byte_keep(o1, t24, shift)),
+                           tl.join(_byte_keep(o2, t24, shift), _byte_keep(o3, t24, shift)))
+            # (k 4.., k 0-2, q 4.., q 0-2, k 3, q 3) -> (k, q) -> (q, k)
+            keep = tl.trans(tl.permute(keep, (0, 4, 1, 2, 5, 3)).reshape(BLOCK_N, BLOCK_M))
+        else:
+            kc = ((kpos_start // 32 + tl.arange(0, BLOCK_N // 32)).to(tl.uint32) << 2)[:, None] \
+                | tl.arange(0, 4).to(tl.uint32)[None, :]  # (key bits 5.., key bits 1-2)
+            o0, o1, o2, o3 = tl.philox(seed, kc[None, None, :, :], qc[:, :, None, None], head,
+                                       batch, _PHILOX_ROUNDS)
+            keep = tl.join(tl.join(_word_keep(o0, t24), _word_keep(o1, t24)),
+                           tl.join(_word_keep(o2, t24), _word_keep(o3, t24)))
+            # (q 4.., q 0-2, k 5.., k 1-2, k 0, k 4, k 3, q 3) -> (q, k)
+            keep = tl.permute(keep, (0, 7, 1, 2, 5, 6, 3, 4)).reshape(BLOCK_M, BLOCK_N)
     else:
+        qp = qpos.to(tl.uint32)[:, None]
         kp = kpos.to(tl.uint32)[None, :]
-        o0, o1, o2, o3 = tl.philox(seed, (kp >> 3) + qp * 0, qp + kp * 0, head, batch)
-        t = kp & 7
-        word = tl.where(t < 4, tl.where(t < 2, o0, o1), tl.where(t < 6, o2, o3))
-        bits = tl.where((t & 1) == 0, word & 0xFFFF, word >> 16)
-    return bits.to(tl.int32) >= threshold
+        o0, o1, o2, o3 = tl.philox(seed, ((kp >> 5) << 2) | ((kp >> 1) & 3),
+                                   ((qp >> 4) << 3) | (qp & 7), head, batch, _PHILOX_ROUNDS)
+        w = ((kp >> 3) & 1) | ((qp >> 2) & 2)
+        word = tl.where(w < 2, tl.where(w == 0, o0, o1), tl.where(w == 2, o2, o3))
+        keep = _byte_keep(word, t24, 8 * ((kp & 1) | ((kp >> 3) & 2)))
+    return keep
 
 
 @triton.jit
@@ -322,7 +365,7 @@ def _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb, str
         kpos = k_pos0 + (start_n + tl.arange(0, BLOCK_N)) * pos_stride
         keep = _keep(seed, threshold, off_b, off_h, qpos, k_pos0 + start_n * pos_stride, kpos,
                      BLOCK_M, BLOCK_N, GROUPED)
-        p = tl.where(keep, p * drop_scale, 0.0)
+        p = p * tl.where(keep, drop_scale, 0.0)  # a multiply, not a select of packed bf16 halves
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return acc, l_i, m_new
 
@@ -411,7 +454,7 @@ def _mask_args(mask, device: torch.device):
     if mask.dropout_p > 0:
         q_pos0, k_pos0, stride = mask.pos
         drop = (mask.seed, dropout.threshold(mask.dropout_p), dropout.keep_scale(mask.dropout_p),
-                q_pos0, k_pos0, stride, True, stride == 1 and k_pos0 % 8 == 0)
+                q_pos0, k_pos0, stride, True, stride == 1 and q_pos0 % 16 == 0 and k_pos0 % 32 == 0)
     else:
         drop = (0, 0, 1.0, 0, 0, 1, False, False)
     if mask.q_segments is None:
@@ -497,11 +540,11 @@ def _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, off_b, off_h, stride_qb, stride_
     dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
     if DROPOUT:  # dV takes the dropped probabilities, dP the dropped gradient (D unchanged)
         keep = _keep(seed, threshold, off_b, off_h, q_pos0 + rows * pos_stride, kpos_start, kpos,
-                     BLOCK_M, BLOCK_N, GROUPED)
-        keepT = tl.trans(keep.to(tl.int8)) != 0
-        dv = tl.dot(tl.where(keepT, pT * drop_scale, 0.0).to(do.dtype), do, dv,
+                     BLOCK_M, BLOCK_N, GROUPED, True)
+        scaleT = tl.trans(tl.where(keep, drop_scale, 0.0))
+        dv = tl.dot((pT * scaleT).to(do.dtype), do, dv,
                     input_precision=PRECISION)
-        dpT = tl.where(keepT, dpT * drop_scale, 0.0)
+        dpT = dpT * scaleT
     else:
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
     dsT = pT * (dpT - delta[None, :])
@@ -627,7 +670,7 @@ def _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
         kpos = k_pos0 + (start_n + tl.arange(0, BLOCK_N)) * pos_stride
         keep = _keep(seed, threshold, off_b, off_h, qpos, k_pos0 + start_n * pos_stride, kpos,
                      BLOCK_M, BLOCK_N, GROUPED)
-        dp = tl.where(keep, dp * drop_scale, 0.0)
+        dp = dp * tl.where(keep, drop_scale, 0.0)
     ds = p * (dp - delta[:, None])
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
 

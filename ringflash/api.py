@@ -153,9 +153,10 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
             position, global key position), so the ring drops exactly what ``flash_attn``
             with the same seed drops on the whole sequence (``dropout_keep_mask``). seed
             None draws one from torch's default generator: seed it alike on every rank (the
-            rank check compares the seeds). Positions in runs of 8 (layouts contiguous and
-            zigzag with seqlen_local a multiple of 16) share a Philox call; stripe runs one
-            per element.
+            rank check compares the seeds). The rate applied is p rounded to 1/256
+            (``ringflash.kernels.dropout.applied_rate``). Queries in aligned runs of 16 and
+            keys in aligned runs of 32 (layouts contiguous, and zigzag with seqlen_local a
+            multiple of 64) share Philox calls; stripe runs one per element.
         block_mask: block-sparse attention over GLOBAL token blocks of 128: bool
             (heads or 1, N / 128, N / 128), N the global length, the same tensor on every
             rank (the rank check compares checksums). Block (a, c) covers global queries

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -86,6 +88,18 @@ def test_bench_balance_cpu_smoke(tmp_path, results_untouched):
     assert data["meta"]["device"].startswith("cpu") and data["meta"]["backend"] == "gloo"
     assert {r["layout"] for r in data["records"]} == {"contiguous", "zigzag", "stripe"}
     assert all(r["transport"] == "gloo" for r in data["records"])
+
+
+def test_sass_loops_compiles_without_a_gpu(tmp_path, results_untouched):
+    """The static instruction counts of benchmarks/NOTES.md come from compiling for sm_90 here."""
+    import triton
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
+                                       "bin", "nvdisasm")):
+        pytest.skip("this triton ships no nvdisasm")
+    out = _run([sys.executable, str(BENCH / "sass_loops.py"), "--kernels", "dq"], tmp_path)
+    plain, drop = (int(re.search(rf"dq +{kind} .* tile loop (\d+) instructions", out).group(1))
+                   for kind in ("plain", "dropout"))
+    assert 0 < plain < drop, out
 
 
 def test_result_names_come_from_the_device():

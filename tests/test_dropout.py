@@ -46,23 +46,25 @@ def oracle_grads(q, k, v, dout, keep, p, mask=None):
 
 @triton.jit
 def _keep_kernel(OUT, seed, threshold, q_pos0, k_pos0, stride, SQ: tl.constexpr, SK: tl.constexpr,
-                 GROUPED: tl.constexpr):
+                 GROUPED: tl.constexpr, KEYS_MAJOR: tl.constexpr):
     """The kernels' keep decisions of one (batch 1, head 2) tile, written out as int8."""
     rows = tl.arange(0, SQ)
     cols = tl.arange(0, SK)
     keep = triton_attn._keep(seed, threshold, tl.program_id(0) * 0 + 1, tl.program_id(0) * 0 + 2,
-                             q_pos0 + rows * stride, k_pos0, k_pos0 + cols * stride, SQ, SK, GROUPED)
+                             q_pos0 + rows * stride, k_pos0, k_pos0 + cols * stride, SQ, SK, GROUPED,
+                             KEYS_MAJOR)
     tl.store(OUT + rows[:, None] * SK + cols[None, :], keep.to(tl.int8))
 
 
-@pytest.mark.parametrize("grouped, q0, k0, stride", [(True, 0, 0, 1), (True, 37, 1024, 1),
+@pytest.mark.parametrize("grouped, q0, k0, stride", [(True, 0, 0, 1), (True, 48, 1024, 1),
                                                       (False, 5, 3, 1), (False, 2, 7, 4)],
                          ids=["grouped", "grouped-offset", "unaligned", "strided"])
-def test_triton_keep_bits_equal_the_twin(grouped, q0, k0, stride):
+@pytest.mark.parametrize("keys_major", [False, True], ids=["q-major", "k-major"])
+def test_triton_keep_bits_equal_the_twin(grouped, q0, k0, stride, keys_major):
     device = "cuda" if HAS_CUDA else "cpu"
-    p, seed, sq, sk = 0.3, 2 ** 40 + 12345, 16, 32
+    p, seed, sq, sk = 0.3, 2 ** 40 + 12345, 32, 64
     out = torch.empty(sq, sk, dtype=torch.int8, device=device)
-    _keep_kernel[(1,)](out, seed, dropout.threshold(p), q0, k0, stride, sq, sk, grouped)
+    _keep_kernel[(1,)](out, seed, dropout.threshold(p), q0, k0, stride, sq, sk, grouped, keys_major)
     want = dropout_keep_mask(seed, p, 2, 3, sq, sk, q_positions=q0 + torch.arange(sq) * stride,
                              k_positions=k0 + torch.arange(sk) * stride)[1, 2]
     assert torch.equal(out.cpu().bool(), want)
@@ -73,8 +75,33 @@ def test_keep_rate(p):
     keep = dropout_keep_mask(7, p, 2, 4, 128, 256)
     n = keep.numel()
     rate = keep.float().mean().item()
-    expected = 1 - dropout.threshold(p) / 65536
+    expected = 1 - dropout.applied_rate(p)
     assert abs(rate - expected) < 5 * math.sqrt(expected * (1 - expected) / n), (rate, expected)
+
+
+def test_bytes_are_independent():
+    """Each of a call's 16 bytes keeps at the rate, and elements that share a call (or sit
+    next to each other) agree no more often than independent coin flips."""
+    keep = dropout_keep_mask(3, 0.5, 1, 2, 256, 512).float()
+    q, k = torch.arange(256)[:, None], torch.arange(512)[None, :]
+    slot = ((k & 1) | (k >> 2) & 2 | (k >> 2) & 4 | q & 8).expand_as(keep[0, 0])
+    for s in range(16):
+        rate = keep[..., slot == s].mean().item()
+        assert abs(rate - 0.5) < 5 * math.sqrt(0.25 / keep[..., slot == s].numel()), (s, rate)
+    for dq, dk in [(0, 1), (0, 8), (0, 16), (0, 2), (8, 0), (1, 0), (8, 1)]:
+        a = keep[..., dq:, dk:]
+        b = keep[..., :keep.shape[2] - dq, :keep.shape[3] - dk]
+        agree = (a == b).float().mean().item()
+        assert abs(agree - 0.5) < 5 * math.sqrt(0.25 / a.numel()), (dq, dk, agree)
+
+
+@pytest.mark.parametrize("p, t", [(0.0, 0), (0.1, 26), (0.5, 128), (0.999, 255), (1e-3, 0)])
+def test_rate_is_rounded_to_256ths(p, t):
+    """The kernels drop a byte below round(256 p) (at most 255): the applied rate is that
+    over 256, and kept probabilities are scaled by its complement."""
+    assert dropout.threshold(p) == t
+    assert dropout.applied_rate(p) == t / 256
+    assert dropout.keep_scale(p) == 256 / (256 - t)
 
 
 def test_seeds_and_positions():
