@@ -31,7 +31,8 @@ from ringflash.kernels import triton_attn as T  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 POINTERS = {"O": "*bf16", "LSE": "*fp32", "DELTA": "*fp32", "QSEG": "*i32", "KSEG": "*i32",
-            "RANGES": "*i32", **{n: "*bf16" for n in ("Q", "K", "V", "DO", "DK", "DV", "DQ")}}
+            "RANGES": "*i32", **{n: "*i32" for n in ("PCNT", "PIDX", "FCNT", "FIDX")},
+            **{n: "*bf16" for n in ("Q", "K", "V", "DO", "DK", "DV", "DQ")}}
 ONES = ("GROUP", "pos_stride")  # equal to 1 at these launches: Triton specializes them
 
 
@@ -43,7 +44,7 @@ def compile_kernel(which: str, head_dim: int, dropout: bool):
         dkdv_cfg, dq_cfg = T.bwd_config(head_dim, torch.bfloat16)
         fn, cfg = (T._dkdv_kernel, dkdv_cfg) if which == "dkdv" else (T._dq_kernel, dq_cfg)
     bd = T.block_d(head_dim)
-    consts = dict(HEAD_DIM=head_dim, BLOCK_D=bd, BAND=False, SEGMENTS=False, DROPOUT=dropout,
+    consts = dict(HEAD_DIM=head_dim, BLOCK_D=bd, BAND=False, SEGMENTS=False, SPARSE=False, DROPOUT=dropout,
                   GROUPED=dropout, ACCUMULATE=False, PRECISION="tf32",
                   BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], **{n: 1 for n in ONES})
     signature, attrs = {}, {}
