@@ -40,10 +40,9 @@ def pattern_mask(pattern: str, seqlen: int, density: float, device) -> torch.Ten
 def flex_block_mask(bm: torch.Tensor, seqlen: int):
     """FlexAttention's BlockMask of the same blocks, all of them full (no mask_mod to run)."""
     from torch.nn.attention.flex_attention import BlockMask
-    _, _, counts, index = block_lists(bm, -BAND_INF, BAND_INF, seqlen, seqlen)
-    zeros = torch.zeros_like(counts)[None]
-    return BlockMask.from_kv_blocks(zeros, index[None], counts[None], index[None], BLOCK_SIZE=BLOCK,
-                                    seq_lengths=(seqlen, seqlen))
+    counts, index = block_lists(bm, -BAND_INF, BAND_INF, seqlen, seqlen)  # no band: all full
+    return BlockMask.from_kv_blocks(counts[0][None], index[None], counts[1][None], index[None],
+                                    BLOCK_SIZE=BLOCK, seq_lengths=(seqlen, seqlen))
 
 
 def cases(args):
@@ -91,7 +90,7 @@ def run(args, device, group, world, rank) -> list[dict]:
                 records.append(record("ringflash", pattern, bm, seqlen, *timed(ours, *one, device, args), args))
                 if bm is not None:
                     from torch.nn.attention.flex_attention import flex_attention
-                    flex = flex or torch.compile(flex_attention)
+                    flex = flex or torch.compile(flex_attention, dynamic=False)
                     fbm = flex_block_mask(bm, seqlen)
                     qt = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in full]
                     theirs = lambda q, k, v: flex(q, k, v, block_mask=fbm)

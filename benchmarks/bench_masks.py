@@ -75,7 +75,7 @@ def record(impl, mask, seqlen, window, visible, fwd, fwdbwd, args, world=1, **ex
 
 def single_gpu(args, device) -> list[dict]:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    flex = torch.compile(flex_attention)
+    flex = torch.compile(flex_attention, dynamic=False)
     records = []
     for seqlen in args.seqlens:
         for mask in args.masks:

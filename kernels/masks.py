@@ -105,7 +105,8 @@ class Blocks:
         self._lists: dict = {}
 
     def lists(self, lo: int, hi: int, n_rows: int, n_cols: int, transpose: bool = False):
-        """``block_lists`` of the mask (transposed: rows are keys, band negated)."""
+        """``block_lists`` (counts, indices) of the mask (transposed: rows are keys, band
+        negated)."""
         key = (lo, hi, n_rows, n_cols, transpose)
         if key not in self._lists:
             mask = self.mask.transpose(1, 2) if transpose else self.mask
@@ -116,14 +117,15 @@ class Blocks:
 
 def block_lists(blocks: torch.Tensor, lo: int, hi: int, n_rows: int, n_cols: int):
     """What a kernel iterates over under a block mask: for every (head, row block), the
-    column blocks it computes, split into partial ones (the band crosses them, or they run
-    past n_rows / n_cols: element predicate) and full ones (no mask arithmetic).
+    column blocks it computes, partial ones (the band crosses them, or they run past
+    n_rows / n_cols: element predicate) first, then full ones (no mask arithmetic).
 
     blocks (Hm, R, C) bool over row blocks and column blocks of BLOCK; a column c is
     visible to row r only if lo <= c - r <= hi (lo, hi: ints, +-BAND_INF when unbounded).
-    Returns (partial counts (Hm, R) int32, partial indices (Hm, R, C) int32, full counts,
-    full indices): the first ``count`` indices of a row, ascending, are its blocks. One
-    pass over the mask per kernel launch, so the kernel's work follows the nonzero blocks.
+    Returns counts (2, Hm, R) int32 (partial, full) and indices (Hm, R, C) int32: a row's
+    first counts[0] indices are its partial blocks, the next counts[1] its full blocks,
+    each group ascending. One pass over the mask per launch, so a kernel's work follows
+    the nonzero blocks.
     """
     hm, n_r, n_c = blocks.shape
     dev = blocks.device
@@ -136,13 +138,11 @@ def block_lists(blocks: torch.Tensor, lo: int, hi: int, n_rows: int, n_cols: int
     whole = (r1 - r0 == BLOCK)[:, None] & (c1 - c0 == BLOCK)[None, :]
     every = (diff_min >= lo) & (diff_max <= hi) & whole
     live = blocks & some
-    return (*_compact(live & ~every), *_compact(live & every))
-
-
-def _compact(m: torch.Tensor):
-    """(counts, indices): per row the number of True columns and their indices first."""
-    counts = m.sum(-1, dtype=torch.int32)
-    order = torch.argsort((~m).to(torch.uint8), dim=-1, stable=True)
+    full = live & every
+    # sort key: 0 partial, 1 full, 2 not computed; stable, so each group stays ascending
+    key = 2 * (~live).to(torch.uint8) + full.to(torch.uint8)
+    order = torch.argsort(key, dim=-1, stable=True)
+    counts = torch.stack([(live & ~every).sum(-1, dtype=torch.int32), full.sum(-1, dtype=torch.int32)])
     return counts.contiguous(), order.to(torch.int32).contiguous()
 
 

@@ -287,44 +287,24 @@ def _tile_range(start_r, n_rows, n_cols, lo, hi, RANGES, off_b, stride_plane, st
 
 
 @triton.jit
-def _loops(start_r, n_rows, n_cols, lo, hi, RANGES, off_b, stride_plane, stride_b, PCNT, FCNT, row,
-           BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, BAND: tl.constexpr,
-           SEGMENTS: tl.constexpr, SPARSE: tl.constexpr):
-    """The three column-tile loops of a row tile, as ranges of tile ordinals (t0, t1), (t2, t3),
-    (t4, t5): masked, unmasked, masked. ``_tile_start`` turns an ordinal into a column.
-    Dense: consecutive tiles from ``_tile_range``. SPARSE: the partial blocks listed for
-    row block ``row`` (PCNT, with the predicate), then its full blocks (FCNT, without)."""
-    if SPARSE:
-        tiles: tl.constexpr = SPARSE_BLOCK // BLOCK_COLS
-        t0 = 0
-        t1 = tl.load(PCNT + row) * tiles
-        t2 = 0
-        t3 = tl.load(FCNT + row) * tiles
-        t4 = 0
-        t5 = 0
-    else:
-        start, full_start, full_end, end = _tile_range(
-            start_r, n_rows, n_cols, lo, hi, RANGES, off_b, stride_plane, stride_b, BLOCK_ROWS,
-            BLOCK_COLS, BAND, SEGMENTS)
-        t0 = start // BLOCK_COLS
-        t1 = tl.cdiv(full_start, BLOCK_COLS)
-        t2 = t1
-        t3 = tl.cdiv(full_end, BLOCK_COLS)
-        t4 = t3
-        t5 = tl.cdiv(end, BLOCK_COLS)
-    return t0, t1, t2, t3, t4, t5
+def _listed_range(COUNTS, stride_plane, row):
+    """Block-sparse loop bounds (start, full_start, full_end, end), in virtual columns: the
+    blocks listed for row block ``row`` laid end to end, its partial blocks in
+    [0, full_start) and its full ones in [full_start, end). ``_column`` maps them back."""
+    full_start = tl.load(COUNTS + row) * SPARSE_BLOCK
+    end = full_start + tl.load(COUNTS + stride_plane + row) * SPARSE_BLOCK
+    return 0, full_start, end, end
 
 
 @triton.jit
-def _tile_start(t, INDEX, row, n_col_blocks, BLOCK_COLS: tl.constexpr, SPARSE: tl.constexpr):
-    """First column of tile ordinal t: t * BLOCK_COLS, or with SPARSE the t-th tile over the
-    column blocks that INDEX lists for row block ``row``."""
+def _column(v, INDEX, row, n_col_blocks, SPARSE: tl.constexpr):
+    """The column of loop position v: v itself, or with SPARSE the column of virtual column
+    v in the blocks INDEX lists for row block ``row``."""
     if SPARSE:
-        tiles: tl.constexpr = SPARSE_BLOCK // BLOCK_COLS
-        block = t // tiles
-        return tl.load(INDEX + row * n_col_blocks + block) * SPARSE_BLOCK + (t - block * tiles) * BLOCK_COLS
+        block = v // SPARSE_BLOCK
+        return tl.load(INDEX + row * n_col_blocks + block) * SPARSE_BLOCK + (v - block * SPARSE_BLOCK)
     else:
-        return t * BLOCK_COLS
+        return v
 
 
 # ----------------------------------------------------------------------------- forward
@@ -371,12 +351,12 @@ def _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb, str
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, QSEG, KSEG, RANGES, PCNT, PIDX, FCNT, FIDX,
+def _fwd_kernel(Q, K, V, O, LSE, QSEG, KSEG, RANGES, COUNTS, INDEX,
                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                 stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
                 stride_lb, stride_lh, stride_qsegb, stride_ksegb, stride_rp,
                 H, GROUP, seqlen_q, seqlen_k, qk_scale, band_lo, band_hi,
-                seed, threshold, drop_scale, q_pos0, k_pos0, pos_stride, stride_sh, n_col_blocks,
+                seed, threshold, drop_scale, q_pos0, k_pos0, pos_stride, stride_cp, stride_sh, n_col_blocks,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
                 DROPOUT: tl.constexpr, GROUPED: tl.constexpr, SPARSE: tl.constexpr,
@@ -408,28 +388,32 @@ def _fwd_kernel(Q, K, V, O, LSE, QSEG, KSEG, RANGES, PCNT, PIDX, FCNT, FIDX,
         qseg = _segment_ids(QSEG, off_b, stride_qsegb, offs_m, seqlen_q)
     qpos = q_pos0 + offs_m * pos_stride  # global positions, for dropout
 
-    row = off_h * stride_sh + start_m // SPARSE_BLOCK  # the query block's index lists
-    t0, t1, t2, t3, t4, t5 = _loops(start_m, seqlen_q, seqlen_k, band_lo, band_hi, RANGES, off_b,
-                                    stride_rp, stride_qsegb, PCNT, FCNT, row, BLOCK_M, BLOCK_N,
-                                    BAND, SEGMENTS, SPARSE)
-    for t in range(t0, t1):
-        start_n = _tile_start(t, PIDX, row, n_col_blocks, BLOCK_N, SPARSE)
+    row = 0
+    if SPARSE:  # the query block's index lists
+        row = off_h * stride_sh + start_m // SPARSE_BLOCK
+        start, full_start, full_end, end = _listed_range(COUNTS, stride_cp, row)
+    else:
+        start, full_start, full_end, end = _tile_range(
+            start_m, seqlen_q, seqlen_k, band_lo, band_hi, RANGES, off_b, stride_rp, stride_qsegb,
+            BLOCK_M, BLOCK_N, BAND, SEGMENTS)
+    for pos in range(start, full_start, BLOCK_N):
+        start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
                                   stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb,
                                   start_n, offs_m, qseg, seqlen_k, qk_scale, band_lo, band_hi, seed,
                                   threshold, drop_scale, qpos, k_pos0, pos_stride, HEAD_DIM, BLOCK_M,
                                   BLOCK_N, BLOCK_D, True, BAND, SEGMENTS, DROPOUT, GROUPED, PRECISION,
                                   TMA)
-    for t in range(t2, t3):
-        start_n = _tile_start(t, FIDX, row, n_col_blocks, BLOCK_N, SPARSE)
+    for pos in range(full_start, full_end, BLOCK_N):
+        start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
                                   stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb,
                                   start_n, offs_m, qseg, seqlen_k, qk_scale, band_lo, band_hi, seed,
                                   threshold, drop_scale, qpos, k_pos0, pos_stride, HEAD_DIM, BLOCK_M,
                                   BLOCK_N, BLOCK_D, False, BAND, SEGMENTS and SPARSE, DROPOUT, GROUPED,
                                   PRECISION, TMA)
-    for t in range(t4, t5):
-        start_n = _tile_start(t, PIDX, row, n_col_blocks, BLOCK_N, SPARSE)
+    for pos in range(full_end, end, BLOCK_N):
+        start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
                                   stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb,
                                   start_n, offs_m, qseg, seqlen_k, qk_scale, band_lo, band_hi, seed,
@@ -464,15 +448,15 @@ def _mask_args(mask, device: torch.device):
 
 
 def _sparse_args(mask, lo: int, hi: int, n_rows: int, n_cols: int, transpose: bool, device):
-    """Kernel arguments of a block mask for one kernel: (partial counts, partial indices,
-    full counts, full indices, head stride of the lists, index row length) and SPARSE.
-    Rows are queries (forward, dQ) or, with transpose, keys (dK/dV, band negated)."""
+    """Kernel arguments of a block mask for one kernel: (counts, indices, counts' plane
+    stride, head stride of the lists, index row length) and SPARSE. Rows are queries
+    (forward, dQ) or, with transpose, keys (dK/dV, band negated)."""
     if mask.blocks is None:
         dummy = torch.zeros(1, dtype=torch.int32, device=device)
-        return (dummy, dummy, dummy, dummy, 0, 0), False
-    lists = mask.blocks.lists(lo, hi, n_rows, n_cols, transpose)
-    heads, n_row_blocks, n_col_blocks = lists[1].shape
-    return (*lists, n_row_blocks if heads > 1 else 0, n_col_blocks), True
+        return (dummy, dummy, 0, 0, 0), False
+    counts, index = mask.blocks.lists(lo, hi, n_rows, n_cols, transpose)
+    heads, n_row_blocks, n_col_blocks = index.shape
+    return (counts, index, counts.stride(0), n_row_blocks if heads > 1 else 0, n_col_blocks), True
 
 
 def _ranges(rows_seg, cols_seg, segments: bool):
@@ -488,15 +472,15 @@ def fwd(q, k, v, out, lse, *, softmax_scale: float, mask, accumulate: bool):
     tma = _use_tma(q, k, v)
     (lo, hi, qseg, kseg, band, segments), drop = _mask_args(mask, q.device)
     ranges = _ranges(qseg, kseg, segments)
-    (*lists, sparse_h, n_cb), sparse = _sparse_args(mask, lo, hi, sq, sk, False, q.device)
+    (counts, index, *sparse_strides), sparse = _sparse_args(mask, lo, hi, sq, sk, False, q.device)
     grid = (triton.cdiv(sq, cfg["BLOCK_M"]), b * h)
     _fwd_kernel[grid](
         _source(q, cfg["BLOCK_M"], bd, tma), _source(k, cfg["BLOCK_N"], bd, tma),
-        _source(v, cfg["BLOCK_N"], bd, tma), out, lse, qseg, kseg, ranges, *lists,
+        _source(v, cfg["BLOCK_N"], bd, tma), out, lse, qseg, kseg, ranges, counts, index,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1), qseg.stride(0), kseg.stride(0), ranges.stride(0),
-        h, h // hkv, sq, sk, softmax_scale * LOG2E, lo, hi, *drop[:6], sparse_h, n_cb,
+        h, h // hkv, sq, sk, softmax_scale * LOG2E, lo, hi, *drop[:6], *sparse_strides,
         HEAD_DIM=d, BLOCK_D=bd, BAND=band, SEGMENTS=segments, DROPOUT=drop[6], GROUPED=drop[7],
         SPARSE=sparse, ACCUMULATE=accumulate, PRECISION=_dot_precision(q.dtype), TMA=tma, **cfg)
     return out, lse
@@ -560,14 +544,14 @@ def _store_grad(ptrs, mask, grad, ACCUMULATE: tl.constexpr):
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, QSEG, KSEG, RANGES, PCNT, PIDX, FCNT, FIDX,
+def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, QSEG, KSEG, RANGES, COUNTS, INDEX,
                  stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                  stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
                  stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
                  stride_lb, stride_lh, stride_deltab, stride_deltah, stride_qsegb, stride_ksegb,
                  stride_rp,
                  HKV, GROUP, seqlen_q, seqlen_k, qk_scale, sm_scale, band_lo, band_hi,
-                 seed, threshold, drop_scale, q_pos0, k_pos0, pos_stride, stride_sh, n_col_blocks,
+                 seed, threshold, drop_scale, q_pos0, k_pos0, pos_stride, stride_cp, stride_sh, n_col_blocks,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
                  DROPOUT: tl.constexpr, GROUPED: tl.constexpr, SPARSE: tl.constexpr,
@@ -596,21 +580,22 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, QSEG, KSEG, RANGES, PCNT, PIDX
     # cheap beside four matmuls. With segments the inner tiles of a document skip the
     # segment-id loads, which are not. Block-sparse: the index lists of the key block, per
     # query head (rows are key blocks there).
+    begin, full_start, full_end, end = _tile_range(
+        start_n, seqlen_k, seqlen_q, -band_hi, -band_lo, RANGES, off_b, stride_rp, stride_ksegb,
+        BLOCK_N, BLOCK_M, BAND, SEGMENTS)
+    if not SEGMENTS:
+        full_start = end
+        full_end = end
+    row = 0
     for g in range(0, GROUP):
         off_h = off_hk * GROUP + g
         lse_base = LSE + off_b * stride_lb + off_h * stride_lh
         delta_base = DELTA + off_b * stride_deltab + off_h * stride_deltah
-        row = off_h * stride_sh + start_n // SPARSE_BLOCK
-        t0, t1, t2, t3, t4, t5 = _loops(start_n, seqlen_k, seqlen_q, -band_hi, -band_lo, RANGES,
-                                        off_b, stride_rp, stride_ksegb, PCNT, FCNT, row, BLOCK_N,
-                                        BLOCK_M, BAND, SEGMENTS, SPARSE)
-        if not (SEGMENTS or SPARSE):
-            t1 = t5
-            t2 = t5
-            t3 = t5
-            t4 = t5
-        for t in range(t0, t1):
-            start_m = _tile_start(t, PIDX, row, n_col_blocks, BLOCK_M, SPARSE)
+        if SPARSE:
+            row = off_h * stride_sh + start_n // SPARSE_BLOCK
+            begin, full_start, full_end, end = _listed_range(COUNTS, stride_cp, row)
+        for pos in range(begin, full_start, BLOCK_M):
+            start_m = _column(pos, INDEX, row, n_col_blocks, SPARSE)
             dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, lse_base, delta_base, off_b, off_h,
                                 stride_qb, stride_qs, stride_qh, stride_dob, stride_dos,
                                 stride_doh, start_m, cols, kseg, QSEG, stride_qsegb, seqlen_q,
@@ -618,8 +603,8 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, QSEG, KSEG, RANGES, PCNT, PIDX
                                 q_pos0, k_pos0 + start_n * pos_stride, k_pos0 + cols * pos_stride,
                                 pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, BAND,
                                 SEGMENTS, DROPOUT, GROUPED, PRECISION)
-        for t in range(t2, t3):
-            start_m = _tile_start(t, FIDX, row, n_col_blocks, BLOCK_M, SPARSE)
+        for pos in range(full_start, full_end, BLOCK_M):
+            start_m = _column(pos, INDEX, row, n_col_blocks, SPARSE)
             dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, lse_base, delta_base, off_b, off_h,
                                 stride_qb, stride_qs, stride_qh, stride_dob, stride_dos,
                                 stride_doh, start_m, cols, kseg, QSEG, stride_qsegb, seqlen_q,
@@ -627,8 +612,8 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, QSEG, KSEG, RANGES, PCNT, PIDX
                                 q_pos0, k_pos0 + start_n * pos_stride, k_pos0 + cols * pos_stride,
                                 pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, BAND,
                                 SEGMENTS and SPARSE, DROPOUT, GROUPED, PRECISION)
-        for t in range(t4, t5):
-            start_m = _tile_start(t, PIDX, row, n_col_blocks, BLOCK_M, SPARSE)
+        for pos in range(full_end, end, BLOCK_M):
+            start_m = _column(pos, INDEX, row, n_col_blocks, SPARSE)
             dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, lse_base, delta_base, off_b, off_h,
                                 stride_qb, stride_qs, stride_qh, stride_dob, stride_dos,
                                 stride_doh, start_m, cols, kseg, QSEG, stride_qsegb, seqlen_q,
@@ -676,14 +661,14 @@ def _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QSEG, KSEG, RANGES, PCNT, PIDX, FCNT, FIDX,
+def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QSEG, KSEG, RANGES, COUNTS, INDEX,
                stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
                stride_dqb, stride_dqs, stride_dqh,
                stride_lb, stride_lh, stride_deltab, stride_deltah, stride_qsegb, stride_ksegb,
                stride_rp,
                H, GROUP, seqlen_q, seqlen_k, qk_scale, sm_scale, band_lo, band_hi,
-               seed, threshold, drop_scale, q_pos0, k_pos0, pos_stride, stride_sh, n_col_blocks,
+               seed, threshold, drop_scale, q_pos0, k_pos0, pos_stride, stride_cp, stride_sh, n_col_blocks,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
                DROPOUT: tl.constexpr, GROUPED: tl.constexpr, SPARSE: tl.constexpr,
@@ -707,26 +692,30 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QSEG, KSEG, RANGES, PCNT, PIDX, FCNT
         qseg = _segment_ids(QSEG, off_b, stride_qsegb, rows, seqlen_q)
     qpos = q_pos0 + rows * pos_stride
 
-    row = off_h * stride_sh + start_m // SPARSE_BLOCK
-    t0, t1, t2, t3, t4, t5 = _loops(start_m, seqlen_q, seqlen_k, band_lo, band_hi, RANGES, off_b,
-                                    stride_rp, stride_qsegb, PCNT, FCNT, row, BLOCK_M, BLOCK_N,
-                                    BAND, SEGMENTS, SPARSE)
-    for t in range(t0, t1):
-        start_n = _tile_start(t, PIDX, row, n_col_blocks, BLOCK_N, SPARSE)
+    row = 0
+    if SPARSE:
+        row = off_h * stride_sh + start_m // SPARSE_BLOCK
+        start, full_start, full_end, end = _listed_range(COUNTS, stride_cp, row)
+    else:
+        start, full_start, full_end, end = _tile_range(
+            start_m, seqlen_q, seqlen_k, band_lo, band_hi, RANGES, off_b, stride_rp, stride_qsegb,
+            BLOCK_M, BLOCK_N, BAND, SEGMENTS)
+    for pos in range(start, full_start, BLOCK_N):
+        start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
         dq = _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
                       stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n,
                       rows, qseg, seqlen_k, qk_scale, band_lo, band_hi, seed, threshold, drop_scale,
                       qpos, k_pos0, pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, BAND,
                       SEGMENTS, DROPOUT, GROUPED, PRECISION)
-    for t in range(t2, t3):
-        start_n = _tile_start(t, FIDX, row, n_col_blocks, BLOCK_N, SPARSE)
+    for pos in range(full_start, full_end, BLOCK_N):
+        start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
         dq = _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
                       stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n,
                       rows, qseg, seqlen_k, qk_scale, band_lo, band_hi, seed, threshold, drop_scale,
                       qpos, k_pos0, pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, BAND,
                       SEGMENTS and SPARSE, DROPOUT, GROUPED, PRECISION)
-    for t in range(t4, t5):
-        start_n = _tile_start(t, PIDX, row, n_col_blocks, BLOCK_N, SPARSE)
+    for pos in range(full_end, end, BLOCK_N):
+        start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
         dq = _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
                       stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n,
                       rows, qseg, seqlen_k, qk_scale, band_lo, band_hi, seed, threshold, drop_scale,
@@ -756,16 +745,16 @@ def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask, accu
                     qseg.stride(0), kseg.stride(0))
     if dk is not None:  # key tiles outer: q and do are read in BLOCK_M rows, k and v once
         ranges = _ranges(kseg, qseg, segments)
-        (*lists, sparse_h, n_cb), _ = _sparse_args(mask, lo, hi, sk, sq, True, q.device)
+        (counts, index, *sparse_strides), _ = _sparse_args(mask, lo, hi, sk, sq, True, q.device)
         _dkdv_kernel[(triton.cdiv(sk, dkdv_cfg["BLOCK_N"]), b * hkv)](
-            q, k, v, do, lse, delta, dk, dv, qseg, kseg, ranges, *lists, *qkv_strides,
+            q, k, v, do, lse, delta, dk, dv, qseg, kseg, ranges, counts, index, *qkv_strides,
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-            *stat_strides, ranges.stride(0), hkv, *scalars, sparse_h, n_cb, **common, **dkdv_cfg)
+            *stat_strides, ranges.stride(0), hkv, *scalars, *sparse_strides, **common, **dkdv_cfg)
     if dq is not None:  # query tiles outer: k and v are read in BLOCK_N rows
         ranges = _ranges(qseg, kseg, segments)
-        (*lists, sparse_h, n_cb), _ = _sparse_args(mask, lo, hi, sq, sk, False, q.device)
+        (counts, index, *sparse_strides), _ = _sparse_args(mask, lo, hi, sq, sk, False, q.device)
         _dq_kernel[(triton.cdiv(sq, dq_cfg["BLOCK_M"]), b * h)](
-            q, k, v, do, lse, delta, dq, qseg, kseg, ranges, *lists, *qkv_strides,
+            q, k, v, do, lse, delta, dq, qseg, kseg, ranges, counts, index, *qkv_strides,
             dq.stride(0), dq.stride(1), dq.stride(2), *stat_strides, ranges.stride(0), h,
-            *scalars, sparse_h, n_cb, **common, **dq_cfg)
+            *scalars, *sparse_strides, **common, **dq_cfg)
     return dq, dk, dv

@@ -108,14 +108,15 @@ def test_block_lists_classify_and_order():
     empty; row block 1: block 0 full, block 1 partial, block 2 empty; row block 2 (ragged):
     both listed blocks partial. False blocks are never listed; indices ascend."""
     blocks = torch.tensor([[[True, True, False], [True, True, True], [True, False, True]]])
-    pc, pi, fc, fi = block_lists(blocks, -BAND_INF, 0, 300, 300)
-    assert pc.tolist() == [[1, 1, 2]] and fc.tolist() == [[0, 1, 0]]
-    assert pi[0, 0, :1].tolist() == [0] and pi[0, 1, :1].tolist() == [1]
-    assert pi[0, 2, :2].tolist() == [0, 2] and fi[0, 1, :1].tolist() == [0]
-    # no band: ragged rows and columns are partial, the whole ones full
-    pc, pi, fc, fi = block_lists(blocks, -BAND_INF, BAND_INF, 300, 300)
-    assert pc.tolist() == [[0, 1, 2]] and fc.tolist() == [[2, 2, 0]]
-    assert fi[0, 0, :2].tolist() == [0, 1] and pi[0, 2, :2].tolist() == [0, 2]
+    counts, index = block_lists(blocks, -BAND_INF, 0, 300, 300)
+    assert counts.tolist() == [[[1, 1, 2]], [[0, 1, 0]]]  # (partial, full) per row block
+    assert index[0, 0, :1].tolist() == [0] and index[0, 1, :2].tolist() == [1, 0]
+    assert index[0, 2, :2].tolist() == [0, 2]
+    # no band: ragged rows and columns are partial, the whole ones full (partial listed first)
+    counts, index = block_lists(blocks, -BAND_INF, BAND_INF, 300, 300)
+    assert counts.tolist() == [[[0, 1, 2]], [[2, 2, 0]]]
+    assert index[0, 0, :2].tolist() == [0, 1] and index[0, 1, :3].tolist() == [2, 0, 1]
+    assert index[0, 2, :2].tolist() == [0, 2]
 
 
 def test_helpers():
