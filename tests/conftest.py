@@ -40,3 +40,13 @@ def seed():
     """Seed torch's CPU (and CUDA) generators; returns the seed."""
     torch.manual_seed(0)
     return 0
+
+
+@pytest.fixture(scope="module")
+def worlds():
+    """Spawned gloo worlds (dist_utils.Worlds): one world size at a time, reused while
+    consecutive tests of a module ask for the same size, closed at the module's end."""
+    from dist_utils import Worlds
+    cache = Worlds()
+    yield cache
+    cache.close()

@@ -13,7 +13,6 @@ import torch
 from oracle import F32, TOL, attention_oracle, global_mask, oracle_grads, rel_err, with_blocks
 
 import ringflash
-from dist_utils import Worlds
 from ringflash.kernels import block_sparse, flash_attn
 from ringflash.kernels.masks import BAND_INF, BLOCK, block_lists
 from ringflash.layouts import active_steps, occupied_chunks
@@ -244,12 +243,6 @@ def check_block_sparse_ring(rank, world, layout, seed=0, device="cpu", chunk=BLO
                                 f"{err_single:.3g} vs flash_attn")
     return failures
 
-
-@pytest.fixture(scope="module")
-def worlds():
-    cache = Worlds()
-    yield cache
-    cache.close()
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])

@@ -21,7 +21,6 @@ import pytest
 import torch
 
 import ringflash
-from dist_utils import Worlds
 from oracle import rel_err
 
 BACKENDS = ("eager", "aot_eager", "inductor")
@@ -108,12 +107,6 @@ def disagree_under_compile(rank, world):
     after = _run(torch.compile(_block(sp, True), fullgraph=True, backend="aot_eager"), sp, x, w_qkv, w_out)
     return caught, torch.isfinite(after[1]).item()
 
-
-@pytest.fixture(scope="module")
-def worlds():
-    cache = Worlds()
-    yield cache
-    cache.close()
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4], ids=lambda w: f"W{w}")

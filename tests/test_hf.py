@@ -26,7 +26,6 @@ transformers = pytest.importorskip(
 
 import ringflash  # noqa: E402
 import ringflash.hf  # noqa: E402
-from dist_utils import Worlds  # noqa: E402
 from oracle import rel_err  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,12 +113,6 @@ def example_run(rank, world, argv, reference=False):
 
 # ----------------------------------------------------------------------------- tests
 
-
-@pytest.fixture(scope="module")
-def worlds():
-    cache = Worlds()
-    yield cache
-    cache.close()
 
 
 def test_example_trains_like_unsharded(worlds):

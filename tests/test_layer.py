@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 import ringflash
-from dist_utils import Worlds
 from oracle import F32, LAYOUTS, TOL as DTYPE_TOL, rel_err as _rel
 from ringflash.layer import (RingSelfAttention, all_reduce_gradients, apply_rotary,
                              broadcast_parameters, rotary_cos_sin)
@@ -183,12 +182,6 @@ def check_layer_cases(rank, world, cases, seqlen_local=24, batch=2, group_ranks=
         results[(layout, causal)] = errs
     return results
 
-
-@pytest.fixture(scope="module")
-def worlds():
-    w = Worlds()
-    yield w
-    w.close()
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import ringflash
-from dist_utils import Worlds
 from oracle import rel_err
 
 
@@ -176,12 +175,6 @@ def ddp_over_the_world(rank, world):
     return [f"rank {rank}: {name} rel err {rel_err(p.grad, want[name].grad):.3g}"
             for name, p in model.named_parameters() if not rel_err(p.grad, want[name].grad) <= 1e-5]
 
-
-@pytest.fixture(scope="module")
-def worlds():
-    cache = Worlds()
-    yield cache
-    cache.close()
 
 
 def test_device_mesh_and_sequence_parallel_helpers(worlds):

@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 
 import ringflash
-from dist_utils import Worlds
 from oracle import LAYOUTS, TOL, RingCase, attention_oracle, oracle_grads, rel_err
 
 # ----------------------------------------------------------------------------- configurations
@@ -172,14 +171,6 @@ def check_concurrent_subgroups(rank, world, configs):
 
 # ----------------------------------------------------------------------------- tests
 
-
-@pytest.fixture(scope="module")
-def worlds():
-    """One spawned gloo world at a time, reused while consecutive tests ask for the same
-    size: the tests below are ordered W=1, 2, 3, 4, then everything else at W=4."""
-    cache = Worlds()
-    yield cache
-    cache.close()
 
 
 def _assert_no_failures(per_rank):

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import ringflash
-from dist_utils import Worlds
 from oracle import LAYOUTS, NOISE_FLOOR, TOL, attention_oracle, global_mask, oracle_grads, rel_err
 from test_dropout import dropout_oracle
 from test_dropout import oracle_grads as dropout_grads
@@ -125,12 +124,6 @@ def check_masked_ring(rank, world, layout, seed=0, n=None, device="cpu"):
                 failures.append(f"W={world} {layout} {name}: padding rows not exactly empty")
     return failures
 
-
-@pytest.fixture(scope="module")
-def worlds():
-    cache = Worlds()
-    yield cache
-    cache.close()
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
