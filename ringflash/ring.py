@@ -77,29 +77,27 @@ def tensor_memo(t: torch.Tensor, key: tuple, build: Callable[[], object]):
     hit = _MEMO.get(slot)
     if hit is not None and hit[0]() is t and hit[1] == t._version:
         return hit[2]
-    if len(_MEMO) >= 64:  # dead or replaced masks: start over
-        _MEMO.clear()
-    value = build()
-    _MEMO[slot] = (weakref.ref(t), t._version, value)
+    value = build()  # must not hold t itself, or t would never be freed
+    _MEMO[slot] = (weakref.ref(t, lambda _, slot=slot: _MEMO.pop(slot, None)), t._version, value)
     return value
 
 
 class _SparsePlan:
     """A global block mask as the ring uses it: the (query chunk, key chunk) pairs it
-    occupies, and each block pair's rectangle of it as ``Blocks`` (whose index lists are
-    built on first use and then kept)."""
+    occupies, and each block pair's rectangle of it as ``Blocks`` (a copy, whose index
+    lists are built on first use and then kept). Holds no reference to the mask itself."""
 
     def __init__(self, blocks: torch.Tensor, layout: str, world: int, n: int):
-        self.blocks, self.n = blocks, n
+        self.n = n
         self.occupied = occupied_chunks(blocks, layout, world, n, BLOCK)
         self._pairs: dict = {}
 
-    def of(self, pair) -> Blocks:
+    def of(self, pair, blocks: torch.Tensor) -> Blocks:
         (q0, k0, _), lq, lk = pair.pos, len(range(self.n)[pair.q]), len(range(self.n)[pair.k])
         key = (q0, k0, lq, lk)
         if key not in self._pairs:
-            self._pairs[key] = Blocks(self.blocks[:, q0 // BLOCK:(q0 + lq) // BLOCK,
-                                                  k0 // BLOCK:(k0 + lk) // BLOCK])
+            self._pairs[key] = Blocks(blocks[:, q0 // BLOCK:(q0 + lq) // BLOCK,
+                                             k0 // BLOCK:(k0 + lk) // BLOCK].clone())
         return self._pairs[key]
 
 
@@ -119,14 +117,14 @@ def _schedule(ring: Ring, layout: str, local_len: int, band: Band, dropout: tupl
     return steps, pairs, writes_first(pairs[0]), plan
 
 
-def _mask(pair, q_segments, k_segments, dropout: tuple[float, int], plan) -> PairMask:
+def _mask(pair, q_segments, k_segments, dropout: tuple[float, int], plan, blocks) -> PairMask:
     """The kernel's mask of one pair: its band, its rows' segment ids, dropout keyed by its
     positions, and its rectangle of the global block mask."""
     if q_segments is not None:
         q_segments = q_segments[:, pair.q].contiguous()
         k_segments = k_segments[:, pair.k].contiguous()
     return PairMask(pair.band_lo, pair.band_hi, q_segments, k_segments, *dropout, pair.pos,
-                    None if plan is None else plan.of(pair))
+                    None if plan is None else plan.of(pair, blocks))
 
 
 def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout: tuple[float, int],
@@ -147,7 +145,7 @@ def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout
         (kv, seg) = cur
         for pair in pairs:
             flash_attn_fwd(q[:, pair.q], kv[0][:, pair.k], kv[1][:, pair.k],
-                           softmax_scale=softmax_scale, mask=_mask(pair, segments, seg, dropout, plan),
+                           softmax_scale=softmax_scale, mask=_mask(pair, segments, seg, dropout, plan, blocks),
                            out=out[:, pair.q], lse=lse[:, :, pair.q],
                            accumulate=not (first_writes and step == 0))
         ring.wait(pending)
@@ -180,7 +178,7 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
         flash_attn_bwd(dout[:, pair.q], q[:, pair.q], kv[0][:, pair.k], kv[1][:, pair.k],
                        lse[:, :, pair.q], delta[:, :, pair.q], None if dq is None else dq[:, pair.q],
                        dk, dv, softmax_scale=softmax_scale,
-                       mask=_mask(pair, segments, seg, dropout, plan),
+                       mask=_mask(pair, segments, seg, dropout, plan, blocks),
                        accumulate=not write)
 
     for step, pairs in enumerate(schedule):

@@ -267,3 +267,20 @@ def _disagree(rank, world):
     except ValueError as error:
         return str(error)
     return "no error"
+
+
+def test_ring_memo_lets_the_mask_go():
+    """What the ring keeps of a block mask goes when the mask does (no GPU memory held for
+    masks that are gone)."""
+    import gc
+    import weakref
+
+    from ringflash import ring
+    q, k, v, _ = _inputs(1, 2 * BLOCK, 2, 1, 16, F32, "cpu", seed=12)
+    bm = torch.ones(1, 2, 2, dtype=torch.bool)
+    ringflash.ring_flash_attn(q, k, v, block_mask=bm, layout="contiguous")
+    gone = weakref.ref(bm)
+    before = len(ring._MEMO)
+    del bm
+    gc.collect()
+    assert gone() is None and len(ring._MEMO) < before
