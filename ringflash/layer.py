@@ -103,7 +103,7 @@ class RingSelfAttention(nn.Module):
         dropout_p: attention dropout, applied in training mode only.
         deterministic: accepted for compatibility (the backward always is).
 
-    forward(x, positions=None, segment_ids=None, dropout_seed=None):
+    forward(x, positions=None, segment_ids=None, dropout_seed=None, block_mask=None):
         x: (batch, seqlen_local, d_model), this rank's tokens; the same shape on every rank.
         positions: optional (seqlen_local,) int64 global positions of those tokens;
             default ``ringflash.positions(seqlen_local * world, layout, group)``. With
@@ -112,6 +112,8 @@ class RingSelfAttention(nn.Module):
             padding (``ring_flash_attn``'s rules), sharded with the layer's layout.
         dropout_seed: the dropout seed of this call (an int, the same on every rank); None
             draws one from torch's default generator (``ring_flash_attn``'s ``seed``).
+        block_mask: optional bool (heads or 1, N / 128, N / 128) block-sparse mask over
+            GLOBAL token blocks, the same tensor on every rank (``ring_flash_attn``'s).
         Returns (batch, seqlen_local, d_model).
 
     Parameters are NOT synchronized by the layer: start every rank from the same values
@@ -181,18 +183,18 @@ class RingSelfAttention(nn.Module):
         return self._rotary_cache[1:]
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                segment_ids: Optional[torch.Tensor] = None,
-                dropout_seed: Optional[int] = None) -> torch.Tensor:
+                segment_ids: Optional[torch.Tensor] = None, dropout_seed: Optional[int] = None,
+                block_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """(B, S_local, H, D) x (B, S_local, Hkv, D) -> (B, S_local, H, D) over the ring."""
         dropout_p = self.dropout_p if self.training else 0.0
         return api.ring_flash_attn(q, k, v, causal=self.causal, group=self.group,
                                    layout=self.layout, segment_ids=segment_ids,
                                    window_size=self.window_size, dropout_p=dropout_p,
-                                   seed=dropout_seed if dropout_p else None)
+                                   seed=dropout_seed if dropout_p else None, block_mask=block_mask)
 
     def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                segment_ids: Optional[torch.Tensor] = None,
-                dropout_seed: Optional[int] = None) -> torch.Tensor:
+                segment_ids: Optional[torch.Tensor] = None, dropout_seed: Optional[int] = None,
+                block_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must be (batch, seqlen_local, {self.d_model}), got {tuple(x.shape)}")
         b, n, _ = x.shape
@@ -200,7 +202,7 @@ class RingSelfAttention(nn.Module):
         q, k, v = self.qkv_proj(x).view(b, n, h + 2 * hkv, d).split([h, hkv, hkv], dim=2)
         cos, sin = self._rotary(n, positions, x.device)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self._attend(q, k, v.contiguous(), segment_ids, dropout_seed)
+        out = self._attend(q, k, v.contiguous(), segment_ids, dropout_seed, block_mask)
         return self.out_proj(out.reshape(b, n, h * d))
 
 

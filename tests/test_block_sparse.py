@@ -284,3 +284,16 @@ def test_ring_memo_lets_the_mask_go():
     del bm
     gc.collect()
     assert gone() is None and len(ring._MEMO) < before
+
+
+def test_layer_takes_a_block_mask():
+    """RingSelfAttention passes block_mask to the ring: all-True is the dense layer, and a
+    local mask changes the output of the blocks it removes only."""
+    torch.manual_seed(0)
+    layer = ringflash.RingSelfAttention(32, 2, causal=True, layout="contiguous")
+    x = torch.randn(1, 3 * BLOCK, 32)
+    dense = layer(x)
+    assert rel_err(layer(x, block_mask=torch.ones(1, 3, 3, dtype=torch.bool)), dense) <= 1e-6
+    local = layer(x, block_mask=torch.eye(3, dtype=torch.bool)[None])
+    assert rel_err(local[:, :BLOCK], dense[:, :BLOCK]) <= 1e-6  # block 0 sees only itself anyway
+    assert rel_err(local[:, BLOCK:], dense[:, BLOCK:]) > 1e-3
