@@ -297,3 +297,21 @@ def test_layer_takes_a_block_mask():
     local = layer(x, block_mask=torch.eye(3, dtype=torch.bool)[None])
     assert rel_err(local[:, :BLOCK], dense[:, :BLOCK]) <= 1e-6  # block 0 sees only itself anyway
     assert rel_err(local[:, BLOCK:], dense[:, BLOCK:]) > 1e-3
+
+
+@pytest.mark.parametrize("impl", ["twin", "triton"])
+def test_block_mask_with_dropout(impl, monkeypatch):
+    """Dropout inside the computed blocks: the same keep bits as without a block mask."""
+    from test_dropout import dropout_oracle
+    from test_dropout import oracle_grads as dropout_grads
+    device = _impl(impl, monkeypatch)
+    q, k, v, dout = _inputs(1, SEQLEN, 2, 1, 16, F32, device, seed=13)
+    bm, p, seed = _mask_of("per-head", 2), 0.2, 77
+    out, _, dq, dk, dv = _run_flash_attn(q, k, v, dout, causal=True, block_mask=bm.to(device),
+                                         dropout_p=p, seed=seed)
+    mask = with_blocks(global_mask(SEQLEN, True), bm, SEQLEN)
+    keep = ringflash.dropout_keep_mask(seed, p, 1, 2, SEQLEN)
+    want = (dropout_oracle(q, k, v, keep, p, mask)[0], *dropout_grads(q, k, v, dout, keep, p, mask))
+    for key, a, w in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), want):
+        err = rel_err(a, w)
+        assert err <= TOL[F32], f"{impl}: {key} rel err {err:.3g}"
