@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from . import reference, triton_attn
-from .masks import BLOCK, NO_MASK, Blocks, PairMask, band_of_window
+from .masks import BLOCK, NO_MASK, Blocks, PairMask, band_of_window, tensor_memo
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -244,7 +244,8 @@ def flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: floa
 
 
 def _op_mask(band_lo, band_hi, segment_ids, dropout_p, seed, block_mask) -> PairMask:
-    blocks = None if block_mask is None else Blocks(block_mask)
+    blocks = None if block_mask is None else tensor_memo(
+        block_mask, ("blocks",), lambda: Blocks(block_mask.clone()))
     return PairMask(band_lo, band_hi, segment_ids, segment_ids, dropout_p, seed, (0, 0, 1), blocks)
 
 

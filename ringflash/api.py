@@ -12,10 +12,9 @@ from .exchange import TRANSPORTS, Ring, transport  # noqa: F401 - transport: par
 from .groups import resolve_group
 from .kernels import (SUPPORTED_DTYPES, check_block_mask, check_causal, check_deterministic,
                       check_dropout, check_qkv, check_segment_ids, check_window, resolve_scale)
-from .kernels.masks import BLOCK
+from .kernels.masks import BLOCK, tensor_memo
 from .layouts import DEFAULT_LAYOUT, LAYOUTS, check_block_layout, check_layout, global_positions
 from .ops import ring_attn
-from .ring import tensor_memo
 
 # Set RINGFLASH_RANK_CHECK=0 to skip the cross-rank agreement check (see _check_ranks_agree);
 # read once, at import. Without it nothing compares the ranks' arguments: ranks that disagree

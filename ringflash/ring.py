@@ -28,14 +28,13 @@ in the gradients' own dtype, takes every shard's dK/dV home. dQ never leaves the
 from __future__ import annotations
 
 import math
-import weakref
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
 from .exchange import Ring
 from .kernels import PairMask, attn_delta, flash_attn_bwd, flash_attn_fwd
-from .kernels.masks import BLOCK, Blocks
+from .kernels.masks import BLOCK, Blocks, tensor_memo
 from .layouts import Band, active_steps, occupied_chunks, step_pairs, writes_first
 
 
@@ -62,24 +61,6 @@ def _pass_on(ring: Ring, cur, nxt) -> list:
     if seg is None:
         return ring.exchange((kv, kv_next))
     return ring.exchange((kv, kv_next), (seg, seg_next))
-
-
-_MEMO: dict = {}
-
-
-def tensor_memo(t: torch.Tensor, key: tuple, build: Callable[[], object]):
-    """``build()``, kept for as long as ``t`` is the same tensor object, unmodified in place
-    (its version counter unchanged), and asked for with the same ``key``. What a block
-    mask gives the ring (its checksum, the chunk pairs it occupies, each pair's index
-    lists) is then computed, and synchronized with the host, once for a training run that
-    passes the same mask every step."""
-    slot = (id(t), key)
-    hit = _MEMO.get(slot)
-    if hit is not None and hit[0]() is t and hit[1] == t._version:
-        return hit[2]
-    value = build()  # must not hold t itself, or t would never be freed
-    _MEMO[slot] = (weakref.ref(t, lambda _, slot=slot: _MEMO.pop(slot, None)), t._version, value)
-    return value
 
 
 class _SparsePlan:

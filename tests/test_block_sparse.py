@@ -181,14 +181,16 @@ def test_local_mask_stops_the_ring_early():
 
 
 def test_ring_sees_a_mask_changed_in_place():
-    """The ring keeps what it derives from a block mask (chunk pairs, index lists) while the
-    same tensor comes back unmodified; an in-place change must be seen at once."""
+    """The ring and flash_attn keep what they derive from a block mask (chunk pairs, index
+    lists) while the same tensor comes back unmodified; an in-place change must be seen at
+    once."""
     q, k, v, _ = _inputs(1, 4 * BLOCK, 2, 1, 16, F32, "cpu", seed=11)
     bm = torch.ones(1, 4, 4, dtype=torch.bool)
     for step in range(3):
         got = ringflash.ring_flash_attn(q, k, v, block_mask=bm, layout="contiguous")
         want = flash_attn(q, k, v, block_mask=bm.clone())
         assert rel_err(got, want) <= 1e-6, step
+        assert rel_err(flash_attn(q, k, v, block_mask=bm), want) <= 1e-6, step  # flash_attn's memo too
         bm[:, step + 1, : step + 1] = False  # in place: the version counter moves
 
 
@@ -275,15 +277,17 @@ def test_ring_memo_lets_the_mask_go():
     import gc
     import weakref
 
-    from ringflash import ring
+    from ringflash.kernels import masks
     q, k, v, _ = _inputs(1, 2 * BLOCK, 2, 1, 16, F32, "cpu", seed=12)
     bm = torch.ones(1, 2, 2, dtype=torch.bool)
     ringflash.ring_flash_attn(q, k, v, block_mask=bm, layout="contiguous")
+    flash_attn(q, k, v, block_mask=bm)
     gone = weakref.ref(bm)
-    before = len(ring._MEMO)
+    mine = [slot for slot in masks._MEMO if slot[0] == id(bm)]
+    assert len(mine) == 2  # the ring's plan (a ring of one runs no rank check) and flash_attn's Blocks
     del bm
     gc.collect()
-    assert gone() is None and len(ring._MEMO) < before
+    assert gone() is None and not any(slot in masks._MEMO for slot in mine)
 
 
 def test_layer_takes_a_block_mask():
