@@ -87,9 +87,10 @@ def ring_run(tmp_path_factory):
     return json.loads((tmp / "metrics.json").read_text()), tmp / "ckpt"
 
 
-def plain_attention(self, q, k, v, segment_ids=None, dropout_seed=None):
+def plain_attention(self, q, k, v, segment_ids=None, dropout_seed=None, block_mask=None):
     """torch's attention on the full sequence, K/V heads repeated for GQA, causal within
-    each document of ``segment_ids``."""
+    each document of ``segment_ids`` (the training job passes no block mask)."""
+    assert block_mask is None
     group = q.shape[2] // k.shape[2]
     n = q.shape[1]
     mask = torch.ones(n, n, dtype=torch.bool).tril() if self.causal else torch.ones(n, n, dtype=torch.bool)
