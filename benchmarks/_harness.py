@@ -87,6 +87,21 @@ def parse_names(values: Iterable[str], allowed: Sequence[str]) -> list[str]:
     return out
 
 
+def add_run_args(p, gpu: dict, cpu: dict, max_reps: int) -> None:
+    """The output and timing flags bench_kernel.py and bench_ring.py share: --out-dir,
+    --no-plot, --warmup-ms, --rep-ms (defaults from ``gpu`` / ``cpu``), --min-reps, --max-reps."""
+    p.add_argument("--out-dir", default=None,
+                   help="directory for the results (default benchmarks/results; a new temporary "
+                        "directory for --quick and --device cpu)")
+    p.add_argument("--no-plot", action="store_true", help="write the JSON only")
+    p.add_argument("--warmup-ms", type=float, default=None,
+                   help=f"warm-up time per measurement (default {gpu['warmup_ms']:g}; cpu {cpu['warmup_ms']:g})")
+    p.add_argument("--rep-ms", type=float, default=None,
+                   help=f"timed time per measurement (default {gpu['rep_ms']:g}; cpu {cpu['rep_ms']:g})")
+    p.add_argument("--min-reps", type=int, default=3, help="timed repetitions at least")
+    p.add_argument("--max-reps", type=int, default=max_reps, help="timed repetitions at most")
+
+
 def causal_modes(choice: str) -> list[bool]:
     return {"both": [False, True], "causal": [True], "noncausal": [False]}[choice]
 

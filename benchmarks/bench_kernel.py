@@ -58,16 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "results to a temporary directory unless --out-dir")
     p.add_argument("--out-name", default=None,
                    help="results file name without .json (default kernel_<device>, e.g. kernel_h200)")
-    p.add_argument("--out-dir", default=None,
-                   help="directory for the results (default benchmarks/results; a new temporary "
-                        "directory for --quick and --device cpu)")
-    p.add_argument("--no-plot", action="store_true", help="write the JSON only")
-    p.add_argument("--warmup-ms", type=float, default=None,
-                   help=f"warm-up time per measurement (default {g['warmup_ms']:g}; cpu {c['warmup_ms']:g})")
-    p.add_argument("--rep-ms", type=float, default=None,
-                   help=f"timed time per measurement (default {g['rep_ms']:g}; cpu {c['rep_ms']:g})")
-    p.add_argument("--min-reps", type=int, default=3, help="timed repetitions at least")
-    p.add_argument("--max-reps", type=int, default=100, help="timed repetitions at most")
+    H.add_run_args(p, g, c, max_reps=100)
     p.add_argument("--tol", type=float, default=2e-2, help="max relative error of out vs sdpa_flash")
     p.add_argument("--grad-tol", type=float, default=5e-2, help="max relative error of dq, dk, dv")
     p.add_argument("--no-grad-check", action="store_true", help="check the forward output only")
