@@ -44,7 +44,7 @@ def compile_kernel(which: str, head_dim: int, dropout: bool):
         dkdv_cfg, dq_cfg = T.bwd_config(head_dim, torch.bfloat16)
         fn, cfg = (T._dkdv_kernel, dkdv_cfg) if which == "dkdv" else (T._dq_kernel, dq_cfg)
     bd = T.block_d(head_dim)
-    consts = dict(HEAD_DIM=head_dim, BLOCK_D=bd, BAND=False, SEGMENTS=False, SPARSE=False, DROPOUT=dropout,
+    consts = dict(HEAD_DIM=head_dim, BLOCK_D=bd, BAND=False, SEGMENTS=False, SPARSE=False, LIST_STAGES=None, DROPOUT=dropout,
                   GROUPED=dropout, ACCUMULATE=False, PRECISION="tf32",
                   BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], **{n: 1 for n in ONES})
     signature, attrs = {}, {}

@@ -313,7 +313,7 @@ def test_block_mask_with_dropout(impl, monkeypatch):
     bm, p, seed = _mask_of("per-head", 2), 0.2, 77
     out, _, dq, dk, dv = _run_flash_attn(q, k, v, dout, causal=True, block_mask=bm.to(device),
                                          dropout_p=p, seed=seed)
-    mask = with_blocks(global_mask(SEQLEN, True), bm, SEQLEN)
+    mask = with_blocks(global_mask(SEQLEN, True), bm, SEQLEN).to(device)
     keep = ringflash.dropout_keep_mask(seed, p, 1, 2, SEQLEN)
     want = (dropout_oracle(q, k, v, keep, p, mask)[0], *dropout_grads(q, k, v, dout, keep, p, mask))
     for key, a, w in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), want):
