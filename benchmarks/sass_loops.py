@@ -3,7 +3,7 @@ machine: no GPU needed (triton ships ptxas and nvdisasm). For each kernel, witho
 with dropout: registers, stack bytes (spills), and in one iteration of its unmasked tile
 loop the instructions, the spill loads/stores and the opcodes that changed most.
 
-    python benchmarks/sass_loops.py [--head-dim 128] [--kernels fwd dq dkdv]
+    python benchmarks/sass_loops.py [--head-dim 128] [--kernels fwd dq dkdv] [--sparse]
 
 A static proxy, not a timing (benchmarks/NOTES.md, "Dropout, second round", sets it beside
 measured times): bf16, 32 heads, seqlen 32k, non-causal, no segments, the tiles of
@@ -36,15 +36,16 @@ POINTERS = {"O": "*bf16", "LSE": "*fp32", "DELTA": "*fp32", "QSEG": "*i32", "KSE
 ONES = ("GROUP", "pos_stride")  # equal to 1 at these launches: Triton specializes them
 
 
-def compile_kernel(which: str, head_dim: int, dropout: bool):
-    """The compiled kernel and its launch options."""
+def compile_kernel(which: str, head_dim: int, dropout: bool, sparse: bool = False):
+    """The compiled kernel and its launch options (sparse: reading block-mask index lists)."""
     if which == "fwd":
         fn, cfg = T._fwd_kernel, T.fwd_config(head_dim, torch.bfloat16)
     else:
         dkdv_cfg, dq_cfg = T.bwd_config(head_dim, torch.bfloat16)
         fn, cfg = (T._dkdv_kernel, dkdv_cfg) if which == "dkdv" else (T._dq_kernel, dq_cfg)
     bd = T.block_d(head_dim)
-    consts = dict(HEAD_DIM=head_dim, BLOCK_D=bd, BAND=False, SEGMENTS=False, SPARSE=False, LIST_STAGES=None, DROPOUT=dropout,
+    consts = dict(HEAD_DIM=head_dim, BLOCK_D=bd, BAND=False, SEGMENTS=False, SPARSE=sparse,
+                  LIST_STAGES=T.list_stages(cfg, sparse), DROPOUT=dropout,
                   GROUPED=dropout, ACCUMULATE=False, PRECISION="tf32",
                   BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], **{n: 1 for n in ONES})
     signature, attrs = {}, {}
@@ -77,6 +78,15 @@ def _tool(name: str, cubin: bytes, *args: str) -> str:
                               text=True, check=True).stdout
 
 
+def tile_buffers(kernel) -> list[int]:
+    """Depths of the kernel's multi-buffered shared-memory tiles, in program order (its
+    loops'): one entry per pipelined tile load, e.g. [3, 3] for a loop that prefetches K and
+    V two tiles ahead."""
+    allocs = re.findall(r"local_alloc : \(\) -> !ttg\.memdesc<(\d+)x[\dx]*x(?:bf16|f16)",
+                        kernel.asm["ttgir"])
+    return [int(n) for n in allocs if int(n) > 1]
+
+
 def tile_loop(sass: str) -> list[str]:
     """Opcodes of the shortest loop that issues matrix products: the unmasked tile loop."""
     ops, labels = [], {}
@@ -100,22 +110,24 @@ def main(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--kernels", nargs="+", default=["fwd", "dq", "dkdv"], choices=["fwd", "dq", "dkdv"])
+    p.add_argument("--sparse", action="store_true", help="also the block-sparse kernels (index lists)")
     args = p.parse_args(argv)
+    variants = [("plain", False, False), ("dropout", True, False)] + [("sparse", False, True)] * args.sparse
     for which in args.kernels:
         counts = {}
-        for dropout in (False, True):
-            kernel, cfg = compile_kernel(which, args.head_dim, dropout)
+        for name, dropout, sparse in variants:
+            kernel, cfg = compile_kernel(which, args.head_dim, dropout, sparse)
             usage = _tool("cuobjdump", kernel.asm["cubin"], "--dump-resource-usage")
             regs, stack = (re.search(rf"{key}:(\d+)", usage).group(1) for key in ("REG", "STACK"))
             loop = collections.Counter(tile_loop(_tool("nvdisasm", kernel.asm["cubin"], "-c")))
-            counts[dropout] = loop
+            counts[name] = loop
             elems = cfg["BLOCK_M"] * cfg["BLOCK_N"] // (32 * cfg["num_warps"])
-            print(f"{which:5s} {'dropout' if dropout else 'plain  '} {cfg['BLOCK_M']}x{cfg['BLOCK_N']} "
+            print(f"{which:5s} {name:7s} {cfg['BLOCK_M']}x{cfg['BLOCK_N']} "
                   f"{cfg['num_warps']} warps: {regs} registers, {stack} B stack; tile loop "
                   f"{sum(loop.values())} instructions per thread ({elems} elements), "
-                  f"spills {loop['LDL'] + loop['STL']}")
-        diff = counts[True].copy()
-        diff.subtract(counts[False])
+                  f"spills {loop['LDL'] + loop['STL']}; tile buffers {tile_buffers(kernel)}")
+        diff = counts["dropout"].copy()
+        diff.subtract(counts["plain"])
         print("      added: " + " ".join(f"{op} {n:+d}" for op, n in diff.most_common(8) if n), flush=True)
 
 

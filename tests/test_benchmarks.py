@@ -102,6 +102,22 @@ def test_sass_loops_compiles_without_a_gpu(tmp_path, results_untouched):
     assert 0 < plain < drop, out
 
 
+def test_block_sparse_loop_prefetches_like_dense(tmp_path, results_untouched):
+    """The loop over a block mask's full blocks (the sparse kernels' last) buffers its tiles
+    as deep as the dense loops do: with the launch's stages, Triton's pipeliner spends one
+    level on the index list and the forward ran 14-26% slower (benchmarks/NOTES.md)."""
+    import triton
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
+                                       "bin", "nvdisasm")):
+        pytest.skip("this triton ships no nvdisasm")
+    out = _run([sys.executable, str(BENCH / "sass_loops.py"), "--kernels", "fwd", "dq", "--sparse"],
+               tmp_path)
+    for which in ("fwd", "dq"):
+        dense, sparse = (json.loads(re.search(rf"{which} +{kind} .* tile buffers (\[.*\])", out).group(1))
+                         for kind in ("plain", "sparse"))
+        assert sparse[-2:] == [max(dense)] * 2, (which, dense, sparse)
+
+
 def test_result_names_come_from_the_device():
     sys.path.insert(0, str(BENCH))
     try:
