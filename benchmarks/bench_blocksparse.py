@@ -7,8 +7,10 @@ dense kernel and FlexAttention with the same blocks on one GPU, and through the 
 Patterns (blocks of 128 tokens, shared by the heads, non-causal): ``random`` (exactly
 round(d * n * n) blocks, the diagonal first) and ``local_global`` (one global block, a
 local band wide enough for density d). ``dense`` is the kernel without a block mask. The
-ring (layout zigzag) is timed beside the same mask on one GPU of the same run, so
-``efficiency`` = 1-GPU time / (GPUs x ring time) counts the computed blocks only.
+ring (``--layout``, contiguous by default: these masks are not causal, and a local band is
+balanced over contiguous shards, not over zigzag's, whose end chunks see fewer keys) is
+timed beside the same mask on one GPU of the same run, so ``efficiency`` = 1-GPU time /
+(GPUs x ring time) counts the computed blocks only.
 Every implementation's output is checked against ringflash's before it is timed.
 """
 
@@ -67,13 +69,14 @@ def run(args, device, group, world, rank) -> list[dict]:
         gen = torch.Generator(device=device).manual_seed(0)
         full = [torch.randn(1, seqlen, args.heads, args.head_dim, device=device, generator=gen,
                             dtype=torch.bfloat16) for _ in range(3)]
-        local = [ringflash.shard(t, 1, "zigzag", group).requires_grad_() for t in full] if args.ring else None
+        local = [ringflash.shard(t, 1, args.layout, group).requires_grad_() for t in full] if args.ring else None
         for pattern, d in cases(args):
             bm = None if pattern == "dense" else pattern_mask(pattern, seqlen, d, device)
             if args.ring:
-                ring = lambda q, k, v: ringflash.ring_flash_attn(q, k, v, block_mask=bm, group=group)
+                ring = lambda q, k, v: ringflash.ring_flash_attn(q, k, v, block_mask=bm, group=group,
+                                                                 layout=args.layout)
                 rec = record("ringflash", pattern, bm, seqlen, *timed(ring, *local, device, args, group),
-                             args, gpus=world)
+                             args, gpus=world, layout=args.layout)
                 if rank == 0:
                     one = [t.clone().requires_grad_() for t in full]
                     single = timed(lambda q, k, v: ringflash.flash_attn(q, k, v, block_mask=bm), *one,
@@ -154,6 +157,8 @@ def main(argv=None):
     p.add_argument("--seqlens", nargs="+", default=["32k,128k"], help="sequence lengths")
     p.add_argument("--patterns", nargs="+", default=["random,local_global"], help="block patterns")
     p.add_argument("--densities", nargs="+", type=float, default=[1.0, 0.5, 0.25, 0.1, 0.05])
+    p.add_argument("--layout", default="contiguous", choices=["contiguous", "zigzag"],
+                   help="the ring's sequence layout (stripe cannot serve block masks)")
     p.add_argument("--heads", type=int, default=32, help="query (= key/value) heads")
     p.add_argument("--head-dim", type=int, default=128, help="head dim")
     p.add_argument("--rep-ms", type=float, default=100.0, help="timed time per measurement")

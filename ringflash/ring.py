@@ -17,12 +17,14 @@ computes anything on any rank are not run at all (``layouts.active_steps``): wit
 sliding window or a local block mask the shards stop travelling once no rank further on
 can see them.
 
-Backward: the same rotation of K/V. The running fp32 dK/dV of the visiting shard
-arrives from r-1 during the step (it left r-1 once r-1 had finished its own previous
-step): the gradient buffer travels one step behind the K/V it belongs to. Each step
-runs the dQ pass first, which needs nothing in flight and so hides the transfer, then
-adds the dK/dV pass straight into the arrived sum. After the last step one more trip,
-in the gradients' own dtype, takes every shard's dK/dV home. dQ never leaves the rank.
+Backward: the same rotation of K/V, with the own shard split around it: its dQ pass
+first (hiding the first K/V trip), its dK/dV pass last. The running fp32 dK/dV of a
+visiting shard starts on the rank after its owner and arrives from r-1 during each later
+step (it left r-1 once r-1 had finished its previous step): the gradient buffer travels
+one step behind the K/V it belongs to. Each step runs the dQ pass first, which needs
+nothing in flight and so hides the transfer, then adds the dK/dV pass straight into the
+arrived sum. The last trip takes each sum home while the owner runs its own dK/dV pass,
+and the owner adds the two. dQ never leaves the rank.
 """
 
 from __future__ import annotations
@@ -139,19 +141,13 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
                   dropout: tuple[float, int], layout: str, ring: Ring,
                   blocks: Optional[torch.Tensor] = None):
     """Returns dq (like q) and dk, dv of this rank's shards packed as one (2, *k.shape)
-    tensor in k's dtype (the last hop delivers them as one message)."""
+    tensor in k's dtype."""
     n = q.shape[1]
     steps, schedule, first_writes, plan = _schedule(ring, layout, n, band, dropout, blocks)
     delta = attn_delta(out, dout, dlse)
     dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-    cur, nxt = _kv_buffers(k, v, segments, ring, steps)
-    # Packed (dk, dv) running sums in fp32: `running` belongs to the shard this step
-    # computes and arrives from r-1 during the step; `sending` belongs to the shard of the
-    # step before and leaves for r+1.
-    running, sending = ring.buffer("grads", (2, 2, *k.shape), torch.float32, k.device)
     if not first_writes:
         dq.zero_()
-        running.zero_()
 
     def add_grads(pair, kv, seg, write, dq=None, dkv=None):
         """One block pair's dQ pass (into dq) or dK/dV pass (into packed dkv)."""
@@ -162,31 +158,55 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
                        mask=_mask(pair, segments, seg, dropout, plan, blocks),
                        accumulate=not write)
 
-    for step, pairs in enumerate(schedule):
-        write = first_writes and step == 0
+    def dkv_pass(pairs, kv, seg, dkv):
+        """A step's dK/dV passes into dkv, which starts there: written by a pair over every
+        row, zeroed otherwise."""
+        write = writes_first(pairs)
+        if not write:
+            dkv.zero_()
+        for pair in pairs:
+            add_grads(pair, kv, seg, write, dkv=dkv)
+
+    own = ((k, v), segments)  # the ring's K/V buffers are overwritten by later shards
+    cur, nxt = _kv_buffers(k, v, segments, ring, steps)
+    # The own shard's dQ first: it needs nothing in flight, so it hides the first K/V trip.
+    kv_pending = _pass_on(ring, cur, nxt) if steps > 1 else []
+    for pair in schedule[0]:
+        add_grads(pair, *own, first_writes, dq=dq)
+    ring.wait(kv_pending)
+    cur, nxt = nxt, cur
+    # Packed (dk, dv) running sums in fp32: `running` belongs to the shard this step
+    # computes and arrives from r-1 during the step (the shard of step 1 starts its sum
+    # here); `sending` belongs to the shard of the step before and leaves for r+1.
+    running, sending, mine = ring.buffer("grads", (3, 2, *k.shape), torch.float32, k.device)
+    for step in range(1, steps):
+        pairs = schedule[step]
         (kv, seg) = cur
         # Two messages, the one needed first posted first: the running dK/dV (which the
-        # dK/dV pass adds into; our own shard's sum starts here) and the next K/V (needed
-        # by the next step only).
-        grads_pending = [] if step == 0 else ring.exchange((sending, running))
+        # dK/dV pass adds into) and the next K/V (needed by the next step only).
+        grads_pending = [] if step == 1 else ring.exchange((sending, running))
         kv_pending = _pass_on(ring, cur, nxt) if step + 1 < steps else []
         # dQ needs nothing in flight, so it runs while the running dK/dV arrives; dK/dV
         # then add straight into it, only in the key rows this step touches.
         for pair in pairs:
-            add_grads(pair, kv, seg, write, dq=dq)
+            add_grads(pair, kv, seg, False, dq=dq)
         ring.wait(grads_pending)
-        for pair in pairs:
-            add_grads(pair, kv, seg, write, dkv=running)
+        if step == 1:
+            dkv_pass(pairs, kv, seg, running)
+        else:
+            for pair in pairs:
+                add_grads(pair, kv, seg, False, dkv=running)
         ring.wait(kv_pending)
         cur, nxt = nxt, cur
         running, sending = sending, running
-    if steps == 1:
-        return dq.to(q.dtype), sending.to(k.dtype, copy=True)  # the buffer is reused
-    # One more trip takes every shard's dK/dV to its owner, steps - 1 ranks back, in the
-    # gradients' dtype: the sums are complete, so rounding before or after gives the same bits.
-    dkv = ring.buffer("home", sending.shape, k.dtype, k.device)
-    dkv.copy_(sending)
-    home = torch.empty_like(dkv)
-    ring.wait(ring.exchange((dkv, home), shift=1 - steps))
+    # The own shard's dK/dV last, into a buffer of its own, while the last remote sum goes
+    # home (steps - 1 ranks back; the next rank when the ring is whole) and this shard's sum
+    # arrives: no trip after the last pass, and the own-shard step, often the largest
+    # (local masks, packed documents), hides the one fp32 trip.
+    home_pending = ring.exchange((sending, running), shift=1 - steps) if steps > 1 else []
+    dkv_pass(schedule[0], *own, mine)
+    ring.wait(home_pending)
+    if steps > 1:
+        mine += running
     ring.finish()
-    return dq.to(q.dtype), home
+    return dq.to(q.dtype), mine.to(k.dtype)

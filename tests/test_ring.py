@@ -204,6 +204,52 @@ def test_ring_on_two_subgroups_at_once(worlds):
     _assert_no_failures(worlds(4).run(check_concurrent_subgroups, configs))
 
 
+class _RecordingRing:
+    """Rank 0 of ``world`` to ring_backward, moving no data: records the messages it posts,
+    the waits and the kernel passes in between."""
+
+    def __init__(self, world):
+        self.rank, self.world, self.events = 0, world, []
+
+    def buffer(self, name, shape, dtype, device):
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    def exchange(self, *pairs, shift=1):
+        self.events.append(("post", shift))
+        return [object()]
+
+    def wait(self, pending):
+        if pending:
+            self.events.append(("wait",))
+
+    def finish(self):
+        pass
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_backward_ends_on_the_own_shard_under_the_last_trip(monkeypatch, world, layout):
+    """The own shard's dQ pass runs first, while the first K/V trip is in flight, and its
+    dK/dV pass last, while the last remote dK/dV sum goes home: no transfer waits behind the
+    last kernel pass but the one it hides."""
+    from ringflash import ring as ring_mod
+    fake = _RecordingRing(world)
+    monkeypatch.setattr(ring_mod, "flash_attn_bwd", lambda *args, **kw: fake.events.append(
+        ("dq" if args[6] is not None else "dkv",)))  # (dout, q, k, v, lse, delta, dq, dk, dv)
+    n = 4 * world
+    q, k, v, out, dout = (torch.randn(1, n, 2, 8) for _ in range(5))
+    lse = torch.randn(1, 2, n)
+    ring_mod.ring_backward(dout, q, k, v, out, lse, None, None, softmax_scale=0.3,
+                           band=(None, None), dropout=(0.0, 0), layout=layout, ring=fake)
+    ev = fake.events
+    last_post = max(i for i, e in enumerate(ev) if e[0] == "post")
+    assert ev[last_post] == ("post", 1 - world), ev
+    assert ("dkv",) in ev[last_post:] and ("dq",) not in ev[last_post:], ev
+    assert ev[-1] == ("wait",) and ev.count(("wait",)) == sum(e[0] == "post" for e in ev), ev
+    first_wait = ev.index(("wait",))
+    assert ev[:first_wait].count(("dq",)) >= 1 and ("dkv",) not in ev[:first_wait], ev
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
