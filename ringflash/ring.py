@@ -206,7 +206,9 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
     home_pending = ring.exchange((sending, running), shift=1 - steps) if steps > 1 else []
     dkv_pass(schedule[0], *own, mine)
     ring.wait(home_pending)
-    if steps > 1:
-        mine += running
+    if steps == 1:
+        dkv = mine.to(k.dtype)
+    else:  # one pass: the fp32 sum rounded once, on the way out
+        dkv = torch.add(mine, running, out=torch.empty_like(mine, dtype=k.dtype))
     ring.finish()
-    return dq.to(q.dtype), mine.to(k.dtype)
+    return dq.to(q.dtype), dkv
