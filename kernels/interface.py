@@ -83,8 +83,8 @@ def check_segment_ids(segment_ids, batch: int, seqlen: int, device: torch.device
                       name: str = "segment_ids") -> Optional[torch.Tensor]:
     """None, or (batch, seqlen) integer ids as contiguous int32: ids >= 0 name documents,
     -1 padding; outside padding they must not decrease along the sequence (each document
-    one contiguous run). The values are checked with one host synchronization, except in
-    torch.compile'd regions and CUDA-graph captures."""
+    one contiguous run). The values are checked with one host synchronization, once per
+    tensor (tensor_memo), and not in torch.compile'd regions and CUDA-graph captures."""
     if segment_ids is None:
         return None
     if not isinstance(segment_ids, torch.Tensor):
@@ -96,17 +96,23 @@ def check_segment_ids(segment_ids, batch: int, seqlen: int, device: torch.device
                          f"got {tuple(segment_ids.shape)}")
     if segment_ids.device != device:
         raise ValueError(f"{name} must be on q's device {device}, got {segment_ids.device}")
-    ids = segment_ids.to(torch.int32).contiguous()
-    capturing = ids.is_cuda and torch.cuda.is_current_stream_capturing()
-    if not (torch.compiler.is_compiling() or capturing):
-        below = bool((ids < -1).any())
-        decreasing = bool(((ids >= 0) & (ids < torch.cummax(ids, dim=1).values)).any())
-        if below:
+    if torch.compiler.is_compiling() or (segment_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return segment_ids.to(torch.int32).contiguous()
+
+    def checked():
+        ids = segment_ids.to(torch.int32).contiguous()
+        if bool((ids < -1).any()):
             raise ValueError(f"{name} must be >= -1 (-1 marks padding), got a smaller id")
-        if decreasing:
+        if bool(((ids >= 0) & (ids < torch.cummax(ids, dim=1).values)).any()):
             raise ValueError(f"{name} must not decrease along the sequence outside padding "
                              "(every document one contiguous run of equal ids)")
-    return ids
+        return None if ids is segment_ids else ids  # never a reference to the key itself
+
+    # Checked and converted once while the same tensor returns unmodified (a training loop
+    # passing one batch's ids to every layer), so the kernels also see one tensor of ids
+    # and keep its segment ranges.
+    kept = tensor_memo(segment_ids, ("segment_ids",), checked)
+    return segment_ids if kept is None else kept
 
 
 def check_deterministic(deterministic) -> bool:

@@ -47,7 +47,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import dropout
-from .masks import BAND_INF, BLOCK, segment_ranges
+from .masks import BAND_INF, BLOCK, segment_ranges, tensor_memo
 
 LOG2E = math.log2(math.e)
 SPARSE_BLOCK = tl.constexpr(BLOCK)
@@ -471,8 +471,15 @@ def _sparse_args(mask, lo: int, hi: int, n_rows: int, n_cols: int, transpose: bo
 
 
 def _ranges(rows_seg, cols_seg, segments: bool):
-    """segment_ranges (4, B, rows) where there are segments, a stand-in otherwise."""
-    return segment_ranges(rows_seg, cols_seg) if segments else rows_seg.view(1, 1, -1)
+    """segment_ranges (4, B, rows) where there are segments, a stand-in otherwise. One
+    tensor of ids on both sides (one device: queries and keys are the same tokens) gives
+    the same ranges either way round: computed once and kept while the tensor is (~20 small
+    ops, 0.5-0.8 ms on an H200 at 32k-128k tokens, for each of the three kernels)."""
+    if not segments:
+        return rows_seg.view(1, 1, -1)
+    if rows_seg is cols_seg:
+        return tensor_memo(rows_seg, ("segment_ranges",), lambda: segment_ranges(rows_seg, rows_seg))
+    return segment_ranges(rows_seg, cols_seg)
 
 
 def fwd(q, k, v, out, lse, *, softmax_scale: float, mask, accumulate: bool):
@@ -586,18 +593,16 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, QSEG, KSEG, RANGES, COUNTS, IN
     if SEGMENTS:
         kseg = _segment_ids(KSEG, off_b, stride_ksegb, cols, seqlen_k)[:, None]
 
-    # Only the query tiles that see this key tile (band negated: rows are keys here).
-    # Without segments, one loop that masks every tile: splitting off the unmasked tiles,
-    # as the forward does, measured 17% slower here (benchmarks/NOTES.md), the mask being
-    # cheap beside four matmuls. With segments the inner tiles of a document skip the
-    # segment-id loads, which are not. Block-sparse: the index lists of the key block, per
-    # query head (rows are key blocks there).
+    # Only the query tiles that see this key tile (band negated: rows are keys here), in
+    # one loop that masks every tile: splitting off the unmasked tiles, as the forward does,
+    # measured 17% slower here without segments and 44% slower with them (benchmarks/NOTES.md),
+    # the mask and the query rows' segment ids being cheap beside four matmuls. Block-sparse:
+    # the index lists of the key block, per query head (rows are key blocks there).
     begin, full_start, full_end, end = _tile_range(
         start_n, seqlen_k, seqlen_q, -band_hi, -band_lo, RANGES, off_b, stride_rp, stride_ksegb,
         BLOCK_N, BLOCK_M, BAND, SEGMENTS)
-    if not SEGMENTS:
-        full_start = end
-        full_end = end
+    full_start = end
+    full_end = end
     row = 0
     for g in range(0, GROUP):
         off_h = off_hk * GROUP + g

@@ -260,3 +260,22 @@ def test_zero_heads_are_named():
     k = torch.randn(1, 8, 1, 16)
     with pytest.raises(ValueError, match="heads must be at least 1"):
         flash_attn(q, k, k)
+
+
+def test_segment_ranges_once_per_tensor(monkeypatch):
+    """flash_attn's three kernels share one tensor of segment ids on both sides: its ranges
+    are computed once, kept while the tensor lives unmodified, and recomputed after an
+    in-place change."""
+    device = _impl("triton", monkeypatch)
+    calls = []
+    real = triton_attn.segment_ranges
+    monkeypatch.setattr(triton_attn, "segment_ranges", lambda r, c: calls.append(1) or real(r, c))
+    q, k, v, dout = _inputs(1, 40, 2, 2, 16, F32, device)
+    ids = segments([[15, 25]], 40).to(device)
+    for _ in range(2):
+        qq = q.clone().requires_grad_()
+        flash_attn(qq, k, v, causal=True, segment_ids=ids).backward(dout)
+    assert len(calls) == 1
+    ids[0, 20:] = 2  # in place: the documents changed
+    flash_attn(q, k, v, causal=True, segment_ids=ids)
+    assert len(calls) == 2
