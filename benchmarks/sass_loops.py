@@ -41,7 +41,7 @@ def compile_kernel(which: str, head_dim: int, dropout: bool, sparse: bool = Fals
     if which == "fwd":
         fn, cfg = T._fwd_kernel, T.fwd_config(head_dim, torch.bfloat16)
     else:
-        dkdv_cfg, dq_cfg = T.bwd_config(head_dim, torch.bfloat16)
+        dkdv_cfg, dq_cfg = T.bwd_config(head_dim, torch.bfloat16, sparse)
         fn, cfg = (T._dkdv_kernel, dkdv_cfg) if which == "dkdv" else (T._dq_kernel, dq_cfg)
     bd = T.block_d(head_dim)
     consts = dict(HEAD_DIM=head_dim, BLOCK_D=bd, BAND=False, SEGMENTS=False, SPARSE=sparse,

@@ -77,9 +77,12 @@ def fwd_config(head_dim: int, dtype: torch.dtype) -> dict:
     return dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=4)
 
 
-def bwd_config(head_dim: int, dtype: torch.dtype) -> tuple[dict, dict]:
+def bwd_config(head_dim: int, dtype: torch.dtype, sparse: bool = False) -> tuple[dict, dict]:
     """Tiles of the two backward kernels, (dK/dV kernel, dQ kernel): BLOCK_M query rows by
-    BLOCK_N key rows in each, tuned apart. Same provenance as fwd_config."""
+    BLOCK_N key rows in each, tuned apart. Same provenance as fwd_config. Under a block
+    mask (sparse) dK/dV takes 128 keys a program: the listed query blocks sit apart in
+    memory and each load of one then serves twice the keys (-2-8% dK/dV time at 128k,
+    densities 0.05-0.5; benchmarks/NOTES.md, "Block-sparse, second round")."""
     if _interpreting():
         cfg = dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)
         return cfg, cfg
@@ -90,8 +93,9 @@ def bwd_config(head_dim: int, dtype: torch.dtype) -> tuple[dict, dict]:
         return (dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=3),
                 dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3))
     if head_dim <= 128:
-        return (dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
-                dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3))
+        dkdv = dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2) if sparse else \
+            dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+        return dkdv, dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
     return (dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
             dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3))
 
@@ -750,7 +754,7 @@ def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask, accu
     here (benchmarks/NOTES.md)."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    dkdv_cfg, dq_cfg = bwd_config(d, q.dtype)
+    dkdv_cfg, dq_cfg = bwd_config(d, q.dtype, mask.blocks is not None)
     (lo, hi, qseg, kseg, band, segments), drop = _mask_args(mask, q.device)
     common = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BAND=band, SEGMENTS=segments, DROPOUT=drop[6],
                   GROUPED=drop[7], SPARSE=mask.blocks is not None, ACCUMULATE=accumulate,
