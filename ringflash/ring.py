@@ -175,10 +175,14 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
         add_grads(pair, *own, first_writes, dq=dq)
     ring.wait(kv_pending)
     cur, nxt = nxt, cur
-    # Packed (dk, dv) running sums in fp32: `running` belongs to the shard this step
-    # computes and arrives from r-1 during the step (the shard of step 1 starts its sum
-    # here); `sending` belongs to the shard of the step before and leaves for r+1.
-    running, sending, mine = ring.buffer("grads", (3, 2, *k.shape), torch.float32, k.device)
+    # Packed (dk, dv) sums in fp32: `running` belongs to the shard this step computes and
+    # arrives from r-1 during the step (the shard of step 1 starts its sum here); `sending`
+    # belongs to the shard of the step before and leaves for r+1; `mine` is the own
+    # shard's part (a ring that passes nothing on needs only that).
+    if steps > 1:
+        running, sending, mine = ring.buffer("grads", (3, 2, *k.shape), torch.float32, k.device)
+    else:
+        mine = torch.empty((2, *k.shape), device=k.device, dtype=torch.float32)
     for step in range(1, steps):
         pairs = schedule[step]
         (kv, seg) = cur
