@@ -640,6 +640,14 @@ MISSING_MATPLOTLIB = ('matplotlib is not installed; the plots need the "bench" e
                       'pip install -e ".[bench]" (from the repository root)')
 
 
+def save_beside(fig, json_path) -> str:
+    """Lay out ``fig`` and write it as the PNG beside a results file (same name, .png)."""
+    fig.tight_layout()
+    png = str(Path(json_path).with_suffix(".png"))
+    fig.savefig(png, dpi=110)
+    return png
+
+
 def import_pyplot():
     """matplotlib.pyplot on the Agg backend; without matplotlib, an ImportError that says
     which extra to install."""

@@ -120,7 +120,6 @@ def write(records, args, device, world):
 
 def plot(json_path) -> str:
     """fwd+bwd time against density, one panel per seqlen, with the d x dense line."""
-    from pathlib import Path
     plt = H.import_pyplot()
     data = H.load_results(json_path)
     records = data["records"]
@@ -144,10 +143,7 @@ def plot(json_path) -> str:
     meta = data["meta"]
     fig.suptitle(f"{meta.get('device')} x{meta.get('gpu_count')}, bf16, {records[0]['heads']} heads, "
                  f"head_dim {records[0]['head_dim']}", fontsize=9)
-    fig.tight_layout()
-    png = str(Path(json_path).with_suffix(".png"))
-    fig.savefig(png, dpi=110)
-    return png
+    return H.save_beside(fig, json_path)
 
 
 def main(argv=None):

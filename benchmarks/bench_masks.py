@@ -152,7 +152,6 @@ def ring(args, device) -> list[dict]:
 def plot(json_path) -> str:
     """Bars of forward+backward TFLOP/s over visible pairs (per GPU in the ring file), one
     group per (mask, seqlen), one bar per implementation (and layout), beside the JSON."""
-    from pathlib import Path
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -178,10 +177,7 @@ def plot(json_path) -> str:
     ax.set_ylabel("fwd+bwd TFLOP/s" + (" per GPU" if key.endswith("per_gpu") else "") + ", visible pairs")
     ax.set_title(f"{data['meta'].get('device')} x{data['meta'].get('gpu_count')}, bf16, 32 heads, head_dim 128")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    png = str(Path(json_path).with_suffix(".png"))
-    fig.savefig(png, dpi=110)
-    return png
+    return H.save_beside(fig, json_path)
 
 
 def main(argv=None):
