@@ -220,7 +220,7 @@ def attn_delta(out: torch.Tensor, dout: torch.Tensor,
     A gradient on lse folds in here: d lse_i / d s_ij = p_ij, which is the same as
     lowering delta_i by dlse_i.
     """
-    delta = reference.delta(out, dout)
+    delta = _backend(out).delta(_rowmajor(out), _rowmajor(dout))
     if dlse is not None:
         delta = delta - dlse.float()
     return delta

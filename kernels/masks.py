@@ -12,7 +12,7 @@ affine function of its local indices with one common stride (ringflash.layouts d
 conversion); on one device the band is the window itself. Segment ids mark packed
 documents (equal id: may attend) and padding (-1: sees nothing, never seen). Within a
 pair, the ids that are not -1 must not decrease along the rows (documents are contiguous
-runs): that is what lets a tile find the keys of its documents from two loads. A block
+runs): that is what lets a row find the keys of its document as one interval. A block
 mask (block-sparse attention) marks which (BLOCK x BLOCK) blocks of the pair are computed
 at all; the elements of a computed block follow the band and the segment ids.
 """
@@ -167,31 +167,31 @@ def block_lists(blocks: torch.Tensor, lo: int, hi: int, n_rows: int, n_cols: int
 
 
 def segment_ranges(rows_seg: torch.Tensor, cols_seg: torch.Tensor) -> torch.Tensor:
-    """(4, B, S_rows) int32: for every row, the hull [lo, hi) of the columns whose segment id
-    may equal its own, and the run [full_lo, full_hi) of columns that carry exactly its id
-    (every column in it visible to the row as far as segments go). Padding rows (-1) get
-    empty ranges. Needs the non-padding ids of both sides to be non-decreasing; a tile of
-    rows takes the min/max of these over its rows."""
+    """(3, B, S_rows) int32: for every row, the hull [lo, hi) of the columns that carry its
+    segment id (from its first such column to one past its last) and run_end, where the
+    run of columns from lo that all carry it ends (run_end < hi: padding columns sit inside
+    the hull). Rows whose id no column carries, and padding rows (-1), get lo = S_cols,
+    hi = run_end = 0. Needs the non-padding ids of both sides to be non-decreasing; the
+    kernels turn these into each row's interval of columns (triton_attn._row_bounds)."""
     n_cols = cols_seg.shape[1]
-    # A non-decreasing stand-in for the columns: padding takes the id before it, so a
-    # search for id a lands on a run that holds every column with id a (and perhaps some
-    # padding, which the element predicate masks).
     cols = cols_seg.contiguous()
-    cols_sorted = torch.cummax(cols, dim=1).values.contiguous()
     rows = rows_seg.contiguous()
-    pad = rows < 0
-    lo = torch.searchsorted(cols_sorted, rows, side="left")
-    hi = torch.searchsorted(cols_sorted, rows, side="right")
+    # Non-decreasing stand-ins for the columns: padding takes the id before it (ahead) or
+    # the id after it (behind; past the last id, the largest int). The first column of id
+    # >= a in the one and the first of id > a in the other bound a's columns.
+    ahead = torch.cummax(cols, dim=1).values.contiguous()
+    behind = torch.where(cols < 0, torch.iinfo(cols.dtype).max, cols)
+    behind = torch.flip(torch.cummin(torch.flip(behind, (1,)), dim=1).values, (1,)).contiguous()
+    lo = torch.searchsorted(ahead, rows, side="left")
+    hi = torch.searchsorted(behind, rows, side="right")
     # Where each column's run of equal raw ids ends, read at the row's first column.
     idx = torch.arange(n_cols, device=cols.device).expand_as(cols)
     last_of_run = torch.ones_like(cols, dtype=torch.bool)
     last_of_run[:, :-1] = cols[:, 1:] != cols[:, :-1]
     run_end = torch.where(last_of_run, idx + 1, n_cols)
     run_end = torch.flip(torch.cummin(torch.flip(run_end, (1,)), dim=1).values, (1,))
-    at = lo.clamp(max=n_cols - 1)
-    exact = (torch.gather(cols, 1, at) == rows) & ~pad & (lo < n_cols)
-    full_lo = torch.where(exact, lo, n_cols)
-    full_hi = torch.where(exact, torch.gather(run_end, 1, at), 0)
-    lo = lo.masked_fill(pad, n_cols)
-    hi = hi.masked_fill(pad, 0)
-    return torch.stack([lo, hi, full_lo, full_hi]).to(torch.int32).contiguous()
+    run_end = torch.gather(run_end, 1, lo.clamp(max=n_cols - 1))
+    some = (lo < hi) & (rows >= 0)
+    lo = torch.where(some, lo, n_cols)
+    hi = torch.where(some, hi, 0)
+    return torch.stack([lo, hi, torch.where(some, run_end, 0)]).to(torch.int32).contiguous()

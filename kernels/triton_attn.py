@@ -16,11 +16,14 @@ indices and segment ids, never an N x N tensor:
               unbounded side is a sentinel). Causal with diagonal offset o is band_hi = o;
               a sliding window on global positions becomes a band of the pair's local rows.
     segments  only if qseg_i == kseg_j >= 0 (``SEGMENTS``: packed documents, padding = -1).
-              Each query row carries the range of key rows its id occupies (and each key
-              row the range of query rows), so a tile's loop bounds come from two loads.
+              Each query row carries the hull of the key rows its id occupies (and each key
+              row that of the query rows), since a pair's non-padding ids never decrease.
 
-Per (query tile, key tile) a kernel classifies: outside the loop bounds (empty, never
-loaded), inside the band on every row (no band arithmetic), or partial (the predicate).
+Both become one interval of columns per row, [first, stop) (``_row_bounds``): the whole
+predicate is two comparisons an element, plus a test of the columns' ids only where
+padding sits inside a document's hull. Per (query tile, key tile) a kernel classifies
+from its rows' intervals: outside them all (empty, never loaded), inside every row's
+(no mask arithmetic), or partial (the intervals applied).
 In the forward and dQ kernels the band-partial tiles run in their own loops; the dK/dV
 kernel masks all of its tiles (measured faster there, benchmarks/NOTES.md).
 
@@ -47,7 +50,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import dropout
-from .masks import BAND_INF, BLOCK, segment_ranges, tensor_memo
+from .masks import BAND_INF, BLOCK, tensor_memo
 
 LOG2E = math.log2(math.e)
 SPARSE_BLOCK = tl.constexpr(BLOCK)
@@ -172,18 +175,28 @@ def _query_tile(BLOCK_M: tl.constexpr, BAND: tl.constexpr):
 
 
 @triton.jit
-def _masked(s, qi, kj, seqlen_k, band_lo, band_hi, qseg, kseg, fill,
-            BOUNDED: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr):
-    """s with ``fill`` where query qi may not see key kj. qi, kj (local indices) and qseg,
-    kseg (their segment ids) broadcast to s's shape: (rows, cols) in the forward and dQ
-    kernels, transposed (cols, rows) in dK/dV."""
-    if BOUNDED:
-        s = tl.where(kj < seqlen_k, s, fill)
-    if BAND:
-        diff = kj - qi
-        s = tl.where((diff >= band_lo) & (diff <= band_hi), s, fill)
-    if SEGMENTS:
-        s = tl.where((qseg == kseg) & (qseg >= 0), s, fill)
+def _visible(s, rows, cols, first, stop, band_lo, band_hi, fill, PER_ROW: tl.constexpr,
+             KEYS_MAJOR: tl.constexpr = False):
+    """s with ``fill`` where a column is hidden from a row (s is (rows, cols): queries by keys
+    in the forward and dQ kernels, keys by queries in dK/dV, KEYS_MAJOR). PER_ROW: outside
+    the row's [first, stop) (``_row_bounds``); otherwise outside the band alone,
+    band_lo <= key - query <= band_hi: a function of the diagonal, which a thread's
+    elements share in pairs, so that form compiles shorter where it is the whole
+    predicate (dQ, dK/dV: -50 instructions a tile)."""
+    if PER_ROW:
+        ok = (cols[None, :] >= first[:, None]) & (cols[None, :] < stop[:, None])
+    else:
+        diff = rows[:, None] - cols[None, :] if KEYS_MAJOR else cols[None, :] - rows[:, None]
+        ok = (diff >= band_lo) & (diff <= band_hi)
+    return tl.where(ok, s, fill)
+
+
+@triton.jit
+def _unpadded(s, cols, SEG, off_b, stride_b, n, holes, fill):
+    """s with ``fill`` in the padding columns (segment id -1), read only when ``holes`` (some
+    row's segment hull holds padding between its own columns; ``_row_bounds``)."""
+    if holes:
+        s = tl.where(_segment_ids(SEG, off_b, stride_b, cols, n)[None, :] >= 0, s, fill)
     return s
 
 
@@ -262,39 +275,67 @@ def _keep(seed, threshold, off_b, off_h, qpos, kpos_start, kpos, BLOCK_M: tl.con
 
 
 @triton.jit
-def _tile_range(start_r, n_rows, n_cols, lo, hi, RANGES, off_b, stride_plane, stride_b,
-                BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, BAND: tl.constexpr,
-                SEGMENTS: tl.constexpr):
-    """Loop bounds over the column tiles for the row tile [start_r, start_r + BLOCK_ROWS),
-    when column c is visible to row r only if lo <= c - r <= hi (BAND) and the segment
-    ranges allow: (start, full_start, full_end, end). Columns outside [start, end) are
-    invisible to every row of the tile; the BLOCK_COLS-aligned tiles in [full_start,
-    full_end) are visible to every row (no mask arithmetic). Rows are queries and columns
-    keys in the forward and dQ kernels; the reverse, with the band negated, in dK/dV.
+def _row_bounds(rows, n_rows, n_cols, lo, hi, RANGES, off_b, stride_plane, stride_b,
+                BAND: tl.constexpr, SEGMENTS: tl.constexpr):
+    """What each row of a tile may see, as column intervals: (first, stop, run_stop, holes).
 
-    RANGES (4, B, n_rows) int32, per row: the hull [lo, hi) of the columns of its segment
-    and the run [full_lo, full_hi) of columns that carry exactly its id (empty for padding).
-    """
-    last = tl.minimum(start_r + BLOCK_ROWS, n_rows) - 1
-    begin = 0
-    stop = n_cols
-    full_begin = 0
-    full_stop = n_cols  # first column no longer visible to every row
+    Row r sees at most the columns [first[r], stop[r]): those with lo <= c - r <= hi (BAND),
+    within [0, n_cols), and (SEGMENTS) within the hull of the columns carrying its segment
+    id; rows past n_rows see none. The columns [first[r], run_stop[r]) carry its id, every
+    one (= stop without segments). ``holes``: some row's hull holds padding columns
+    between its own, which only the per-column id test (``_unpadded``) masks; otherwise
+    the intervals are the whole predicate, two comparisons an element.
+
+    RANGES (3, B, n_rows) int32, per row: hull [lo, hi) and run end (masks.segment_ranges).
+    Rows are queries and columns keys in the forward and dQ kernels; the reverse, with the
+    band negated, in dK/dV."""
+    ok = rows < n_rows
+    first = tl.zeros_like(rows)
+    stop = tl.where(ok, n_cols, 0)
     if BAND:
-        begin = tl.maximum(begin, start_r + lo)
-        stop = tl.minimum(stop, last + hi + 1)
-        full_begin = start_r + BLOCK_ROWS - 1 + lo
-        full_stop = tl.minimum(full_stop, start_r + hi + 1)
+        first = tl.maximum(first, rows + lo)
+        stop = tl.minimum(stop, rows + hi + 1)
+    run_stop = stop
+    holes = False
     if SEGMENTS:
-        rows = start_r + tl.arange(0, BLOCK_ROWS)
-        ok = rows < n_rows
         base = RANGES + off_b * stride_b + rows
-        begin = tl.maximum(begin, tl.min(tl.load(base, mask=ok, other=n_cols), 0))
-        stop = tl.minimum(stop, tl.max(tl.load(base + stride_plane, mask=ok, other=0), 0))
-        full_begin = tl.maximum(full_begin, tl.max(tl.load(base + 2 * stride_plane, mask=ok, other=0), 0))
-        full_stop = tl.minimum(full_stop, tl.min(tl.load(base + 3 * stride_plane, mask=ok, other=n_cols), 0))
-    start = tl.maximum(begin, 0) // BLOCK_COLS * BLOCK_COLS
-    end = tl.maximum(stop, start)
+        hull_stop = tl.load(base + stride_plane, mask=ok, other=0)
+        run_end = tl.load(base + 2 * stride_plane, mask=ok, other=0)
+        first = tl.maximum(first, tl.load(base, mask=ok, other=n_cols))
+        stop = tl.minimum(stop, hull_stop)
+        run_stop = tl.minimum(stop, run_end)
+        holes = tl.max((run_end < hull_stop).to(tl.int32), 0) > 0
+    return first, stop, run_stop, holes
+
+
+@triton.jit
+def _tile_range(start_r, n_rows, n_cols, lo, hi, first, stop, run_stop, BLOCK_ROWS: tl.constexpr,
+                BLOCK_COLS: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr):
+    """Loop bounds over the column tiles of the row tile [start_r, start_r + BLOCK_ROWS),
+    (start, full_start, full_end, end), from its rows' ``_row_bounds`` (with segments; the
+    band alone gives them from the tile's first and last rows). Columns outside
+    [start, end) are invisible to every row; the BLOCK_COLS-aligned tiles in
+    [full_start, full_end) are visible to every row (no mask arithmetic), the others in
+    [start, end) partly."""
+    last = tl.minimum(start_r + BLOCK_ROWS, n_rows) - 1
+    if SEGMENTS:
+        ok = start_r + tl.arange(0, BLOCK_ROWS) < n_rows
+        begin = tl.min(tl.where(ok, first, n_cols), 0)
+        stop_all = tl.max(stop, 0)
+        full_begin = tl.max(tl.where(ok, first, 0), 0)
+        full_stop = tl.min(tl.where(ok, run_stop, n_cols), 0)
+    else:
+        begin = 0
+        stop_all = n_cols
+        full_begin = 0
+        full_stop = n_cols
+        if BAND:
+            begin = tl.maximum(start_r + lo, 0)
+            stop_all = tl.minimum(last + hi + 1, n_cols)
+            full_begin = last + lo
+            full_stop = tl.minimum(start_r + hi + 1, n_cols)
+    start = begin // BLOCK_COLS * BLOCK_COLS
+    end = tl.maximum(stop_all, start)
     full_start = tl.minimum(tl.maximum(start, (full_begin + BLOCK_COLS - 1) // BLOCK_COLS * BLOCK_COLS), end)
     full_end = tl.maximum(tl.minimum(full_stop, end) // BLOCK_COLS * BLOCK_COLS, full_start)
     return start, full_start, full_end, end
@@ -326,15 +367,16 @@ def _column(v, INDEX, row, n_col_blocks, SPARSE: tl.constexpr):
 
 @triton.jit
 def _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb, stride_ks, stride_kh,
-              stride_vb, stride_vs, stride_vh, stride_segb, start_n, offs_m, qseg, seqlen_k,
-              qk_scale, band_lo, band_hi, seed, threshold, drop_scale, qpos, k_pos0, pos_stride,
+              stride_vb, stride_vs, stride_vh, stride_segb, start_n, offs_m, first, stop, holes,
+              seqlen_k, qk_scale, seed, threshold, drop_scale, qpos, k_pos0, pos_stride,
               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_D: tl.constexpr, MASKED: tl.constexpr, BAND: tl.constexpr,
-              SEGMENTS: tl.constexpr, DROPOUT: tl.constexpr, GROUPED: tl.constexpr,
-              PRECISION: tl.constexpr, TMA: tl.constexpr):
-    """One key tile of the online softmax. MASKED: the tile may cross the band's edge or
-    seqlen_k (loads bounded, band predicate); SEGMENTS: the segment-id predicate. Both False
-    for the tiles every row sees whole."""
+              BLOCK_D: tl.constexpr, MASKED: tl.constexpr, SEGMENTS: tl.constexpr,
+              DROPOUT: tl.constexpr, GROUPED: tl.constexpr, PRECISION: tl.constexpr,
+              TMA: tl.constexpr):
+    """One key tile of the online softmax. MASKED: the tile may cross a row's bounds or
+    seqlen_k (loads bounded, the rows' intervals applied); SEGMENTS: the intervals and the
+    padding test, for listed blocks that are full but for segments. Both False for the
+    tiles every row sees whole."""
     k = _load_block(K, off_b, off_hk, start_n, stride_kb, stride_ks, stride_kh, seqlen_k,
                     BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, TMA)
     v = _load_block(V, off_b, off_hk, start_n, stride_vb, stride_vs, stride_vh, seqlen_k,
@@ -342,11 +384,9 @@ def _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb, str
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # unscaled; scale > 0 commutes with max
     if MASKED or SEGMENTS:
         cols = start_n + tl.arange(0, BLOCK_N)
-        kseg = qseg[:, None]
+        qk = _visible(qk, offs_m, cols, first, stop, 0, 0, float("-inf"), True)  # bounds too
         if SEGMENTS:
-            kseg = _segment_ids(KSEG, off_b, stride_segb, cols, seqlen_k)[None, :]
-        qk = _masked(qk, offs_m[:, None], cols[None, :], seqlen_k, band_lo, band_hi,
-                     qseg[:, None], kseg, float("-inf"), MASKED, MASKED and BAND, SEGMENTS)
+            qk = _unpadded(qk, cols, KSEG, off_b, stride_segb, seqlen_k, holes, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
     if MASKED or SEGMENTS:  # a row may still have seen nothing: keep exp2 away from (-inf) - (-inf)
         m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -365,10 +405,10 @@ def _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb, str
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, QSEG, KSEG, RANGES, COUNTS, INDEX,
+def _fwd_kernel(Q, K, V, O, LSE, KSEG, RANGES, COUNTS, INDEX,
                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                 stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
-                stride_lb, stride_lh, stride_qsegb, stride_ksegb, stride_rp,
+                stride_lb, stride_lh, stride_ksegb, stride_rp, stride_rb,
                 H, GROUP, seqlen_q, seqlen_k, qk_scale, band_lo, band_hi,
                 seed, threshold, drop_scale, q_pos0, k_pos0, pos_stride, stride_cp, stride_sh, n_col_blocks,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -398,42 +438,40 @@ def _fwd_kernel(Q, K, V, O, LSE, QSEG, KSEG, RANGES, COUNTS, INDEX,
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    qseg = offs_m  # placeholder of the right shape when there are no segments
-    if SEGMENTS:
-        qseg = _segment_ids(QSEG, off_b, stride_qsegb, offs_m, seqlen_q)
     qpos = q_pos0 + offs_m * pos_stride  # global positions, for dropout
 
+    first, stop, run_stop, holes = _row_bounds(offs_m, seqlen_q, seqlen_k, band_lo, band_hi, RANGES,
+                                               off_b, stride_rp, stride_rb, BAND, SEGMENTS)
     row = 0
     if SPARSE:  # the query block's index lists
         row = off_h * stride_sh + start_m // SPARSE_BLOCK
         start, full_start, full_end, end = _listed_range(COUNTS, stride_cp, row)
     else:
-        start, full_start, full_end, end = _tile_range(
-            start_m, seqlen_q, seqlen_k, band_lo, band_hi, RANGES, off_b, stride_rp, stride_qsegb,
-            BLOCK_M, BLOCK_N, BAND, SEGMENTS)
+        start, full_start, full_end, end = _tile_range(start_m, seqlen_q, seqlen_k, band_lo, band_hi, first,
+                                                       stop, run_stop, BLOCK_M, BLOCK_N, BAND, SEGMENTS)
     for pos in range(start, full_start, BLOCK_N):
         start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
                                   stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb,
-                                  start_n, offs_m, qseg, seqlen_k, qk_scale, band_lo, band_hi, seed,
+                                  start_n, offs_m, first, stop, holes, seqlen_k, qk_scale, seed,
                                   threshold, drop_scale, qpos, k_pos0, pos_stride, HEAD_DIM, BLOCK_M,
-                                  BLOCK_N, BLOCK_D, True, BAND, SEGMENTS, DROPOUT, GROUPED, PRECISION,
+                                  BLOCK_N, BLOCK_D, True, SEGMENTS, DROPOUT, GROUPED, PRECISION,
                                   TMA)
     for pos in tl.range(full_start, full_end, BLOCK_N, num_stages=LIST_STAGES):
         start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
                                   stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb,
-                                  start_n, offs_m, qseg, seqlen_k, qk_scale, band_lo, band_hi, seed,
+                                  start_n, offs_m, first, stop, holes, seqlen_k, qk_scale, seed,
                                   threshold, drop_scale, qpos, k_pos0, pos_stride, HEAD_DIM, BLOCK_M,
-                                  BLOCK_N, BLOCK_D, False, BAND, SEGMENTS and SPARSE, DROPOUT, GROUPED,
+                                  BLOCK_N, BLOCK_D, False, SEGMENTS and SPARSE, DROPOUT, GROUPED,
                                   PRECISION, TMA)
     for pos in range(full_end, end, BLOCK_N):
         start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
                                   stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb,
-                                  start_n, offs_m, qseg, seqlen_k, qk_scale, band_lo, band_hi, seed,
+                                  start_n, offs_m, first, stop, holes, seqlen_k, qk_scale, seed,
                                   threshold, drop_scale, qpos, k_pos0, pos_stride, HEAD_DIM, BLOCK_M,
-                                  BLOCK_N, BLOCK_D, True, BAND, SEGMENTS, DROPOUT, GROUPED, PRECISION,
+                                  BLOCK_N, BLOCK_D, True, SEGMENTS, DROPOUT, GROUPED, PRECISION,
                                   TMA)
 
     empty = l_i == 0.0  # saw no key at all: out 0, lse -inf
@@ -474,11 +512,100 @@ def _sparse_args(mask, lo: int, hi: int, n_rows: int, n_cols: int, transpose: bo
     return (counts, index, counts.stride(0), n_row_blocks if heads > 1 else 0, n_col_blocks), True
 
 
+@triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _min(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
+def _column_runs_kernel(COLS, AHEAD, BEHIND, RUN_END, n, stride_b, BLOCK: tl.constexpr):
+    """Per column of one batch row (program_id(0)): the largest id at or before it (ahead),
+    the smallest id at or after it (behind), padding (-1) skipped in both, and where its
+    run of equal ids ends. Chunks of BLOCK, scanned with a carry: forward, then backward."""
+    base = tl.program_id(0) * stride_b
+    carry = tl.full([], -1, tl.int32)
+    for start in range(0, n, BLOCK):
+        idx = start + tl.arange(0, BLOCK)
+        ids = tl.load(COLS + base + idx, mask=idx < n, other=-1)
+        ahead = tl.maximum(tl.associative_scan(ids, 0, _max), carry)
+        tl.store(AHEAD + base + idx, ahead, mask=idx < n)
+        carry = tl.max(ahead, 0)
+    smallest = tl.full([], 2147483647, tl.int32)
+    run_end = n
+    for chunk in range(0, tl.cdiv(n, BLOCK)):
+        idx = (tl.cdiv(n, BLOCK) - 1 - chunk) * BLOCK + tl.arange(0, BLOCK)
+        ok = idx < n
+        ids = tl.load(COLS + base + idx, mask=ok, other=-1)
+        after = tl.load(COLS + base + idx + 1, mask=idx + 1 < n, other=-2)  # -2: no column
+        behind = tl.minimum(tl.associative_scan(tl.where(ids < 0, 2147483647, ids), 0, _min,
+                                                reverse=True), smallest)
+        ends = tl.minimum(tl.associative_scan(tl.where(ids != after, idx + 1, n), 0, _min,
+                                              reverse=True), run_end)
+        tl.store(BEHIND + base + idx, behind, mask=ok)
+        tl.store(RUN_END + base + idx, ends, mask=ok)
+        smallest = tl.min(behind, 0)
+        run_end = tl.min(ends, 0)
+
+
+@triton.jit
+def _search(SORTED, ids, n, steps, RIGHT: tl.constexpr):
+    """Per id, the first index of the non-decreasing SORTED[:n] whose value is >= the id
+    (> with RIGHT): a binary search of ``steps`` (= bit length of n) halvings."""
+    lo = tl.zeros_like(ids)
+    hi = tl.zeros_like(ids) + n
+    for _ in range(steps):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        val = tl.load(SORTED + mid, mask=active, other=0)
+        right = active & ((val <= ids) if RIGHT else (val < ids))
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(active & ~right, mid, hi)
+    return lo
+
+
+@triton.jit
+def _segment_ranges_kernel(ROWS, AHEAD, BEHIND, RUN_END, OUT, n_rows, n_cols, steps,
+                           stride_rowsb, stride_colsb, stride_op, stride_ob, BLOCK: tl.constexpr):
+    off_b = tl.program_id(1)
+    idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = idx < n_rows
+    ids = tl.load(ROWS + off_b * stride_rowsb + idx, mask=ok, other=-1)
+    col_base = off_b * stride_colsb
+    lo = _search(AHEAD + col_base, ids, n_cols, steps, False)
+    hi = _search(BEHIND + col_base, ids, n_cols, steps, True)
+    some = (lo < hi) & (ids >= 0)
+    run_end = tl.load(RUN_END + col_base + lo, mask=some, other=0)
+    out = OUT + off_b * stride_ob + idx
+    tl.store(out, tl.where(some, lo, n_cols), mask=ok)
+    tl.store(out + stride_op, tl.where(some, hi, 0), mask=ok)
+    tl.store(out + 2 * stride_op, run_end, mask=ok)
+
+
+def segment_ranges(rows_seg: torch.Tensor, cols_seg: torch.Tensor) -> torch.Tensor:
+    """masks.segment_ranges (its definition, in torch ops) in two launches: the columns'
+    scans, then a binary search per row (~20 small ops before: 0.5-0.8 ms on an H200 at
+    32k-128k tokens, paid per pair and kernel in the ring)."""
+    rows, cols = rows_seg.contiguous(), cols_seg.contiguous()
+    (b, n_rows), n_cols = rows.shape, cols.shape[1]
+    runs = torch.empty((3, b, n_cols), dtype=torch.int32, device=cols.device)
+    out = torch.empty((3, b, n_rows), dtype=torch.int32, device=rows.device)
+    block = 64 if _interpreting() else 1024
+    _column_runs_kernel[(b,)](cols, runs[0], runs[1], runs[2], n_cols, cols.stride(0), BLOCK=block)
+    _segment_ranges_kernel[(triton.cdiv(n_rows, block), b)](
+        rows, runs[0], runs[1], runs[2], out, n_rows, n_cols, max(n_cols, 1).bit_length(),
+        rows.stride(0), runs.stride(1), out.stride(0), out.stride(1), BLOCK=block)
+    return out
+
+
 def _ranges(rows_seg, cols_seg, segments: bool):
-    """segment_ranges (4, B, rows) where there are segments, a stand-in otherwise. One
+    """segment_ranges (3, B, rows) where there are segments, a stand-in otherwise. One
     tensor of ids on both sides (one device: queries and keys are the same tokens) gives
-    the same ranges either way round: computed once and kept while the tensor is (~20 small
-    ops, 0.5-0.8 ms on an H200 at 32k-128k tokens, for each of the three kernels)."""
+    the same ranges either way round: computed once and kept while the tensor is."""
     if not segments:
         return rows_seg.view(1, 1, -1)
     if rows_seg is cols_seg:
@@ -498,10 +625,10 @@ def fwd(q, k, v, out, lse, *, softmax_scale: float, mask, accumulate: bool):
     grid = (triton.cdiv(sq, cfg["BLOCK_M"]), b * h)
     _fwd_kernel[grid](
         _source(q, cfg["BLOCK_M"], bd, tma), _source(k, cfg["BLOCK_N"], bd, tma),
-        _source(v, cfg["BLOCK_N"], bd, tma), out, lse, qseg, kseg, ranges, counts, index,
+        _source(v, cfg["BLOCK_N"], bd, tma), out, lse, kseg, ranges, counts, index,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1), qseg.stride(0), kseg.stride(0), ranges.stride(0),
+        lse.stride(0), lse.stride(1), kseg.stride(0), ranges.stride(0), ranges.stride(1),
         h, h // hkv, sq, sk, softmax_scale * LOG2E, lo, hi, *drop[:6], *sparse_strides,
         HEAD_DIM=d, BLOCK_D=bd, BAND=band, SEGMENTS=segments, DROPOUT=drop[6], GROUPED=drop[7],
         SPARSE=sparse, LIST_STAGES=list_stages(cfg, sparse), ACCUMULATE=accumulate,
@@ -510,6 +637,35 @@ def fwd(q, k, v, out, lse, *, softmax_scale: float, mask, accumulate: bool):
 
 
 # ----------------------------------------------------------------------------- backward
+
+
+@triton.jit
+def _delta_kernel(O, DO, DELTA, seqlen, H, stride_ob, stride_os, stride_oh, stride_dob, stride_dos,
+                  stride_doh, stride_db, stride_dh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_S: tl.constexpr):
+    off_b = tl.program_id(1) // H
+    off_h = tl.program_id(1) % H
+    rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    cols = tl.arange(0, BLOCK_D)
+    ok = (rows[:, None] < seqlen) & (cols[None, :] < HEAD_DIM)
+    o = tl.load(O + off_b * stride_ob + off_h * stride_oh + rows[:, None] * stride_os + cols[None, :],
+                mask=ok, other=0.0)
+    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + rows[:, None] * stride_dos + cols[None, :],
+                 mask=ok, other=0.0)
+    tl.store(DELTA + off_b * stride_db + off_h * stride_dh + rows,
+             tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows < seqlen)
+
+
+def delta(out: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
+    """rowsum(do * out) in fp32, (B, H, S), in one pass over the two (B, S, H, D) tensors
+    (last dimension contiguous); the twin's fp32 products take three more."""
+    b, s, h, d = out.shape
+    res = torch.empty((b, h, s), device=out.device, dtype=torch.float32)
+    block_s = 16 if _interpreting() else 64
+    _delta_kernel[(triton.cdiv(s, block_s), b * h)](
+        out, do, res, s, h, out.stride(0), out.stride(1), out.stride(2), do.stride(0), do.stride(1),
+        do.stride(2), res.stride(0), res.stride(1), HEAD_DIM=d, BLOCK_D=block_d(d), BLOCK_S=block_s)
+    return res
 
 
 @triton.jit
@@ -523,12 +679,15 @@ def _load_stats(LSE, DELTA, rows, seqlen_q):
 
 @triton.jit
 def _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, off_b, off_h, stride_qb, stride_qs, stride_qh,
-               stride_dob, stride_dos, stride_doh, start_m, cols, kseg, QSEG, stride_qsegb,
-               seqlen_q, seqlen_k, qk_scale, band_lo, band_hi, seed, threshold, drop_scale,
-               q_pos0, kpos_start, kpos, pos_stride, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
-               BAND: tl.constexpr, SEGMENTS: tl.constexpr, DROPOUT: tl.constexpr,
-               GROUPED: tl.constexpr, PRECISION: tl.constexpr):
+               stride_dob, stride_dos, stride_doh, start_m, cols, first, stop, band_lo, band_hi,
+               seqlen_q,
+               qk_scale, seed, threshold, drop_scale, q_pos0, kpos_start, kpos, pos_stride,
+               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_D: tl.constexpr, MASKED: tl.constexpr, SEGMENTS: tl.constexpr,
+               DROPOUT: tl.constexpr, GROUPED: tl.constexpr, PRECISION: tl.constexpr):
+    """One query tile into a key tile's dK, dV. MASKED: the keys' intervals of queries
+    apply. Padding queries need no test here: they saw nothing (lse -inf), so their
+    probabilities are 0 whatever the tile."""
     rows = start_m + tl.arange(0, BLOCK_M)
     q = _load_block(Q, off_b, off_h, start_m, stride_qb, stride_qs, stride_qh, seqlen_q,
                     BLOCK_M, BLOCK_D, HEAD_DIM, True, False)
@@ -537,13 +696,8 @@ def _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, off_b, off_h, stride_qb, stride_
     lse, delta = _load_stats(LSE, DELTA, rows, seqlen_q)
     # Transposed scores (keys x queries) so the tile products need no transposed store.
     pT = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse[None, :])
-    if (MASKED and BAND) or SEGMENTS:
-        qseg = kseg
-        if SEGMENTS:
-            qseg = _segment_ids(QSEG, off_b, stride_qsegb, rows, seqlen_q)[None, :]
-        # Keys past seqlen_k are zeros and their rows are never stored: no bound needed.
-        pT = _masked(pT, rows[None, :], cols[:, None], seqlen_k, band_lo, band_hi, qseg, kseg,
-                     0.0, False, MASKED and BAND, SEGMENTS)
+    if MASKED:
+        pT = _visible(pT, cols, rows, first, stop, band_lo, band_hi, 0.0, SEGMENTS, True)
     dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
     if DROPOUT:  # dV takes the dropped probabilities, dP the dropped gradient (D unchanged)
         keep = _keep(seed, threshold, off_b, off_h, q_pos0 + rows * pos_stride, kpos_start, kpos,
@@ -567,12 +721,11 @@ def _store_grad(ptrs, mask, grad, ACCUMULATE: tl.constexpr):
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, QSEG, KSEG, RANGES, COUNTS, INDEX,
+def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, RANGES, COUNTS, INDEX,
                  stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                  stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
                  stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-                 stride_lb, stride_lh, stride_deltab, stride_deltah, stride_qsegb, stride_ksegb,
-                 stride_rp,
+                 stride_lb, stride_lh, stride_deltab, stride_deltah, stride_rp, stride_rb,
                  HKV, GROUP, seqlen_q, seqlen_k, qk_scale, sm_scale, band_lo, band_hi,
                  seed, threshold, drop_scale, q_pos0, k_pos0, pos_stride, stride_cp, stride_sh, n_col_blocks,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -593,18 +746,16 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, QSEG, KSEG, RANGES, COUNTS, IN
                     BLOCK_N, BLOCK_D, HEAD_DIM, True, False)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    kseg = cols[:, None]  # placeholder of the right shape when there are no segments
-    if SEGMENTS:
-        kseg = _segment_ids(KSEG, off_b, stride_ksegb, cols, seqlen_k)[:, None]
 
     # Only the query tiles that see this key tile (band negated: rows are keys here), in
     # one loop that masks every tile: splitting off the unmasked tiles, as the forward does,
     # measured 17% slower here without segments and 44% slower with them (benchmarks/NOTES.md),
-    # the mask and the query rows' segment ids being cheap beside four matmuls. Block-sparse:
-    # the index lists of the key block, per query head (rows are key blocks there).
-    begin, full_start, full_end, end = _tile_range(
-        start_n, seqlen_k, seqlen_q, -band_hi, -band_lo, RANGES, off_b, stride_rp, stride_ksegb,
-        BLOCK_N, BLOCK_M, BAND, SEGMENTS)
+    # the mask being cheap beside four matmuls. Block-sparse: the index lists of the key
+    # block, per query head (rows are key blocks there).
+    first, stop, run_stop, _ = _row_bounds(cols, seqlen_k, seqlen_q, -band_hi, -band_lo, RANGES,
+                                           off_b, stride_rp, stride_rb, BAND, SEGMENTS)
+    begin, full_start, full_end, end = _tile_range(start_n, seqlen_k, seqlen_q, -band_hi, -band_lo, first,
+                                                   stop, run_stop, BLOCK_N, BLOCK_M, BAND, SEGMENTS)
     full_start = end
     full_end = end
     row = 0
@@ -619,29 +770,29 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, QSEG, KSEG, RANGES, COUNTS, IN
             start_m = _column(pos, INDEX, row, n_col_blocks, SPARSE)
             dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, lse_base, delta_base, off_b, off_h,
                                 stride_qb, stride_qs, stride_qh, stride_dob, stride_dos,
-                                stride_doh, start_m, cols, kseg, QSEG, stride_qsegb, seqlen_q,
-                                seqlen_k, qk_scale, band_lo, band_hi, seed, threshold, drop_scale,
-                                q_pos0, k_pos0 + start_n * pos_stride, k_pos0 + cols * pos_stride,
-                                pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, BAND,
-                                SEGMENTS, DROPOUT, GROUPED, PRECISION)
+                                stride_doh, start_m, cols, first, stop, band_lo, band_hi, seqlen_q, qk_scale, seed, threshold, drop_scale, q_pos0,
+                                k_pos0 + start_n * pos_stride, k_pos0 + cols * pos_stride,
+                                pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                BLOCK_D, BAND or SEGMENTS, SEGMENTS, DROPOUT,
+                                GROUPED, PRECISION)
         for pos in tl.range(full_start, full_end, BLOCK_M, num_stages=LIST_STAGES):
             start_m = _column(pos, INDEX, row, n_col_blocks, SPARSE)
             dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, lse_base, delta_base, off_b, off_h,
                                 stride_qb, stride_qs, stride_qh, stride_dob, stride_dos,
-                                stride_doh, start_m, cols, kseg, QSEG, stride_qsegb, seqlen_q,
-                                seqlen_k, qk_scale, band_lo, band_hi, seed, threshold, drop_scale,
-                                q_pos0, k_pos0 + start_n * pos_stride, k_pos0 + cols * pos_stride,
-                                pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, BAND,
-                                SEGMENTS and SPARSE, DROPOUT, GROUPED, PRECISION)
+                                stride_doh, start_m, cols, first, stop, band_lo, band_hi, seqlen_q, qk_scale, seed, threshold, drop_scale, q_pos0,
+                                k_pos0 + start_n * pos_stride, k_pos0 + cols * pos_stride,
+                                pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                BLOCK_D, SEGMENTS and SPARSE, SEGMENTS, DROPOUT,
+                                GROUPED, PRECISION)
         for pos in range(full_end, end, BLOCK_M):
             start_m = _column(pos, INDEX, row, n_col_blocks, SPARSE)
             dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, lse_base, delta_base, off_b, off_h,
                                 stride_qb, stride_qs, stride_qh, stride_dob, stride_dos,
-                                stride_doh, start_m, cols, kseg, QSEG, stride_qsegb, seqlen_q,
-                                seqlen_k, qk_scale, band_lo, band_hi, seed, threshold, drop_scale,
-                                q_pos0, k_pos0 + start_n * pos_stride, k_pos0 + cols * pos_stride,
-                                pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, BAND,
-                                SEGMENTS, DROPOUT, GROUPED, PRECISION)
+                                stride_doh, start_m, cols, first, stop, band_lo, band_hi, seqlen_q, qk_scale, seed, threshold, drop_scale, q_pos0,
+                                k_pos0 + start_n * pos_stride, k_pos0 + cols * pos_stride,
+                                pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                BLOCK_D, BAND or SEGMENTS, SEGMENTS, DROPOUT,
+                                GROUPED, PRECISION)
 
     mask = (cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
     dk_ptrs = DK + off_b * stride_dkb + off_hk * stride_dkh + cols[:, None] * stride_dks + offs_d[None, :]
@@ -652,13 +803,14 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, QSEG, KSEG, RANGES, COUNTS, IN
 
 @triton.jit
 def _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb, stride_ks,
-             stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n, rows, qseg, seqlen_k,
-             qk_scale, band_lo, band_hi, seed, threshold, drop_scale, qpos, k_pos0, pos_stride,
+             stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n, rows, first, stop,
+             holes, seqlen_k, qk_scale, band_lo, band_hi, seed, threshold, drop_scale, qpos, k_pos0, pos_stride,
              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              BLOCK_D: tl.constexpr, MASKED: tl.constexpr, BAND: tl.constexpr,
              SEGMENTS: tl.constexpr, DROPOUT: tl.constexpr, GROUPED: tl.constexpr,
              PRECISION: tl.constexpr):
-    # Keys past seqlen_k load as zeros, so they add nothing to dq: only the loads are bounded.
+    """One key tile into a query tile's dQ; MASKED and SEGMENTS as in ``_fwd_tile``.
+    Keys past seqlen_k load as zeros, so they add nothing to dq: only the loads are bounded."""
     k = _load_block(K, off_b, off_hk, start_n, stride_kb, stride_ks, stride_kh, seqlen_k,
                     BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, False)
     v = _load_block(V, off_b, off_hk, start_n, stride_vb, stride_vs, stride_vh, seqlen_k,
@@ -666,11 +818,9 @@ def _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
     p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse[:, None])
     if (MASKED and BAND) or SEGMENTS:
         cols = start_n + tl.arange(0, BLOCK_N)
-        kseg = qseg[:, None]
+        p = _visible(p, rows, cols, first, stop, band_lo, band_hi, 0.0, SEGMENTS)
         if SEGMENTS:
-            kseg = _segment_ids(KSEG, off_b, stride_ksegb, cols, seqlen_k)[None, :]
-        p = _masked(p, rows[:, None], cols[None, :], seqlen_k, band_lo, band_hi, qseg[:, None],
-                    kseg, 0.0, False, MASKED and BAND, SEGMENTS)
+            p = _unpadded(p, cols, KSEG, off_b, stride_ksegb, seqlen_k, holes, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     if DROPOUT:
         kpos = k_pos0 + (start_n + tl.arange(0, BLOCK_N)) * pos_stride
@@ -682,12 +832,12 @@ def _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QSEG, KSEG, RANGES, COUNTS, INDEX,
+def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KSEG, RANGES, COUNTS, INDEX,
                stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
                stride_dqb, stride_dqs, stride_dqh,
-               stride_lb, stride_lh, stride_deltab, stride_deltah, stride_qsegb, stride_ksegb,
-               stride_rp,
+               stride_lb, stride_lh, stride_deltab, stride_deltah, stride_ksegb, stride_rp,
+               stride_rb,
                H, GROUP, seqlen_q, seqlen_k, qk_scale, sm_scale, band_lo, band_hi,
                seed, threshold, drop_scale, q_pos0, k_pos0, pos_stride, stride_cp, stride_sh, n_col_blocks,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -708,39 +858,37 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, QSEG, KSEG, RANGES, COUNTS, INDEX,
     lse, delta = _load_stats(LSE + off_b * stride_lb + off_h * stride_lh,
                              DELTA + off_b * stride_deltab + off_h * stride_deltah, rows, seqlen_q)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    qseg = rows  # placeholder of the right shape when there are no segments
-    if SEGMENTS:
-        qseg = _segment_ids(QSEG, off_b, stride_qsegb, rows, seqlen_q)
     qpos = q_pos0 + rows * pos_stride
 
+    first, stop, run_stop, holes = _row_bounds(rows, seqlen_q, seqlen_k, band_lo, band_hi, RANGES,
+                                               off_b, stride_rp, stride_rb, BAND, SEGMENTS)
     row = 0
     if SPARSE:
         row = off_h * stride_sh + start_m // SPARSE_BLOCK
         start, full_start, full_end, end = _listed_range(COUNTS, stride_cp, row)
     else:
-        start, full_start, full_end, end = _tile_range(
-            start_m, seqlen_q, seqlen_k, band_lo, band_hi, RANGES, off_b, stride_rp, stride_qsegb,
-            BLOCK_M, BLOCK_N, BAND, SEGMENTS)
+        start, full_start, full_end, end = _tile_range(start_m, seqlen_q, seqlen_k, band_lo, band_hi, first,
+                                                       stop, run_stop, BLOCK_M, BLOCK_N, BAND, SEGMENTS)
     for pos in range(start, full_start, BLOCK_N):
         start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
         dq = _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
                       stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n,
-                      rows, qseg, seqlen_k, qk_scale, band_lo, band_hi, seed, threshold, drop_scale,
-                      qpos, k_pos0, pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, BAND,
+                      rows, first, stop, holes, seqlen_k, qk_scale, band_lo, band_hi, seed,
+                      threshold, drop_scale, qpos, k_pos0, pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, BAND,
                       SEGMENTS, DROPOUT, GROUPED, PRECISION)
     for pos in tl.range(full_start, full_end, BLOCK_N, num_stages=LIST_STAGES):
         start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
         dq = _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
                       stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n,
-                      rows, qseg, seqlen_k, qk_scale, band_lo, band_hi, seed, threshold, drop_scale,
-                      qpos, k_pos0, pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, BAND,
+                      rows, first, stop, holes, seqlen_k, qk_scale, band_lo, band_hi, seed,
+                      threshold, drop_scale, qpos, k_pos0, pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, BAND,
                       SEGMENTS and SPARSE, DROPOUT, GROUPED, PRECISION)
     for pos in range(full_end, end, BLOCK_N):
         start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
         dq = _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
                       stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n,
-                      rows, qseg, seqlen_k, qk_scale, band_lo, band_hi, seed, threshold, drop_scale,
-                      qpos, k_pos0, pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, BAND,
+                      rows, first, stop, holes, seqlen_k, qk_scale, band_lo, band_hi, seed,
+                      threshold, drop_scale, qpos, k_pos0, pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, BAND,
                       SEGMENTS, DROPOUT, GROUPED, PRECISION)
 
     mask = (rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
@@ -762,22 +910,22 @@ def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask, accu
     scalars = (h // hkv, sq, sk, softmax_scale * LOG2E, softmax_scale, lo, hi, *drop[:6])
     qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                    v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
-    stat_strides = (lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1),
-                    qseg.stride(0), kseg.stride(0))
+    stat_strides = (lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1))
     if dk is not None:  # key tiles outer: q and do are read in BLOCK_M rows, k and v once
         ranges = _ranges(kseg, qseg, segments)
         (counts, index, *sparse_strides), _ = _sparse_args(mask, lo, hi, sk, sq, True, q.device)
         _dkdv_kernel[(triton.cdiv(sk, dkdv_cfg["BLOCK_N"]), b * hkv)](
-            q, k, v, do, lse, delta, dk, dv, qseg, kseg, ranges, counts, index, *qkv_strides,
+            q, k, v, do, lse, delta, dk, dv, ranges, counts, index, *qkv_strides,
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-            *stat_strides, ranges.stride(0), hkv, *scalars, *sparse_strides,
+            *stat_strides, ranges.stride(0), ranges.stride(1), hkv, *scalars, *sparse_strides,
             LIST_STAGES=list_stages(dkdv_cfg, common["SPARSE"]), **common, **dkdv_cfg)
     if dq is not None:  # query tiles outer: k and v are read in BLOCK_N rows
         ranges = _ranges(qseg, kseg, segments)
         (counts, index, *sparse_strides), _ = _sparse_args(mask, lo, hi, sq, sk, False, q.device)
         _dq_kernel[(triton.cdiv(sq, dq_cfg["BLOCK_M"]), b * h)](
-            q, k, v, do, lse, delta, dq, qseg, kseg, ranges, counts, index, *qkv_strides,
-            dq.stride(0), dq.stride(1), dq.stride(2), *stat_strides, ranges.stride(0), h,
+            q, k, v, do, lse, delta, dq, kseg, ranges, counts, index, *qkv_strides,
+            dq.stride(0), dq.stride(1), dq.stride(2), *stat_strides, kseg.stride(0),
+            ranges.stride(0), ranges.stride(1), h,
             *scalars, *sparse_strides, LIST_STAGES=list_stages(dq_cfg, common["SPARSE"]), **common,
             **dq_cfg)
     return dq, dk, dv

@@ -270,6 +270,19 @@ def test_accumulate_into_empty_state_is_plain_forward(kernel, monkeypatch):
     assert rel_err(out, plain_out) <= 1e-6 and rel_err(lse, plain_lse) <= 1e-6
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
+def test_delta_kernel_matches_twin(dtype):
+    """The backward's delta = rowsum(dout * out) in one Triton pass equals the twin's fp32
+    products, on strided views and a head_dim that is not a power of two."""
+    gen = torch.Generator().manual_seed(3)
+    out = torch.randn(2, 37, 3, 2, 40, generator=gen).to(TRITON_DEVICE, dtype)[:, :, 1]
+    dout = torch.randn(2, 37, 2, 48, generator=gen).to(TRITON_DEVICE, dtype)[..., :40]
+    got = triton_attn.delta(out, dout)
+    want = reference.delta(out, dout)
+    assert got.shape == (2, 2, 37) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kernel", ["twin", "triton"])
 def test_strided_views(kernel, monkeypatch):
     """Inputs sliced out of a packed qkv tensor; outputs written into views of larger buffers."""

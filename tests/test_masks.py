@@ -14,7 +14,7 @@ import torch
 from oracle import F16, F32, TOL, attention_oracle, global_mask, oracle_grads, rel_err
 
 from ringflash.kernels import PairMask, flash_attn, flash_attn_bwd, flash_attn_fwd, interface
-from ringflash.kernels import attn_delta, triton_attn
+from ringflash.kernels import attn_delta, masks, triton_attn
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -193,11 +193,18 @@ def test_bad_window(bad, error):
         flash_attn(q, k, v, window_size=bad)
 
 
-def test_padding_in_the_middle_is_allowed():
-    seg = torch.tensor([[0, 0, -1, -1, 0, 1, 1, -1]])
-    q, k, v, dout = _inputs(1, 8, 1, 1, 16, F32, "cpu")
-    got = _run_flash_attn(q, k, v, dout, segment_ids=seg)
-    _check(q, k, v, dout, global_mask(8, False, segment_ids=seg), F32, got, "mid-pad")
+@pytest.mark.parametrize("impl", ["twin", "triton"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_padding_inside_a_document(impl, causal, monkeypatch):
+    """Padding between a document's tokens is allowed; the kernels' per-row intervals hold
+    it, so only the per-column id test keeps it out (``holes``)."""
+    device = _impl(impl, monkeypatch)
+    ids = [0] * 10 + [-1] * 5 + [0] * 20 + [1] * 7 + [-1] * 3 + [1] * 20 + [2] * 12
+    seg = torch.tensor([ids])
+    q, k, v, dout = _inputs(1, SEQLEN, 2, 1, 16, F32, device)
+    got = _run_flash_attn(q, k, v, dout, causal=causal, segment_ids=seg.to(device))
+    _check(q, k, v, dout, global_mask(SEQLEN, causal, segment_ids=seg), F32, got,
+           f"{impl} mid-document padding causal={causal}")
 
 
 def test_no_double_backward():
@@ -260,6 +267,27 @@ def test_zero_heads_are_named():
     k = torch.randn(1, 8, 1, 16)
     with pytest.raises(ValueError, match="heads must be at least 1"):
         flash_attn(q, k, k)
+
+
+def _monotone_ids(gen, batch, n, pad):
+    """(batch, n) int32 ids that never decrease apart from padding (-1) scattered at rate
+    ``pad``: documents of random lengths, some ids skipped."""
+    ids = torch.cumsum(torch.randint(0, 3, (batch, n), generator=gen) * (torch.rand(batch, n, generator=gen) < 0.15), 1)
+    return torch.where(torch.rand(batch, n, generator=gen) < pad, -1, ids).int()
+
+
+@pytest.mark.parametrize("pad", [0.0, 0.1, 0.6])
+@pytest.mark.parametrize("n_rows,n_cols", [(50, 77), (77, 50), (130, 130), (1, 9)])
+def test_segment_ranges_kernel_matches_definition(pad, n_rows, n_cols):
+    """The two-launch Triton segment_ranges equals masks.segment_ranges (torch ops), rows
+    and columns drawn apart (ids on one side the other lacks), padding inside documents."""
+    gen = torch.Generator().manual_seed(n_rows * 1000 + n_cols + int(pad * 10))
+    rows, cols = _monotone_ids(gen, 2, n_rows, pad), _monotone_ids(gen, 2, n_cols, pad)
+    device = "cuda" if HAS_CUDA else "cpu"
+    got = triton_attn.segment_ranges(rows.to(device), cols.to(device)).cpu()
+    assert torch.equal(got, masks.segment_ranges(rows, cols))
+    same = triton_attn.segment_ranges(cols.to(device), cols.to(device)).cpu()
+    assert torch.equal(same, masks.segment_ranges(cols, cols))
 
 
 def test_segment_ranges_once_per_tensor(monkeypatch):
