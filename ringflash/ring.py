@@ -136,8 +136,8 @@ def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout
     cur, nxt = _kv_buffers(k, v, segments, ring, steps)
     for step, pairs in enumerate(schedule):
         pending = _pass_on(ring, cur, nxt) if step + 1 < steps else []
-        (kv, seg) = cur
-        seg = segments if step == 0 else seg  # the own ids, not their copy in the ring buffer
+        # The own shard's step reads k, v and the ids themselves, not their ring copies.
+        (kv, seg) = ((k, v), segments) if step == 0 else cur
         for pair in pairs:
             flash_attn_fwd(q[:, pair.q], kv[0][:, pair.k], kv[1][:, pair.k],
                            softmax_scale=softmax_scale, mask=_mask(pair, segments, seg, dropout, plan, blocks),
@@ -179,8 +179,8 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
         disjoint = all(a.stop <= b.start for a, b in zip(spans, spans[1:]))
         if disjoint:
             for lo, hi in zip([0] + [r.stop for r in spans], [r.start for r in spans] + [dkv.shape[2]]):
-                if lo < hi:
-                    dkv[:, :, lo:hi].zero_()
+                for rows in dkv.flatten(0, 1)[:, lo:hi] if lo < hi else ():
+                    rows.zero_()  # contiguous pieces: a strided zero_ runs 3x slower
         else:
             dkv.zero_()
         for pair in pairs:
