@@ -374,9 +374,9 @@ def _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb, str
               DROPOUT: tl.constexpr, GROUPED: tl.constexpr, PRECISION: tl.constexpr,
               TMA: tl.constexpr):
     """One key tile of the online softmax. MASKED: the tile may cross a row's bounds or
-    seqlen_k (loads bounded, the rows' intervals applied); SEGMENTS: the intervals and the
-    padding test, for listed blocks that are full but for segments. Both False for the
-    tiles every row sees whole."""
+    seqlen_k (loads bounded, the rows' intervals applied). SEGMENTS: segment ids are in
+    play, so the padding test joins the intervals (a listed block that is full but for
+    segments takes both). Both False for the tiles every row sees whole."""
     k = _load_block(K, off_b, off_hk, start_n, stride_kb, stride_ks, stride_kh, seqlen_k,
                     BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, TMA)
     v = _load_block(V, off_b, off_hk, start_n, stride_vb, stride_vs, stride_vh, seqlen_k,
