@@ -352,6 +352,26 @@ def _listed_range(COUNTS, stride_plane, row):
 
 
 @triton.jit
+def _query_loop(start_m, rows, seqlen_q, seqlen_k, band_lo, band_hi, RANGES, off_b, off_h,
+                stride_rp, stride_rb, COUNTS, stride_cp, stride_sh, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
+                SPARSE: tl.constexpr):
+    """The key loop of a query tile (forward, dQ): its rows' ``_row_bounds`` (first, stop,
+    holes), its block-mask list row (0 without SPARSE) and its loop bounds (start,
+    full_start, full_end, end), from the rows' intervals or the query block's lists."""
+    first, stop, run_stop, holes = _row_bounds(rows, seqlen_q, seqlen_k, band_lo, band_hi, RANGES,
+                                               off_b, stride_rp, stride_rb, BAND, SEGMENTS)
+    row = 0
+    if SPARSE:  # the query block's index lists
+        row = off_h * stride_sh + start_m // SPARSE_BLOCK
+        start, full_start, full_end, end = _listed_range(COUNTS, stride_cp, row)
+    else:
+        start, full_start, full_end, end = _tile_range(start_m, seqlen_q, seqlen_k, band_lo, band_hi, first,
+                                                       stop, run_stop, BLOCK_M, BLOCK_N, BAND, SEGMENTS)
+    return first, stop, holes, row, start, full_start, full_end, end
+
+
+@triton.jit
 def _column(v, INDEX, row, n_col_blocks, SPARSE: tl.constexpr):
     """The column of loop position v: v itself, or with SPARSE the column of virtual column
     v in the blocks INDEX lists for row block ``row``."""
@@ -440,15 +460,9 @@ def _fwd_kernel(Q, K, V, O, LSE, KSEG, RANGES, COUNTS, INDEX,
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     qpos = q_pos0 + offs_m * pos_stride  # global positions, for dropout
 
-    first, stop, run_stop, holes = _row_bounds(offs_m, seqlen_q, seqlen_k, band_lo, band_hi, RANGES,
-                                               off_b, stride_rp, stride_rb, BAND, SEGMENTS)
-    row = 0
-    if SPARSE:  # the query block's index lists
-        row = off_h * stride_sh + start_m // SPARSE_BLOCK
-        start, full_start, full_end, end = _listed_range(COUNTS, stride_cp, row)
-    else:
-        start, full_start, full_end, end = _tile_range(start_m, seqlen_q, seqlen_k, band_lo, band_hi, first,
-                                                       stop, run_stop, BLOCK_M, BLOCK_N, BAND, SEGMENTS)
+    first, stop, holes, row, start, full_start, full_end, end = _query_loop(
+        start_m, offs_m, seqlen_q, seqlen_k, band_lo, band_hi, RANGES, off_b, off_h, stride_rp,
+        stride_rb, COUNTS, stride_cp, stride_sh, BLOCK_M, BLOCK_N, BAND, SEGMENTS, SPARSE)
     for pos in range(start, full_start, BLOCK_N):
         start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
@@ -883,15 +897,9 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KSEG, RANGES, COUNTS, INDEX,
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     qpos = q_pos0 + rows * pos_stride
 
-    first, stop, run_stop, holes = _row_bounds(rows, seqlen_q, seqlen_k, band_lo, band_hi, RANGES,
-                                               off_b, stride_rp, stride_rb, BAND, SEGMENTS)
-    row = 0
-    if SPARSE:
-        row = off_h * stride_sh + start_m // SPARSE_BLOCK
-        start, full_start, full_end, end = _listed_range(COUNTS, stride_cp, row)
-    else:
-        start, full_start, full_end, end = _tile_range(start_m, seqlen_q, seqlen_k, band_lo, band_hi, first,
-                                                       stop, run_stop, BLOCK_M, BLOCK_N, BAND, SEGMENTS)
+    first, stop, holes, row, start, full_start, full_end, end = _query_loop(
+        start_m, rows, seqlen_q, seqlen_k, band_lo, band_hi, RANGES, off_b, off_h, stride_rp,
+        stride_rb, COUNTS, stride_cp, stride_sh, BLOCK_M, BLOCK_N, BAND, SEGMENTS, SPARSE)
     for pos in range(start, full_start, BLOCK_N):
         start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
         dq = _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
