@@ -69,20 +69,20 @@ def _shown(field: str, values) -> list:
     return list(values)
 
 
-def _check_ranks_agree(ring: Ring, signature: list[int] | None, error: Exception | None,
-                       device: torch.device) -> None:
+def _check_ranks_agree(ring: Ring, signature: list[int] | None, error: Exception | None) -> None:
     """Raise on every rank if any rank rejected its arguments or the ranks disagree.
 
     ``signature`` is None on a rank whose own checks failed with ``error``: it still joins
     the all-gather, so the other ranks learn of it instead of waiting in the ring.
-    Costs one all-gather of 19 int64 and one host synchronization per call (two with a
-    block mask, whose checksum is reduced first). It runs on
-    every call rather than once per signature: a rank that skipped it because its own
+    Costs one all-gather of 19 int64 per call on the host (``exchange.host_group``: gloo),
+    which waits for the other ranks' hosts but not for the GPU (a block mask's checksum
+    is reduced on its device the first time the mask is seen). It runs on every call
+    rather than once per signature: a rank that skipped it because its own
     signature was cached, while another rank's changed, would leave that rank waiting in a
     collective nobody else joins.
     """
     mine = [1, *signature] if signature is not None else [0] * (1 + len(_SIGNATURE_FIELDS))
-    everyone = ring.all_gather_ints(mine, device)
+    everyone = ring.all_gather_ints(mine)
     rejected = [rank for rank, row in enumerate(everyone) if row[0] == 0]
     if error is not None:
         raise error
@@ -197,14 +197,12 @@ def _check_local_on_every_rank(*args, group):
     """``_check_local``; if it fails on one rank of a ring, every rank raises (the failing
     rank joins the agreement all-gather that the others run inside the op)."""
     ring = Ring(group)
-    q = args[0]
     try:
         return _check_local(*args, ring.world)
     except (TypeError, ValueError) as error:
         if not (ring.world > 1 and _RANK_CHECK):
             raise
-        device = q.device if isinstance(q, torch.Tensor) and q.is_cuda else ring.collective_device()
-        _check_ranks_agree(ring, None, error, device)
+        _check_ranks_agree(ring, None, error)
         raise  # not reached: _check_ranks_agree raises ``error``
 
 

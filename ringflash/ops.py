@@ -17,7 +17,8 @@ regions).
 
 The ops are functional (they return new tensors) and tagged ``cudagraph_unsafe``:
 inductor's CUDA-graph mode (mode="reduce-overhead") runs them outside its graphs, since
-the agreement check synchronizes the host (see README, "CUDA graphs").
+the agreement check is a host-side collective that a graph cannot replay (see README,
+"CUDA graphs").
 """
 
 from __future__ import annotations
@@ -61,10 +62,10 @@ def _agreed_ring(q, k, segments, blocks, causal, layout, softmax_scale, window, 
                  requires_grad, group_name) -> Ring:
     """The ring this call runs on, with its transport, once every rank agrees on the call.
 
-    The agreement check (``api._check_ranks_agree``: one all-gather of 19 int64 and one
-    host synchronization) runs here, inside the op, on every call of a ring of more than
-    one rank unless RINGFLASH_RANK_CHECK=0, and except while a CUDA graph is being
-    captured: a capture cannot synchronize the host, and the eager warm-up iterations that
+    The agreement check (``api._check_ranks_agree``: one all-gather of 19 int64 on the
+    host, never waiting for the GPU) runs here, inside the op, on every call of a ring of
+    more than one rank unless RINGFLASH_RANK_CHECK=0, and except while a CUDA graph is
+    being captured: a graph replays GPU work only, and the eager warm-up iterations that
     every capture of NCCL work needs anyway ran the check on the same calls.
     """
     from . import api  # api imports this module
@@ -76,11 +77,11 @@ def _agreed_ring(q, k, segments, blocks, causal, layout, softmax_scale, window, 
     except ValueError as error:
         if not check:
             raise
-        api._check_ranks_agree(ring, None, error, ring.collective_device())
+        api._check_ranks_agree(ring, None, error)
     if check:
         signature = api._signature(q, k, causal, layout, softmax_scale, requires_grad, kind, window,
                                    segments, dropout, blocks)
-        api._check_ranks_agree(ring, signature, None, q.device)
+        api._check_ranks_agree(ring, signature, None)
     if kind == "peer" and ring.world > 1:
         ring = PeerRing(ring.group)
     return ring

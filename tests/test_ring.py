@@ -433,6 +433,41 @@ def test_ranks_disagree_every_rank_raises(worlds, field):
         assert after is None, after
 
 
+def check_on_a_host_group(rank, world):
+    """The world group taken for NCCL: the rank check must gather on a gloo group of its
+    own (made once, then reused), never on the ring's group itself."""
+    from ringflash import exchange
+    gathered_on, real_is_nccl, real_gather = [], exchange._is_nccl, dist.all_gather
+
+    def all_gather(tensors, tensor, group=None, **kw):
+        if tensor.dtype == torch.int64:  # not unshard's gathers of the data
+            gathered_on.append(group)
+        return real_gather(tensors, tensor, group=group, **kw)
+    exchange._is_nccl, dist.all_gather = (lambda group: True), all_gather
+    try:
+        calls = [disagreeing_call(rank, world, "causal") for _ in range(2)]
+    finally:
+        exchange._is_nccl, dist.all_gather = real_is_nccl, real_gather
+    host = exchange._HOST_GROUPS.pop(dist.group.WORLD.group_name, None)
+    backend = None if host is None else str(dist.get_backend(host))
+    return calls, host is not None and host is not dist.group.WORLD, backend, \
+        [g is host for g in gathered_on]
+
+
+def test_rank_check_of_an_nccl_group_gathers_on_a_host_group(worlds):
+    """An NCCL group's agreement check is a host all-gather over a gloo twin of the group
+    (no GPU synchronization), made once and reused; disagreements still raise everywhere
+    and the ring works after them."""
+    for rank, (calls, own_group, backend, on_host) in enumerate(worlds(2).run(check_on_a_host_group,
+                                                                                timeout=60)):
+        for caught, after in calls:
+            assert caught is not None and caught[0] == "ValueError", (rank, caught)
+            assert "disagree on causal:" in caught[1], (rank, caught)
+            assert after is None, after
+        assert own_group and backend == "gloo", (rank, own_group, backend)
+        assert len(on_host) == 4 and all(on_host), (rank, on_host)  # 2 disagreeing + 2 valid calls
+
+
 @pytest.mark.parametrize("case", list(LOCAL_CASES))
 def test_bad_local_input_every_rank_raises(worlds, case):
     per_rank = worlds(4).run(local_bad_call, case, timeout=30)
