@@ -36,16 +36,18 @@ POINTERS = {"O": "*bf16", "LSE": "*fp32", "DELTA": "*fp32", "QSEG": "*i32", "KSE
 ONES = ("GROUP", "pos_stride")  # equal to 1 at these launches: Triton specializes them
 
 
-def compile_kernel(which: str, head_dim: int, dropout: bool, sparse: bool = False):
-    """The compiled kernel and its launch options (sparse: reading block-mask index lists)."""
+def compile_kernel(which: str, head_dim: int, dropout: bool, sparse: bool = False,
+                   band: bool = False, segments: bool = False):
+    """The compiled kernel and its launch options (sparse: reading block-mask index lists;
+    band, segments: the masked variants)."""
     if which == "fwd":
         fn, cfg = T._fwd_kernel, T.fwd_config(head_dim, torch.bfloat16)
     else:
         dkdv_cfg, dq_cfg = T.bwd_config(head_dim, torch.bfloat16, sparse)
         fn, cfg = (T._dkdv_kernel, dkdv_cfg) if which == "dkdv" else (T._dq_kernel, dq_cfg)
     bd = T.block_d(head_dim)
-    consts = dict(HEAD_DIM=head_dim, BLOCK_D=bd, BAND=False, SEGMENTS=False, SPARSE=sparse,
-                  LIST_STAGES=T.list_stages(cfg, sparse), DROPOUT=dropout,
+    consts = dict(HEAD_DIM=head_dim, BLOCK_D=bd, BAND=band, SEGMENTS=segments, SPARSE=sparse,
+                  LIST_STAGES=T.list_stages(cfg, sparse, segments and which != "dkdv"), DROPOUT=dropout,
                   GROUPED=dropout, ACCUMULATE=False, PRECISION="tf32",
                   BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], **{n: 1 for n in ONES})
     signature, attrs = {}, {}

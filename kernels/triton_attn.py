@@ -103,14 +103,18 @@ def bwd_config(head_dim: int, dtype: torch.dtype, sparse: bool = False) -> tuple
             dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3))
 
 
-def list_stages(cfg: dict, sparse: bool) -> int | None:
+def list_stages(cfg: dict, sparse: bool, column_ids: bool = False) -> int | None:
     """Pipeline stages of a kernel's loop over the full blocks a block mask lists (None:
     the launch's). The list entry is a load the tile loads' addresses wait on, and Triton's
     pipeliner shares the stages out between the two levels, (stages - 1) // 2 of prefetch
     each: 2 s - 1 stages keep the tiles' prefetch distance of the dense loop, s - 1.
-    With s, the forward's tiles were prefetched one step ahead instead of two (-14%)."""
+    With s, the forward's tiles were prefetched one step ahead instead of two (-14%).
+    Not when the loop also reads the key tiles' segment ids (column_ids: the forward and
+    dQ with segments): the pipeliner then gives every stage its own K and V buffers, and
+    2 s - 1 = 5 stages of 128 x 128 tiles ask 320 KB of shared memory, past the 227 KB a
+    Hopper block can have (the launch fails); those keep s."""
     stages = cfg["num_stages"]
-    return 2 * stages - 1 if sparse and stages > 1 else None
+    return 2 * stages - 1 if sparse and stages > 1 and not column_ids else None
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -668,7 +672,7 @@ def fwd(q, k, v, out, lse, *, softmax_scale: float, mask, accumulate: bool):
         lse.stride(0), lse.stride(1), kseg.stride(0), ranges.stride(0), ranges.stride(1),
         h, h // hkv, sq, sk, softmax_scale * LOG2E, lo, hi, *drop[:6], *sparse_strides,
         HEAD_DIM=d, BLOCK_D=bd, BAND=band, SEGMENTS=segments, DROPOUT=drop[6], GROUPED=drop[7],
-        SPARSE=sparse, LIST_STAGES=list_stages(cfg, sparse), ACCUMULATE=accumulate,
+        SPARSE=sparse, LIST_STAGES=list_stages(cfg, sparse, segments), ACCUMULATE=accumulate,
         PRECISION=_dot_precision(q.dtype), TMA=tma, **cfg)
     return out, lse
 
@@ -957,6 +961,6 @@ def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask, accu
             q, k, v, do, lse, delta, dq, kseg, ranges, counts, index, *qkv_strides,
             dq.stride(0), dq.stride(1), dq.stride(2), *stat_strides, kseg.stride(0),
             ranges.stride(0), ranges.stride(1), h,
-            *scalars, *sparse_strides, LIST_STAGES=list_stages(dq_cfg, common["SPARSE"]), **common,
+            *scalars, *sparse_strides, LIST_STAGES=list_stages(dq_cfg, common["SPARSE"], segments), **common,
             **dq_cfg)
     return dq, dk, dv

@@ -118,6 +118,28 @@ def test_block_sparse_loop_prefetches_like_dense(tmp_path, results_untouched):
         assert sparse[-2:] == [max(dense)] * 2, (which, dense, sparse)
 
 
+HOPPER_SHARED_BYTES = 227 * 1024  # the most dynamic shared memory one block can have
+
+
+def test_every_masked_variant_fits_hopper_shared_memory(tmp_path):
+    """Compiled for sm_90 here (no GPU): the heaviest variant of each kernel, band, segment
+    ids, a block mask and dropout at once, head_dim 128, asks no more shared memory than a
+    Hopper block has. The forward with segments and a block mask once asked 320 KB: its
+    launch failed on the GPU and nothing on the CPU noticed."""
+    import triton
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("this triton ships no ptxas")
+    script = ("from sass_loops import compile_kernel\n"  # compiles, whatever TRITON_INTERPRET says
+              "for which in ('fwd', 'dq', 'dkdv'):\n"
+              "    kernel, _ = compile_kernel(which, 128, dropout=True, sparse=True, band=True, segments=True)\n"
+              "    print(which, 'shared', kernel.metadata.shared)\n")
+    out = _run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(BENCH)!r})\n" + script], tmp_path)
+    shared = dict(re.findall(r"(\w+) shared (\d+)", out))
+    assert sorted(shared) == ["dkdv", "dq", "fwd"], out
+    for which, size in shared.items():
+        assert int(size) <= HOPPER_SHARED_BYTES, (which, size)
+
+
 def test_result_names_come_from_the_device():
     sys.path.insert(0, str(BENCH))
     try:
