@@ -46,8 +46,9 @@ def compile_kernel(which: str, head_dim: int, dropout: bool, sparse: bool = Fals
         dkdv_cfg, dq_cfg = T.bwd_config(head_dim, torch.bfloat16, sparse)
         fn, cfg = (T._dkdv_kernel, dkdv_cfg) if which == "dkdv" else (T._dq_kernel, dq_cfg)
     bd = T.block_d(head_dim)
+    column_ids = segments and which != "dkdv"  # as fwd() and bwd() launch them
     consts = dict(HEAD_DIM=head_dim, BLOCK_D=bd, BAND=band, SEGMENTS=segments, SPARSE=sparse,
-                  LIST_STAGES=T.list_stages(cfg, sparse, segments and which != "dkdv"), DROPOUT=dropout,
+                  LIST_STAGES=T.list_stages(cfg, sparse, column_ids), DROPOUT=dropout,
                   GROUPED=dropout, ACCUMULATE=False, PRECISION="tf32",
                   BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], **{n: 1 for n in ONES})
     signature, attrs = {}, {}

@@ -961,6 +961,7 @@ def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask, accu
             q, k, v, do, lse, delta, dq, kseg, ranges, counts, index, *qkv_strides,
             dq.stride(0), dq.stride(1), dq.stride(2), *stat_strides, kseg.stride(0),
             ranges.stride(0), ranges.stride(1), h,
-            *scalars, *sparse_strides, LIST_STAGES=list_stages(dq_cfg, common["SPARSE"], segments), **common,
+            *scalars, *sparse_strides,
+            LIST_STAGES=list_stages(dq_cfg, common["SPARSE"], segments), **common,
             **dq_cfg)
     return dq, dk, dv
