@@ -30,7 +30,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from ringflash.kernels import triton_attn as T  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-POINTERS = {"O": "*bf16", "LSE": "*fp32", "DELTA": "*fp32", "QSEG": "*i32", "KSEG": "*i32",
+POINTERS = {"O": "*bf16", "O_IN": "*fp32", "DQ_IN": "*fp32", "DK_IN": "*fp32", "DV_IN": "*fp32", "LSE": "*fp32", "DELTA": "*fp32", "QSEG": "*i32", "KSEG": "*i32",
             "RANGES": "*i32", **{n: "*i32" for n in ("COUNTS", "INDEX")},
             **{n: "*bf16" for n in ("Q", "K", "V", "DO", "DK", "DV", "DQ")}}
 ONES = ("GROUP", "pos_stride")  # equal to 1 at these launches: Triton specializes them
@@ -49,7 +49,7 @@ def compile_kernel(which: str, head_dim: int, dropout: bool, sparse: bool = Fals
     column_ids = segments and which != "dkdv"  # as fwd() and bwd() launch them
     consts = dict(HEAD_DIM=head_dim, BLOCK_D=bd, BAND=band, SEGMENTS=segments, SPARSE=sparse,
                   LIST_STAGES=T.list_stages(cfg, sparse, column_ids), DROPOUT=dropout,
-                  GROUPED=dropout, ACCUMULATE=False, PRECISION="tf32",
+                  GROUPED=dropout, ACCUMULATE=False, PRECISION="tf32", BAND_BLOCK=1,
                   BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], **{n: 1 for n in ONES})
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):

@@ -173,6 +173,19 @@ def _check_outputs(**tensors) -> None:
             raise ValueError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
 
 
+def _check_partials(accumulate: bool, **pairs) -> None:
+    """Each (destination, partial): a partial needs accumulate and the destination's layout."""
+    for name, (dest, partial) in pairs.items():
+        if partial is None:
+            continue
+        if not accumulate:
+            raise ValueError(f"{name}_partial needs accumulate=True")
+        if dest is None or partial.shape != dest.shape or partial.stride() != dest.stride():
+            raise ValueError(f"{name}_partial must have {name}'s shape and strides, got "
+                             f"{tuple(partial.shape)} / {partial.stride()} for "
+                             f"{None if dest is None else (tuple(dest.shape), dest.stride())}")
+
+
 # ----------------------------------------------------------------------------- per-block entry points
 
 
@@ -186,7 +199,8 @@ def _pair_mask(mask: Optional[PairMask], causal_offset: Optional[int]) -> PairMa
 
 def flash_attn_fwd(q, k, v, *, softmax_scale: float, mask: Optional[PairMask] = None,
                    causal_offset: Optional[int] = None, out: Optional[torch.Tensor] = None,
-                   lse: Optional[torch.Tensor] = None, accumulate: bool = False):
+                   lse: Optional[torch.Tensor] = None, accumulate: bool = False,
+                   out_partial: Optional[torch.Tensor] = None):
     """Attention of one (query block, key block) pair, returning ``(out, lse)``.
 
     q (B, Sq, H, D); k, v (B, Sk, Hkv, D); Sq and Sk may differ.
@@ -198,18 +212,22 @@ def flash_attn_fwd(q, k, v, *, softmax_scale: float, mask: Optional[PairMask] = 
     accumulate: out/lse already hold a partial result for the same queries (normalized
         out and its lse; lse = -inf for none yet); the result is its exact merge with this
         block's, written in place. Keep such a running out in fp32.
+    out_partial: with accumulate, the running output to merge with when it is not ``out``
+        itself (same shape and strides as out): the last of several blocks can read fp32
+        sums and write the final out in q's dtype, with no pass of its own.
     A row that sees no key has out 0 and lse -inf.
     """
     if accumulate and (out is None or lse is None):
         raise ValueError("accumulate=True needs the running out and lse")
     _check_outputs(out=out, lse=lse)
+    _check_partials(accumulate, out=(out, out_partial))
     b, sq, h, d = q.shape
     if out is None:
         out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     if lse is None:
         lse = torch.empty((b, h, sq), device=q.device, dtype=torch.float32)
     _backend(q).fwd(_rowmajor(q), _rowmajor(k), _rowmajor(v), out, lse, softmax_scale=softmax_scale,
-                    mask=_pair_mask(mask, causal_offset), accumulate=accumulate)
+                    mask=_pair_mask(mask, causal_offset), accumulate=accumulate, out_partial=out_partial)
     return out, lse
 
 
@@ -228,7 +246,8 @@ def attn_delta(out: torch.Tensor, dout: torch.Tensor,
 
 def flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float,
                    mask: Optional[PairMask] = None, causal_offset: Optional[int] = None,
-                   accumulate: bool = False):
+                   accumulate: bool = False, dq_partial: Optional[torch.Tensor] = None,
+                   dk_partial: Optional[torch.Tensor] = None, dv_partial: Optional[torch.Tensor] = None):
     """Gradients of one block pair, written (or, with accumulate, added) into dq, dk, dv.
 
     dout, q, dq (B, Sq, H, D); k, v, dk, dv (B, Sk, Hkv, D); lse, delta (B, H, Sq) fp32:
@@ -236,13 +255,16 @@ def flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: floa
     out. Accumulators should be fp32; views are fine. dq=None skips dQ, and dk=dv=None
     skips dK and dV (they are separate passes, so a caller may run them apart).
     mask / causal_offset: as in ``flash_attn_fwd``.
+    dq_partial, dk_partial, dv_partial: with accumulate, the running sum a gradient adds to
+        when it is not the gradient itself (same shape and strides), as ``out_partial``.
     """
     if (dk is None) != (dv is None):
         raise ValueError("dk and dv are computed together: pass both or neither")
     _check_outputs(lse=lse, delta=delta, dq=dq, dk=dk, dv=dv)
+    _check_partials(accumulate, dq=(dq, dq_partial), dk=(dk, dk_partial), dv=(dv, dv_partial))
     _backend(q).bwd(_rowmajor(dout), _rowmajor(q), _rowmajor(k), _rowmajor(v), lse, delta, dq, dk,
                     dv, softmax_scale=softmax_scale, mask=_pair_mask(mask, causal_offset),
-                    accumulate=accumulate)
+                    accumulate=accumulate, partials=(dq_partial, dk_partial, dv_partial))
     return dq, dk, dv
 
 

@@ -2,7 +2,8 @@
 
 One mechanism for every mask (DESIGN.md, Masks). Key j of a pair is visible to query i iff
 
-    band_lo <= j - i <= band_hi          (local indices; None = unbounded on that side)
+    band_lo <= j - i <= band_hi          (local indices; None = unbounded on that side;
+                                          i rounded down to a multiple of band_block)
     and, with segment ids, q_segments[b, i] == k_segments[b, j] >= 0
     and, with a block mask, blocks[h, i // BLOCK, j // BLOCK]
 
@@ -15,6 +16,12 @@ pair, the ids that are not -1 must not decrease along the rows (documents are co
 runs): that is what lets a row find the keys of its document as one interval. A block
 mask (block-sparse attention) marks which (BLOCK x BLOCK) blocks of the pair are computed
 at all; the elements of a computed block follow the band and the segment ids.
+
+A band with ``band_block`` Q > 1 is measured from the first row of the query's block of Q
+rows, not from the query itself: the causal mask between two shards of the block-stripe
+layout (ringflash.layouts), whose rows are runs of Q consecutive global positions, is
+``band_hi = Q - 1`` (a key block at or before the query block) or ``-1`` (strictly before),
+and leaves every Q x Q block wholly visible or wholly hidden.
 """
 
 from __future__ import annotations
@@ -33,8 +40,9 @@ BLOCK = 128
 class PairMask(NamedTuple):
     """The mask of one (query block, key block) pair.
 
-    band_lo, band_hi: key j visible to query i only if band_lo <= j - i <= band_hi (None:
-        unbounded). ``PairMask.causal(o)`` is j <= i + o.
+    band_lo, band_hi: key j visible to query i only if band_lo <= j - i' <= band_hi (None:
+        unbounded), i' = i rounded down to a multiple of ``band_block`` (1: i itself).
+        ``PairMask.causal(o)`` is j <= i + o.
     q_segments (B, Sq), k_segments (B, Sk): int32 contiguous segment ids, or both None.
     dropout_p, seed: attention dropout (kernels/dropout.py), keyed by global positions:
     pos = (q_pos, k_pos, stride): query i of the pair is at q_pos + i * stride, key j at
@@ -42,6 +50,7 @@ class PairMask(NamedTuple):
     blocks: a ``Blocks`` over (heads or 1, cdiv(Sq, BLOCK), cdiv(Sk, BLOCK)), or None:
         block (a, c) holds queries [a * BLOCK, (a + 1) * BLOCK) and keys
         [c * BLOCK, (c + 1) * BLOCK) of the pair; False blocks are never computed.
+    band_block: see band_lo (not combined with blocks).
     """
 
     band_lo: Optional[int] = None
@@ -52,6 +61,7 @@ class PairMask(NamedTuple):
     seed: int = 0
     pos: Optional[tuple[int, int, int]] = None
     blocks: Optional["Blocks"] = None
+    band_block: int = 1
 
     @classmethod
     def causal(cls, offset: Optional[int]) -> "PairMask":
@@ -77,7 +87,7 @@ def visible(qi: torch.Tensor, kj: torch.Tensor, mask: PairMask):
     (len(qi), len(kj)), or (B, len(qi), len(kj)) with segment ids, or with a block mask
     (B or 1, heads or 1, len(qi), len(kj)). qi, kj: local row indices."""
     ok = None
-    diff = kj[None, :] - qi[:, None]
+    diff = kj[None, :] - (qi // mask.band_block * mask.band_block)[:, None]
     if mask.band_lo is not None:
         ok = diff >= mask.band_lo
     if mask.band_hi is not None:

@@ -69,8 +69,10 @@ def _grouped(q, kv_heads):
     return q.view(b, s, kv_heads, h // kv_heads, d)
 
 
-def fwd(q, k, v, out, lse, *, softmax_scale: float, mask: PairMask, accumulate: bool):
-    """Write (or merge into) out (B, Sq, H, D) and lse (B, H, Sq) for this block pair."""
+def fwd(q, k, v, out, lse, *, softmax_scale: float, mask: PairMask, accumulate: bool,
+        out_partial=None):
+    """Write (or merge into) out (B, Sq, H, D) and lse (B, H, Sq) for this block pair;
+    accumulating, the running output is read from ``out_partial`` when given."""
     b, sq, h, d = q.shape
     hkv = k.shape[2]
     g = h // hkv
@@ -79,7 +81,8 @@ def fwd(q, k, v, out, lse, *, softmax_scale: float, mask: PairMask, accumulate: 
     if accumulate:
         m = lse.view(b, hkv, g, sq).clone()
         l = torch.ones_like(m)
-        acc = out.float().view(b, sq, hkv, g, d).permute(0, 2, 3, 1, 4).clone()
+        acc = (out if out_partial is None else out_partial).float().view(b, sq, hkv, g, d)
+        acc = acc.permute(0, 2, 3, 1, 4).clone()
     else:
         m = torch.full((b, hkv, g, sq), -math.inf, device=q.device)
         l = torch.zeros_like(m)
@@ -107,9 +110,10 @@ def delta(out, do):
 
 
 def bwd(do, q, k, v, lse, delta_, dq, dk, dv, *, softmax_scale: float, mask: PairMask,
-        accumulate: bool):
+        accumulate: bool, partials=(None, None, None)):
     """Write (or add into) dq, dk, dv for this block pair, from the FINAL lse and delta;
-    a gradient passed as None is skipped."""
+    a gradient passed as None is skipped. Accumulating, a gradient's running sum is read
+    from its entry of ``partials`` when given (else from the gradient itself)."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     g = h // hkv
@@ -130,11 +134,11 @@ def bwd(do, q, k, v, lse, delta_, dq, dk, dv, *, softmax_scale: float, mask: Pai
         dq_acc += torch.einsum("bhgqk,bkhd->bqhgd", ds, kb)
         dk_acc[:, start:end] = torch.einsum("bhgqk,bqhgd->bkhd", ds, qg)
         dv_acc[:, start:end] = torch.einsum("bhgqk,bqhgd->bkhd", _dropped(p, mask, start, end, hkv), dog)
-    for grad, new in ((dq, dq_acc.view(b, sq, h, d)), (dk, dk_acc), (dv, dv_acc)):
+    for grad, new, partial in zip((dq, dk, dv), (dq_acc.view(b, sq, h, d), dk_acc, dv_acc), partials):
         if grad is None:
             continue
         if accumulate:
-            grad.add_(new)
+            grad.copy_((grad if partial is None else partial).float() + new)
         else:
             grad.copy_(new)
     return dq, dk, dv

@@ -15,6 +15,8 @@ indices and segment ids, never an N x N tensor:
     band      key j visible to query i only if band_lo <= j - i <= band_hi (``BAND``; an
               unbounded side is a sentinel). Causal with diagonal offset o is band_hi = o;
               a sliding window on global positions becomes a band of the pair's local rows.
+              With BAND_BLOCK = Q > 1, i is rounded down to a multiple of Q first (the
+              causal mask between two block-stripe shards, masks.PairMask).
     segments  only if qseg_i == kseg_j >= 0 (``SEGMENTS``: packed documents, padding = -1).
               Each query row carries the hull of the key rows its id occupies (and each key
               row that of the query rows), since a pair's non-padding ids never decrease.
@@ -279,26 +281,54 @@ def _keep(seed, threshold, off_b, off_h, qpos, kpos_start, kpos, BLOCK_M: tl.con
 
 
 @triton.jit
+def _floor_to(x, Q: tl.constexpr):
+    """x rounded down to a multiple of Q (x of either sign; integer division truncates)."""
+    return tl.where(x >= 0, x // Q, -((Q - 1 - x) // Q)) * Q
+
+
+@triton.jit
+def _band_interval(rows, lo, hi, BAND_BLOCK: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """[first, stop) of the columns the band leaves each of ``rows`` (a tensor or a scalar):
+    query rows i see keys c with lo <= c - i' <= hi, i' = i rounded down to a multiple of
+    BAND_BLOCK. TRANSPOSED: rows are keys and columns queries (the dK/dV kernel), the same
+    band read the other way: i' in [c - hi, c - lo]. Non-decreasing in the row either way."""
+    if BAND_BLOCK == 1:
+        if TRANSPOSED:
+            first, stop = rows - hi, rows - lo + 1
+        else:
+            first, stop = rows + lo, rows + hi + 1
+    elif TRANSPOSED:
+        first = _floor_to(rows - hi + BAND_BLOCK - 1, BAND_BLOCK)
+        stop = _floor_to(rows - lo, BAND_BLOCK) + BAND_BLOCK
+    else:
+        base = rows // BAND_BLOCK * BAND_BLOCK
+        first, stop = base + lo, base + hi + 1
+    return first, stop
+
+
+@triton.jit
 def _row_bounds(rows, n_rows, n_cols, lo, hi, RANGES, off_b, stride_plane, stride_b,
-                BAND: tl.constexpr, SEGMENTS: tl.constexpr):
+                BAND: tl.constexpr, SEGMENTS: tl.constexpr, BAND_BLOCK: tl.constexpr,
+                TRANSPOSED: tl.constexpr):
     """What each row of a tile may see, as column intervals: (first, stop, run_stop, holes).
 
-    Row r sees at most the columns [first[r], stop[r]): those with lo <= c - r <= hi (BAND),
-    within [0, n_cols), and (SEGMENTS) within the hull of the columns carrying its segment
+    Row r sees at most the columns [first[r], stop[r]): those the band leaves it (BAND,
+    ``_band_interval``), within [0, n_cols), and (SEGMENTS) within the hull of the columns carrying its segment
     id; rows past n_rows see none. The columns [first[r], run_stop[r]) carry its id, every
     one (= stop without segments). ``holes``: some row's hull holds padding columns
     between its own, which only the per-column id test (``_unpadded``) masks; otherwise
     the intervals are the whole predicate, two comparisons an element.
 
     RANGES (3, B, n_rows) int32, per row: hull [lo, hi) and run end (masks.segment_ranges).
-    Rows are queries and columns keys in the forward and dQ kernels; the reverse, with the
-    band negated, in dK/dV."""
+    Rows are queries and columns keys in the forward and dQ kernels; the reverse
+    (TRANSPOSED) in dK/dV."""
     ok = rows < n_rows
     first = tl.zeros_like(rows)
     stop = tl.where(ok, n_cols, 0)
     if BAND:
-        first = tl.maximum(first, rows + lo)
-        stop = tl.minimum(stop, rows + hi + 1)
+        band_first, band_stop = _band_interval(rows, lo, hi, BAND_BLOCK, TRANSPOSED)
+        first = tl.maximum(first, band_first)
+        stop = tl.minimum(stop, band_stop)
     run_stop = stop
     holes = False
     if SEGMENTS:
@@ -314,7 +344,8 @@ def _row_bounds(rows, n_rows, n_cols, lo, hi, RANGES, off_b, stride_plane, strid
 
 @triton.jit
 def _tile_range(start_r, n_rows, n_cols, lo, hi, first, stop, run_stop, BLOCK_ROWS: tl.constexpr,
-                BLOCK_COLS: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr):
+                BLOCK_COLS: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
+                BAND_BLOCK: tl.constexpr, TRANSPOSED: tl.constexpr):
     """Loop bounds over the column tiles of the row tile [start_r, start_r + BLOCK_ROWS),
     (start, full_start, full_end, end), from its rows' ``_row_bounds`` (with segments; the
     band alone gives them from the tile's first and last rows). Columns outside
@@ -333,11 +364,13 @@ def _tile_range(start_r, n_rows, n_cols, lo, hi, first, stop, run_stop, BLOCK_RO
         stop_all = n_cols
         full_begin = 0
         full_stop = n_cols
-        if BAND:
-            begin = tl.maximum(start_r + lo, 0)
-            stop_all = tl.minimum(last + hi + 1, n_cols)
-            full_begin = last + lo
-            full_stop = tl.minimum(start_r + hi + 1, n_cols)
+        if BAND:  # the tile's first and last rows bound the others' intervals
+            first_of_first, stop_of_first = _band_interval(start_r, lo, hi, BAND_BLOCK, TRANSPOSED)
+            first_of_last, stop_of_last = _band_interval(last, lo, hi, BAND_BLOCK, TRANSPOSED)
+            begin = tl.maximum(first_of_first, 0)
+            stop_all = tl.minimum(stop_of_last, n_cols)
+            full_begin = first_of_last
+            full_stop = tl.minimum(stop_of_first, n_cols)
     start = begin // BLOCK_COLS * BLOCK_COLS
     end = tl.maximum(stop_all, start)
     full_start = tl.minimum(tl.maximum(start, (full_begin + BLOCK_COLS - 1) // BLOCK_COLS * BLOCK_COLS), end)
@@ -359,19 +392,21 @@ def _listed_range(COUNTS, stride_plane, row):
 def _query_loop(start_m, rows, seqlen_q, seqlen_k, band_lo, band_hi, RANGES, off_b, off_h,
                 stride_rp, stride_rb, COUNTS, stride_cp, stride_sh, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
-                SPARSE: tl.constexpr):
+                SPARSE: tl.constexpr, BAND_BLOCK: tl.constexpr):
     """The key loop of a query tile (forward, dQ): its rows' ``_row_bounds`` (first, stop,
     holes), its block-mask list row (0 without SPARSE) and its loop bounds (start,
     full_start, full_end, end), from the rows' intervals or the query block's lists."""
     first, stop, run_stop, holes = _row_bounds(rows, seqlen_q, seqlen_k, band_lo, band_hi, RANGES,
-                                               off_b, stride_rp, stride_rb, BAND, SEGMENTS)
+                                               off_b, stride_rp, stride_rb, BAND, SEGMENTS,
+                                               BAND_BLOCK, False)
     row = 0
     if SPARSE:  # the query block's index lists
         row = off_h * stride_sh + start_m // SPARSE_BLOCK
         start, full_start, full_end, end = _listed_range(COUNTS, stride_cp, row)
     else:
         start, full_start, full_end, end = _tile_range(start_m, seqlen_q, seqlen_k, band_lo, band_hi, first,
-                                                       stop, run_stop, BLOCK_M, BLOCK_N, BAND, SEGMENTS)
+                                                       stop, run_stop, BLOCK_M, BLOCK_N, BAND, SEGMENTS,
+                                                       BAND_BLOCK, False)
     return first, stop, holes, row, start, full_start, full_end, end
 
 
@@ -429,7 +464,7 @@ def _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb, str
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, KSEG, RANGES, COUNTS, INDEX,
+def _fwd_kernel(Q, K, V, O, O_IN, LSE, KSEG, RANGES, COUNTS, INDEX,
                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                 stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
                 stride_lb, stride_lh, stride_ksegb, stride_rp, stride_rb,
@@ -439,7 +474,7 @@ def _fwd_kernel(Q, K, V, O, LSE, KSEG, RANGES, COUNTS, INDEX,
                 BLOCK_N: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
                 DROPOUT: tl.constexpr, GROUPED: tl.constexpr, SPARSE: tl.constexpr,
                 LIST_STAGES: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
-                TMA: tl.constexpr):
+                TMA: tl.constexpr, BAND_BLOCK: tl.constexpr):
     start_m = _query_tile(BLOCK_M, BAND)
     off_b = tl.program_id(1) // H
     off_h = tl.program_id(1) % H
@@ -450,14 +485,17 @@ def _fwd_kernel(Q, K, V, O, LSE, KSEG, RANGES, COUNTS, INDEX,
 
     q = _load_block(Q, off_b, off_h, start_m, stride_qb, stride_qs, stride_qh, seqlen_q,
                     BLOCK_M, BLOCK_D, HEAD_DIM, True, TMA)
-    o_ptrs = O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :]
+    # O_IN: the running output an accumulating launch resumes from (O itself, or a buffer
+    # with O's strides: the ring's last step reads its fp32 sums and writes q's dtype).
+    o_offsets = off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :]
+    o_ptrs = O + o_offsets
     o_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     lse_ptrs = LSE + off_b * stride_lb + off_h * stride_lh + offs_m
 
     if ACCUMULATE:  # resume the online softmax from a previous partial (o, lse): m = lse, l = 1
         m_i = tl.load(lse_ptrs, mask=row_ok, other=float("-inf")) * 1.4426950408889634
         l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
-        acc = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
+        acc = tl.load(O_IN + o_offsets, mask=o_mask, other=0.0).to(tl.float32)
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -466,7 +504,8 @@ def _fwd_kernel(Q, K, V, O, LSE, KSEG, RANGES, COUNTS, INDEX,
 
     first, stop, holes, row, start, full_start, full_end, end = _query_loop(
         start_m, offs_m, seqlen_q, seqlen_k, band_lo, band_hi, RANGES, off_b, off_h, stride_rp,
-        stride_rb, COUNTS, stride_cp, stride_sh, BLOCK_M, BLOCK_N, BAND, SEGMENTS, SPARSE)
+        stride_rb, COUNTS, stride_cp, stride_sh, BLOCK_M, BLOCK_N, BAND, SEGMENTS, SPARSE,
+        BAND_BLOCK)
     for pos in range(start, full_start, BLOCK_N):
         start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
@@ -499,6 +538,11 @@ def _fwd_kernel(Q, K, V, O, LSE, KSEG, RANGES, COUNTS, INDEX,
     tl.store(o_ptrs, (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=o_mask)
 
 
+def _or(partial, dest):
+    """The running sum an accumulating launch reads: ``partial``, or ``dest`` itself."""
+    return dest if partial is None else partial
+
+
 def _mask_args(mask, device: torch.device):
     """Kernel arguments of a PairMask: (band_lo, band_hi, qseg, kseg, BAND, SEGMENTS) and the
     dropout arguments (seed, threshold, scale, q_pos0, k_pos0, stride, DROPOUT, GROUPED).
@@ -525,6 +569,8 @@ def _sparse_args(mask, lo: int, hi: int, n_rows: int, n_cols: int, transpose: bo
     if mask.blocks is None:
         dummy = torch.zeros(1, dtype=torch.int32, device=device)
         return (dummy, dummy, 0, 0, 0), False
+    if mask.band_block != 1:
+        raise ValueError("a block mask cannot be combined with a band of band_block > 1")
     counts, index = mask.blocks.lists(lo, hi, n_rows, n_cols, transpose)
     heads, n_row_blocks, n_col_blocks = index.shape
     return (counts, index, counts.stride(0), n_row_blocks if heads > 1 else 0, n_col_blocks), True
@@ -654,7 +700,7 @@ def _ranges(rows_seg, cols_seg, segments: bool):
     return segment_ranges(rows_seg, cols_seg)
 
 
-def fwd(q, k, v, out, lse, *, softmax_scale: float, mask, accumulate: bool):
+def fwd(q, k, v, out, lse, *, softmax_scale: float, mask, accumulate: bool, out_partial=None):
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     cfg = fwd_config(d, q.dtype)
@@ -666,14 +712,14 @@ def fwd(q, k, v, out, lse, *, softmax_scale: float, mask, accumulate: bool):
     grid = (triton.cdiv(sq, cfg["BLOCK_M"]), b * h)
     _fwd_kernel[grid](
         _source(q, cfg["BLOCK_M"], bd, tma), _source(k, cfg["BLOCK_N"], bd, tma),
-        _source(v, cfg["BLOCK_N"], bd, tma), out, lse, kseg, ranges, counts, index,
+        _source(v, cfg["BLOCK_N"], bd, tma), out, _or(out_partial, out), lse, kseg, ranges, counts, index,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1), kseg.stride(0), ranges.stride(0), ranges.stride(1),
         h, h // hkv, sq, sk, softmax_scale * LOG2E, lo, hi, *drop[:6], *sparse_strides,
         HEAD_DIM=d, BLOCK_D=bd, BAND=band, SEGMENTS=segments, DROPOUT=drop[6], GROUPED=drop[7],
         SPARSE=sparse, LIST_STAGES=list_stages(cfg, sparse, segments), ACCUMULATE=accumulate,
-        PRECISION=_dot_precision(q.dtype), TMA=tma, **cfg)
+        PRECISION=_dot_precision(q.dtype), TMA=tma, BAND_BLOCK=mask.band_block, **cfg)
     return out, lse
 
 
@@ -725,7 +771,8 @@ def _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, off_b, off_h, stride_qb, stride_
                qk_scale, seed, threshold, drop_scale, q_pos0, kpos_start, kpos, pos_stride,
                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_D: tl.constexpr, MASKED: tl.constexpr, SEGMENTS: tl.constexpr,
-               DROPOUT: tl.constexpr, GROUPED: tl.constexpr, PRECISION: tl.constexpr):
+               DROPOUT: tl.constexpr, GROUPED: tl.constexpr, PRECISION: tl.constexpr,
+               BAND_BLOCK: tl.constexpr):
     """One query tile into a key tile's dK, dV. MASKED: the keys' intervals of queries
     apply. Padding queries need no test here: they saw nothing (lse -inf), so their
     probabilities are 0 whatever the tile."""
@@ -738,7 +785,7 @@ def _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, off_b, off_h, stride_qb, stride_
     # Transposed scores (keys x queries) so the tile products need no transposed store.
     pT = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse[None, :])
     if MASKED:
-        pT = _visible(pT, cols, rows, first, stop, band_lo, band_hi, 0.0, SEGMENTS, True)
+        pT = _visible(pT, cols, rows, first, stop, band_lo, band_hi, 0.0, SEGMENTS or BAND_BLOCK > 1, True)
     dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
     if DROPOUT:  # dV takes the dropped probabilities, dP the dropped gradient (D unchanged)
         keep = _keep(seed, threshold, off_b, off_h, q_pos0 + rows * pos_stride, kpos_start, kpos,
@@ -755,14 +802,16 @@ def _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, off_b, off_h, stride_qb, stride_
 
 
 @triton.jit
-def _store_grad(ptrs, mask, grad, ACCUMULATE: tl.constexpr):
+def _store_grad(OUT, IN, offsets, mask, grad, ACCUMULATE: tl.constexpr):
+    """OUT[offsets] = grad, plus IN[offsets] when accumulating (IN: OUT itself, or a running
+    sum with OUT's strides, which the ring's last pass reads in fp32 to write k's dtype)."""
     if ACCUMULATE:
-        grad += tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(ptrs, grad.to(ptrs.dtype.element_ty), mask=mask)
+        grad += tl.load(IN + offsets, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + offsets, grad.to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, RANGES, COUNTS, INDEX,
+def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DK_IN, DV_IN, RANGES, COUNTS, INDEX,
                  stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                  stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
                  stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
@@ -772,7 +821,8 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, RANGES, COUNTS, INDEX,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
                  DROPOUT: tl.constexpr, GROUPED: tl.constexpr, SPARSE: tl.constexpr,
-                 LIST_STAGES: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr):
+                 LIST_STAGES: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
+                 BAND_BLOCK: tl.constexpr):
     """One key tile of one kv head; loops over the query heads of its group and over
     the query tiles that see it, so dK and dV are written once, without atomics."""
     start_n = tl.program_id(0) * BLOCK_N
@@ -788,15 +838,16 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, RANGES, COUNTS, INDEX,
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    # Only the query tiles that see this key tile (band negated: rows are keys here), in
+    # Only the query tiles that see this key tile (the band read transposed), in
     # one loop that masks every tile: splitting off the unmasked tiles, as the forward does,
     # measured 17% slower here without segments and 44% slower with them (benchmarks/NOTES.md),
     # the mask being cheap beside four matmuls. Block-sparse: the index lists of the key
     # block, per query head (rows are key blocks there).
-    first, stop, run_stop, _ = _row_bounds(cols, seqlen_k, seqlen_q, -band_hi, -band_lo, RANGES,
-                                           off_b, stride_rp, stride_rb, BAND, SEGMENTS)
-    begin, full_start, full_end, end = _tile_range(start_n, seqlen_k, seqlen_q, -band_hi, -band_lo, first,
-                                                   stop, run_stop, BLOCK_N, BLOCK_M, BAND, SEGMENTS)
+    first, stop, run_stop, _ = _row_bounds(cols, seqlen_k, seqlen_q, band_lo, band_hi, RANGES,
+                                           off_b, stride_rp, stride_rb, BAND, SEGMENTS, BAND_BLOCK, True)
+    begin, full_start, full_end, end = _tile_range(start_n, seqlen_k, seqlen_q, band_lo, band_hi, first,
+                                                   stop, run_stop, BLOCK_N, BLOCK_M, BAND, SEGMENTS,
+                                                   BAND_BLOCK, True)
     full_start = end
     full_end = end
     row = 0
@@ -815,7 +866,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, RANGES, COUNTS, INDEX,
                                 k_pos0 + start_n * pos_stride, k_pos0 + cols * pos_stride,
                                 pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N,
                                 BLOCK_D, BAND or SEGMENTS, SEGMENTS, DROPOUT,
-                                GROUPED, PRECISION)
+                                GROUPED, PRECISION, BAND_BLOCK)
         for pos in tl.range(full_start, full_end, BLOCK_M, num_stages=LIST_STAGES):
             start_m = _column(pos, INDEX, row, n_col_blocks, SPARSE)
             dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, lse_base, delta_base, off_b, off_h,
@@ -824,7 +875,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, RANGES, COUNTS, INDEX,
                                 k_pos0 + start_n * pos_stride, k_pos0 + cols * pos_stride,
                                 pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N,
                                 BLOCK_D, SEGMENTS and SPARSE, SEGMENTS, DROPOUT,
-                                GROUPED, PRECISION)
+                                GROUPED, PRECISION, BAND_BLOCK)
         for pos in range(full_end, end, BLOCK_M):
             start_m = _column(pos, INDEX, row, n_col_blocks, SPARSE)
             dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, lse_base, delta_base, off_b, off_h,
@@ -833,13 +884,13 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, RANGES, COUNTS, INDEX,
                                 k_pos0 + start_n * pos_stride, k_pos0 + cols * pos_stride,
                                 pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N,
                                 BLOCK_D, BAND or SEGMENTS, SEGMENTS, DROPOUT,
-                                GROUPED, PRECISION)
+                                GROUPED, PRECISION, BAND_BLOCK)
 
     mask = (cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
-    dk_ptrs = DK + off_b * stride_dkb + off_hk * stride_dkh + cols[:, None] * stride_dks + offs_d[None, :]
-    dv_ptrs = DV + off_b * stride_dvb + off_hk * stride_dvh + cols[:, None] * stride_dvs + offs_d[None, :]
-    _store_grad(dk_ptrs, mask, dk * sm_scale, ACCUMULATE)
-    _store_grad(dv_ptrs, mask, dv, ACCUMULATE)
+    dk_offsets = off_b * stride_dkb + off_hk * stride_dkh + cols[:, None] * stride_dks + offs_d[None, :]
+    dv_offsets = off_b * stride_dvb + off_hk * stride_dvh + cols[:, None] * stride_dvs + offs_d[None, :]
+    _store_grad(DK, DK_IN, dk_offsets, mask, dk * sm_scale, ACCUMULATE)
+    _store_grad(DV, DV_IN, dv_offsets, mask, dv, ACCUMULATE)
 
 
 @triton.jit
@@ -849,7 +900,7 @@ def _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              BLOCK_D: tl.constexpr, MASKED: tl.constexpr, BAND: tl.constexpr,
              SEGMENTS: tl.constexpr, DROPOUT: tl.constexpr, GROUPED: tl.constexpr,
-             PRECISION: tl.constexpr):
+             PRECISION: tl.constexpr, BAND_BLOCK: tl.constexpr):
     """One key tile into a query tile's dQ; MASKED and SEGMENTS as in ``_fwd_tile``.
     Keys past seqlen_k load as zeros, so they add nothing to dq: only the loads are bounded."""
     k = _load_block(K, off_b, off_hk, start_n, stride_kb, stride_ks, stride_kh, seqlen_k,
@@ -859,7 +910,7 @@ def _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
     p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse[:, None])
     if (MASKED and BAND) or SEGMENTS:
         cols = start_n + tl.arange(0, BLOCK_N)
-        p = _visible(p, rows, cols, first, stop, band_lo, band_hi, 0.0, SEGMENTS)
+        p = _visible(p, rows, cols, first, stop, band_lo, band_hi, 0.0, SEGMENTS or BAND_BLOCK > 1)
         if SEGMENTS:
             p = _unpadded(p, cols, KSEG, off_b, stride_ksegb, seqlen_k, holes, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
@@ -873,7 +924,7 @@ def _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KSEG, RANGES, COUNTS, INDEX,
+def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DQ_IN, KSEG, RANGES, COUNTS, INDEX,
                stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
                stride_dqb, stride_dqs, stride_dqh,
@@ -884,7 +935,8 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KSEG, RANGES, COUNTS, INDEX,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
                DROPOUT: tl.constexpr, GROUPED: tl.constexpr, SPARSE: tl.constexpr,
-               LIST_STAGES: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr):
+               LIST_STAGES: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
+               BAND_BLOCK: tl.constexpr):
     start_m = _query_tile(BLOCK_M, BAND)
     off_b = tl.program_id(1) // H
     off_h = tl.program_id(1) % H
@@ -903,35 +955,37 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, KSEG, RANGES, COUNTS, INDEX,
 
     first, stop, holes, row, start, full_start, full_end, end = _query_loop(
         start_m, rows, seqlen_q, seqlen_k, band_lo, band_hi, RANGES, off_b, off_h, stride_rp,
-        stride_rb, COUNTS, stride_cp, stride_sh, BLOCK_M, BLOCK_N, BAND, SEGMENTS, SPARSE)
+        stride_rb, COUNTS, stride_cp, stride_sh, BLOCK_M, BLOCK_N, BAND, SEGMENTS, SPARSE,
+        BAND_BLOCK)
     for pos in range(start, full_start, BLOCK_N):
         start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
         dq = _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
                       stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n,
                       rows, first, stop, holes, seqlen_k, qk_scale, band_lo, band_hi, seed,
                       threshold, drop_scale, qpos, k_pos0, pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, BAND,
-                      SEGMENTS, DROPOUT, GROUPED, PRECISION)
+                      SEGMENTS, DROPOUT, GROUPED, PRECISION, BAND_BLOCK)
     for pos in tl.range(full_start, full_end, BLOCK_N, num_stages=LIST_STAGES):
         start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
         dq = _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
                       stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n,
                       rows, first, stop, holes, seqlen_k, qk_scale, band_lo, band_hi, seed,
                       threshold, drop_scale, qpos, k_pos0, pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, BAND,
-                      SEGMENTS and SPARSE, DROPOUT, GROUPED, PRECISION)
+                      SEGMENTS and SPARSE, DROPOUT, GROUPED, PRECISION, BAND_BLOCK)
     for pos in range(full_end, end, BLOCK_N):
         start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
         dq = _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
                       stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n,
                       rows, first, stop, holes, seqlen_k, qk_scale, band_lo, band_hi, seed,
                       threshold, drop_scale, qpos, k_pos0, pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, BAND,
-                      SEGMENTS, DROPOUT, GROUPED, PRECISION)
+                      SEGMENTS, DROPOUT, GROUPED, PRECISION, BAND_BLOCK)
 
     mask = (rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
-    dq_ptrs = DQ + off_b * stride_dqb + off_h * stride_dqh + rows[:, None] * stride_dqs + offs_d[None, :]
-    _store_grad(dq_ptrs, mask, dq * sm_scale, ACCUMULATE)
+    dq_offsets = off_b * stride_dqb + off_h * stride_dqh + rows[:, None] * stride_dqs + offs_d[None, :]
+    _store_grad(DQ, DQ_IN, dq_offsets, mask, dq * sm_scale, ACCUMULATE)
 
 
-def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask, accumulate: bool):
+def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask, accumulate: bool,
+        partials=(None, None, None)):
     """dq (skipped when None) and dk, dv (skipped when None): two kernels, so a caller can
     run them apart. The backward reads through pointers: TMA descriptors measured slower
     here (benchmarks/NOTES.md)."""
@@ -941,7 +995,7 @@ def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask, accu
     (lo, hi, qseg, kseg, band, segments), drop = _mask_args(mask, q.device)
     common = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BAND=band, SEGMENTS=segments, DROPOUT=drop[6],
                   GROUPED=drop[7], SPARSE=mask.blocks is not None, ACCUMULATE=accumulate,
-                  PRECISION=_dot_precision(q.dtype))
+                  PRECISION=_dot_precision(q.dtype), BAND_BLOCK=mask.band_block)
     scalars = (h // hkv, sq, sk, softmax_scale * LOG2E, softmax_scale, lo, hi, *drop[:6])
     qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                    v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
@@ -950,7 +1004,8 @@ def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask, accu
         ranges = _ranges(kseg, qseg, segments)
         (counts, index, *sparse_strides), _ = _sparse_args(mask, lo, hi, sk, sq, True, q.device)
         _dkdv_kernel[(triton.cdiv(sk, dkdv_cfg["BLOCK_N"]), b * hkv)](
-            q, k, v, do, lse, delta, dk, dv, ranges, counts, index, *qkv_strides,
+            q, k, v, do, lse, delta, dk, dv, _or(partials[1], dk), _or(partials[2], dv), ranges,
+            counts, index, *qkv_strides,
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
             *stat_strides, ranges.stride(0), ranges.stride(1), hkv, *scalars, *sparse_strides,
             LIST_STAGES=list_stages(dkdv_cfg, common["SPARSE"]), **common, **dkdv_cfg)
@@ -958,7 +1013,7 @@ def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask, accu
         ranges = _ranges(qseg, kseg, segments)
         (counts, index, *sparse_strides), _ = _sparse_args(mask, lo, hi, sq, sk, False, q.device)
         _dq_kernel[(triton.cdiv(sq, dq_cfg["BLOCK_M"]), b * h)](
-            q, k, v, do, lse, delta, dq, kseg, ranges, counts, index, *qkv_strides,
+            q, k, v, do, lse, delta, dq, _or(partials[0], dq), kseg, ranges, counts, index, *qkv_strides,
             dq.stride(0), dq.stride(1), dq.stride(2), *stat_strides, kseg.stride(0),
             ranges.stride(0), ranges.stride(1), h,
             *scalars, *sparse_strides,

@@ -10,8 +10,9 @@ import torch.distributed as dist
 
 from .exchange import TRANSPORTS, Ring, transport  # noqa: F401 - transport: part of this module's API
 from .groups import resolve_group
-from .kernels import (SUPPORTED_DTYPES, check_block_mask, check_causal, check_deterministic,
-                      check_dropout, check_qkv, check_segment_ids, check_window, resolve_scale)
+from .kernels import (SUPPORTED_DTYPES, band_of_window, check_block_mask, check_causal,
+                      check_deterministic, check_dropout, check_qkv, check_segment_ids, check_window,
+                      resolve_scale)
 from .kernels.masks import BLOCK, tensor_memo
 from .layouts import DEFAULT_LAYOUT, LAYOUTS, check_block_layout, check_layout, global_positions
 from .ops import ring_attn
@@ -112,7 +113,25 @@ def _check_local(q, k, v, causal, layout, softmax_scale, window_size, segment_id
     blocks = check_block_mask(block_mask, q.shape[2], seqlen, seqlen, q.device)
     if blocks is not None:
         check_block_layout(layout, world, q.shape[1], BLOCK)
-    return causal, layout, scale, window, segments, check_dropout(dropout_p, seed), blocks
+    dropout = check_dropout(dropout_p, seed)
+    if layout == "block_stripe":
+        _check_block_stripe(q.shape[1], causal, window, dropout[0])
+    return causal, layout, scale, window, segments, dropout, blocks
+
+
+def _check_block_stripe(local_len: int, causal: bool, window: tuple[int, int], dropout_p: float) -> None:
+    """What layout 'block_stripe' serves: whole blocks a rank; causal or full attention
+    (a window's band is not one on its local rows); no dropout (its positions are not one
+    stride apart)."""
+    if local_len % BLOCK:
+        raise ValueError(f"layout 'block_stripe' needs seqlen_local a multiple of {BLOCK} (whole "
+                         f"blocks a rank), got {local_len}")
+    if band_of_window(causal, window) not in ((None, None), (None, 0)):
+        raise ValueError(f"window_size {window} needs layout 'contiguous', 'zigzag' or 'stripe': "
+                         "'block_stripe' serves causal or full attention, with segment ids")
+    if dropout_p > 0:
+        raise ValueError("dropout_p > 0 needs layout 'contiguous', 'zigzag' or 'stripe': "
+                         "'block_stripe' does not pass dropout its global positions")
 
 
 def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,

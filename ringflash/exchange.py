@@ -6,11 +6,12 @@ transfer (an event, never the host). Two transports:
 
 - ``Ring`` (NCCL, or gloo on CPUs): one batch of NCCL P2P ops on the process group's
   communication stream. Its kernels take SMs from the attention kernels beside them.
-- ``PeerRing`` (NCCL groups within one node): each rank copies its neighbour's message
-  straight out of the neighbour's memory, mapped into its own address space through
-  torch's symmetric memory, with ``cudaMemcpyAsync``: the GPU's copy engines move the
-  bytes, so the attention kernels keep every SM. The messages a rank sends live in
-  symmetric buffers (``Ring.buffer``) that stay allocated for the next call.
+- ``PeerRing`` (NCCL groups within one node): each rank copies its message straight into
+  the neighbour's memory, mapped into its own address space through torch's symmetric
+  memory, with ``cudaMemcpyAsync``: the GPU's copy engines move the bytes, so the
+  attention kernels keep every SM. Messages arrive in symmetric buffers
+  (``Ring.buffer``) that stay allocated for the next call; what a rank sends can be any
+  tensor, so its own K/V leave as they are, with no copy into a buffer first.
 
 Both start a transfer only once the work already queued on the compute stream is done,
 which is also when the receive buffer, last step's operand, is free.
@@ -49,7 +50,7 @@ class Ring:
         return dist.get_global_rank(self.group, (self.rank + shift) % self.world)
 
     def buffer(self, name: str, shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """Storage for messages this rank sends; ``name`` says which role it plays in a
+        """Storage for messages this rank receives; ``name`` says which role it plays in a
         call, so one call's buffers never alias each other."""
         return torch.empty(shape, dtype=dtype, device=device)
 
@@ -67,10 +68,6 @@ class Ring:
     def wait(pending: list) -> None:
         for work in pending:
             work.wait()
-
-    def finish(self) -> None:
-        """End of one pass around the ring (no transfer may still read this rank's buffers
-        once it returns); NCCL and gloo own their send buffers until ``wait``."""
 
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         """Every rank's ``values`` (same length everywhere): one small all-gather on the host
@@ -135,11 +132,13 @@ class PeerRing(Ring):
     """The ring over copy engines, for NCCL groups whose ranks share one node.
 
     Each exchange runs on a high-priority side stream: a barrier of the group (every rank
-    has finished the work before the exchange, so every message is written and every
-    receive buffer is free), then, for each pair, a copy of rank-shift's ``send`` buffer, seen
-    through its symmetric-memory mapping, into this rank's ``recv``. The send buffers
-    must come from ``buffer`` and sit at the same place on every rank, which the ring
-    schedule's lockstep guarantees.
+    has finished the work queued before the exchange, so every message is written and
+    every receive buffer is free), then, for each pair, a copy of this rank's ``send`` into
+    rank+shift's ``recv``, seen through its symmetric-memory mapping, then a second barrier
+    (every rank's copies are done, so this rank's receive buffers hold their messages).
+    The receive buffers must come from ``buffer`` and sit at the same place on every rank,
+    which the ring schedule's lockstep guarantees. Nothing is in flight once the compute
+    stream has waited for an exchange, so a call ends without a barrier of its own.
     """
 
     def __init__(self, group=None):
@@ -151,7 +150,6 @@ class PeerRing(Ring):
         if device not in _COPY_STREAMS:
             _COPY_STREAMS[device] = torch.cuda.Stream(device, priority=-1)
         self._stream = _COPY_STREAMS[device]
-        self._handle = None  # of the last buffer used, for the closing barrier
 
     def buffer(self, name, shape, dtype, device):
         numel, key = math.prod(shape), f"{name}/{dtype}"
@@ -173,44 +171,34 @@ class PeerRing(Ring):
         self.all_gather_ints([0])  # returns once every rank is past its synchronize
         self._buffers[key] = (base, handle)
 
-    def _find(self, send: torch.Tensor):
-        ptr = send.data_ptr()
+    def _find(self, recv: torch.Tensor):
+        ptr = recv.data_ptr()
         for base, handle in self._buffers.values():
             start = base.data_ptr()
-            if base.dtype == send.dtype and start <= ptr < start + base.numel() * base.element_size():
+            if base.dtype == recv.dtype and start <= ptr < start + base.numel() * base.element_size():
                 return (ptr - start) // base.element_size(), handle
-        raise ValueError("PeerRing.exchange: the send tensor must be a view of a Ring.buffer")
+        raise ValueError("PeerRing.exchange: the recv tensor must be a view of a Ring.buffer")
 
     def exchange(self, *pairs, shift: int = 1):
         located = []
         for send, recv in pairs:
             if not (send.is_contiguous() and recv.is_contiguous()):
                 raise ValueError("PeerRing.exchange: send and recv must be contiguous")
-            located.append((send, recv, *self._find(send)))
+            located.append((send, *self._find(recv)))
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream())
+        barrier = located[0][2].barrier
         with torch.cuda.stream(stream):
-            located[0][3].barrier(channel=0, timeout_ms=_BARRIER_TIMEOUT_MS)
-            for send, recv, offset, handle in located:
-                theirs = handle.get_buffer((self.rank - shift) % self.world, tuple(send.shape),
+            barrier(channel=0, timeout_ms=_BARRIER_TIMEOUT_MS)
+            for send, offset, handle in located:
+                send.record_stream(stream)  # read here: not to be reused before the copy is done
+                theirs = handle.get_buffer((self.rank + shift) % self.world, tuple(send.shape),
                                            send.dtype, offset)
-                recv.copy_(theirs)
+                theirs.copy_(send)
+            barrier(channel=0, timeout_ms=_BARRIER_TIMEOUT_MS)
             event = torch.cuda.Event()
             event.record(stream)
-        self._handle = located[-1][3]
         return [_Copied(event)]
-
-    def finish(self):
-        """A last barrier: rank+1 has finished copying from this rank's buffers before the
-        compute stream may write into them again (the next call starts by doing so)."""
-        if self._handle is None:
-            return
-        stream = self._stream
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._handle.barrier(channel=0, timeout_ms=_BARRIER_TIMEOUT_MS)
-        torch.cuda.current_stream().wait_stream(stream)
-        self._handle = None
 
 
 def symmetric_bytes() -> int:

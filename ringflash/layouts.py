@@ -12,6 +12,14 @@ World size W, global length N, n = N / W tokens per rank:
   2W-1-r. Every causal step costs half a full block pair, on every rank.
 - stripe: rank r holds tokens t with t mod W == r. Every causal step is one block pair
   with a diagonal offset of 0 or -1.
+- block_stripe: the sequence is cut into blocks of BLOCK = 128 tokens (the kernels' tile
+  and block-mask block); rank r holds the blocks b with b mod W == r, in order. Balanced
+  like stripe, for causal attention and for packed documents alike (busiest rank within
+  2% of the mean at 128k on 2 and 4 ranks, benchmarks/NOTES.md), and each local block of
+  128 rows is 128 consecutive tokens, so a document keeps the tiles it has on one device.
+  Between two shards the causal mask leaves every block pair wholly visible or wholly
+  hidden (a band with ``band_block`` = BLOCK: key block <= query block, or <); the own
+  shard is plain causal.
 
 A block mask (block-sparse attention) enters as the set of (query chunk, key chunk)
 pairs of GLOBAL chunks it leaves any block in (``occupied_chunks``): pairs outside it
@@ -25,12 +33,16 @@ from typing import NamedTuple, Optional
 
 import torch
 
-LAYOUTS = ("contiguous", "zigzag", "stripe")
+from .kernels.masks import BLOCK
+
+LAYOUTS = ("contiguous", "zigzag", "stripe", "block_stripe")
 # The layout of every function that takes one (shard, unshard, positions, ring_flash_attn,
 # RingSelfAttention, SequenceParallel): balanced for causal attention, and its shards are
 # two contiguous chunks, so masks that are local in the sequence (windows, documents) leave
 # whole block pairs empty. It needs the global length divisible by 2W.
 DEFAULT_LAYOUT = "zigzag"
+# The layout for packed documents: balanced whatever the document lengths.
+DOCUMENTS_LAYOUT = "block_stripe"
 _ALL = slice(None)
 
 # (lo, hi) of kp - qp on GLOBAL positions (None: unbounded): what a pair's keys must satisfy.
@@ -44,13 +56,15 @@ class Pair(NamedTuple):
     key j of the pair must satisfy against query i: band_lo <= j - i <= band_hi (None:
     unbounded). pos = (q_pos, k_pos, stride): global positions of the pair's first query
     and first key and their common stride, when they are q_pos + i * stride and
-    k_pos + j * stride; None for a pair merged across chunks, which masks nothing."""
+    k_pos + j * stride; None for a pair merged across chunks, which masks nothing, and for
+    block_stripe pairs. band_block: see kernels.masks.PairMask."""
 
     q: slice
     k: slice
     band_lo: Optional[int] = None
     band_hi: Optional[int] = None
     pos: Optional[tuple[int, int, int]] = None
+    band_block: int = 1  # the band is measured from the query's block of this many rows
 
 
 class _Chunk(NamedTuple):
@@ -141,6 +155,21 @@ def _merged(pairs: list[Pair], n: int) -> list[Pair]:
     return sorted(pairs, key=lambda p: (span(p.q), span(p.k)))
 
 
+def _block_stripe_pair(rank: int, src: int, band: Band) -> Pair:
+    """The one pair of a block_stripe step. Query block a of rank r is global block
+    a W + r, key block c of shard s is c W + s: under causal, key block c is visible to
+    query block a iff c <= a (s < r) or c < a (s > r), whole blocks either way; the own
+    shard keeps the global order, so it is causal on local indices."""
+    if band == NO_BAND:
+        return Pair(_ALL, _ALL)
+    if band != (None, 0):
+        raise ValueError("layout 'block_stripe' serves causal or full attention with segment ids; "
+                         "a sliding window needs layout 'contiguous', 'zigzag' or 'stripe'")
+    if src == rank:
+        return Pair(_ALL, _ALL, None, 0)
+    return Pair(_ALL, _ALL, None, BLOCK - 1 if src < rank else -1, band_block=BLOCK)
+
+
 @functools.lru_cache(maxsize=4096)
 def step_pairs(layout: str, rank: int, src: int, world: int, local_len: int,
                band: Band = NO_BAND, merge: bool = True,
@@ -155,6 +184,8 @@ def step_pairs(layout: str, rank: int, src: int, world: int, local_len: int,
     under a causal band is one pair over every row whatever the layout: positions increase
     with the local index, so kp <= qp is j <= i.
     """
+    if layout == "block_stripe":
+        return (_block_stripe_pair(rank, src, band),)
     pairs = [p for qc in _chunks(layout, rank, world, local_len)
              for kc in _chunks(layout, src, world, local_len)
              if (p := _local_pair(qc, kc, band, local_len, occupied)) is not None]
@@ -180,9 +211,9 @@ def check_block_layout(layout: str, world: int, local_len: int, block: int) -> i
     """The layout's chunk length, if a block mask of ``block``-token blocks can be cut along
     it (ValueError otherwise): stripe shards interleave the tokens of every block, and the
     chunks of the others must hold whole blocks."""
-    if layout == "stripe":
-        raise ValueError("block_mask needs layout 'contiguous' or 'zigzag': stripe shards "
-                         "interleave the tokens of every block")
+    if layout in ("stripe", "block_stripe"):
+        raise ValueError(f"block_mask needs layout 'contiguous' or 'zigzag': {layout} shards "
+                         "interleave the blocks of the sequence")
     chunk = world * local_len // split_factor(layout, world)
     if chunk % block:
         raise ValueError(f"block_mask needs the layout's chunks ({chunk} tokens: seqlen_local "
@@ -210,14 +241,16 @@ def writes_first(pairs) -> bool:
 
 
 def split_factor(layout: str, world: int) -> int:
-    """How many equal pieces the global sequence is cut into."""
+    """How many equal pieces the global sequence is cut into (block_stripe: W, each a
+    multiple of BLOCK)."""
     return 2 * world if layout == "zigzag" else world
 
 
 def check_seqlen(seqlen: int, layout: str, world: int) -> None:
-    parts = split_factor(layout, world)
+    parts = BLOCK * world if layout == "block_stripe" else split_factor(layout, world)
     if seqlen % parts:
-        what = f"2 x world size = {parts}" if layout == "zigzag" else f"the world size {world}"
+        what = {"zigzag": f"2 x world size = {parts}",
+                "block_stripe": f"{BLOCK} x world size = {parts}"}.get(layout, f"the world size {world}")
         raise ValueError(
             f"seqlen {seqlen} cannot be split by layout {layout!r} over {world} ranks: "
             f"it must be a multiple of {what}")
@@ -231,6 +264,8 @@ def global_positions(seqlen: int, layout: str, rank: int, world: int) -> torch.T
         return torch.arange(rank * n, (rank + 1) * n)
     if layout == "stripe":
         return torch.arange(rank, seqlen, world)
+    if layout == "block_stripe":
+        return torch.arange(seqlen).view(-1, BLOCK)[rank::world].reshape(-1)
     c = n // 2
     first, second = rank * c, (2 * world - 1 - rank) * c
     return torch.cat([torch.arange(first, first + c), torch.arange(second, second + c)])

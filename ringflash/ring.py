@@ -40,29 +40,31 @@ from .kernels.masks import BLOCK, Blocks, tensor_memo
 from .layouts import Band, active_steps, occupied_chunks, step_pairs, writes_first
 
 
-def _kv_buffers(k: torch.Tensor, v: torch.Tensor, segments: Optional[torch.Tensor], ring: Ring,
-                steps: int):
-    """(current, next): the visiting shard's K/V packed into one tensor, so a step sends
-    one message, and its segment ids (or None); then the buffers the next shard arrives
-    in. A ring that never passes a shard on sends nothing."""
+def _kv_slots(k: torch.Tensor, segments: Optional[torch.Tensor], ring: Ring, steps: int) -> list:
+    """The buffers visiting shards arrive in, (K/V packed as (2, *k.shape), segment ids or
+    None) each: none for a ring that passes nothing, one when only the own shard travels
+    (two steps), two taking turns when received shards are passed on."""
     if steps == 1:
-        return ((k, v), segments), (None, None)
-    kv = ring.buffer("kv", (2, 2, *k.shape), k.dtype, k.device)
-    kv[0, 0].copy_(k)
-    kv[0, 1].copy_(v)
-    if segments is None:
-        return (kv[0], None), (kv[1], None)
-    seg = ring.buffer("segments", (2, *segments.shape), torch.int32, k.device)
-    seg[0].copy_(segments)
-    return (kv[0], seg[0]), (kv[1], seg[1])
+        return []
+    slots = 1 if steps == 2 else 2
+    kv = ring.buffer("kv", (slots, 2, *k.shape), k.dtype, k.device)
+    seg = None if segments is None else ring.buffer("segments", (slots, *segments.shape),
+                                                     torch.int32, k.device)
+    return [(kv[i], None if seg is None else seg[i]) for i in range(slots)]
 
 
 def _pass_on(ring: Ring, cur, nxt) -> list:
-    """Send this step's K/V (and segment ids) on, receive the next shard's."""
+    """Send this step's K/V (and segment ids) on, receive the next shard's into ``nxt``.
+    The own shard leaves from k and v themselves (two messages), a received one from its
+    slot (one)."""
     (kv, seg), (kv_next, seg_next) = cur, nxt
-    if seg is None:
-        return ring.exchange((kv, kv_next))
-    return ring.exchange((kv, kv_next), (seg, seg_next))
+    if isinstance(kv, tuple):
+        pairs = [(kv[0].contiguous(), kv_next[0]), (kv[1].contiguous(), kv_next[1])]
+    else:
+        pairs = [(kv, kv_next)]
+    if seg is not None:
+        pairs.append((seg, seg_next))
+    return ring.exchange(*pairs)
 
 
 class _SparsePlan:
@@ -118,14 +120,46 @@ def _mask(pair, q_segments, k_segments, dropout: tuple[float, int], plan, blocks
         q_segments = _own_ids(q_segments, pair.q)
         k_segments = _own_ids(k_segments, pair.k) if own else k_segments[:, pair.k].contiguous()
     return PairMask(pair.band_lo, pair.band_hi, q_segments, k_segments, *dropout, pair.pos,
-                    None if plan is None else plan.of(pair, blocks))
+                    None if plan is None else plan.of(pair, blocks), pair.band_block)
+
+
+def _spans(slices, n: int) -> list[range]:
+    """The rows of each slice of [0, n), in order of their first row."""
+    return sorted((range(n)[part] for part in slices), key=lambda r: r.start)
+
+
+def _uncovered(slices, n: int) -> Optional[list[slice]]:
+    """The rows of [0, n) that none of ``slices`` covers, as slices; None if two overlap."""
+    spans = _spans(slices, n)
+    if any(a.stop > b.start for a, b in zip(spans, spans[1:])):
+        return None
+    bounds = zip([0] + [r.stop for r in spans], [r.start for r in spans] + [n])
+    return [slice(lo, hi) for lo, hi in bounds if lo < hi]
+
+
+def _copy_rows(dst: torch.Tensor, src: torch.Tensor, rows: slice, dim: int) -> None:
+    """dst[rows] = src[rows] along ``dim`` (0 where src is None), in contiguous pieces: a
+    strided copy or zero_ runs ~3x slower."""
+    lead = dst.flatten(0, dim - 1) if dim > 1 else dst
+    pieces = lead[:, rows] if dim > 1 else [lead[:, rows]]
+    sources = [None] * len(pieces) if src is None else (
+        src.flatten(0, dim - 1)[:, rows] if dim > 1 else [src[:, rows]])
+    for piece, source in zip(pieces, sources):
+        if source is None:
+            piece.zero_()
+        else:
+            piece.copy_(source)
 
 
 def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout: tuple[float, int],
                  layout: str, ring: Ring, blocks: Optional[torch.Tensor] = None):
     """Returns out (in q's dtype) and lse (fp32, (B, H, S)) of q against every rank's k, v.
     segments: this rank's (B, S) int32 segment ids, or None. dropout: (p, seed).
-    blocks: the GLOBAL block mask (heads or 1, N / BLOCK, N / BLOCK) bool, or None."""
+    blocks: the GLOBAL block mask (heads or 1, N / BLOCK, N / BLOCK) bool, or None.
+
+    The running out stays fp32 until the last step, whose pairs write the result in q's
+    dtype straight from it where their query rows do not overlap (no separate cast of
+    the rows they cover)."""
     b, n, h, d = q.shape
     steps, schedule, first_writes, plan = _schedule(ring, layout, n, band, dropout, blocks)
     out = torch.empty((b, n, h, d), device=q.device, dtype=torch.float32)
@@ -133,20 +167,27 @@ def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout
     if not first_writes:  # several pairs share the first step: every pair merges into these
         out.zero_()
         lse.fill_(-math.inf)
-    cur, nxt = _kv_buffers(k, v, segments, ring, steps)
+    result = out if q.dtype == torch.float32 else torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    gaps = None if result is out else _uncovered([pair.q for pair in schedule[-1]], n)
+    slots = _kv_slots(k, segments, ring, steps)
+    cur = ((k, v), segments)
     for step, pairs in enumerate(schedule):
-        pending = _pass_on(ring, cur, nxt) if step + 1 < steps else []
-        # The own shard's step reads k, v and the ids themselves, not their ring copies.
-        (kv, seg) = ((k, v), segments) if step == 0 else cur
+        nxt = slots[step % len(slots)] if step + 1 < steps else None
+        pending = _pass_on(ring, cur, nxt) if nxt is not None else []
+        (kv, seg) = cur
+        final = step == steps - 1 and gaps is not None
+        merge = not (first_writes and step == 0)
         for pair in pairs:
             flash_attn_fwd(q[:, pair.q], kv[0][:, pair.k], kv[1][:, pair.k],
                            softmax_scale=softmax_scale, mask=_mask(pair, segments, seg, dropout, plan, blocks),
-                           out=out[:, pair.q], lse=lse[:, :, pair.q],
-                           accumulate=not (first_writes and step == 0))
+                           out=(result if final else out)[:, pair.q], lse=lse[:, :, pair.q],
+                           accumulate=merge, out_partial=out[:, pair.q] if final and merge else None)
         ring.wait(pending)
-        cur, nxt = nxt, cur
-    ring.finish()
-    return out.to(q.dtype), lse
+        cur = nxt
+    if result is not out:
+        for rows in [slice(None)] if gaps is None else gaps:
+            _copy_rows(result, out, rows, 1)
+    return result, lse
 
 
 def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: float, band: Band,
@@ -160,59 +201,93 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
     dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
     if not first_writes:
         dq.zero_()
+    dq_out = dq if q.dtype == torch.float32 else torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    dkv = torch.empty((2, *k.shape), device=k.device, dtype=k.dtype)
 
-    def add_grads(pair, kv, seg, write, dq=None, dkv=None):
-        """One block pair's dQ pass (into dq) or dK/dV pass (into packed dkv)."""
+    def add_grads(pair, kv, seg, write, dq=None, dkv=None, partial=None):
+        """One block pair's dQ pass (into dq) or dK/dV pass (into packed dkv), adding to
+        ``partial`` (fp32 sums laid out like the destination) instead of the destination."""
         dk, dv = (None, None) if dkv is None else (dkv[0][:, pair.k], dkv[1][:, pair.k])
+        if partial is None:
+            partials = {}
+        elif dq is not None:
+            partials = dict(dq_partial=partial[:, pair.q])
+        else:
+            partials = dict(dk_partial=partial[0][:, pair.k], dv_partial=partial[1][:, pair.k])
         flash_attn_bwd(dout[:, pair.q], q[:, pair.q], kv[0][:, pair.k], kv[1][:, pair.k],
                        lse[:, :, pair.q], delta[:, :, pair.q], None if dq is None else dq[:, pair.q],
                        dk, dv, softmax_scale=softmax_scale,
                        mask=_mask(pair, segments, seg, dropout, plan, blocks),
-                       accumulate=not write)
+                       accumulate=not write, **partials)
 
-    def dkv_pass(pairs, kv, seg, dkv):
-        """A step's dK/dV passes into dkv, which starts there. A dK/dV pass writes every
-        key row of its pair, so pairs over disjoint key rows write theirs and only the rows
-        no pair covers are zeroed (-0.5 ms at 64k tokens a rank, 32 heads); overlapping
-        pairs add into zeros."""
-        spans = sorted((range(dkv.shape[2])[pair.k] for pair in pairs), key=lambda r: r.start)
-        disjoint = all(a.stop <= b.start for a, b in zip(spans, spans[1:]))
-        if disjoint:
-            for lo, hi in zip([0] + [r.stop for r in spans], [r.start for r in spans] + [dkv.shape[2]]):
-                for rows in dkv.flatten(0, 1)[:, lo:hi] if lo < hi else ():
-                    rows.zero_()  # contiguous pieces: a strided zero_ runs 3x slower
-        else:
-            dkv.zero_()
+    def dq_pass(pairs, kv, seg, write, last):
+        """A step's dQ passes into the fp32 dq. The last step's pairs write dq in q's dtype
+        (dq_out) straight from those sums where their query rows do not overlap."""
+        gaps = _uncovered([pair.q for pair in pairs], n) if last and dq_out is not dq else None
         for pair in pairs:
-            add_grads(pair, kv, seg, disjoint, dkv=dkv)
+            if gaps is None:
+                add_grads(pair, kv, seg, write, dq=dq)
+            else:
+                add_grads(pair, kv, seg, write, dq=dq_out, partial=None if write else dq)
+        if last and dq_out is not dq:
+            for rows in [slice(None)] if gaps is None else gaps:
+                _copy_rows(dq_out, dq, rows, 1)
 
-    own = ((k, v), segments)  # the ring's K/V buffers are overwritten by later shards
-    cur, nxt = _kv_buffers(k, v, segments, ring, steps)
+    def dkv_pass(pairs, kv, seg, dest, base=None):
+        """A step's dK/dV passes into packed ``dest``. The sums start there (base None) or
+        at ``base``, fp32 sums laid out like dest (then the pairs' key rows must not
+        overlap). A dK/dV pass writes every key row of its pair, so pairs over disjoint
+        key rows write theirs and only the rows no pair covers are zeroed or copied from
+        base (-0.5 ms at 64k tokens a rank, 32 heads); overlapping pairs add into zeros."""
+        gaps = _uncovered([pair.k for pair in pairs], n)
+        if gaps is None:
+            dest.zero_()
+        for rows in gaps or ():
+            _copy_rows(dest, base, rows, 2)
+        for pair in pairs:
+            add_grads(pair, kv, seg, gaps is not None and base is None, dkv=dest, partial=base)
+
+    own = ((k, v), segments)
+    slots = _kv_slots(k, segments, ring, steps)
     # The own shard's dQ first: it needs nothing in flight, so it hides the first K/V trip.
-    kv_pending = _pass_on(ring, cur, nxt) if steps > 1 else []
-    for pair in schedule[0]:
-        add_grads(pair, *own, first_writes, dq=dq)
+    kv_pending = _pass_on(ring, own, slots[0]) if steps > 1 else []
+    dq_pass(schedule[0], *own, first_writes, steps == 1)
     ring.wait(kv_pending)
-    cur, nxt = nxt, cur
+    cur = slots[0] if steps > 1 else None
+    if steps == 1:  # pairs adding into one key row add in fp32, then round once
+        overlap = _uncovered([pair.k for pair in schedule[0]], n) is None
+        sums = torch.empty((2, *k.shape), device=k.device, dtype=torch.float32) if overlap else dkv
+        dkv_pass(schedule[0], *own, sums)
+        return dq_out, sums.to(k.dtype)
+    # Two active steps (a ring of two): the one remote sum starts at the last step, so that
+    # step runs its dK/dV pass first, its dQ pass hides the trip home, and the own dK/dV
+    # pass adds the arrived sum as it writes the gradients in k's dtype (no final add, no
+    # buffer for the own part), if the own pairs' key rows do not overlap.
+    if steps == 2 and _uncovered([pair.k for pair in schedule[0]], n) is not None:
+        pairs, (kv, seg) = schedule[1], cur
+        running, arrived = ring.buffer("grads", (2, 2, *k.shape), torch.float32, k.device)
+        dkv_pass(pairs, kv, seg, running)
+        home_pending = ring.exchange((running, arrived), shift=-1)
+        dq_pass(pairs, kv, seg, False, True)
+        ring.wait(home_pending)
+        dkv_pass(schedule[0], *own, dkv, base=arrived)
+        return dq_out, dkv
     # Packed (dk, dv) sums in fp32: `running` belongs to the shard this step computes and
     # arrives from r-1 during the step (the shard of step 1 starts its sum here); `sending`
     # belongs to the shard of the step before and leaves for r+1; `mine` is the own
-    # shard's part (a ring that passes nothing on needs only that).
-    if steps > 1:
-        running, sending, mine = ring.buffer("grads", (3, 2, *k.shape), torch.float32, k.device)
-    else:
-        mine = torch.empty((2, *k.shape), device=k.device, dtype=torch.float32)
+    # shard's part.
+    running, sending, mine = ring.buffer("grads", (3, 2, *k.shape), torch.float32, k.device)
     for step in range(1, steps):
         pairs = schedule[step]
         (kv, seg) = cur
         # Two messages, the one needed first posted first: the running dK/dV (which the
         # dK/dV pass adds into) and the next K/V (needed by the next step only).
         grads_pending = [] if step == 1 else ring.exchange((sending, running))
-        kv_pending = _pass_on(ring, cur, nxt) if step + 1 < steps else []
+        nxt = slots[step % 2] if step + 1 < steps else None
+        kv_pending = _pass_on(ring, cur, nxt) if nxt is not None else []
         # dQ needs nothing in flight, so it runs while the running dK/dV arrives; dK/dV
         # then add straight into it, only in the key rows this step touches.
-        for pair in pairs:
-            add_grads(pair, kv, seg, False, dq=dq)
+        dq_pass(pairs, kv, seg, False, step == steps - 1)
         ring.wait(grads_pending)
         if step == 1:
             dkv_pass(pairs, kv, seg, running)
@@ -220,18 +295,14 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
             for pair in pairs:
                 add_grads(pair, kv, seg, False, dkv=running)
         ring.wait(kv_pending)
-        cur, nxt = nxt, cur
+        cur = nxt
         running, sending = sending, running
     # The own shard's dK/dV last, into a buffer of its own, while the last remote sum goes
     # home (steps - 1 ranks back; the next rank when the ring is whole) and this shard's sum
     # arrives: no trip after the last pass, and the own-shard step, often the largest
     # (local masks, packed documents), hides the one fp32 trip.
-    home_pending = ring.exchange((sending, running), shift=1 - steps) if steps > 1 else []
+    home_pending = ring.exchange((sending, running), shift=1 - steps)
     dkv_pass(schedule[0], *own, mine)
     ring.wait(home_pending)
-    if steps == 1:
-        dkv = mine.to(k.dtype)
-    else:  # one pass: the fp32 sum rounded once, on the way out
-        dkv = torch.add(mine, running, out=torch.empty_like(mine, dtype=k.dtype))
-    ring.finish()
-    return dq.to(q.dtype), dkv
+    torch.add(mine, running, out=dkv)  # one pass: the fp32 sum rounded once, on the way out
+    return dq_out, dkv

@@ -191,7 +191,13 @@ class Case:
 
 # ----------------------------------------------------------------------------- shared by the ring and layer tests
 
-LAYOUTS = ("contiguous", "zigzag", "stripe")  # every sequence layout, in ringflash's order
+LAYOUTS = ("contiguous", "zigzag", "stripe", "block_stripe")  # every sequence layout, in ringflash's order
+
+
+def tokens_per_rank(layout: str, n: int) -> int:
+    """``n``, or for block_stripe (whole 128-token blocks a rank) at least two blocks, so
+    that the blocks of one shard meet the blocks of another on both sides."""
+    return 128 * max(2, -(-n // 128)) if layout == "block_stripe" else n
 
 
 @dataclass(frozen=True)

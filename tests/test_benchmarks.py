@@ -19,6 +19,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from oracle import LAYOUTS
 from dist_utils import run_command
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,7 +88,7 @@ def test_bench_balance_cpu_smoke(tmp_path, results_untouched):
     _run([sys.executable, str(BENCH / "bench_balance.py"), "--device", "cpu"], tmp_path)
     data = _written(tmp_path, "balance_cpux1.json")
     assert data["meta"]["device"].startswith("cpu") and data["meta"]["backend"] == "gloo"
-    assert {r["layout"] for r in data["records"]} == {"contiguous", "zigzag", "stripe"}
+    assert {r["layout"] for r in data["records"]} == set(LAYOUTS)
     assert all(r["transport"] == "gloo" for r in data["records"])
 
 

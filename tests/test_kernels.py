@@ -270,6 +270,56 @@ def test_accumulate_into_empty_state_is_plain_forward(kernel, monkeypatch):
     assert rel_err(out, plain_out) <= 1e-6 and rel_err(lse, plain_lse) <= 1e-6
 
 
+@pytest.mark.parametrize("kernel", ["twin", "triton"])
+def test_accumulating_from_partials_writes_the_cast_sums(kernel, monkeypatch):
+    """The ring's last passes: merged with fp32 running sums given apart (out_partial, the
+    grads' partials) and written in bf16, the bits equal accumulating into the fp32 sums
+    and casting them. (Triton's interpreter rounds fp32 to bf16 toward zero, not to
+    nearest as the GPU and torch do: there, within one bf16 step.)"""
+    mod, device = kernel_module(kernel, monkeypatch)
+
+    def same(got, want):
+        if kernel == "twin" or device != "cpu":
+            return torch.equal(got, want.to(BF16))
+        return bool(((got.float() - want).abs() <= want.abs() * 2 ** -7).all())
+
+    case = Case(1, 45, 70, 4, 2, 32, 10)
+    q, k, v, dout = make_inputs(case, F32, device)
+    kw = dict(softmax_scale=case.softmax_scale, mask=PairMask.causal(10))
+    gen = torch.Generator().manual_seed(8)
+    out0 = torch.randn(q.shape, generator=gen).to(device)
+    lse0 = torch.randn((1, 4, 45), generator=gen).to(device)
+    out, lse = out0.clone(), lse0.clone()
+    mod.fwd(q, k, v, out, lse, accumulate=True, **kw)
+    final, lse_final = torch.full(q.shape, NAN, device=device).to(BF16), lse0.clone()
+    mod.fwd(q, k, v, final, lse_final, accumulate=True, out_partial=out0, **kw)
+    assert same(final, out) and torch.equal(lse_final, lse)
+    delta = attn_delta(out, dout)
+    sums = [torch.randn(t.shape, generator=gen).to(device) for t in (q, k, v)]
+    summed = [t.clone() for t in sums]
+    mod.bwd(dout, q, k, v, lse, delta, *summed, accumulate=True, **kw)
+    grads = [torch.full(t.shape, NAN, device=device).to(BF16) for t in (q, k, v)]
+    mod.bwd(dout, q, k, v, lse, delta, *grads, accumulate=True, partials=tuple(sums), **kw)
+    for g, want in zip(grads, summed):
+        assert same(g, want)
+
+
+def test_partials_need_accumulate_and_the_layout():
+    case = Case(1, 30, 30, 2, 2, 16, 0)
+    q, k, v, dout = make_inputs(case, F32, "cpu")
+    out, lse = flash_attn_fwd(q, k, v, softmax_scale=1.0)
+    with pytest.raises(ValueError, match="out_partial needs accumulate"):
+        flash_attn_fwd(q, k, v, softmax_scale=1.0, out=out, lse=lse, out_partial=out.clone())
+    with pytest.raises(ValueError, match="out_partial must have out's shape"):
+        flash_attn_fwd(q, k, v, softmax_scale=1.0, out=out, lse=lse, accumulate=True,
+                       out_partial=out.transpose(1, 2).contiguous().transpose(1, 2))
+    delta = attn_delta(out, dout)
+    dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
+    with pytest.raises(ValueError, match="dk_partial must have dk's shape"):
+        flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale=1.0, accumulate=True,
+                       dk_partial=dk[:, :10])
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
 def test_delta_kernel_matches_twin(dtype):
     """The backward's delta = rowsum(dout * out) in one Triton pass equals the twin's fp32

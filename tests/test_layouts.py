@@ -7,14 +7,13 @@ all-gather. The same round trip on a real gloo group is in test_ring.py.
 
 from __future__ import annotations
 
-from collections import Counter
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 import ringflash
-from oracle import LAYOUTS
+from oracle import LAYOUTS, tokens_per_rank
 from ringflash import api
 from ringflash.kernels import band_of_window
 from ringflash.layouts import active_steps, global_positions, step_pairs, writes_first
@@ -66,7 +65,7 @@ class SimulatedRing:
 @pytest.mark.parametrize("dim", [1, 0, 2, -1, -3])
 def test_unshard_of_shard_is_identity(monkeypatch, layout, world, dim):
     ring = SimulatedRing(monkeypatch, world)
-    seqlen = 2 * world * 3
+    seqlen = tokens_per_rank(layout, 6) * world
     x = torch.randn(2, seqlen, 3, 5).movedim(1, dim)  # the sequence along ``dim``
     shards = ring.shard_all(x, dim, layout)
     for rank, part in enumerate(shards):
@@ -84,7 +83,7 @@ def test_unshard_of_shard_is_identity(monkeypatch, layout, world, dim):
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"W{w}")
 def test_positions_agree_with_shard(monkeypatch, layout, world):
     ring = SimulatedRing(monkeypatch, world)
-    seqlen = 4 * world
+    seqlen = tokens_per_rank(layout, 4) * world
     shards = ring.shard_all(torch.arange(seqlen), 0, layout)
     for ring.rank in range(world):
         pos = ringflash.positions(seqlen, layout)
@@ -102,14 +101,18 @@ def test_layouts_hold_the_documented_tokens(monkeypatch):
         [0, 1, 10, 11], [2, 3, 8, 9], [4, 5, 6, 7]]
     assert [s.tolist() for s in ring.shard_all(x, 0, "stripe")] == [
         [0, 3, 6, 9], [1, 4, 7, 10], [2, 5, 8, 11]]
+    blocks = ring.shard_all(torch.arange(6 * 128), 0, "block_stripe")  # 128-token blocks
+    assert [(s.view(-1, 128)[:, 0] // 128).tolist() for s in blocks] == [[0, 3], [1, 4], [2, 5]]
+    assert all(torch.equal(s.view(-1, 128), s.view(-1, 128)[:, :1] + torch.arange(128)) for s in blocks)
 
 
 def test_world_of_one_without_process_group():
-    x = torch.randn(1, 10, 2, 4)
     for layout in LAYOUTS:
+        n = tokens_per_rank(layout, 10)
+        x = torch.randn(1, n, 2, 4)
         assert torch.equal(ringflash.shard(x, layout=layout), x)
         assert torch.equal(ringflash.unshard(x, layout=layout), x)
-        assert torch.equal(ringflash.positions(10, layout), torch.arange(10))
+        assert torch.equal(ringflash.positions(n, layout), torch.arange(n))
 
 
 @pytest.mark.parametrize("layout,world,seqlen,needs", [
@@ -117,6 +120,7 @@ def test_world_of_one_without_process_group():
     ("stripe", 3, 10, "multiple of the world size 3"),
     ("zigzag", 4, 12, "multiple of 2 x world size = 8"),
     ("zigzag", 3, 9, "multiple of 2 x world size = 6"),
+    ("block_stripe", 2, 384, "multiple of 128 x world size = 256"),
 ])
 def test_seqlen_the_layout_cannot_split(monkeypatch, layout, world, seqlen, needs):
     SimulatedRing(monkeypatch, world)
@@ -150,29 +154,33 @@ def _band(causal, window=(-1, -1)):
 
 
 def _computed(layout, world, rank, local_len, causal, window=(-1, -1), merge=True):
-    """{step: Counter of global (query, key) pairs the rank computes at that step}.
-
-    A pair computes the elements its band of local indices keeps (all of them without).
+    """{step: (N, N) int tensor counting the global (query, key) pairs the rank computes at
+    that step}. A pair computes the elements its band keeps (all of them without one):
+    band_lo <= j - i' <= band_hi on its local indices, i' = i rounded down to a multiple
+    of the pair's band_block.
     """
     seqlen = local_len * world
-    q_pos = global_positions(seqlen, layout, rank, world).tolist()
+    q_pos = global_positions(seqlen, layout, rank, world)
     steps = {}
     for step in range(world):
         src = (rank - step) % world
-        k_pos = global_positions(seqlen, layout, src, world).tolist()
-        done = Counter()
+        k_pos = global_positions(seqlen, layout, src, world)
+        done = torch.zeros(seqlen, seqlen, dtype=torch.int64)
         for pair in step_pairs(layout, rank, src, world, local_len, _band(causal, window), merge):
             qs, ks = q_pos[pair.q], k_pos[pair.k]
             if pair.pos is not None:  # the positions a pair claims are the real ones
                 q0, k0, stride = pair.pos
-                assert qs == [q0 + i * stride for i in range(len(qs))], (layout, pair)
-                assert ks == [k0 + j * stride for j in range(len(ks))], (layout, pair)
-            for i, gq in enumerate(qs):
-                for j, gk in enumerate(ks):
-                    lo_ok = pair.band_lo is None or j - i >= pair.band_lo
-                    hi_ok = pair.band_hi is None or j - i <= pair.band_hi
-                    if lo_ok and hi_ok:
-                        done[gq, gk] += 1
+                assert torch.equal(qs, q0 + torch.arange(len(qs)) * stride), (layout, pair)
+                assert torch.equal(ks, k0 + torch.arange(len(ks)) * stride), (layout, pair)
+            i = torch.arange(len(qs))[:, None] // pair.band_block * pair.band_block
+            diff = torch.arange(len(ks))[None, :] - i
+            keep = torch.ones_like(diff, dtype=torch.bool)
+            if pair.band_lo is not None:
+                keep &= diff >= pair.band_lo
+            if pair.band_hi is not None:
+                keep &= diff <= pair.band_hi
+            done.index_put_((qs[:, None].expand_as(keep)[keep], ks[None, :].expand_as(keep)[keep]),
+                            torch.ones(int(keep.sum()), dtype=torch.int64), accumulate=True)
         steps[step] = done
     return steps
 
@@ -189,21 +197,23 @@ def test_step_pairs_cover_the_mask_exactly_once(layout, world, causal, window, m
     """The union over ranks and steps is exactly the visible (query, key) set, no twice;
     and no visible pair is left for the steps active_steps cuts off."""
     left, right = window
-    for local_len in (2, 4, 6):
+    if layout == "block_stripe" and _band(causal, window) not in ((None, None), (None, 0)):
+        with pytest.raises(ValueError, match="window"):
+            step_pairs(layout, 0, world - 1, world, 128, _band(causal, window), merge)
+        return
+    for local_len in (128, 256) if layout == "block_stripe" else (2, 4, 6):
         seqlen = local_len * world
-        total = Counter()
+        total = torch.zeros(seqlen, seqlen, dtype=torch.int64)
         steps = active_steps(layout, world, local_len, _band(causal, window))
         for rank in range(world):
             for step, done in _computed(layout, world, rank, local_len, causal, window, merge).items():
-                assert step < steps or not done, f"n={local_len}: step {step} of {steps} computes"
-                total.update(done)
-        twice = [p for p, c in total.items() if c > 1]
-        assert not twice, f"n={local_len}: computed more than once: {twice[:5]}"
-        visible = {(i, j) for i in range(seqlen) for j in range(seqlen)
-                   if (not causal or j <= i) and (left < 0 or j >= i - left)
-                   and (right < 0 or j <= i + right)}
-        assert set(total) - visible == set(), f"n={local_len}: masked pairs computed"
-        assert visible - set(total) == set(), f"n={local_len}: visible pairs never computed"
+                assert step < steps or not done.any(), f"n={local_len}: step {step} of {steps} computes"
+                total += done
+        assert total.max() <= 1, f"n={local_len}: computed more than once: {(total > 1).nonzero()[:5].tolist()}"
+        i, j = torch.arange(seqlen)[:, None], torch.arange(seqlen)[None, :]
+        visible = ((j <= i) | (not causal)) & ((j >= i - left) | (left < 0)) & ((j <= i + right) | (right < 0))
+        assert not (total.bool() & ~visible).any(), f"n={local_len}: masked pairs computed"
+        assert not (visible & ~total.bool()).any(), f"n={local_len}: visible pairs never computed"
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"W{w}")
@@ -222,14 +232,14 @@ def test_balanced_layouts_do_equal_work_every_step(layout, world):
     n = 8
     for rank in range(world):
         for step, done in _computed(layout, world, rank, n, True).items():
-            work = sum(done.values())
+            work = int(done.sum())
             assert abs(work - n * n / 2) <= n / 2, f"rank {rank} step {step}: {work} elements"
 
 
 def test_contiguous_causal_is_unbalanced():
     """The contrast that motivates zigzag and stripe: rank W-1 does W times rank 0's work."""
     world, n = 4, 8
-    work = [sum(sum(d.values()) for d in _computed("contiguous", world, r, n, True).values())
+    work = [sum(int(d.sum()) for d in _computed("contiguous", world, r, n, True).values())
             for r in range(world)]
     assert work[0] == n * (n + 1) // 2 and work[-1] == (world - 1) * n * n + n * (n + 1) // 2
 

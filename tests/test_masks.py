@@ -145,7 +145,7 @@ def test_one_document_is_no_mask():
 @pytest.mark.parametrize("impl", ["twin", "triton"])
 @pytest.mark.parametrize("band", [(-3, 4), (-40, -20), (10, 200), (None, -30), (-200, -100), (5, 2)],
                          ids=str)
-def test_block_band(impl, band, monkeypatch):
+def test_pair_band(impl, band, monkeypatch):
     """The per-block entry points with a raw band of local indices (what the ring passes),
     Sq != Sk, accumulating into NaN-free running buffers, including bands that see
     nothing at all (lo > hi, or entirely outside the keys)."""
@@ -169,6 +169,41 @@ def test_block_band(impl, band, monkeypatch):
     grads = [torch.full(t.shape, math.nan, device=device) for t in (q, k, v)]
     flash_attn_bwd(dout, q, k, v, lse, delta, *grads, **kw)
     _check(q, k, v, dout, dense, F32, (out, lse, *grads), f"{impl} band={band}")
+
+
+@pytest.mark.parametrize("impl", ["twin", "triton"])
+@pytest.mark.parametrize("band, band_block, docs", [
+    ((None, 15), 16, False), ((None, -1), 16, False), ((None, 23), 24, True), ((None, -1), 24, True),
+    ((-24, 47), 24, False), ((None, -1), 64, False)], ids=str)
+def test_block_band(impl, band, band_block, docs, monkeypatch):
+    """A band measured from the query's block of ``band_block`` rows (the causal mask
+    between two block_stripe shards: key block <= query block is (None, Q - 1), key block
+    < query block is (None, -1)), Sq != Sk, with and without segment ids; Q = 24 is no
+    multiple of the kernels' tiles, so tiles straddle query blocks."""
+    device = _impl(impl, monkeypatch)
+    sq, sk = 77, 70
+    q, k, v, dout = _inputs(1, max(sq, sk), 2, 1, 16, F32, device, seed=6)
+    q, dout = q[:, :sq], dout[:, :sq]
+    k, v = k[:, :sk], v[:, :sk]
+    i = torch.arange(sq)[:, None] // band_block * band_block
+    j = torch.arange(sk)[None, :]
+    dense = torch.ones(sq, sk, dtype=torch.bool)
+    if band[0] is not None:
+        dense &= j - i >= band[0]
+    dense &= j - i <= band[1]
+    seg = None
+    if docs:
+        ids = segments([[30, 2, 45]], sq)
+        seg = (ids.to(torch.int32).to(device), ids[:, :sk].to(torch.int32).to(device))
+        dense &= (ids[0, :, None] == ids[0, None, :sk]) & (ids[0, :, None] >= 0)
+    mask = PairMask(*band, *(seg or (None, None)), band_block=band_block)
+    kw = dict(softmax_scale=16 ** -0.5, mask=mask)
+    out, lse = flash_attn_fwd(q, k, v, out=torch.full(q.shape, math.nan, device=device),
+                              lse=torch.full((1, 2, sq), math.nan, device=device), **kw)
+    delta = attn_delta(out, dout)
+    grads = [torch.full(t.shape, math.nan, device=device) for t in (q, k, v)]
+    flash_attn_bwd(dout, q, k, v, lse, delta, *grads, **kw)
+    _check(q, k, v, dout, dense, F32, (out, lse, *grads), f"{impl} band={band}/{band_block} docs={docs}")
 
 
 @pytest.mark.parametrize("bad, error, match", [

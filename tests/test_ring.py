@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import ringflash
-from oracle import LAYOUTS, TOL, RingCase, attention_oracle, oracle_grads, rel_err
+from oracle import LAYOUTS, TOL, RingCase, attention_oracle, oracle_grads, rel_err, tokens_per_rank
 
 # ----------------------------------------------------------------------------- configurations
 
@@ -31,17 +31,17 @@ def _grid():
     for layout in LAYOUTS:
         for causal in (False, True):
             for i, (h, hkv) in enumerate(heads):
-                cases.append(RingCase(layout, causal, 26, h, hkv, head_dim=(16, 8, 32)[i],
+                cases.append(RingCase(layout, causal, tokens_per_rank(layout, 26), h, hkv, head_dim=(16, 8, 32)[i],
                                       batch=(1, 2, 1)[i], use_lse=(i != 1),
                                       scale=0.3 if i == 2 else None, strided=(i == 1)))
-            if layout != "zigzag":  # zigzag needs an even seqlen_local
+            if layout in ("contiguous", "stripe"):  # zigzag needs an even seqlen_local
                 cases.append(RingCase(layout, causal, 13, 4, 2, head_dim=8, use_lse=True))
     return cases
 
 
 def _long():
     """300 tokens per rank: the CPU twin tiles keys by 256, so one shard spans two tiles."""
-    return [RingCase(layout, causal, 300, heads=2, kv_heads=1, head_dim=8, use_lse=True)
+    return [RingCase(layout, causal, tokens_per_rank(layout, 300), heads=2, kv_heads=1, head_dim=8, use_lse=True)
             for layout in LAYOUTS for causal in (False, True)]
 
 
@@ -194,7 +194,7 @@ def test_ring_matches_oracle(worlds, world_size, index):
 
 def test_ring_on_subgroup(worlds):
     """A ring over ranks 1 and 3 of a world of 4 (ranks 0 and 2 stay out of it)."""
-    configs = [RingCase(layout, causal, 26, 4, 2, use_lse=True)
+    configs = [RingCase(layout, causal, tokens_per_rank(layout, 26), 4, 2, use_lse=True)
                for layout in LAYOUTS for causal in (False, True)]
     _assert_no_failures(worlds(4).run(check_configs, configs, seed=7, group_ranks=[1, 3]))
 
@@ -222,21 +222,19 @@ class _RecordingRing:
         if pending:
             self.events.append(("wait",))
 
-    def finish(self):
-        pass
-
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_backward_ends_on_the_own_shard_under_the_last_trip(monkeypatch, world, layout):
     """The own shard's dQ pass runs first, while the first K/V trip is in flight, and its
-    dK/dV pass last, while the last remote dK/dV sum goes home: no transfer waits behind the
-    last kernel pass but the one it hides."""
+    dK/dV pass last. The last remote dK/dV sum goes home under a kernel pass: the own
+    dK/dV pass (W > 2), or the remote dQ pass (W = 2, whose own dK/dV pass then adds the
+    arrived sum as it writes). No transfer waits behind the last kernel pass but one."""
     from ringflash import ring as ring_mod
     fake = _RecordingRing(world)
     monkeypatch.setattr(ring_mod, "flash_attn_bwd", lambda *args, **kw: fake.events.append(
         ("dq" if args[6] is not None else "dkv",)))  # (dout, q, k, v, lse, delta, dq, dk, dv)
-    n = 4 * world
+    n = tokens_per_rank(layout, 4 * world)
     q, k, v, out, dout = (torch.randn(1, n, 2, 8) for _ in range(5))
     lse = torch.randn(1, 2, n)
     ring_mod.ring_backward(dout, q, k, v, out, lse, None, None, softmax_scale=0.3,
@@ -244,8 +242,11 @@ def test_backward_ends_on_the_own_shard_under_the_last_trip(monkeypatch, world, 
     ev = fake.events
     last_post = max(i for i, e in enumerate(ev) if e[0] == "post")
     assert ev[last_post] == ("post", 1 - world), ev
-    assert ("dkv",) in ev[last_post:] and ("dq",) not in ev[last_post:], ev
-    assert ev[-1] == ("wait",) and ev.count(("wait",)) == sum(e[0] == "post" for e in ev), ev
+    assert ev.count(("wait",)) == sum(e[0] == "post" for e in ev), ev
+    if world == 2:
+        assert ev[last_post + 1:] == [("dq",), ("wait",), ("dkv",)], ev
+    else:
+        assert ("dkv",) in ev[last_post:] and ("dq",) not in ev[last_post:] and ev[-1] == ("wait",), ev
     first_wait = ev.index(("wait",))
     assert ev[:first_wait].count(("dq",)) >= 1 and ("dkv",) not in ev[:first_wait], ev
 
@@ -273,12 +274,13 @@ def test_running_dkv_rows_are_written_or_zeroed(monkeypatch, world, layout, caus
     meets a row another pass of its step wrote."""
     from ringflash import ring as ring_mod
 
-    def bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, accumulate, **kw):
-        for g in (dq, dk, dv):
+    def bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, accumulate, dq_partial=None, dk_partial=None,
+            dv_partial=None, **kw):
+        for g, partial in ((dq, dq_partial), (dk, dk_partial), (dv, dv_partial)):
             if g is not None:
-                g.copy_(g + 1 if accumulate else torch.ones_like(g))
+                g.copy_((g if partial is None else partial) + 1 if accumulate else torch.ones_like(g))
     monkeypatch.setattr(ring_mod, "flash_attn_bwd", bwd)
-    n = 4 * world
+    n = tokens_per_rank(layout, 4 * world)
     q, k, v, out, dout = (torch.randn(1, n, 2, 8) for _ in range(5))
     lse = torch.randn(1, 2, n)
     for rank in range(world):
@@ -297,10 +299,11 @@ def test_world_of_one_without_process_group_equals_flash_attn(layout, causal, dt
     """No init_process_group in this (pytest) process: a ring of one is flash_attn."""
     assert not (dist.is_available() and dist.is_initialized())
     gen = torch.Generator().manual_seed(3)
-    q = torch.randn(2, 38, 4, 16, generator=gen).to(dtype)
-    k, v = (torch.randn(2, 38, 2, 16, generator=gen).to(dtype) for _ in range(2))
-    dout = torch.randn(2, 38, 4, 16, generator=gen).to(dtype)
-    dlse = torch.randn(2, 4, 38, generator=gen)
+    n = tokens_per_rank(layout, 38)
+    q = torch.randn(2, n, 4, 16, generator=gen).to(dtype)
+    k, v = (torch.randn(2, n, 2, 16, generator=gen).to(dtype) for _ in range(2))
+    dout = torch.randn(2, n, 4, 16, generator=gen).to(dtype)
+    dlse = torch.randn(2, 4, n, generator=gen)
     results = []
     for attn in ("ring", "flash"):
         qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
@@ -374,7 +377,7 @@ def disagreeing_call(rank, world, field):
 
 def local_bad_call(rank, world, case):
     """The same invalid call on every rank: each must raise locally, before any collective."""
-    args, kwargs = _bad_inputs(case)
+    args, kwargs = _bad_inputs(case, world)
     caught = _call_and_catch(lambda: ringflash.ring_flash_attn(*args, **kwargs))
     return caught, _ring_still_works(rank, world)
 
@@ -382,14 +385,14 @@ def local_bad_call(rank, world, case):
 def one_rank_bad_call(rank, world, case):
     """Only rank 1 passes an invalid call; the others' arguments are fine."""
     if rank == 1:
-        args, kwargs = _bad_inputs(case)
+        args, kwargs = _bad_inputs(case, world)
     else:
         args, kwargs = _small(), dict(causal=True, layout="contiguous")
     caught = _call_and_catch(lambda: ringflash.ring_flash_attn(*args, **kwargs))
     return caught, _ring_still_works(rank, world)
 
 
-def _bad_inputs(case):
+def _bad_inputs(case, world=1):
     q, k, v = _small()
     kwargs = dict(causal=True, layout="contiguous")
     if case == "qkv_dtypes":
@@ -405,6 +408,14 @@ def _bad_inputs(case):
         kwargs["layout"] = "zigzag"
     elif case == "q_k_local_lengths_differ":
         k, v = k[:, :5], v[:, :5]
+    elif case == "block_stripe_partial_block":
+        kwargs["layout"] = "block_stripe"
+    elif case.startswith("block_stripe_"):
+        q, k, v = _small(n=128)
+        kwargs["layout"] = "block_stripe"
+        kwargs.update(dict(block_stripe_window=dict(window_size=(16, 0)),
+                           block_stripe_dropout=dict(dropout_p=0.1, seed=1),
+                           block_stripe_block_mask=dict(block_mask=torch.ones(1, world, world, dtype=torch.bool)))[case])
     else:
         raise KeyError(case)
     return (q, k, v), kwargs
@@ -417,6 +428,10 @@ LOCAL_CASES = {  # case -> (exception types allowed, words the message must cont
     "unknown_layout": ((ValueError,), ["layout", "spiral"]),
     "zigzag_odd_seqlen_local": ((ValueError,), ["zigzag", "seqlen_local"]),
     "q_k_local_lengths_differ": ((ValueError,), ["q", "k"]),
+    "block_stripe_partial_block": ((ValueError,), ["block_stripe", "seqlen_local", "128"]),
+    "block_stripe_window": ((ValueError,), ["window_size", "block_stripe"]),
+    "block_stripe_dropout": ((ValueError,), ["dropout_p", "block_stripe"]),
+    "block_stripe_block_mask": ((ValueError,), ["block_mask", "block_stripe"]),
 }
 
 
@@ -546,7 +561,7 @@ def roundtrip(rank, world) -> list[str]:
             continue
         w = world if group_ranks is None else len(group_ranks)
         for layout in LAYOUTS:
-            n = 2 * w * 3
+            n = tokens_per_rank(layout, 6) * w
             x = torch.randn(2, n, 3, 5, generator=torch.Generator().manual_seed(5))
             for dim in (1, 0, 3, -1, -2):
                 y = x.movedim(1, dim)
