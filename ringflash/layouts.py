@@ -207,6 +207,30 @@ def active_steps(layout: str, world: int, local_len: int, band: Band = NO_BAND,
     return max(busy, default=0) + 1
 
 
+def _pair_area(pair: Pair, n: int) -> int:
+    """How many (query, key) elements of an n x n pair its band leaves."""
+    rows = torch.arange(n)[pair.q] // pair.band_block * pair.band_block
+    n_keys = len(range(n)[pair.k])
+    first = torch.zeros_like(rows) if pair.band_lo is None else (rows + pair.band_lo).clamp(min=0)
+    stop = torch.full_like(rows, n_keys) if pair.band_hi is None else (rows + pair.band_hi + 1).clamp(max=n_keys)
+    return int((stop - first).clamp(min=0).sum())
+
+
+@functools.lru_cache(maxsize=256)
+def remote_share(layout: str, world: int, local_len: int, band: Band = NO_BAND,
+                 occupied: Optional[frozenset] = None) -> float:
+    """Over every rank, the least ratio of the elements its step 1 computes (the first
+    remote shard) to those of its own step, counted from the bands (segment ids aside).
+    The ring's backward asks it to know whether a remote step is large enough to hide a
+    transfer behind."""
+    ratios = []
+    for rank in range(world):
+        own, remote = (sum(_pair_area(p, local_len) for p in step_pairs(
+            layout, rank, (rank - s) % world, world, local_len, band, occupied=occupied)) for s in (0, 1))
+        ratios.append(remote / max(own, 1))
+    return min(ratios)
+
+
 def check_block_layout(layout: str, world: int, local_len: int, block: int) -> int:
     """The layout's chunk length, if a block mask of ``block``-token blocks can be cut along
     it (ValueError otherwise): stripe shards interleave the tokens of every block, and the

@@ -37,7 +37,7 @@ import torch
 from .exchange import Ring
 from .kernels import PairMask, attn_delta, flash_attn_bwd, flash_attn_fwd
 from .kernels.masks import BLOCK, Blocks, tensor_memo
-from .layouts import Band, active_steps, occupied_chunks, step_pairs, writes_first
+from .layouts import Band, active_steps, occupied_chunks, remote_share, step_pairs, writes_first
 
 
 def _kv_slots(k: torch.Tensor, segments: Optional[torch.Tensor], ring: Ring, steps: int) -> list:
@@ -260,10 +260,13 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
         dkv_pass(schedule[0], *own, sums)
         return dq_out, sums.to(k.dtype)
     # Two active steps (a ring of two): the one remote sum starts at the last step, so that
-    # step runs its dK/dV pass first, its dQ pass hides the trip home, and the own dK/dV
-    # pass adds the arrived sum as it writes the gradients in k's dtype (no final add, no
-    # buffer for the own part), if the own pairs' key rows do not overlap.
-    if steps == 2 and _uncovered([pair.k for pair in schedule[0]], n) is not None:
+    # step can run its dK/dV pass first, its dQ pass hiding the trip home, and the own dK/dV
+    # pass add the arrived sum as it writes the gradients in k's dtype (no final add, no
+    # buffer for the own part). Taken where the own pairs' key rows do not overlap and
+    # every rank's remote step is at least half its own step (a sliding window's sliver
+    # of a remote step would not hide the trip; the own dK/dV pass below does).
+    if (steps == 2 and _uncovered([pair.k for pair in schedule[0]], n) is not None
+            and remote_share(layout, ring.world, n, band, None if plan is None else plan.occupied) >= 0.5):
         pairs, (kv, seg) = schedule[1], cur
         running, arrived = ring.buffer("grads", (2, 2, *k.shape), torch.float32, k.device)
         dkv_pass(pairs, kv, seg, running)

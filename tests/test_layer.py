@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import ringflash
-from oracle import F32, LAYOUTS, TOL as DTYPE_TOL, rel_err as _rel
+from oracle import F32, LAYOUTS, TOL as DTYPE_TOL, rel_err as _rel, tokens_per_rank
 from ringflash.layer import (RingSelfAttention, all_reduce_gradients, apply_rotary,
                              broadcast_parameters, rotary_cos_sin)
 
@@ -160,7 +160,7 @@ def check_layer_cases(rank, world, cases, seqlen_local=24, batch=2, group_ranks=
     for layout, causal in cases:
         layer = _make(layout, causal, seed=rank + 10, group=group)  # deliberately different...
         broadcast_parameters(layer, group=group)  # ...until broadcast from the group's rank 0
-        x, dout = _inputs(batch, seqlen_local * world, layer.d_model)
+        x, dout = _inputs(batch, tokens_per_rank(layout, seqlen_local) * world, layer.d_model)
         x_local = ringflash.shard(x, dim=1, layout=layout, group=group).requires_grad_()
         out_local = layer(x_local)
         (out_local * ringflash.shard(dout, dim=1, layout=layout, group=group)).sum().backward()
