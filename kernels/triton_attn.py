@@ -313,9 +313,9 @@ def _row_bounds(rows, n_rows, n_cols, lo, hi, RANGES, off_b, stride_plane, strid
     """What each row of a tile may see, as column intervals: (first, stop, run_stop, holes).
 
     Row r sees at most the columns [first[r], stop[r]): those the band leaves it (BAND,
-    ``_band_interval``), within [0, n_cols), and (SEGMENTS) within the hull of the columns carrying its segment
-    id; rows past n_rows see none. The columns [first[r], run_stop[r]) carry its id, every
-    one (= stop without segments). ``holes``: some row's hull holds padding columns
+    ``_band_interval``), within [0, n_cols), and (SEGMENTS) within the hull of the columns
+    carrying its segment id; rows past n_rows see none. The columns [first[r],
+    run_stop[r]) carry its id, every one (= stop without segments). ``holes``: some row's hull holds padding columns
     between its own, which only the per-column id test (``_unpadded``) masks; otherwise
     the intervals are the whole predicate, two comparisons an element.
 

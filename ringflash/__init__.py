@@ -13,11 +13,11 @@ from .api import (positions, ring_flash_attn, segment_ids_from_cu_seqlens,
 from .exchange import transport
 from .kernels import dropout_keep_mask, flash_attn
 from .layer import RingSelfAttention, all_reduce_gradients, broadcast_parameters
-from .layouts import DEFAULT_LAYOUT, LAYOUTS
+from .layouts import DEFAULT_LAYOUT, DOCUMENTS_LAYOUT, LAYOUTS
 from .parallel import SequenceParallel
 
 __version__ = "0.1.0"
-__all__ = ["DEFAULT_LAYOUT", "LAYOUTS", "RingSelfAttention", "SequenceParallel",
+__all__ = ["DEFAULT_LAYOUT", "DOCUMENTS_LAYOUT", "LAYOUTS", "RingSelfAttention", "SequenceParallel",
            "all_reduce_gradients", "broadcast_parameters", "dropout_keep_mask", "flash_attn",
            "positions", "ring_flash_attn", "segment_ids_from_cu_seqlens",
            "segment_ids_from_position_ids", "shard", "transport", "unshard"]

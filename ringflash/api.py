@@ -151,10 +151,12 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
             initialized process group, a ring of one), or a DeviceMesh: 1-D, or
             ``(mesh, dim)`` (see ``ringflash.groups``).
         layout: how the global sequence is split ("zigzag", the default, "contiguous",
-            "stripe"; see ``shard``); the same as the inputs were sharded with. Every mask
-            is on GLOBAL positions, so the result does not depend on it; the work per rank
-            and the hops K/V travel do (packed documents: "stripe"; sliding windows:
-            "contiguous").
+            "stripe", "block_stripe"; see ``shard``); the same as the inputs were sharded
+            with. Every mask is on GLOBAL positions, so the result does not depend on it;
+            the work per rank and the hops K/V travel do (packed documents:
+            "block_stripe", ``ringflash.DOCUMENTS_LAYOUT``; sliding windows: "contiguous").
+            "block_stripe" needs seqlen_local a multiple of 128 and serves causal or full
+            attention with segment ids (no window_size, dropout_p or block_mask).
         return_lse: also return lse.
         segment_ids: (batch, seqlen_local) integer ids of this rank's tokens, sharded like
             q (``shard(ids, dim=1, layout=...)``, or ``segment_ids_from_cu_seqlens`` /
@@ -182,8 +184,8 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
             a ring step whose pairs are all False computes nothing, and K/V stop travelling
             once no rank further on needs them. The elements of a True block follow causal,
             window_size and segment_ids. Layouts "contiguous" and "zigzag" with chunks
-            (seqlen_local, or seqlen_local / 2 for zigzag) a multiple of 128; "stripe"
-            raises. Helpers: ``ringflash.kernels.block_sparse``.
+            (seqlen_local, or seqlen_local / 2 for zigzag) a multiple of 128; "stripe" and
+            "block_stripe" raise. Helpers: ``ringflash.kernels.block_sparse``.
         deterministic: accepted for compatibility: the ring's backward is always
             deterministic (fixed summation order, no atomics).
 

@@ -41,7 +41,8 @@ LAYOUTS = ("contiguous", "zigzag", "stripe", "block_stripe")
 # two contiguous chunks, so masks that are local in the sequence (windows, documents) leave
 # whole block pairs empty. It needs the global length divisible by 2W.
 DEFAULT_LAYOUT = "zigzag"
-# The layout for packed documents: balanced whatever the document lengths.
+# The layout for packed documents (segment_ids): balanced whatever the document lengths,
+# on the tiles one device would compute (README, "Which layout").
 DOCUMENTS_LAYOUT = "block_stripe"
 _ALL = slice(None)
 
@@ -208,11 +209,12 @@ def active_steps(layout: str, world: int, local_len: int, band: Band = NO_BAND,
 
 
 def _pair_area(pair: Pair, n: int) -> int:
-    """How many (query, key) elements of an n x n pair its band leaves."""
-    rows = torch.arange(n)[pair.q] // pair.band_block * pair.band_block
+    """How many (query, key) elements of a pair (of a rank's n rows) its band leaves."""
+    rows = torch.arange(len(range(n)[pair.q])) // pair.band_block * pair.band_block
     n_keys = len(range(n)[pair.k])
     first = torch.zeros_like(rows) if pair.band_lo is None else (rows + pair.band_lo).clamp(min=0)
-    stop = torch.full_like(rows, n_keys) if pair.band_hi is None else (rows + pair.band_hi + 1).clamp(max=n_keys)
+    stop = (torch.full_like(rows, n_keys) if pair.band_hi is None
+            else (rows + pair.band_hi + 1).clamp(max=n_keys))
     return int((stop - first).clamp(min=0).sum())
 
 

@@ -44,8 +44,8 @@ class SequenceParallel:
         group: None (the world; a ring of one without an initialized process group), a
             ProcessGroup, a 1-D DeviceMesh, or ``(mesh, dim)`` with a dimension name or
             index of an n-D mesh.
-        layout: "zigzag" (the default of every ringflash function), "contiguous" or
-            "stripe"; see ``ringflash.shard``.
+        layout: "zigzag" (the default of every ringflash function), "contiguous",
+            "stripe" or "block_stripe" (packed documents); see ``ringflash.shard``.
 
     Tensors are split along ``dim`` (default 1, the sequence of (batch, seq, ...)); the
     global length must be a multiple of W (2W for zigzag).

@@ -5,7 +5,10 @@ World size W, rank r. At step s the rank holds the K/V shard that started on ran
 src = (r - s) mod W. Before computing step s it posts the send of that shard to r+1
 and the receive of the next one from r-1, then runs the layout's block pairs for
 (r, src) through the local kernel. Merging is the kernel's own epilogue: it resumes
-the online softmax from the running (out, lse), kept in fp32 until the last step.
+the online softmax from the running (out, lse), kept in fp32 until the last step, whose
+kernels read those sums and write out in q's dtype (dQ, and dK/dV on a ring of two, the
+same way in the backward). The own shard leaves from k and v themselves; later shards
+arrive in one buffer (a ring of two) or two taking turns.
 
 Masks are data on the way: the band on global positions (causal, sliding window) becomes
 each pair's band of local indices (layouts.step_pairs), the visiting shard's segment
@@ -24,7 +27,10 @@ step (it left r-1 once r-1 had finished its previous step): the gradient buffer 
 one step behind the K/V it belongs to. Each step runs the dQ pass first, which needs
 nothing in flight and so hides the transfer, then adds the dK/dV pass straight into the
 arrived sum. The last trip takes each sum home while the owner runs its own dK/dV pass,
-and the owner adds the two. dQ never leaves the rank.
+and the owner adds the two. On a ring of two whose remote step is large (causal, packed
+documents: not a window's sliver), the remote dK/dV pass runs first instead, its dQ pass
+hides the trip home, and the own dK/dV pass adds the arrived sum as it writes. dQ never
+leaves the rank.
 """
 
 from __future__ import annotations
@@ -202,7 +208,6 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
     if not first_writes:
         dq.zero_()
     dq_out = dq if q.dtype == torch.float32 else torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    dkv = torch.empty((2, *k.shape), device=k.device, dtype=k.dtype)
 
     def add_grads(pair, kv, seg, write, dq=None, dkv=None, partial=None):
         """One block pair's dQ pass (into dq) or dK/dV pass (into packed dkv), adding to
@@ -256,17 +261,19 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
     cur = slots[0] if steps > 1 else None
     if steps == 1:  # pairs adding into one key row add in fp32, then round once
         overlap = _uncovered([pair.k for pair in schedule[0]], n) is None
-        sums = torch.empty((2, *k.shape), device=k.device, dtype=torch.float32) if overlap else dkv
+        sums = torch.empty((2, *k.shape), device=k.device, dtype=torch.float32 if overlap else k.dtype)
         dkv_pass(schedule[0], *own, sums)
         return dq_out, sums.to(k.dtype)
+    dkv = torch.empty((2, *k.shape), device=k.device, dtype=k.dtype)
     # Two active steps (a ring of two): the one remote sum starts at the last step, so that
     # step can run its dK/dV pass first, its dQ pass hiding the trip home, and the own dK/dV
     # pass add the arrived sum as it writes the gradients in k's dtype (no final add, no
     # buffer for the own part). Taken where the own pairs' key rows do not overlap and
     # every rank's remote step is at least half its own step (a sliding window's sliver
     # of a remote step would not hide the trip; the own dK/dV pass below does).
+    occupied = None if plan is None else plan.occupied
     if (steps == 2 and _uncovered([pair.k for pair in schedule[0]], n) is not None
-            and remote_share(layout, ring.world, n, band, None if plan is None else plan.occupied) >= 0.5):
+            and remote_share(layout, ring.world, n, band, occupied) >= 0.5):
         pairs, (kv, seg) = schedule[1], cur
         running, arrived = ring.buffer("grads", (2, 2, *k.shape), torch.float32, k.device)
         dkv_pass(pairs, kv, seg, running)

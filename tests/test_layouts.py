@@ -16,7 +16,7 @@ import ringflash
 from oracle import LAYOUTS, tokens_per_rank
 from ringflash import api
 from ringflash.kernels import band_of_window
-from ringflash.layouts import active_steps, global_positions, step_pairs, writes_first
+from ringflash.layouts import active_steps, global_positions, remote_share, step_pairs, writes_first
 
 WORLDS = (1, 2, 3, 4, 5)
 
@@ -262,3 +262,19 @@ def test_window_hops_follow_the_window(world):
     for w in (0, 1, 15, 16, 17, 40):
         want = min(world, -(-w // n) + 1)
         assert active_steps("contiguous", world, n, _band(True, (w, -1))) == want, w
+
+
+def test_remote_share_counts_the_band_area():
+    """Least (remote step elements) / (own step elements) over the ranks: what decides
+    whether a ring of two hides its dK/dV trip home under the remote step."""
+    n = 1024
+    assert remote_share("contiguous", 2, n, _band(False)) == 1.0
+    assert remote_share("contiguous", 2, n, _band(True)) == 0.0  # rank 0 sees nothing remote
+    assert remote_share("zigzag", 2, n, _band(True)) == pytest.approx(1.0, abs=0.01)
+    assert remote_share("stripe", 2, n, _band(True)) == pytest.approx(1.0, abs=0.01)
+    # block_stripe, causal: rank 0's query block a sees the a remote blocks before it, and
+    # its own causal triangle
+    own = sum(min(i + 1, n) for i in range(n))
+    remote0 = sum((i // 128) * 128 for i in range(n))
+    assert remote_share("block_stripe", 2, n, _band(True)) == pytest.approx(remote0 / own)
+    assert remote_share("zigzag", 2, n, _band(True, (64, 0))) < 0.5  # a window's sliver

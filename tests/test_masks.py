@@ -162,13 +162,19 @@ def test_pair_band(impl, band, monkeypatch):
         dense &= j - i >= band[0]
     if band[1] is not None:
         dense &= j - i <= band[1]
+    _check_pair(q, k, v, dout, mask, dense, f"{impl} band={band}")
+
+
+def _check_pair(q, k, v, dout, mask, dense, label):
+    """The per-block entry points under ``mask`` (into NaN-filled buffers) against the
+    oracle under the dense mask."""
     kw = dict(softmax_scale=16 ** -0.5, mask=mask)
-    out, lse = flash_attn_fwd(q, k, v, out=torch.full(q.shape, math.nan, device=device),
-                              lse=torch.full((1, 2, sq), math.nan, device=device), **kw)
-    delta = attn_delta(out, dout)
-    grads = [torch.full(t.shape, math.nan, device=device) for t in (q, k, v)]
-    flash_attn_bwd(dout, q, k, v, lse, delta, *grads, **kw)
-    _check(q, k, v, dout, dense, F32, (out, lse, *grads), f"{impl} band={band}")
+    out, lse = flash_attn_fwd(q, k, v, out=torch.full(q.shape, math.nan, device=q.device),
+                              lse=torch.full((q.shape[0], q.shape[2], q.shape[1]), math.nan,
+                                             device=q.device), **kw)
+    grads = [torch.full(t.shape, math.nan, device=q.device) for t in (q, k, v)]
+    flash_attn_bwd(dout, q, k, v, lse, attn_delta(out, dout), *grads, **kw)
+    _check(q, k, v, dout, dense, F32, (out, lse, *grads), label)
 
 
 @pytest.mark.parametrize("impl", ["twin", "triton"])
@@ -197,13 +203,7 @@ def test_block_band(impl, band, band_block, docs, monkeypatch):
         seg = (ids.to(torch.int32).to(device), ids[:, :sk].to(torch.int32).to(device))
         dense &= (ids[0, :, None] == ids[0, None, :sk]) & (ids[0, :, None] >= 0)
     mask = PairMask(*band, *(seg or (None, None)), band_block=band_block)
-    kw = dict(softmax_scale=16 ** -0.5, mask=mask)
-    out, lse = flash_attn_fwd(q, k, v, out=torch.full(q.shape, math.nan, device=device),
-                              lse=torch.full((1, 2, sq), math.nan, device=device), **kw)
-    delta = attn_delta(out, dout)
-    grads = [torch.full(t.shape, math.nan, device=device) for t in (q, k, v)]
-    flash_attn_bwd(dout, q, k, v, lse, delta, *grads, **kw)
-    _check(q, k, v, dout, dense, F32, (out, lse, *grads), f"{impl} band={band}/{band_block} docs={docs}")
+    _check_pair(q, k, v, dout, mask, dense, f"{impl} band={band}/{band_block} docs={docs}")
 
 
 @pytest.mark.parametrize("bad, error, match", [

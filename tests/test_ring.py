@@ -225,11 +225,17 @@ class _RecordingRing:
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_backward_ends_on_the_own_shard_under_the_last_trip(monkeypatch, world, layout):
+@pytest.mark.parametrize("band", [(None, None), (-2, 0)], ids=["full", "window2"])
+def test_backward_ends_on_the_own_shard_under_the_last_trip(monkeypatch, world, layout, band):
     """The own shard's dQ pass runs first, while the first K/V trip is in flight, and its
     dK/dV pass last. The last remote dK/dV sum goes home under a kernel pass: the own
-    dK/dV pass (W > 2), or the remote dQ pass (W = 2, whose own dK/dV pass then adds the
-    arrived sum as it writes). No transfer waits behind the last kernel pass but one."""
+    dK/dV pass, or, on a ring of two whose remote step is at least half its own step
+    (full attention; not a window of 2), the remote dQ pass, the own dK/dV pass then
+    adding the arrived sum as it writes. No transfer waits behind the last kernel pass
+    but one."""
+    from ringflash.layouts import remote_share
+    if layout == "block_stripe" and band != (None, None):
+        return  # block_stripe takes no window (test_bad_local_input_* checks that it raises)
     from ringflash import ring as ring_mod
     fake = _RecordingRing(world)
     monkeypatch.setattr(ring_mod, "flash_attn_bwd", lambda *args, **kw: fake.events.append(
@@ -238,12 +244,13 @@ def test_backward_ends_on_the_own_shard_under_the_last_trip(monkeypatch, world, 
     q, k, v, out, dout = (torch.randn(1, n, 2, 8) for _ in range(5))
     lse = torch.randn(1, 2, n)
     ring_mod.ring_backward(dout, q, k, v, out, lse, None, None, softmax_scale=0.3,
-                           band=(None, None), dropout=(0.0, 0), layout=layout, ring=fake)
+                           band=band, dropout=(0.0, 0), layout=layout, ring=fake)
     ev = fake.events
+    steps = ring_mod.active_steps(layout, world, n, band)
     last_post = max(i for i, e in enumerate(ev) if e[0] == "post")
-    assert ev[last_post] == ("post", 1 - world), ev
+    assert ev[last_post] == ("post", 1 - steps), ev
     assert ev.count(("wait",)) == sum(e[0] == "post" for e in ev), ev
-    if world == 2:
+    if steps == 2 and remote_share(layout, world, n, band) >= 0.5:
         assert ev[last_post + 1:] == [("dq",), ("wait",), ("dkv",)], ev
     else:
         assert ("dkv",) in ev[last_post:] and ("dq",) not in ev[last_post:] and ev[-1] == ("wait",), ev
