@@ -11,33 +11,45 @@ import argparse
 import sys
 from pathlib import Path
 
+import torch
+
 import _harness as H
+from ringflash.kernels.masks import BLOCK
 from ringflash.layouts import LAYOUTS, global_positions, step_pairs
 
-WORLD, SEQLEN = 4, 32
+WORLD, SEQLEN = 4, 32  # SEQLEN cells: tokens, or for block_stripe blocks of BLOCK tokens
+
+
+def unit(layout) -> int:
+    """Tokens per drawn cell."""
+    return BLOCK if layout == "block_stripe" else 1
 
 
 def owner_map(layout) -> list[int]:
     owner = [0] * SEQLEN
     for rank in range(WORLD):
-        for t in global_positions(SEQLEN, layout, rank, WORLD).tolist():
-            owner[t] = rank
+        for t in global_positions(SEQLEN * unit(layout), layout, rank, WORLD).tolist():
+            owner[t // unit(layout)] = rank
     return owner
 
 
 def causal_work(layout):
-    """Visible (query, key) elements each rank computes: the causal triangle split by rank."""
-    n = SEQLEN // WORLD
+    """Visible (query, key) elements each rank computes: the causal triangle split by rank
+    (a pair keeps band_lo <= j - i' <= band_hi, i' = i rounded down to its band_block)."""
+    n = SEQLEN * unit(layout) // WORLD
     work = []
     for rank in range(WORLD):
         total = 0
         for src in range(WORLD):
             for pair in step_pairs(layout, rank, src, WORLD, n, (None, 0)):
-                rows = range(len(range(n)[pair.q]))
-                cols = range(len(range(n)[pair.k]))
-                lo, hi = pair.band_lo, pair.band_hi
-                total += sum(1 for i in rows for j in cols
-                             if (lo is None or j - i >= lo) and (hi is None or j - i <= hi))
+                rows = torch.arange(len(range(n)[pair.q]))[:, None] // pair.band_block * pair.band_block
+                diff = torch.arange(len(range(n)[pair.k]))[None, :] - rows
+                keep = torch.ones_like(diff, dtype=torch.bool)
+                if pair.band_lo is not None:
+                    keep &= diff >= pair.band_lo
+                if pair.band_hi is not None:
+                    keep &= diff <= pair.band_hi
+                total += int(keep.sum())
         work.append(total)
     return work
 
@@ -64,8 +76,8 @@ def main(argv=None) -> int:
         ax.set_ylim(0, 1)
         ax.set_yticks([])
         ax.set_xticks(range(0, SEQLEN + 1, SEQLEN // WORLD))
-        ax.set_title(f"{layout}: owner rank of each of {SEQLEN} tokens ({WORLD} ranks)",
-                     fontsize=9, loc="left")
+        cells = f"{SEQLEN} tokens" if unit(layout) == 1 else f"{SEQLEN} blocks of {unit(layout)} tokens"
+        ax.set_title(f"{layout}: owner rank of each of {cells} ({WORLD} ranks)", fontsize=9, loc="left")
         work = causal_work(layout)
         axes[row, 1].bar(range(WORLD), work, color=colors[:WORLD])
         axes[row, 1].set_title("causal work per rank", fontsize=9)

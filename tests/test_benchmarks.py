@@ -142,6 +142,23 @@ def test_every_masked_variant_fits_hopper_shared_memory(tmp_path):
         assert int(size) <= HOPPER_SHARED_BYTES, (which, size)
 
 
+def test_layout_picture_covers_every_layout():
+    """plot_layouts.py's data (its drawing needs matplotlib, not in the test extras): every
+    layout, every token owned, and the ranks' causal work adding up to the triangle."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import plot_layouts as P
+    finally:
+        sys.path.remove(str(BENCH))
+    for layout in LAYOUTS:
+        assert sorted(set(P.owner_map(layout))) == list(range(P.WORLD)), layout
+        n = P.SEQLEN * P.unit(layout)
+        work = P.causal_work(layout)
+        assert sum(work) == n * (n + 1) // 2, layout
+        if layout != "contiguous":
+            assert max(work) / min(work) < 1.3, (layout, work)
+
+
 def test_result_names_come_from_the_device():
     sys.path.insert(0, str(BENCH))
     try:
