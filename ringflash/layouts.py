@@ -238,8 +238,9 @@ def check_block_layout(layout: str, world: int, local_len: int, block: int) -> i
     it (ValueError otherwise): stripe shards interleave the tokens of every block, and the
     chunks of the others must hold whole blocks."""
     if layout in ("stripe", "block_stripe"):
+        how = "the tokens of every block" if layout == "stripe" else "the blocks, one by one"
         raise ValueError(f"block_mask needs layout 'contiguous' or 'zigzag': {layout} shards "
-                         "interleave the blocks of the sequence")
+                         f"interleave {how}")
     chunk = world * local_len // split_factor(layout, world)
     if chunk % block:
         raise ValueError(f"block_mask needs the layout's chunks ({chunk} tokens: seqlen_local "
