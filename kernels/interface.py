@@ -274,7 +274,7 @@ def flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: floa
 def _op_mask(band_lo, band_hi, segment_ids, dropout_p, seed, block_mask) -> PairMask:
     blocks = None if block_mask is None else tensor_memo(
         block_mask, ("blocks",), lambda: Blocks(block_mask.clone()))
-    return PairMask(band_lo, band_hi, segment_ids, segment_ids, dropout_p, seed, (0, 0, 1), blocks)
+    return PairMask(band_lo, band_hi, segment_ids, segment_ids, dropout_p, seed, (0, 0, 1, 0), blocks)
 
 
 @torch.library.custom_op("ringflash::flash_attn_forward", mutates_args=())

@@ -45,8 +45,10 @@ class PairMask(NamedTuple):
         ``PairMask.causal(o)`` is j <= i + o.
     q_segments (B, Sq), k_segments (B, Sk): int32 contiguous segment ids, or both None.
     dropout_p, seed: attention dropout (kernels/dropout.py), keyed by global positions:
-    pos = (q_pos, k_pos, stride): query i of the pair is at q_pos + i * stride, key j at
-        k_pos + j * stride (needed with dropout only).
+    pos = (q_pos, k_pos, stride, jump): query i of the pair is at global position
+        q_pos + i * stride + (i // BLOCK) * jump, key j at k_pos + j * stride
+        + (j // BLOCK) * jump (needed with dropout only). jump is 0 but for the
+        block_stripe layout, whose rows are runs of BLOCK positions W * BLOCK apart.
     blocks: a ``Blocks`` over (heads or 1, cdiv(Sq, BLOCK), cdiv(Sk, BLOCK)), or None:
         block (a, c) holds queries [a * BLOCK, (a + 1) * BLOCK) and keys
         [c * BLOCK, (c + 1) * BLOCK) of the pair; False blocks are never computed.
@@ -59,7 +61,7 @@ class PairMask(NamedTuple):
     k_segments: Optional[torch.Tensor] = None
     dropout_p: float = 0.0
     seed: int = 0
-    pos: Optional[tuple[int, int, int]] = None
+    pos: Optional[tuple[int, int, int, int]] = None
     blocks: Optional["Blocks"] = None
     band_block: int = 1
 
@@ -70,6 +72,14 @@ class PairMask(NamedTuple):
 
 
 NO_MASK = PairMask()
+
+
+def pair_positions(pos: tuple[int, int, int, int], q_rows: torch.Tensor, k_rows: torch.Tensor):
+    """(global positions of the pair's query rows q_rows, of its key rows k_rows), for
+    ``PairMask.pos`` = (q_pos, k_pos, stride, jump)."""
+    q0, k0, stride, jump = pos
+    return (q0 + q_rows * stride + q_rows // BLOCK * jump,
+            k0 + k_rows * stride + k_rows // BLOCK * jump)
 
 
 def band_of_window(causal: bool, window_size: tuple[int, int]) -> tuple[Optional[int], Optional[int]]:

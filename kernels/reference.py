@@ -16,7 +16,7 @@ import math
 import torch
 
 from . import dropout
-from .masks import PairMask, visible
+from .masks import PairMask, pair_positions, visible
 
 BLOCK_N = 256
 
@@ -55,9 +55,7 @@ def _dropped(p, mask: PairMask, start: int, end: int, kv_heads: int):
     if mask.dropout_p == 0:
         return p
     b, _, g, sq, _ = p.shape
-    q0, k0, stride = mask.pos
-    qpos = q0 + torch.arange(sq) * stride
-    kpos = k0 + torch.arange(start, end) * stride
+    qpos, kpos = pair_positions(mask.pos, torch.arange(sq), torch.arange(start, end))
     heads = torch.arange(kv_heads * g).view(1, kv_heads, g, 1, 1)
     keep = dropout.keep(mask.seed, mask.dropout_p, torch.arange(b).view(b, 1, 1, 1, 1), heads,
                         qpos.view(1, 1, 1, sq, 1), kpos.view(1, 1, 1, 1, -1)).to(p.device)

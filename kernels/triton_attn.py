@@ -216,6 +216,17 @@ _PHILOX_ROUNDS = tl.constexpr(dropout.ROUNDS)
 
 
 @triton.jit
+def _tile_positions(pos0, start, BLOCK: tl.constexpr, stride, jump):
+    """(global position of local row ``start``, global positions of rows [start, start +
+    BLOCK)) for dropout. Local row i is at pos0 + i * stride + (i // SPARSE_BLOCK) * jump
+    (PairMask.pos; jump is 0 but for the block_stripe layout); a tile never straddles two
+    blocks (tiles divide SPARSE_BLOCK), so inside one the positions are evenly spaced."""
+    tl.static_assert(SPARSE_BLOCK % BLOCK == 0, "dropout positions need tiles that divide a block")
+    first = pos0 + start * stride + (start // SPARSE_BLOCK) * jump
+    return first, first + tl.arange(0, BLOCK) * stride
+
+
+@triton.jit
 def _byte_keep(word, t24, shift):
     """The byte at bit ``shift`` of word >= t, compared at the top of the word
     (t24 = t << 24): no extraction."""
@@ -427,7 +438,7 @@ def _column(v, INDEX, row, n_col_blocks, SPARSE: tl.constexpr):
 @triton.jit
 def _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb, stride_ks, stride_kh,
               stride_vb, stride_vs, stride_vh, stride_segb, start_n, offs_m, first, stop, holes,
-              seqlen_k, qk_scale, seed, threshold, drop_scale, qpos, k_pos0, pos_stride,
+              seqlen_k, qk_scale, seed, threshold, drop_scale, qpos, k_pos0, pos_stride, pos_jump,
               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_D: tl.constexpr, MASKED: tl.constexpr, SEGMENTS: tl.constexpr,
               DROPOUT: tl.constexpr, GROUPED: tl.constexpr, PRECISION: tl.constexpr,
@@ -455,9 +466,8 @@ def _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb, str
     alpha = tl.math.exp2(m_i - m_new_safe)
     l_i = l_i * alpha + tl.sum(p, 1)  # the softmax statistics are of the undropped scores
     if DROPOUT:
-        kpos = k_pos0 + (start_n + tl.arange(0, BLOCK_N)) * pos_stride
-        keep = _keep(seed, threshold, off_b, off_h, qpos, k_pos0 + start_n * pos_stride, kpos,
-                     BLOCK_M, BLOCK_N, GROUPED)
+        kpos_start, kpos = _tile_positions(k_pos0, start_n, BLOCK_N, pos_stride, pos_jump)
+        keep = _keep(seed, threshold, off_b, off_h, qpos, kpos_start, kpos, BLOCK_M, BLOCK_N, GROUPED)
         p = p * tl.where(keep, drop_scale, 0.0)  # a multiply, not a select of packed bf16 halves
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return acc, l_i, m_new
@@ -469,7 +479,7 @@ def _fwd_kernel(Q, K, V, O, O_IN, LSE, KSEG, RANGES, COUNTS, INDEX,
                 stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
                 stride_lb, stride_lh, stride_ksegb, stride_rp, stride_rb,
                 H, GROUP, seqlen_q, seqlen_k, qk_scale, band_lo, band_hi,
-                seed, threshold, drop_scale, q_pos0, k_pos0, pos_stride, stride_cp, stride_sh, n_col_blocks,
+                seed, threshold, drop_scale, q_pos0, k_pos0, pos_stride, pos_jump, stride_cp, stride_sh, n_col_blocks,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
                 DROPOUT: tl.constexpr, GROUPED: tl.constexpr, SPARSE: tl.constexpr,
@@ -500,7 +510,7 @@ def _fwd_kernel(Q, K, V, O, O_IN, LSE, KSEG, RANGES, COUNTS, INDEX,
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    qpos = q_pos0 + offs_m * pos_stride  # global positions, for dropout
+    _, qpos = _tile_positions(q_pos0, start_m, BLOCK_M, pos_stride, pos_jump)
 
     first, stop, holes, row, start, full_start, full_end, end = _query_loop(
         start_m, offs_m, seqlen_q, seqlen_k, band_lo, band_hi, RANGES, off_b, off_h, stride_rp,
@@ -511,7 +521,7 @@ def _fwd_kernel(Q, K, V, O, O_IN, LSE, KSEG, RANGES, COUNTS, INDEX,
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
                                   stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb,
                                   start_n, offs_m, first, stop, holes, seqlen_k, qk_scale, seed,
-                                  threshold, drop_scale, qpos, k_pos0, pos_stride, HEAD_DIM, BLOCK_M,
+                                  threshold, drop_scale, qpos, k_pos0, pos_stride, pos_jump, HEAD_DIM, BLOCK_M,
                                   BLOCK_N, BLOCK_D, True, SEGMENTS, DROPOUT, GROUPED, PRECISION,
                                   TMA)
     for pos in tl.range(full_start, full_end, BLOCK_N, num_stages=LIST_STAGES):
@@ -519,7 +529,7 @@ def _fwd_kernel(Q, K, V, O, O_IN, LSE, KSEG, RANGES, COUNTS, INDEX,
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
                                   stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb,
                                   start_n, offs_m, first, stop, holes, seqlen_k, qk_scale, seed,
-                                  threshold, drop_scale, qpos, k_pos0, pos_stride, HEAD_DIM, BLOCK_M,
+                                  threshold, drop_scale, qpos, k_pos0, pos_stride, pos_jump, HEAD_DIM, BLOCK_M,
                                   BLOCK_N, BLOCK_D, False, SEGMENTS and SPARSE, DROPOUT, GROUPED,
                                   PRECISION, TMA)
     for pos in range(full_end, end, BLOCK_N):
@@ -527,7 +537,7 @@ def _fwd_kernel(Q, K, V, O, O_IN, LSE, KSEG, RANGES, COUNTS, INDEX,
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
                                   stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb,
                                   start_n, offs_m, first, stop, holes, seqlen_k, qk_scale, seed,
-                                  threshold, drop_scale, qpos, k_pos0, pos_stride, HEAD_DIM, BLOCK_M,
+                                  threshold, drop_scale, qpos, k_pos0, pos_stride, pos_jump, HEAD_DIM, BLOCK_M,
                                   BLOCK_N, BLOCK_D, True, SEGMENTS, DROPOUT, GROUPED, PRECISION,
                                   TMA)
 
@@ -545,17 +555,18 @@ def _or(partial, dest):
 
 def _mask_args(mask, device: torch.device):
     """Kernel arguments of a PairMask: (band_lo, band_hi, qseg, kseg, BAND, SEGMENTS) and the
-    dropout arguments (seed, threshold, scale, q_pos0, k_pos0, stride, DROPOUT, GROUPED).
+    dropout arguments (seed, threshold, scale, q_pos0, k_pos0, stride, jump, DROPOUT, GROUPED).
     Without segments, the segment pointers are a one-element stand-in."""
     band = mask.band_lo is not None or mask.band_hi is not None
     lo = -BAND_INF if mask.band_lo is None else mask.band_lo
     hi = BAND_INF if mask.band_hi is None else mask.band_hi
     if mask.dropout_p > 0:
-        q_pos0, k_pos0, stride = mask.pos
+        q_pos0, k_pos0, stride, jump = mask.pos
+        grouped = stride == 1 and q_pos0 % 16 == 0 and k_pos0 % 32 == 0 and jump % 32 == 0
         drop = (mask.seed, dropout.threshold(mask.dropout_p), dropout.keep_scale(mask.dropout_p),
-                q_pos0, k_pos0, stride, True, stride == 1 and q_pos0 % 16 == 0 and k_pos0 % 32 == 0)
+                q_pos0, k_pos0, stride, jump, True, grouped)
     else:
-        drop = (0, 0, 1.0, 0, 0, 1, False, False)
+        drop = (0, 0, 1.0, 0, 0, 1, 0, False, False)
     if mask.q_segments is None:
         dummy = torch.zeros(1, dtype=torch.int32, device=device)
         return (lo, hi, dummy, dummy, band, False), drop
@@ -716,8 +727,8 @@ def fwd(q, k, v, out, lse, *, softmax_scale: float, mask, accumulate: bool, out_
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1), kseg.stride(0), ranges.stride(0), ranges.stride(1),
-        h, h // hkv, sq, sk, softmax_scale * LOG2E, lo, hi, *drop[:6], *sparse_strides,
-        HEAD_DIM=d, BLOCK_D=bd, BAND=band, SEGMENTS=segments, DROPOUT=drop[6], GROUPED=drop[7],
+        h, h // hkv, sq, sk, softmax_scale * LOG2E, lo, hi, *drop[:7], *sparse_strides,
+        HEAD_DIM=d, BLOCK_D=bd, BAND=band, SEGMENTS=segments, DROPOUT=drop[7], GROUPED=drop[8],
         SPARSE=sparse, LIST_STAGES=list_stages(cfg, sparse, segments), ACCUMULATE=accumulate,
         PRECISION=_dot_precision(q.dtype), TMA=tma, BAND_BLOCK=mask.band_block, **cfg)
     return out, lse
@@ -768,7 +779,7 @@ def _load_stats(LSE, DELTA, rows, seqlen_q):
 def _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, off_b, off_h, stride_qb, stride_qs, stride_qh,
                stride_dob, stride_dos, stride_doh, start_m, cols, first, stop, band_lo, band_hi,
                seqlen_q,
-               qk_scale, seed, threshold, drop_scale, q_pos0, kpos_start, kpos, pos_stride,
+               qk_scale, seed, threshold, drop_scale, q_pos0, kpos_start, kpos, pos_stride, pos_jump,
                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_D: tl.constexpr, MASKED: tl.constexpr, SEGMENTS: tl.constexpr,
                DROPOUT: tl.constexpr, GROUPED: tl.constexpr, PRECISION: tl.constexpr,
@@ -788,8 +799,8 @@ def _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, off_b, off_h, stride_qb, stride_
         pT = _visible(pT, cols, rows, first, stop, band_lo, band_hi, 0.0, SEGMENTS or BAND_BLOCK > 1, True)
     dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
     if DROPOUT:  # dV takes the dropped probabilities, dP the dropped gradient (D unchanged)
-        keep = _keep(seed, threshold, off_b, off_h, q_pos0 + rows * pos_stride, kpos_start, kpos,
-                     BLOCK_M, BLOCK_N, GROUPED, True)
+        _, qpos = _tile_positions(q_pos0, start_m, BLOCK_M, pos_stride, pos_jump)
+        keep = _keep(seed, threshold, off_b, off_h, qpos, kpos_start, kpos, BLOCK_M, BLOCK_N, GROUPED, True)
         scaleT = tl.trans(tl.where(keep, drop_scale, 0.0))
         dv = tl.dot((pT * scaleT).to(do.dtype), do, dv,
                     input_precision=PRECISION)
@@ -817,7 +828,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DK_IN, DV_IN, RANGES, COUNTS, 
                  stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
                  stride_lb, stride_lh, stride_deltab, stride_deltah, stride_rp, stride_rb,
                  HKV, GROUP, seqlen_q, seqlen_k, qk_scale, sm_scale, band_lo, band_hi,
-                 seed, threshold, drop_scale, q_pos0, k_pos0, pos_stride, stride_cp, stride_sh, n_col_blocks,
+                 seed, threshold, drop_scale, q_pos0, k_pos0, pos_stride, pos_jump, stride_cp, stride_sh, n_col_blocks,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
                  DROPOUT: tl.constexpr, GROUPED: tl.constexpr, SPARSE: tl.constexpr,
@@ -837,6 +848,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DK_IN, DV_IN, RANGES, COUNTS, 
                     BLOCK_N, BLOCK_D, HEAD_DIM, True, False)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    kpos_start, kpos = _tile_positions(k_pos0, start_n, BLOCK_N, pos_stride, pos_jump)  # dropout
 
     # Only the query tiles that see this key tile (the band read transposed), in
     # one loop that masks every tile: splitting off the unmasked tiles, as the forward does,
@@ -863,8 +875,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DK_IN, DV_IN, RANGES, COUNTS, 
             dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, lse_base, delta_base, off_b, off_h,
                                 stride_qb, stride_qs, stride_qh, stride_dob, stride_dos,
                                 stride_doh, start_m, cols, first, stop, band_lo, band_hi, seqlen_q, qk_scale, seed, threshold, drop_scale, q_pos0,
-                                k_pos0 + start_n * pos_stride, k_pos0 + cols * pos_stride,
-                                pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                kpos_start, kpos, pos_stride, pos_jump, HEAD_DIM, BLOCK_M, BLOCK_N,
                                 BLOCK_D, BAND or SEGMENTS, SEGMENTS, DROPOUT,
                                 GROUPED, PRECISION, BAND_BLOCK)
         for pos in tl.range(full_start, full_end, BLOCK_M, num_stages=LIST_STAGES):
@@ -872,8 +883,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DK_IN, DV_IN, RANGES, COUNTS, 
             dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, lse_base, delta_base, off_b, off_h,
                                 stride_qb, stride_qs, stride_qh, stride_dob, stride_dos,
                                 stride_doh, start_m, cols, first, stop, band_lo, band_hi, seqlen_q, qk_scale, seed, threshold, drop_scale, q_pos0,
-                                k_pos0 + start_n * pos_stride, k_pos0 + cols * pos_stride,
-                                pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                kpos_start, kpos, pos_stride, pos_jump, HEAD_DIM, BLOCK_M, BLOCK_N,
                                 BLOCK_D, SEGMENTS and SPARSE, SEGMENTS, DROPOUT,
                                 GROUPED, PRECISION, BAND_BLOCK)
         for pos in range(full_end, end, BLOCK_M):
@@ -881,8 +891,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DK_IN, DV_IN, RANGES, COUNTS, 
             dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, lse_base, delta_base, off_b, off_h,
                                 stride_qb, stride_qs, stride_qh, stride_dob, stride_dos,
                                 stride_doh, start_m, cols, first, stop, band_lo, band_hi, seqlen_q, qk_scale, seed, threshold, drop_scale, q_pos0,
-                                k_pos0 + start_n * pos_stride, k_pos0 + cols * pos_stride,
-                                pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                kpos_start, kpos, pos_stride, pos_jump, HEAD_DIM, BLOCK_M, BLOCK_N,
                                 BLOCK_D, BAND or SEGMENTS, SEGMENTS, DROPOUT,
                                 GROUPED, PRECISION, BAND_BLOCK)
 
@@ -896,7 +905,8 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DK_IN, DV_IN, RANGES, COUNTS, 
 @triton.jit
 def _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb, stride_ks,
              stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n, rows, first, stop,
-             holes, seqlen_k, qk_scale, band_lo, band_hi, seed, threshold, drop_scale, qpos, k_pos0, pos_stride,
+             holes, seqlen_k, qk_scale, band_lo, band_hi, seed, threshold, drop_scale, qpos, k_pos0,
+             pos_stride, pos_jump,
              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              BLOCK_D: tl.constexpr, MASKED: tl.constexpr, BAND: tl.constexpr,
              SEGMENTS: tl.constexpr, DROPOUT: tl.constexpr, GROUPED: tl.constexpr,
@@ -915,9 +925,8 @@ def _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
             p = _unpadded(p, cols, KSEG, off_b, stride_ksegb, seqlen_k, holes, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     if DROPOUT:
-        kpos = k_pos0 + (start_n + tl.arange(0, BLOCK_N)) * pos_stride
-        keep = _keep(seed, threshold, off_b, off_h, qpos, k_pos0 + start_n * pos_stride, kpos,
-                     BLOCK_M, BLOCK_N, GROUPED)
+        kpos_start, kpos = _tile_positions(k_pos0, start_n, BLOCK_N, pos_stride, pos_jump)
+        keep = _keep(seed, threshold, off_b, off_h, qpos, kpos_start, kpos, BLOCK_M, BLOCK_N, GROUPED)
         dp = dp * tl.where(keep, drop_scale, 0.0)
     ds = p * (dp - delta[:, None])
     return tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
@@ -931,7 +940,7 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DQ_IN, KSEG, RANGES, COUNTS, INDEX,
                stride_lb, stride_lh, stride_deltab, stride_deltah, stride_ksegb, stride_rp,
                stride_rb,
                H, GROUP, seqlen_q, seqlen_k, qk_scale, sm_scale, band_lo, band_hi,
-               seed, threshold, drop_scale, q_pos0, k_pos0, pos_stride, stride_cp, stride_sh, n_col_blocks,
+               seed, threshold, drop_scale, q_pos0, k_pos0, pos_stride, pos_jump, stride_cp, stride_sh, n_col_blocks,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
                DROPOUT: tl.constexpr, GROUPED: tl.constexpr, SPARSE: tl.constexpr,
@@ -951,7 +960,7 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DQ_IN, KSEG, RANGES, COUNTS, INDEX,
     lse, delta = _load_stats(LSE + off_b * stride_lb + off_h * stride_lh,
                              DELTA + off_b * stride_deltab + off_h * stride_deltah, rows, seqlen_q)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    qpos = q_pos0 + rows * pos_stride
+    _, qpos = _tile_positions(q_pos0, start_m, BLOCK_M, pos_stride, pos_jump)
 
     first, stop, holes, row, start, full_start, full_end, end = _query_loop(
         start_m, rows, seqlen_q, seqlen_k, band_lo, band_hi, RANGES, off_b, off_h, stride_rp,
@@ -962,21 +971,21 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DQ_IN, KSEG, RANGES, COUNTS, INDEX,
         dq = _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
                       stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n,
                       rows, first, stop, holes, seqlen_k, qk_scale, band_lo, band_hi, seed,
-                      threshold, drop_scale, qpos, k_pos0, pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, BAND,
+                      threshold, drop_scale, qpos, k_pos0, pos_stride, pos_jump, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, BAND,
                       SEGMENTS, DROPOUT, GROUPED, PRECISION, BAND_BLOCK)
     for pos in tl.range(full_start, full_end, BLOCK_N, num_stages=LIST_STAGES):
         start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
         dq = _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
                       stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n,
                       rows, first, stop, holes, seqlen_k, qk_scale, band_lo, band_hi, seed,
-                      threshold, drop_scale, qpos, k_pos0, pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, BAND,
+                      threshold, drop_scale, qpos, k_pos0, pos_stride, pos_jump, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, BAND,
                       SEGMENTS and SPARSE, DROPOUT, GROUPED, PRECISION, BAND_BLOCK)
     for pos in range(full_end, end, BLOCK_N):
         start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
         dq = _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
                       stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n,
                       rows, first, stop, holes, seqlen_k, qk_scale, band_lo, band_hi, seed,
-                      threshold, drop_scale, qpos, k_pos0, pos_stride, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, BAND,
+                      threshold, drop_scale, qpos, k_pos0, pos_stride, pos_jump, HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, BAND,
                       SEGMENTS, DROPOUT, GROUPED, PRECISION, BAND_BLOCK)
 
     mask = (rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
@@ -993,10 +1002,10 @@ def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask, accu
     sk, hkv = k.shape[1], k.shape[2]
     dkdv_cfg, dq_cfg = bwd_config(d, q.dtype, mask.blocks is not None)
     (lo, hi, qseg, kseg, band, segments), drop = _mask_args(mask, q.device)
-    common = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BAND=band, SEGMENTS=segments, DROPOUT=drop[6],
-                  GROUPED=drop[7], SPARSE=mask.blocks is not None, ACCUMULATE=accumulate,
+    common = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BAND=band, SEGMENTS=segments, DROPOUT=drop[7],
+                  GROUPED=drop[8], SPARSE=mask.blocks is not None, ACCUMULATE=accumulate,
                   PRECISION=_dot_precision(q.dtype), BAND_BLOCK=mask.band_block)
-    scalars = (h // hkv, sq, sk, softmax_scale * LOG2E, softmax_scale, lo, hi, *drop[:6])
+    scalars = (h // hkv, sq, sk, softmax_scale * LOG2E, softmax_scale, lo, hi, *drop[:7])
     qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                    v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
     stat_strides = (lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1))

@@ -115,23 +115,19 @@ def _check_local(q, k, v, causal, layout, softmax_scale, window_size, segment_id
         check_block_layout(layout, world, q.shape[1], BLOCK)
     dropout = check_dropout(dropout_p, seed)
     if layout == "block_stripe":
-        _check_block_stripe(q.shape[1], causal, window, dropout[0])
+        _check_block_stripe(q.shape[1], causal, window)
     return causal, layout, scale, window, segments, dropout, blocks
 
 
-def _check_block_stripe(local_len: int, causal: bool, window: tuple[int, int], dropout_p: float) -> None:
+def _check_block_stripe(local_len: int, causal: bool, window: tuple[int, int]) -> None:
     """What layout 'block_stripe' serves: whole blocks a rank; causal or full attention
-    (a window's band is not one on its local rows); no dropout (its positions are not one
-    stride apart)."""
+    (a window's band is not one on its local rows)."""
     if local_len % BLOCK:
         raise ValueError(f"layout 'block_stripe' needs seqlen_local a multiple of {BLOCK} (whole "
                          f"blocks a rank), got {local_len}")
     if band_of_window(causal, window) not in ((None, None), (None, 0)):
         raise ValueError(f"window_size {window} needs layout 'contiguous', 'zigzag' or 'stripe': "
                          "'block_stripe' serves causal or full attention, with segment ids")
-    if dropout_p > 0:
-        raise ValueError("dropout_p > 0 needs layout 'contiguous', 'zigzag' or 'stripe': "
-                         "'block_stripe' does not pass dropout its global positions")
 
 
 def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
@@ -156,7 +152,7 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
             the work per rank and the hops K/V travel do (packed documents:
             "block_stripe", ``ringflash.DOCUMENTS_LAYOUT``; sliding windows: "contiguous").
             "block_stripe" needs seqlen_local a multiple of 128 and serves causal or full
-            attention with segment ids (no window_size, dropout_p or block_mask).
+            attention, with segment ids and dropout (no window_size or block_mask).
         return_lse: also return lse.
         segment_ids: (batch, seqlen_local) integer ids of this rank's tokens, sharded like
             q (``shard(ids, dim=1, layout=...)``, or ``segment_ids_from_cu_seqlens`` /
@@ -175,8 +171,8 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
             None draws one from torch's default generator: seed it alike on every rank (the
             rank check compares the seeds). The rate applied is p rounded to 1/256
             (``ringflash.kernels.dropout.applied_rate``). Queries in aligned runs of 16 and
-            keys in aligned runs of 32 (layouts contiguous, and zigzag with seqlen_local a
-            multiple of 64) share Philox calls; stripe runs one per element.
+            keys in aligned runs of 32 (layouts contiguous and block_stripe, and zigzag with
+            seqlen_local a multiple of 64) share Philox calls; stripe runs one per element.
         block_mask: block-sparse attention over GLOBAL token blocks of 128: bool
             (heads or 1, N / 128, N / 128), N the global length, the same tensor on every
             rank (the rank check compares checksums). Block (a, c) covers global queries

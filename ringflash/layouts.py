@@ -55,16 +55,16 @@ NO_BAND: Band = (None, None)
 class Pair(NamedTuple):
     """One kernel call: local query rows, visiting key rows, and the band of local indices
     key j of the pair must satisfy against query i: band_lo <= j - i <= band_hi (None:
-    unbounded). pos = (q_pos, k_pos, stride): global positions of the pair's first query
-    and first key and their common stride, when they are q_pos + i * stride and
-    k_pos + j * stride; None for a pair merged across chunks, which masks nothing, and for
-    block_stripe pairs. band_block: see kernels.masks.PairMask."""
+    unbounded). pos = (q_pos, k_pos, stride, jump): the global positions of query i and
+    key j are q_pos + i * stride + (i // BLOCK) * jump and k_pos + j * stride
+    + (j // BLOCK) * jump (jump: 0, or BLOCK (W - 1) for block_stripe); None for a pair
+    merged across chunks, which masks nothing. band_block: see kernels.masks.PairMask."""
 
     q: slice
     k: slice
     band_lo: Optional[int] = None
     band_hi: Optional[int] = None
-    pos: Optional[tuple[int, int, int]] = None
+    pos: Optional[tuple[int, int, int, int]] = None
     band_block: int = 1  # the band is measured from the query's block of this many rows
 
 
@@ -117,7 +117,7 @@ def _local_pair(qc: _Chunk, kc: _Chunk, band: Band, n: int,
     def rows(c: _Chunk) -> slice:
         return _ALL if c.length == n else slice(c.start, c.start + c.length)
 
-    return Pair(rows(qc), rows(kc), lo_l, hi_l, (qc.gpos, kc.gpos, stride))
+    return Pair(rows(qc), rows(kc), lo_l, hi_l, (qc.gpos, kc.gpos, stride, 0))
 
 
 def _merged(pairs: list[Pair], n: int) -> list[Pair]:
@@ -156,19 +156,20 @@ def _merged(pairs: list[Pair], n: int) -> list[Pair]:
     return sorted(pairs, key=lambda p: (span(p.q), span(p.k)))
 
 
-def _block_stripe_pair(rank: int, src: int, band: Band) -> Pair:
+def _block_stripe_pair(rank: int, src: int, world: int, band: Band) -> Pair:
     """The one pair of a block_stripe step. Query block a of rank r is global block
     a W + r, key block c of shard s is c W + s: under causal, key block c is visible to
     query block a iff c <= a (s < r) or c < a (s > r), whole blocks either way; the own
     shard keeps the global order, so it is causal on local indices."""
+    pos = (rank * BLOCK, src * BLOCK, 1, (world - 1) * BLOCK)
     if band == NO_BAND:
-        return Pair(_ALL, _ALL)
+        return Pair(_ALL, _ALL, pos=pos)
     if band != (None, 0):
         raise ValueError("layout 'block_stripe' serves causal or full attention with segment ids; "
                          "a sliding window needs layout 'contiguous', 'zigzag' or 'stripe'")
     if src == rank:
-        return Pair(_ALL, _ALL, None, 0)
-    return Pair(_ALL, _ALL, None, BLOCK - 1 if src < rank else -1, band_block=BLOCK)
+        return Pair(_ALL, _ALL, None, 0, pos)
+    return Pair(_ALL, _ALL, None, BLOCK - 1 if src < rank else -1, pos, BLOCK)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -186,7 +187,7 @@ def step_pairs(layout: str, rank: int, src: int, world: int, local_len: int,
     with the local index, so kp <= qp is j <= i.
     """
     if layout == "block_stripe":
-        return (_block_stripe_pair(rank, src, band),)
+        return (_block_stripe_pair(rank, src, world, band),)
     pairs = [p for qc in _chunks(layout, rank, world, local_len)
              for kc in _chunks(layout, src, world, local_len)
              if (p := _local_pair(qc, kc, band, local_len, occupied)) is not None]

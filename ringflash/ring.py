@@ -84,7 +84,7 @@ class _SparsePlan:
         self._pairs: dict = {}
 
     def of(self, pair, blocks: torch.Tensor) -> Blocks:
-        (q0, k0, _), lq, lk = pair.pos, len(range(self.n)[pair.q]), len(range(self.n)[pair.k])
+        (q0, k0, *_), lq, lk = pair.pos, len(range(self.n)[pair.q]), len(range(self.n)[pair.k])
         key = (q0, k0, lq, lk)
         if key not in self._pairs:
             self._pairs[key] = Blocks(blocks[:, q0 // BLOCK:(q0 + lq) // BLOCK,

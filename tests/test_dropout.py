@@ -13,7 +13,9 @@ from oracle import F16, F32, TOL, global_mask, rel_err
 
 from test_masks import _impl
 
-from ringflash.kernels import dropout, dropout_keep_mask, flash_attn, triton_attn
+from ringflash.kernels import (PairMask, attn_delta, dropout, dropout_keep_mask, flash_attn, flash_attn_bwd,
+                               flash_attn_fwd, triton_attn)
+from ringflash.kernels.masks import pair_positions
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -139,6 +141,42 @@ def test_flash_attn_dropout_matches_oracle(impl, case, monkeypatch):
     for name, got, w in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, qd.grad, kd.grad, vd.grad), want):
         err = rel_err(got.cpu(), w)
         assert err <= TOL[dtype], f"{impl} {case}: {name} rel err {err:.3g}"
+
+
+@pytest.mark.parametrize("impl", ["twin", "triton"])
+@pytest.mark.parametrize("pos, band", [
+    ((128, 0, 1, 128), (127, 128)),   # block_stripe, W = 2: rank 1's queries, rank 0's keys
+    ((0, 256, 1, 256), (-1, 128)),    # W = 3: rank 0's queries, rank 2's keys (strictly before)
+    ((256, 256, 1, 256), (0, 1)),     # W = 3, the own shard: plain causal
+    ((5, 3, 1, 128), (None, 1)),      # unaligned runs: one Philox call per element
+], ids=str)
+def test_pair_positions_in_runs_of_blocks(impl, pos, band, monkeypatch):
+    """A pair whose rows are runs of 128 positions ``jump`` apart (PairMask.pos, the
+    block_stripe layout) drops what ``dropout_keep_mask`` gives at those positions, in the
+    per-pair entry points of both implementations, forward and backward."""
+    device = _impl(impl, monkeypatch)
+    b, s, h, hkv, d, p, seed = 1, 256, 2, 1, 16, 0.3, 7
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, dout = (torch.randn(b, s, n, d, generator=gen) for n in (h, hkv, hkv, h))
+    hi, band_block = band
+    dense = None
+    if hi is not None:
+        rows = torch.arange(s)[:, None] // band_block * band_block
+        dense = torch.arange(s)[None, :] - rows <= hi
+    mask = PairMask(band_hi=hi, dropout_p=p, seed=seed, pos=pos, band_block=band_block)
+    qd, kd, vd, dod = (t.to(device) for t in (q, k, v, dout))
+    kw = dict(softmax_scale=d ** -0.5, mask=mask)
+    out, lse = flash_attn_fwd(qd, kd, vd, **kw)
+    grads = [torch.zeros(t.shape, device=device) for t in (qd, kd, vd)]
+    flash_attn_bwd(dod, qd, kd, vd, lse, attn_delta(out, dod), *grads, **kw)
+    qpos, kpos = pair_positions(pos, torch.arange(s), torch.arange(s))
+    assert int(qpos[128] - qpos[127]) == 1 + pos[3]  # the rows really jump
+    keep = dropout_keep_mask(seed, p, b, h, s, q_positions=qpos, k_positions=kpos)
+    want_out, want_lse = dropout_oracle(q, k, v, keep, p, dense)
+    want = (want_out, want_lse, *oracle_grads(q, k, v, dout, keep, p, dense))
+    for name, got, w in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), want):
+        err = rel_err(got.cpu(), w)
+        assert err <= TOL[F32], f"{impl} pos={pos}: {name} rel err {err:.3g}"
 
 
 def test_p_zero_is_no_dropout():

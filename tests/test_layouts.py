@@ -16,6 +16,7 @@ import ringflash
 from oracle import LAYOUTS, tokens_per_rank
 from ringflash import api
 from ringflash.kernels import band_of_window
+from ringflash.kernels.masks import pair_positions
 from ringflash.layouts import active_steps, global_positions, remote_share, step_pairs, writes_first
 
 WORLDS = (1, 2, 3, 4, 5)
@@ -169,9 +170,10 @@ def _computed(layout, world, rank, local_len, causal, window=(-1, -1), merge=Tru
         for pair in step_pairs(layout, rank, src, world, local_len, _band(causal, window), merge):
             qs, ks = q_pos[pair.q], k_pos[pair.k]
             if pair.pos is not None:  # the positions a pair claims are the real ones
-                q0, k0, stride = pair.pos
-                assert torch.equal(qs, q0 + torch.arange(len(qs)) * stride), (layout, pair)
-                assert torch.equal(ks, k0 + torch.arange(len(ks)) * stride), (layout, pair)
+                claimed = pair_positions(pair.pos, torch.arange(len(qs)), torch.arange(len(ks)))
+                assert torch.equal(qs, claimed[0]) and torch.equal(ks, claimed[1]), (layout, pair)
+            else:  # only merging (no dropout, no block mask) gives up a pair's positions
+                assert merge, (layout, pair)
             i = torch.arange(len(qs))[:, None] // pair.band_block * pair.band_block
             diff = torch.arange(len(ks))[None, :] - i
             keep = torch.ones_like(diff, dtype=torch.bool)
