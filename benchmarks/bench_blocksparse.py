@@ -8,7 +8,8 @@ Patterns (blocks of 128 tokens, shared by the heads, non-causal): ``random`` (ex
 round(d * n * n) blocks, the diagonal first) and ``local_global`` (one global block, a
 local band wide enough for density d). ``dense`` is the kernel without a block mask. The
 ring (``--layout``, contiguous by default: these masks are not causal, and a local band is
-balanced over contiguous shards, not over zigzag's, whose end chunks see fewer keys) is
+balanced over contiguous shards, not over zigzag's, whose end chunks see fewer keys;
+block_stripe deals the blocks round-robin, so a local band gives every step a share) is
 timed beside the same mask on one GPU of the same run, so ``efficiency`` = 1-GPU time /
 (GPUs x ring time) counts the computed blocks only.
 Every implementation's output is checked against ringflash's before it is timed.
@@ -153,7 +154,7 @@ def main(argv=None):
     p.add_argument("--seqlens", nargs="+", default=["32k,128k"], help="sequence lengths")
     p.add_argument("--patterns", nargs="+", default=["random,local_global"], help="block patterns")
     p.add_argument("--densities", nargs="+", type=float, default=[1.0, 0.5, 0.25, 0.1, 0.05])
-    p.add_argument("--layout", default="contiguous", choices=["contiguous", "zigzag"],
+    p.add_argument("--layout", default="contiguous", choices=["contiguous", "zigzag", "block_stripe"],
                    help="the ring's sequence layout (stripe cannot serve block masks)")
     p.add_argument("--heads", type=int, default=32, help="query (= key/value) heads")
     p.add_argument("--head-dim", type=int, default=128, help="head dim")

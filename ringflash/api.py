@@ -110,12 +110,12 @@ def _check_local(q, k, v, causal, layout, softmax_scale, window_size, segment_id
         raise ValueError(f"layout 'zigzag' needs an even seqlen_local (two chunks a rank), got {q.shape[1]}")
     segments = check_segment_ids(segment_ids, q.shape[0], q.shape[1], q.device)
     seqlen = q.shape[1] * world
+    if layout == "block_stripe":
+        _check_block_stripe(q.shape[1], causal, window)
     blocks = check_block_mask(block_mask, q.shape[2], seqlen, seqlen, q.device)
     if blocks is not None:
         check_block_layout(layout, world, q.shape[1], BLOCK)
     dropout = check_dropout(dropout_p, seed)
-    if layout == "block_stripe":
-        _check_block_stripe(q.shape[1], causal, window)
     return causal, layout, scale, window, segments, dropout, blocks
 
 
@@ -152,7 +152,7 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
             the work per rank and the hops K/V travel do (packed documents:
             "block_stripe", ``ringflash.DOCUMENTS_LAYOUT``; sliding windows: "contiguous").
             "block_stripe" needs seqlen_local a multiple of 128 and serves causal or full
-            attention, with segment ids and dropout (no window_size or block_mask).
+            attention, with segment ids, dropout and block_mask (no window_size).
         return_lse: also return lse.
         segment_ids: (batch, seqlen_local) integer ids of this rank's tokens, sharded like
             q (``shard(ids, dim=1, layout=...)``, or ``segment_ids_from_cu_seqlens`` /
@@ -180,8 +180,9 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
             a ring step whose pairs are all False computes nothing, and K/V stop travelling
             once no rank further on needs them. The elements of a True block follow causal,
             window_size and segment_ids. Layouts "contiguous" and "zigzag" with chunks
-            (seqlen_local, or seqlen_local / 2 for zigzag) a multiple of 128; "stripe" and
-            "block_stripe" raise. Helpers: ``ringflash.kernels.block_sparse``.
+            (seqlen_local, or seqlen_local / 2 for zigzag) a multiple of 128, and
+            "block_stripe" (its shards are whole blocks); "stripe" raises. Helpers:
+            ``ringflash.kernels.block_sparse``.
         deterministic: accepted for compatibility: the ring's backward is always
             deterministic (fixed summation order, no atomics).
 

@@ -22,8 +22,9 @@ World size W, global length N, n = N / W tokens per rank:
   shard is plain causal.
 
 A block mask (block-sparse attention) enters as the set of (query chunk, key chunk)
-pairs of GLOBAL chunks it leaves any block in (``occupied_chunks``): pairs outside it
-are dropped like pairs the band leaves empty, so steps and hops shrink the same way.
+pairs of GLOBAL chunks it leaves any block in (``occupied_chunks``; block_stripe's chunk r
+is rank r's whole shard): pairs outside it are dropped like pairs the band leaves empty,
+so steps and hops shrink the same way.
 """
 
 from __future__ import annotations
@@ -156,11 +157,15 @@ def _merged(pairs: list[Pair], n: int) -> list[Pair]:
     return sorted(pairs, key=lambda p: (span(p.q), span(p.k)))
 
 
-def _block_stripe_pair(rank: int, src: int, world: int, band: Band) -> Pair:
-    """The one pair of a block_stripe step. Query block a of rank r is global block
-    a W + r, key block c of shard s is c W + s: under causal, key block c is visible to
-    query block a iff c <= a (s < r) or c < a (s > r), whole blocks either way; the own
-    shard keeps the global order, so it is causal on local indices."""
+def _block_stripe_pair(rank: int, src: int, world: int, band: Band,
+                       occupied: Optional[frozenset]) -> Optional[Pair]:
+    """The one pair of a block_stripe step (None where a block mask leaves it empty).
+    Query block a of rank r is global block a W + r, key block c of shard s is c W + s:
+    under causal, key block c is visible to query block a iff c <= a (s < r) or c < a
+    (s > r), whole blocks either way; the own shard keeps the global order, so it is
+    causal on local indices."""
+    if occupied is not None and (rank, src) not in occupied:
+        return None
     pos = (rank * BLOCK, src * BLOCK, 1, (world - 1) * BLOCK)
     if band == NO_BAND:
         return Pair(_ALL, _ALL, pos=pos)
@@ -187,7 +192,8 @@ def step_pairs(layout: str, rank: int, src: int, world: int, local_len: int,
     with the local index, so kp <= qp is j <= i.
     """
     if layout == "block_stripe":
-        return (_block_stripe_pair(rank, src, world, band),)
+        pair = _block_stripe_pair(rank, src, world, band, occupied)
+        return () if pair is None else (pair,)
     pairs = [p for qc in _chunks(layout, rank, world, local_len)
              for kc in _chunks(layout, src, world, local_len)
              if (p := _local_pair(qc, kc, band, local_len, occupied)) is not None]
@@ -237,11 +243,15 @@ def remote_share(layout: str, world: int, local_len: int, band: Band = NO_BAND,
 def check_block_layout(layout: str, world: int, local_len: int, block: int) -> int:
     """The layout's chunk length, if a block mask of ``block``-token blocks can be cut along
     it (ValueError otherwise): stripe shards interleave the tokens of every block, and the
-    chunks of the others must hold whole blocks."""
-    if layout in ("stripe", "block_stripe"):
-        how = "the tokens of every block" if layout == "stripe" else "the blocks, one by one"
-        raise ValueError(f"block_mask needs layout 'contiguous' or 'zigzag': {layout} shards "
-                         f"interleave {how}")
+    chunks of the others must hold whole blocks (block_stripe's are its blocks)."""
+    if layout == "stripe":
+        raise ValueError("block_mask needs layout 'contiguous', 'zigzag' or 'block_stripe': "
+                         "stripe shards interleave the tokens of every block")
+    if layout == "block_stripe":  # its pieces are the blocks themselves
+        if local_len % block:
+            raise ValueError(f"block_mask with layout 'block_stripe' needs seqlen_local a multiple "
+                             f"of the block size {block}, got {local_len}")
+        return block
     chunk = world * local_len // split_factor(layout, world)
     if chunk % block:
         raise ValueError(f"block_mask needs the layout's chunks ({chunk} tokens: seqlen_local "
@@ -254,11 +264,16 @@ def occupied_chunks(block_mask: torch.Tensor, layout: str, world: int, local_len
                     block: int) -> frozenset:
     """The (query chunk, key chunk) pairs of GLOBAL chunks in which ``block_mask`` (heads or
     1, N / block, N / block) has a nonzero block: chunks are the layout's pieces (W for
-    contiguous, 2W for zigzag), numbered along the sequence. One host synchronization."""
-    parts = split_factor(layout, world)
+    contiguous, 2W for zigzag), numbered along the sequence; for block_stripe, chunk r is
+    every block of rank r. One host synchronization."""
     per = check_block_layout(layout, world, local_len, block) // block
     any_head = block_mask.any(0)
-    grid = any_head.view(parts, per, parts, per).any(3).any(1).cpu()
+    if layout == "block_stripe":  # global block a W + r is rank r's a-th block
+        a = local_len // block
+        grid = any_head.view(a, world, a, world).any(2).any(0).cpu()
+    else:
+        parts = split_factor(layout, world)
+        grid = any_head.view(parts, per, parts, per).any(3).any(1).cpu()
     return frozenset((int(a), int(c)) for a, c in grid.nonzero().tolist())
 
 

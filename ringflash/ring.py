@@ -42,7 +42,7 @@ import torch
 
 from .exchange import Ring
 from .kernels import PairMask, attn_delta, flash_attn_bwd, flash_attn_fwd
-from .kernels.masks import BLOCK, Blocks, tensor_memo
+from .kernels.masks import BLOCK, Blocks, pair_positions, tensor_memo
 from .layouts import Band, active_steps, occupied_chunks, remote_share, step_pairs, writes_first
 
 
@@ -75,8 +75,8 @@ def _pass_on(ring: Ring, cur, nxt) -> list:
 
 class _SparsePlan:
     """A global block mask as the ring uses it: the (query chunk, key chunk) pairs it
-    occupies, and each block pair's rectangle of it as ``Blocks`` (a copy, whose index
-    lists are built on first use and then kept). Holds no reference to the mask itself."""
+    occupies, and each block pair's blocks of it as ``Blocks`` (a copy, whose index lists
+    are built on first use and then kept). Holds no reference to the mask itself."""
 
     def __init__(self, blocks: torch.Tensor, layout: str, world: int, n: int):
         self.n = n
@@ -84,11 +84,25 @@ class _SparsePlan:
         self._pairs: dict = {}
 
     def of(self, pair, blocks: torch.Tensor) -> Blocks:
-        (q0, k0, *_), lq, lk = pair.pos, len(range(self.n)[pair.q]), len(range(self.n)[pair.k])
-        key = (q0, k0, lq, lk)
+        """The blocks of ``pair``: the global blocks its rows and columns hold (by their
+        positions), and a band measured in whole blocks (band_block = BLOCK, block_stripe)
+        folded in, since it is itself a block mask (``_mask`` then drops it)."""
+        lq, lk = len(range(self.n)[pair.q]), len(range(self.n)[pair.k])
+        key = (pair.pos, lq, lk, pair.band_lo, pair.band_hi, pair.band_block)
         if key not in self._pairs:
-            self._pairs[key] = Blocks(blocks[:, q0 // BLOCK:(q0 + lq) // BLOCK,
-                                             k0 // BLOCK:(k0 + lk) // BLOCK].clone())
+            a, c = torch.arange(lq // BLOCK), torch.arange(lk // BLOCK)
+            rows, cols = (p // BLOCK for p in pair_positions(pair.pos, a * BLOCK, c * BLOCK))
+            mine = blocks[:, rows.to(blocks.device)][:, :, cols.to(blocks.device)]
+            if pair.band_block > 1:  # key block c seen by query block a iff the band keeps (c - a) BLOCK
+                assert pair.band_block == BLOCK, pair
+                diff = (c[None, :] - a[:, None]) * BLOCK
+                keep = torch.ones_like(diff, dtype=torch.bool)
+                if pair.band_lo is not None:
+                    keep &= diff >= pair.band_lo
+                if pair.band_hi is not None:
+                    keep &= diff <= pair.band_hi
+                mine = mine & keep.to(mine.device)
+            self._pairs[key] = Blocks(mine)
         return self._pairs[key]
 
 
@@ -125,8 +139,11 @@ def _mask(pair, q_segments, k_segments, dropout: tuple[float, int], plan, blocks
         own = k_segments is q_segments
         q_segments = _own_ids(q_segments, pair.q)
         k_segments = _own_ids(k_segments, pair.k) if own else k_segments[:, pair.k].contiguous()
-    return PairMask(pair.band_lo, pair.band_hi, q_segments, k_segments, *dropout, pair.pos,
-                    None if plan is None else plan.of(pair, blocks), pair.band_block)
+    lo, hi, band_block = pair.band_lo, pair.band_hi, pair.band_block
+    pair_blocks = None if plan is None else plan.of(pair, blocks)
+    if pair_blocks is not None and band_block > 1:  # a band of whole blocks, folded into them
+        lo, hi, band_block = None, None, 1
+    return PairMask(lo, hi, q_segments, k_segments, *dropout, pair.pos, pair_blocks, band_block)
 
 
 def _spans(slices, n: int) -> list[range]:

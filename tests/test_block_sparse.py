@@ -178,6 +178,16 @@ def test_local_mask_stops_the_ring_early():
     assert active_steps("contiguous", world, n, (None, 0), occupied) == 2
     assert active_steps("contiguous", world, n, (None, 0)) == world
     assert active_steps("contiguous", world, n, (None, None), frozenset()) == 1
+    # block_stripe deals the blocks round-robin: block b = 3 W + r is rank r's; it sees
+    # b - 1, rank r - 1's, so each rank's queries need its own shard and the one before
+    n = 4 * BLOCK
+    local = block_sparse.local_global_block_mask(world * n, local_blocks=2, causal=True)
+    occupied = occupied_chunks(local, "block_stripe", world, n, BLOCK)
+    assert occupied == {(r, s) for r in range(world) for s in (r, (r - 1) % world)}
+    assert active_steps("block_stripe", world, n, (None, 0), occupied) == 2
+    diagonal = block_sparse.local_global_block_mask(world * n, local_blocks=1, causal=True)
+    assert active_steps("block_stripe", world, n, (None, 0),
+                        occupied_chunks(diagonal, "block_stripe", world, n, BLOCK)) == 1
 
 
 def test_ring_sees_a_mask_changed_in_place():
@@ -200,16 +210,18 @@ def test_ring_sees_a_mask_changed_in_place():
 def check_block_sparse_ring(rank, world, layout, seed=0, device="cpu", chunk=BLOCK):
     """Block masks through the ring on ``device`` (CPU: the twin kernels over gloo) against
     the oracle and single-device flash_attn (on the CPU) with the same global mask, chunks
-    of ``chunk`` tokens (zigzag: two a rank); returns this rank's failures."""
+    of ``chunk`` tokens (zigzag: two a rank; block_stripe: two blocks a rank, and no window,
+    which it does not take); returns this rank's failures."""
     failures = []
-    n = chunk * (2 if layout == "zigzag" else 1)
+    n = chunk * (1 if layout == "contiguous" else 2)
     seqlen = n * world
+    window = (-1, -1) if layout == "block_stripe" else (150, -1)
     configs = [  # (name, mask, causal, window, documents, heads, kv heads)
         ("random", block_sparse.random_block_mask(seqlen, 0.4, seed=seed + 1), False, (-1, -1), None, 2, 1),
         ("per-head-causal", block_sparse.random_block_mask(seqlen, 0.5, heads=2, seed=seed + 2),
          True, (-1, -1), None, 2, 2),
         ("local-window", block_sparse.local_global_block_mask(seqlen, local_blocks=2), True,
-         (150, -1), None, 2, 1),
+         window, None, 2, 1),
         ("documents", block_sparse.strided_block_mask(seqlen, stride=2), True, (-1, -1),
          [[seqlen // 3, 5, seqlen - seqlen // 3 - 5]], 2, 1),
     ]
@@ -247,7 +259,7 @@ def check_block_sparse_ring(rank, world, layout, seed=0, device="cpu", chunk=BLO
 
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "block_stripe"])
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4], ids=lambda w: f"W{w}")
 def test_block_sparse_ring_matches_oracle(worlds, world_size, layout):
     per_rank = worlds(world_size).run(check_block_sparse_ring, layout, timeout=300)

@@ -420,8 +420,7 @@ def _bad_inputs(case, world=1):
     elif case.startswith("block_stripe_"):
         q, k, v = _small(n=128)
         kwargs["layout"] = "block_stripe"
-        kwargs.update(dict(block_stripe_window=dict(window_size=(16, 0)),
-                           block_stripe_block_mask=dict(block_mask=torch.ones(1, world, world, dtype=torch.bool)))[case])
+        kwargs.update(dict(block_stripe_window=dict(window_size=(16, 0)))[case])
     else:
         raise KeyError(case)
     return (q, k, v), kwargs
@@ -436,7 +435,6 @@ LOCAL_CASES = {  # case -> (exception types allowed, words the message must cont
     "q_k_local_lengths_differ": ((ValueError,), ["q", "k"]),
     "block_stripe_partial_block": ((ValueError,), ["block_stripe", "seqlen_local", "128"]),
     "block_stripe_window": ((ValueError,), ["window_size", "block_stripe"]),
-    "block_stripe_block_mask": ((ValueError,), ["block_mask", "block_stripe"]),
 }
 
 

@@ -293,7 +293,7 @@ def test_masked_ring_matches_oracle(nccl, layout):
     _agree(check_masked_ring(dist.get_rank(), dist.get_world_size(), layout, n=384, device=nccl))
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "block_stripe"])
 def test_block_sparse_ring_matches_oracle(nccl, layout):
     """Block masks (random, per-head, local + window, strided + documents) through the
     NCCL / copy-engine ring, chunks of 256 tokens: the checks of tests/test_block_sparse.py
