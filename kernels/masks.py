@@ -155,6 +155,27 @@ def tensor_memo(t: torch.Tensor, key: tuple, build: Callable[[], object]):
     return value
 
 
+def _classify(blocks: torch.Tensor, lo: int, hi: int, n_rows: int, n_cols: int):
+    """(live, every): the blocks computed (nonzero, and the band leaves them something)
+    and those the band and the lengths leave whole, over blocks' (Hm, R, C)."""
+    _, n_r, n_c = blocks.shape
+    dev = blocks.device
+    r0 = torch.arange(n_r, device=dev) * BLOCK
+    c0 = torch.arange(n_c, device=dev) * BLOCK
+    r1, c1 = (r0 + BLOCK).clamp(max=n_rows), (c0 + BLOCK).clamp(max=n_cols)
+    diff_min = c0[None, :] - (r1[:, None] - 1)
+    diff_max = (c1[None, :] - 1) - r0[:, None]
+    some = (diff_max >= lo) & (diff_min <= hi)
+    whole = (r1 - r0 == BLOCK)[:, None] & (c1 - c0 == BLOCK)[None, :]
+    return blocks & some, (diff_min >= lo) & (diff_max <= hi) & whole
+
+
+def block_count(blocks: torch.Tensor, lo: int, hi: int, n_rows: int, n_cols: int) -> int:
+    """How many (head, row block, column block) a kernel computes under ``blocks`` and the
+    band [lo, hi] (as ``block_lists``). One host synchronization."""
+    return int(_classify(blocks, lo, hi, n_rows, n_cols)[0].sum())
+
+
 def block_lists(blocks: torch.Tensor, lo: int, hi: int, n_rows: int, n_cols: int):
     """What a kernel iterates over under a block mask: for every (head, row block), the
     column blocks it computes, partial ones (the band crosses them, or they run past
@@ -167,17 +188,7 @@ def block_lists(blocks: torch.Tensor, lo: int, hi: int, n_rows: int, n_cols: int
     each group ascending. One pass over the mask per launch, so a kernel's work follows
     the nonzero blocks.
     """
-    hm, n_r, n_c = blocks.shape
-    dev = blocks.device
-    r0 = torch.arange(n_r, device=dev) * BLOCK
-    c0 = torch.arange(n_c, device=dev) * BLOCK
-    r1, c1 = (r0 + BLOCK).clamp(max=n_rows), (c0 + BLOCK).clamp(max=n_cols)
-    diff_min = c0[None, :] - (r1[:, None] - 1)
-    diff_max = (c1[None, :] - 1) - r0[:, None]
-    some = (diff_max >= lo) & (diff_min <= hi)
-    whole = (r1 - r0 == BLOCK)[:, None] & (c1 - c0 == BLOCK)[None, :]
-    every = (diff_min >= lo) & (diff_max <= hi) & whole
-    live = blocks & some
+    live, every = _classify(blocks, lo, hi, n_rows, n_cols)
     full = live & every
     # sort key: 0 partial, 1 full, 2 not computed; stable, so each group stays ascending
     key = 2 * (~live).to(torch.uint8) + full.to(torch.uint8)

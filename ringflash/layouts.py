@@ -226,16 +226,15 @@ def _pair_area(pair: Pair, n: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def remote_share(layout: str, world: int, local_len: int, band: Band = NO_BAND,
-                 occupied: Optional[frozenset] = None) -> float:
+def remote_share(layout: str, world: int, local_len: int, band: Band = NO_BAND) -> float:
     """Over every rank, the least ratio of the elements its step 1 computes (the first
-    remote shard) to those of its own step, counted from the bands (segment ids aside).
-    The ring's backward asks it to know whether a remote step is large enough to hide a
-    transfer behind."""
+    remote shard) to those of its own step, counted from the bands (segment ids aside;
+    under a block mask the ring counts its blocks instead). The ring's backward asks it to
+    know whether a remote step is large enough to hide a transfer behind."""
     ratios = []
     for rank in range(world):
         own, remote = (sum(_pair_area(p, local_len) for p in step_pairs(
-            layout, rank, (rank - s) % world, world, local_len, band, occupied=occupied)) for s in (0, 1))
+            layout, rank, (rank - s) % world, world, local_len, band)) for s in (0, 1))
         ratios.append(remote / max(own, 1))
     return min(ratios)
 

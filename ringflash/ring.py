@@ -42,7 +42,7 @@ import torch
 
 from .exchange import Ring
 from .kernels import PairMask, attn_delta, flash_attn_bwd, flash_attn_fwd
-from .kernels.masks import BLOCK, Blocks, pair_positions, tensor_memo
+from .kernels.masks import BAND_INF, BLOCK, Blocks, block_count, pair_positions, tensor_memo
 from .layouts import Band, active_steps, occupied_chunks, remote_share, step_pairs, writes_first
 
 
@@ -79,31 +79,57 @@ class _SparsePlan:
     are built on first use and then kept). Holds no reference to the mask itself."""
 
     def __init__(self, blocks: torch.Tensor, layout: str, world: int, n: int):
-        self.n = n
+        self.layout, self.world, self.n = layout, world, n
         self.occupied = occupied_chunks(blocks, layout, world, n, BLOCK)
         self._pairs: dict = {}
+        self._shares: dict = {}
+
+    def _rows(self, part: slice) -> int:
+        return len(range(self.n)[part])
+
+    def _blocks(self, pair, blocks: torch.Tensor) -> torch.Tensor:
+        """The pair's blocks of the mask: the global blocks its rows and columns hold (by
+        their positions), with a band measured in whole blocks (band_block = BLOCK,
+        block_stripe) folded in, since it is itself a block mask (``_mask`` then drops it)."""
+        a, c = torch.arange(self._rows(pair.q) // BLOCK), torch.arange(self._rows(pair.k) // BLOCK)
+        rows, cols = (p // BLOCK for p in pair_positions(pair.pos, a * BLOCK, c * BLOCK))
+        mine = blocks[:, rows.to(blocks.device)][:, :, cols.to(blocks.device)]
+        if pair.band_block > 1:  # key block c seen by query block a iff the band keeps (c - a) BLOCK
+            assert pair.band_block == BLOCK, pair
+            diff = (c[None, :] - a[:, None]) * BLOCK
+            keep = torch.ones_like(diff, dtype=torch.bool)
+            if pair.band_lo is not None:
+                keep &= diff >= pair.band_lo
+            if pair.band_hi is not None:
+                keep &= diff <= pair.band_hi
+            mine = mine & keep.to(mine.device)
+        return mine
 
     def of(self, pair, blocks: torch.Tensor) -> Blocks:
-        """The blocks of ``pair``: the global blocks its rows and columns hold (by their
-        positions), and a band measured in whole blocks (band_block = BLOCK, block_stripe)
-        folded in, since it is itself a block mask (``_mask`` then drops it)."""
-        lq, lk = len(range(self.n)[pair.q]), len(range(self.n)[pair.k])
-        key = (pair.pos, lq, lk, pair.band_lo, pair.band_hi, pair.band_block)
+        """The pair's ``Blocks`` (``_blocks``), made once and kept."""
+        key = (pair.pos, self._rows(pair.q), self._rows(pair.k), pair.band_lo, pair.band_hi,
+               pair.band_block)
         if key not in self._pairs:
-            a, c = torch.arange(lq // BLOCK), torch.arange(lk // BLOCK)
-            rows, cols = (p // BLOCK for p in pair_positions(pair.pos, a * BLOCK, c * BLOCK))
-            mine = blocks[:, rows.to(blocks.device)][:, :, cols.to(blocks.device)]
-            if pair.band_block > 1:  # key block c seen by query block a iff the band keeps (c - a) BLOCK
-                assert pair.band_block == BLOCK, pair
-                diff = (c[None, :] - a[:, None]) * BLOCK
-                keep = torch.ones_like(diff, dtype=torch.bool)
-                if pair.band_lo is not None:
-                    keep &= diff >= pair.band_lo
-                if pair.band_hi is not None:
-                    keep &= diff <= pair.band_hi
-                mine = mine & keep.to(mine.device)
-            self._pairs[key] = Blocks(mine)
+            self._pairs[key] = Blocks(self._blocks(pair, blocks))
         return self._pairs[key]
+
+    def remote_share(self, band: Band, blocks: torch.Tensor) -> float:
+        """``layouts.remote_share`` counted in the blocks the mask computes (every head; a
+        block the band crosses counts whole): a mask can leave a remote step a sliver
+        where the band alone would not (a local band over contiguous shards). Every rank
+        computes every rank's counts from the global mask, so all take one decision."""
+        if band not in self._shares:
+            def work(rank: int, step: int) -> int:
+                total = 0
+                for pair in step_pairs(self.layout, rank, (rank - step) % self.world, self.world,
+                                       self.n, band, False, self.occupied):
+                    lo, hi = (None, None) if pair.band_block > 1 else (pair.band_lo, pair.band_hi)
+                    total += block_count(self._blocks(pair, blocks), -BAND_INF if lo is None else lo,
+                                         BAND_INF if hi is None else hi, self._rows(pair.q),
+                                         self._rows(pair.k))
+                return total
+            self._shares[band] = min(work(r, 1) / max(work(r, 0), 1) for r in range(self.world))
+        return self._shares[band]
 
 
 def _schedule(ring: Ring, layout: str, local_len: int, band: Band, dropout: tuple[float, int],
@@ -288,9 +314,8 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
     # buffer for the own part). Taken where the own pairs' key rows do not overlap and
     # every rank's remote step is at least half its own step (a sliding window's sliver
     # of a remote step would not hide the trip; the own dK/dV pass below does).
-    occupied = None if plan is None else plan.occupied
-    if (steps == 2 and _uncovered([pair.k for pair in schedule[0]], n) is not None
-            and remote_share(layout, ring.world, n, band, occupied) >= 0.5):
+    share = remote_share(layout, ring.world, n, band) if plan is None else plan.remote_share(band, blocks)
+    if steps == 2 and _uncovered([pair.k for pair in schedule[0]], n) is not None and share >= 0.5:
         pairs, (kv, seg) = schedule[1], cur
         running, arrived = ring.buffer("grads", (2, 2, *k.shape), torch.float32, k.device)
         dkv_pass(pairs, kv, seg, running)

@@ -258,6 +258,33 @@ def test_backward_ends_on_the_own_shard_under_the_last_trip(monkeypatch, world, 
     assert ev[:first_wait].count(("dq",)) >= 1 and ("dkv",) not in ev[:first_wait], ev
 
 
+@pytest.mark.parametrize("mask, early", [("ones", True), ("local", False)])
+def test_ring_of_two_weighs_its_steps_by_the_mask(monkeypatch, mask, early):
+    """Under a block mask the ring of two counts each step's work in the mask's blocks: a
+    local band on contiguous shards leaves the remote step a sliver (1 block against 4),
+    too little to hide the trip home behind its dQ pass, so the own dK/dV pass does;
+    an all-ones mask keeps the early order the band alone would choose."""
+    from ringflash import ring as ring_mod
+    from ringflash.kernels import block_sparse
+    from ringflash.kernels.masks import BLOCK
+    fake = _RecordingRing(2)
+    monkeypatch.setattr(ring_mod, "flash_attn_bwd", lambda *args, **kw: fake.events.append(
+        ("dq" if args[6] is not None else "dkv",)))
+    n = 2 * BLOCK
+    bm = (torch.ones(1, 4, 4, dtype=torch.bool) if mask == "ones"
+          else block_sparse.local_global_block_mask(2 * n, local_blocks=2))
+    q, k, v, out, dout = (torch.randn(1, n, 2, 8) for _ in range(5))
+    ring_mod.ring_backward(dout, q, k, v, out, torch.randn(1, 2, n), None, None, softmax_scale=0.3,
+                           band=(None, None), dropout=(0.0, 0), layout="contiguous", ring=fake,
+                           blocks=bm)
+    ev = fake.events
+    last_post = max(i for i, e in enumerate(ev) if e[0] == "post")
+    if early:
+        assert ev[last_post + 1:] == [("dq",), ("wait",), ("dkv",)], ev
+    else:
+        assert ("dkv",) in ev[last_post:] and ("dq",) not in ev[last_post:], ev
+
+
 class _NaNRing(_RecordingRing):
     """A ring whose buffers start as NaN and whose every rank sends what this one does (a
     message lands at once): a row of a running dK/dV sum that no pass writes and nothing
