@@ -3,15 +3,16 @@ dense kernel and FlexAttention with the same blocks on one GPU, and through the 
 
     python benchmarks/bench_blocksparse.py                               # -> results/blocksparse_<gpu>.json
     torchrun --nproc-per-node=2 benchmarks/bench_blocksparse.py --ring   # -> results/blocksparse_<gpu>x2.json
+    torchrun --nproc-per-node=2 benchmarks/bench_blocksparse.py --ring --layouts contiguous,block_stripe
 
 Patterns (blocks of 128 tokens, shared by the heads, non-causal): ``random`` (exactly
 round(d * n * n) blocks, the diagonal first) and ``local_global`` (one global block, a
 local band wide enough for density d). ``dense`` is the kernel without a block mask. The
-ring (``--layout``, contiguous by default: these masks are not causal, and a local band is
-balanced over contiguous shards, not over zigzag's, whose end chunks see fewer keys;
-block_stripe deals the blocks round-robin, so a local band gives every step a share) is
-timed beside the same mask on one GPU of the same run, so ``efficiency`` = 1-GPU time /
-(GPUs x ring time) counts the computed blocks only.
+ring (``--layouts``, side by side; contiguous by default: these masks are not causal, and a
+local band is balanced over contiguous shards, not over zigzag's, whose end chunks see
+fewer keys; block_stripe deals the blocks round-robin, so a local band gives every step a
+share) is timed beside the same mask on one GPU of the same run, so ``efficiency`` =
+1-GPU time / (GPUs x ring time) counts the computed blocks only.
 Every implementation's output is checked against ringflash's before it is timed.
 """
 
@@ -70,22 +71,28 @@ def run(args, device, group, world, rank) -> list[dict]:
         gen = torch.Generator(device=device).manual_seed(0)
         full = [torch.randn(1, seqlen, args.heads, args.head_dim, device=device, generator=gen,
                             dtype=torch.bfloat16) for _ in range(3)]
-        local = [ringflash.shard(t, 1, args.layout, group).requires_grad_() for t in full] if args.ring else None
+        local = {layout: [ringflash.shard(t, 1, layout, group).requires_grad_() for t in full]
+                 for layout in args.layouts} if args.ring else None
         for pattern, d in cases(args):
             bm = None if pattern == "dense" else pattern_mask(pattern, seqlen, d, device)
+            first = len(records)
             if args.ring:
-                ring = lambda q, k, v: ringflash.ring_flash_attn(q, k, v, block_mask=bm, group=group,
-                                                                 layout=args.layout)
-                rec = record("ringflash", pattern, bm, seqlen, *timed(ring, *local, device, args, group),
-                             args, gpus=world, layout=args.layout)
+                rings = []
+                for layout in args.layouts:
+                    ring = lambda q, k, v, layout=layout: ringflash.ring_flash_attn(
+                        q, k, v, block_mask=bm, group=group, layout=layout)
+                    rings.append(record("ringflash", pattern, bm, seqlen,
+                                        *timed(ring, *local[layout], device, args, group), args,
+                                        gpus=world, layout=layout))
                 if rank == 0:
                     one = [t.clone().requires_grad_() for t in full]
                     single = timed(lambda q, k, v: ringflash.flash_attn(q, k, v, block_mask=bm), *one,
                                    device, args)
                     records.append(record("ringflash_1gpu", pattern, bm, seqlen, *single, args))
-                    rec["efficiency"] = single[1] / (world * rec["fwdbwd_ms"])
+                    for rec in rings:
+                        rec["efficiency"] = single[1] / (world * rec["fwdbwd_ms"])
                     del one
-                records.append(rec)
+                records.extend(rings)
                 H.barrier(group)
             else:
                 one = [t.clone().requires_grad_() for t in full]
@@ -104,8 +111,8 @@ def run(args, device, group, world, rank) -> list[dict]:
                     del qt
                 del one
             if rank == 0:
-                print(H.format_table(records[-2:], [
-                    ("impl", "impl"), ("pattern", "pattern"), ("density", "density", ".3f"),
+                print(H.format_table(records[first:], [
+                    ("impl", "impl"), ("layout", "layout"), ("pattern", "pattern"), ("density", "density", ".3f"),
                     ("seqlen", "seqlen"), ("fwd_ms", "fwd ms", ".2f"), ("fwdbwd_ms", "fwd+bwd ms", ".2f"),
                     ("fwdbwd_tflops_per_gpu", "TFLOP/s/GPU", ".0f"), ("efficiency", "eff", ".2f")]), flush=True)
                 write(records, args, device, world)  # a run cut short keeps what it measured
@@ -129,9 +136,11 @@ def plot(json_path) -> str:
     for ax, seqlen in zip(axes[0], seqlens):
         rs = [r for r in records if r["seqlen"] == seqlen and r.get("fwdbwd_ms")]
         dense = next((r["fwdbwd_ms"] for r in rs if r["pattern"] == "dense" and r["impl"] == "ringflash"), None)
-        for impl, pattern in sorted({(r["impl"], r["pattern"]) for r in rs if r["pattern"] != "dense"}):
-            pts = sorted((r["density"], r["fwdbwd_ms"]) for r in rs if (r["impl"], r["pattern"]) == (impl, pattern))
-            ax.plot(*zip(*pts), marker="o", label=f"{impl} {pattern}")
+        def line(r):
+            return r["impl"], r.get("layout", ""), r["pattern"]
+        for key in sorted({line(r) for r in rs if r["pattern"] != "dense"}):
+            pts = sorted((r["density"], r["fwdbwd_ms"]) for r in rs if line(r) == key)
+            ax.plot(*zip(*pts), marker="o", label=" ".join(k for k in key if k))
         if dense:
             ax.plot([0.05, 1], [0.05 * dense, dense], "k--", linewidth=1, label="density x dense")
         ax.set_xscale("log")
@@ -154,8 +163,8 @@ def main(argv=None):
     p.add_argument("--seqlens", nargs="+", default=["32k,128k"], help="sequence lengths")
     p.add_argument("--patterns", nargs="+", default=["random,local_global"], help="block patterns")
     p.add_argument("--densities", nargs="+", type=float, default=[1.0, 0.5, 0.25, 0.1, 0.05])
-    p.add_argument("--layout", default="contiguous", choices=["contiguous", "zigzag", "block_stripe"],
-                   help="the ring's sequence layout (stripe cannot serve block masks)")
+    p.add_argument("--layouts", nargs="+", default=["contiguous"],
+                   help="the ring's sequence layouts, timed side by side (stripe cannot serve block masks)")
     p.add_argument("--heads", type=int, default=32, help="query (= key/value) heads")
     p.add_argument("--head-dim", type=int, default=128, help="head dim")
     p.add_argument("--rep-ms", type=float, default=100.0, help="timed time per measurement")
@@ -168,6 +177,7 @@ def main(argv=None):
         return
     args.seqlens = H.parse_sizes(args.seqlens)
     args.patterns = H.parse_names(args.patterns, ("random", "local_global"))
+    args.layouts = H.parse_names(args.layouts, ("contiguous", "zigzag", "block_stripe"))
     if not torch.cuda.is_available():
         raise SystemExit("bench_blocksparse.py needs a GPU")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
