@@ -216,21 +216,25 @@ def check_block_sparse_ring(rank, world, layout, seed=0, device="cpu", chunk=BLO
     n = chunk * (1 if layout == "contiguous" else 2)
     seqlen = n * world
     window = (-1, -1) if layout == "block_stripe" else (150, -1)
-    configs = [  # (name, mask, causal, window, documents, heads, kv heads)
-        ("random", block_sparse.random_block_mask(seqlen, 0.4, seed=seed + 1), False, (-1, -1), None, 2, 1),
+    configs = [  # (name, mask, causal, window, documents, heads, kv heads, dropout_p)
+        ("random", block_sparse.random_block_mask(seqlen, 0.4, seed=seed + 1), False, (-1, -1), None, 2, 1, 0.0),
         ("per-head-causal", block_sparse.random_block_mask(seqlen, 0.5, heads=2, seed=seed + 2),
-         True, (-1, -1), None, 2, 2),
+         True, (-1, -1), None, 2, 2, 0.0),
         ("local-window", block_sparse.local_global_block_mask(seqlen, local_blocks=2), True,
-         window, None, 2, 1),
+         window, None, 2, 1, 0.0),
         ("documents", block_sparse.strided_block_mask(seqlen, stride=2), True, (-1, -1),
-         [[seqlen // 3, 5, seqlen - seqlen // 3 - 5]], 2, 1),
+         [[seqlen // 3, 5, seqlen - seqlen // 3 - 5]], 2, 1, 0.0),
+        ("dropout-causal", block_sparse.random_block_mask(seqlen, 0.6, seed=seed + 5), True, (-1, -1),
+         None, 2, 1, 0.25),
     ]
-    for i, (name, bm, causal, window, docs, h, hkv) in enumerate(configs):
+    for i, (name, bm, causal, window, docs, h, hkv, p) in enumerate(configs):
         gen = torch.Generator().manual_seed(seed + 10 + i)
         q, k, v, dout = (torch.randn(1, seqlen, x, 16, generator=gen) for x in (h, hkv, hkv, h))
         seg = None if docs is None else segments(docs, seqlen)
         local = [ringflash.shard(t.to(device), dim=1, layout=layout).requires_grad_() for t in (q, k, v)]
         kwargs = dict(causal=causal, window_size=window)
+        if p:
+            kwargs.update(dropout_p=p, seed=500 + i)
         seg_local = None if seg is None else ringflash.shard(seg.to(device), dim=1, layout=layout)
         out, lse = ringflash.ring_flash_attn(*local, return_lse=True, layout=layout, block_mask=bm.to(device),
                                              segment_ids=seg_local, **kwargs)
@@ -242,9 +246,16 @@ def check_block_sparse_ring(rank, world, layout, seed=0, device="cpu", chunk=BLO
         if i % world != rank:
             continue
         mask = with_blocks(global_mask(seqlen, causal, window, seg), bm, seqlen)
-        want_out, want_lse = attention_oracle(q, k, v, mask=mask)
-        want = dict(zip(("out", "lse", "dq", "dk", "dv"),
-                        (want_out, want_lse, *oracle_grads(q, k, v, dout, mask=mask))))
+        if p:  # the oracle applies the mask that dropout_keep_mask documents
+            from test_dropout import dropout_oracle
+            from test_dropout import oracle_grads as dropout_grads
+            keep = ringflash.dropout_keep_mask(kwargs["seed"], p, 1, h, seqlen)
+            want_out, want_lse = dropout_oracle(q, k, v, keep, p, mask)
+            grads = dropout_grads(q, k, v, dout, keep, p, mask)
+        else:
+            want_out, want_lse = attention_oracle(q, k, v, mask=mask)
+            grads = oracle_grads(q, k, v, dout, mask=mask)
+        want = dict(zip(("out", "lse", "dq", "dk", "dv"), (want_out, want_lse, *grads)))
         full = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         ref_out, ref_lse = flash_attn(*full, return_lse=True, segment_ids=seg, block_mask=bm, **kwargs)
         ref_out.backward(dout)
