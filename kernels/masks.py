@@ -170,10 +170,10 @@ def _classify(blocks: torch.Tensor, lo: int, hi: int, n_rows: int, n_cols: int):
     return blocks & some, (diff_min >= lo) & (diff_max <= hi) & whole
 
 
-def block_count(blocks: torch.Tensor, lo: int, hi: int, n_rows: int, n_cols: int) -> int:
+def computed_blocks(blocks: torch.Tensor, lo: int, hi: int, n_rows: int, n_cols: int) -> torch.Tensor:
     """How many (head, row block, column block) a kernel computes under ``blocks`` and the
-    band [lo, hi] (as ``block_lists``). One host synchronization."""
-    return int(_classify(blocks, lo, hi, n_rows, n_cols)[0].sum())
+    band [lo, hi] (as ``block_lists``): an int64 scalar tensor on the mask's device."""
+    return _classify(blocks, lo, hi, n_rows, n_cols)[0].sum()
 
 
 def block_lists(blocks: torch.Tensor, lo: int, hi: int, n_rows: int, n_cols: int):

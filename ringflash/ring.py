@@ -42,7 +42,7 @@ import torch
 
 from .exchange import Ring
 from .kernels import PairMask, attn_delta, flash_attn_bwd, flash_attn_fwd
-from .kernels.masks import BAND_INF, BLOCK, Blocks, block_count, pair_positions, tensor_memo
+from .kernels.masks import BAND_INF, BLOCK, Blocks, computed_blocks, pair_positions, tensor_memo
 from .layouts import Band, active_steps, occupied_chunks, remote_share, step_pairs, writes_first
 
 
@@ -117,18 +117,20 @@ class _SparsePlan:
         """``layouts.remote_share`` counted in the blocks the mask computes (every head; a
         block the band crosses counts whole): a mask can leave a remote step a sliver
         where the band alone would not (a local band over contiguous shards). Every rank
-        computes every rank's counts from the global mask, so all take one decision."""
+        computes every rank's counts from the global mask, so all take one decision (one
+        host synchronization per mask and band)."""
         if band not in self._shares:
-            def work(rank: int, step: int) -> int:
-                total = 0
+            def work(rank: int, step: int) -> torch.Tensor:
+                total = torch.zeros((), dtype=torch.int64, device=blocks.device)
                 for pair in step_pairs(self.layout, rank, (rank - step) % self.world, self.world,
                                        self.n, band, False, self.occupied):
                     lo, hi = (None, None) if pair.band_block > 1 else (pair.band_lo, pair.band_hi)
-                    total += block_count(self._blocks(pair, blocks), -BAND_INF if lo is None else lo,
-                                         BAND_INF if hi is None else hi, self._rows(pair.q),
-                                         self._rows(pair.k))
+                    total = total + computed_blocks(
+                        self._blocks(pair, blocks), -BAND_INF if lo is None else lo,
+                        BAND_INF if hi is None else hi, self._rows(pair.q), self._rows(pair.k))
                 return total
-            self._shares[band] = min(work(r, 1) / max(work(r, 0), 1) for r in range(self.world))
+            counts = torch.stack([torch.stack([work(r, 0), work(r, 1)]) for r in range(self.world)]).tolist()
+            self._shares[band] = min(remote / max(own, 1) for own, remote in counts)
         return self._shares[band]
 
 
@@ -314,8 +316,9 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
     # buffer for the own part). Taken where the own pairs' key rows do not overlap and
     # every rank's remote step is at least half its own step (a sliding window's sliver
     # of a remote step would not hide the trip; the own dK/dV pass below does).
-    share = remote_share(layout, ring.world, n, band) if plan is None else plan.remote_share(band, blocks)
-    if steps == 2 and _uncovered([pair.k for pair in schedule[0]], n) is not None and share >= 0.5:
+    if steps == 2 and _uncovered([pair.k for pair in schedule[0]], n) is not None and (
+            remote_share(layout, ring.world, n, band) if plan is None
+            else plan.remote_share(band, blocks)) >= 0.5:
         pairs, (kv, seg) = schedule[1], cur
         running, arrived = ring.buffer("grads", (2, 2, *k.shape), torch.float32, k.device)
         dkv_pass(pairs, kv, seg, running)
