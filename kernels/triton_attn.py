@@ -511,7 +511,9 @@ def _fwd_kernel(Q, K, V, O, O_IN, LSE, KSEG, RANGES, COUNTS, INDEX,
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    _, qpos = _tile_positions(q_pos0, start_m, BLOCK_M, pos_stride, pos_jump)
+    qpos = offs_m
+    if DROPOUT:  # global positions
+        _, qpos = _tile_positions(q_pos0, start_m, BLOCK_M, pos_stride, pos_jump)
 
     first, stop, holes, row, start, full_start, full_end, end = _query_loop(
         start_m, offs_m, seqlen_q, seqlen_k, band_lo, band_hi, RANGES, off_b, off_h, stride_rp,
@@ -850,7 +852,9 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DK_IN, DV_IN, RANGES, COUNTS, 
                     BLOCK_N, BLOCK_D, HEAD_DIM, True, False)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    kpos_start, kpos = _tile_positions(k_pos0, start_n, BLOCK_N, pos_stride, pos_jump)  # dropout
+    kpos_start, kpos = start_n, cols
+    if DROPOUT:  # global positions
+        kpos_start, kpos = _tile_positions(k_pos0, start_n, BLOCK_N, pos_stride, pos_jump)
 
     # Only the query tiles that see this key tile (the band read transposed), in
     # one loop that masks every tile: splitting off the unmasked tiles, as the forward does,
@@ -962,7 +966,9 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DQ_IN, KSEG, RANGES, COUNTS, INDEX,
     lse, delta = _load_stats(LSE + off_b * stride_lb + off_h * stride_lh,
                              DELTA + off_b * stride_deltab + off_h * stride_deltah, rows, seqlen_q)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    _, qpos = _tile_positions(q_pos0, start_m, BLOCK_M, pos_stride, pos_jump)
+    qpos = rows
+    if DROPOUT:  # global positions
+        _, qpos = _tile_positions(q_pos0, start_m, BLOCK_M, pos_stride, pos_jump)
 
     first, stop, holes, row, start, full_start, full_end, end = _query_loop(
         start_m, rows, seqlen_q, seqlen_k, band_lo, band_hi, RANGES, off_b, off_h, stride_rp,
