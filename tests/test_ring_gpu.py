@@ -295,9 +295,9 @@ def test_masked_ring_matches_oracle(nccl, layout):
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "block_stripe"])
 def test_block_sparse_ring_matches_oracle(nccl, layout):
-    """Block masks (random, per-head, local + window, strided + documents) through the
-    NCCL / copy-engine ring, chunks of 256 tokens: the checks of tests/test_block_sparse.py
-    on CUDA."""
+    """Block masks (random, per-head, local + window, strided + documents, causal with
+    dropout; block_stripe without the window) through the NCCL / copy-engine ring, chunks
+    of 256 tokens: the checks of tests/test_block_sparse.py on CUDA."""
     from test_block_sparse import check_block_sparse_ring
     _agree(check_block_sparse_ring(dist.get_rank(), dist.get_world_size(), layout, device=nccl,
                                    chunk=256))
