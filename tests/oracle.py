@@ -4,6 +4,8 @@ Layout as everywhere in ringflash: q (B, Sq, H, D); k, v (B, Sk, Hkv, D), H a mu
 of Hkv (query head h reads kv head h // (H // Hkv)); lse (B, H, Sq), natural log.
 Masks: ``causal_offset`` None sees every key; an integer o lets query i see key j iff
 j <= i + o. A row that sees no key has out 0 and lse -inf, and gradients 0 (no NaN).
+Dropout: ``dropped`` = (keep (B, H, Sq, Sk) bool, scale): the probabilities entering the
+output are keep ? p * scale : 0; lse stays that of the undropped scores.
 """
 
 from __future__ import annotations
@@ -62,10 +64,10 @@ def with_blocks(mask: Optional[torch.Tensor], block_mask: torch.Tensor, seqlen: 
 
 
 def attention_oracle(q, k, v, causal_offset: int | None = None, softmax_scale: float | None = None,
-                     mask: torch.Tensor | None = None):
+                     mask: torch.Tensor | None = None, dropped: tuple | None = None):
     """(out (B, Sq, H, D), lse (B, H, Sq)), both float64; differentiable without NaN.
     ``mask`` (Sq, Sk), (B, Sq, Sk) or (B or 1, H or 1, Sq, Sk) bool, True = visible,
-    replaces ``causal_offset``."""
+    replaces ``causal_offset``; ``dropped`` as in the module's docstring."""
     q, k, v = q.double(), k.double(), v.double()
     group = q.shape[2] // k.shape[2]
     k = k.repeat_interleave(group, dim=2)
@@ -87,19 +89,31 @@ def attention_oracle(q, k, v, causal_offset: int | None = None, softmax_scale: f
         lse = torch.logsumexp(s, dim=-1)
         p = torch.exp(s - lse[..., None]) * seen
         lse = torch.where(seen[..., 0], lse, -math.inf)
+    if dropped is not None:
+        keep, keep_scale = dropped
+        p = torch.where(keep.to(p.device), p * keep_scale, 0.0)
     out = torch.einsum("bhqk,bkhd->bqhd", p, v)
     return out, lse
 
 
 def oracle_grads(q, k, v, dout, causal_offset: int | None = None, softmax_scale: float | None = None,
-                 dlse=None, mask: torch.Tensor | None = None):
+                 dlse=None, mask: torch.Tensor | None = None, dropped: tuple | None = None):
     """(dq, dk, dv) in float64 of sum(out * dout) [+ sum(lse * dlse) over rows that see a key]."""
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out, lse = attention_oracle(q, k, v, causal_offset, softmax_scale, mask=mask)
+    out, lse = attention_oracle(q, k, v, causal_offset, softmax_scale, mask=mask, dropped=dropped)
     loss = (out * dout.double()).sum()
     if dlse is not None:
         loss = loss + torch.where(torch.isinf(lse), 0.0, lse * dlse.double()).sum()
     return torch.autograd.grad(loss, (q, k, v))
+
+
+def oracle_results(q, k, v, dout, mask: torch.Tensor | None = None,
+                   dropped: tuple | None = None) -> dict[str, torch.Tensor]:
+    """{"out", "lse", "dq", "dk", "dv"} of the oracle under ``mask`` (and ``dropped``), the
+    gradients those of sum(out * dout)."""
+    out, lse = attention_oracle(q, k, v, mask=mask, dropped=dropped)
+    grads = oracle_grads(q, k, v, dout, mask=mask, dropped=dropped)
+    return dict(zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads)))
 
 
 def rel_err(a, b) -> float:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import F32, TOL, attention_oracle, global_mask, oracle_grads, rel_err, with_blocks
+from oracle import F32, TOL, global_mask, oracle_results, rel_err, with_blocks
 
 import ringflash
 from ringflash.kernels import block_sparse, flash_attn
 from ringflash.kernels.masks import BAND_INF, BLOCK, block_lists
 from ringflash.layouts import active_steps, occupied_chunks
+from test_dropout import dropped
 from test_masks import _impl, _inputs, _run_flash_attn, segments
 
 SEQLEN = 300  # three blocks, the last one ragged
@@ -62,10 +63,9 @@ def test_block_mask_matches_oracle(impl, name, kind, causal, window, docs, monke
                                            block_mask=bm.to(device),
                                            segment_ids=None if seg is None else seg.to(device))
     mask = with_blocks(global_mask(SEQLEN, causal, window, seg), bm, SEQLEN)
-    want_out, want_lse = attention_oracle(q, k, v, mask=mask)
-    want = (want_out, want_lse, *oracle_grads(q, k, v, dout, mask=mask))
-    for key, a, w in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), want):
-        err = rel_err(a, w)
+    want = oracle_results(q, k, v, dout, mask)
+    for key, a in zip(want, (out, lse, dq, dk, dv)):
+        err = rel_err(a, want[key])
         assert err <= TOL[dtype], f"{impl} {name}: {key} rel err {err:.3g}"
     blind = ~mask.expand(1, h, SEQLEN, SEQLEN).any(-1)  # (1, H, S): rows that see nothing
     assert torch.isneginf(lse.cpu()[blind]).all()
@@ -95,10 +95,9 @@ def test_gpu_block_mask(kind):
     bm = _mask_of(kind, h, s)
     got = _run_flash_attn(q, k, v, dout, causal=True, block_mask=bm.cuda())
     mask = with_blocks(global_mask(s, True), bm, s).cuda()
-    want_out, want_lse = attention_oracle(q, k, v, mask=mask)
-    want = (want_out, want_lse, *oracle_grads(q, k, v, dout, mask=mask))
-    for key, a, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
-        err = rel_err(a, w)
+    want = oracle_results(q, k, v, dout, mask)
+    for key, a in zip(want, got):
+        err = rel_err(a, want[key])
         assert err <= 2e-2, f"{kind}: {key} rel err {err:.3g}"
 
 
@@ -245,17 +244,10 @@ def check_block_sparse_ring(rank, world, layout, seed=0, device="cpu", chunk=BLO
                for key, val in got.items()}
         if i % world != rank:
             continue
-        mask = with_blocks(global_mask(seqlen, causal, window, seg), bm, seqlen)
-        if p:  # the oracle applies the mask that dropout_keep_mask documents
-            from test_dropout import dropout_oracle
-            from test_dropout import oracle_grads as dropout_grads
-            keep = ringflash.dropout_keep_mask(kwargs["seed"], p, 1, h, seqlen)
-            want_out, want_lse = dropout_oracle(q, k, v, keep, p, mask)
-            grads = dropout_grads(q, k, v, dout, keep, p, mask)
-        else:
-            want_out, want_lse = attention_oracle(q, k, v, mask=mask)
-            grads = oracle_grads(q, k, v, dout, mask=mask)
-        want = dict(zip(("out", "lse", "dq", "dk", "dv"), (want_out, want_lse, *grads)))
+        # with dropout, the oracle applies the mask that dropout_keep_mask documents
+        keep = dropped(ringflash.dropout_keep_mask(kwargs["seed"], p, 1, h, seqlen), p) if p else None
+        want = oracle_results(q, k, v, dout, with_blocks(global_mask(seqlen, causal, window, seg), bm, seqlen),
+                              keep)
         full = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         ref_out, ref_lse = flash_attn(*full, return_lse=True, segment_ids=seg, block_mask=bm, **kwargs)
         ref_out.backward(dout)
@@ -329,16 +321,13 @@ def test_layer_takes_a_block_mask():
 @pytest.mark.parametrize("impl", ["twin", "triton"])
 def test_block_mask_with_dropout(impl, monkeypatch):
     """Dropout inside the computed blocks: the same keep bits as without a block mask."""
-    from test_dropout import dropout_oracle
-    from test_dropout import oracle_grads as dropout_grads
     device = _impl(impl, monkeypatch)
     q, k, v, dout = _inputs(1, SEQLEN, 2, 1, 16, F32, device, seed=13)
     bm, p, seed = _mask_of("per-head", 2), 0.2, 77
     out, _, dq, dk, dv = _run_flash_attn(q, k, v, dout, causal=True, block_mask=bm.to(device),
                                          dropout_p=p, seed=seed)
     mask = with_blocks(global_mask(SEQLEN, True), bm, SEQLEN).to(device)
-    keep = ringflash.dropout_keep_mask(seed, p, 1, 2, SEQLEN)
-    want = (dropout_oracle(q, k, v, keep, p, mask)[0], *dropout_grads(q, k, v, dout, keep, p, mask))
-    for key, a, w in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), want):
-        err = rel_err(a, w)
+    want = oracle_results(q, k, v, dout, mask, dropped(ringflash.dropout_keep_mask(seed, p, 1, 2, SEQLEN), p))
+    for key, a in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv)):
+        err = rel_err(a, want[key])
         assert err <= TOL[F32], f"{impl}: {key} rel err {err:.3g}"

@@ -9,7 +9,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from oracle import F16, F32, TOL, global_mask, rel_err
+from oracle import F16, F32, TOL, global_mask, oracle_results, rel_err
 
 from test_masks import _impl
 
@@ -20,30 +20,10 @@ from ringflash.kernels.masks import pair_positions
 HAS_CUDA = torch.cuda.is_available()
 
 
-def dropout_oracle(q, k, v, keep, p, mask=None):
-    """float64 out (B, Sq, H, D) and lse of softmax with the kept probabilities scaled by
-    keep_scale(p); ``keep`` (B, H, Sq, Sk); ``mask`` as oracle.global_mask."""
-    q, k, v = q.double(), k.double(), v.double()
-    g = q.shape[2] // k.shape[2]
-    k, v = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
-    if mask is not None:
-        mask = mask[:, None] if mask.dim() == 3 else mask
-        seen = mask.any(-1, keepdim=True)
-        s = torch.where(mask, s, torch.where(seen, -math.inf, 0.0))
-    lse = torch.logsumexp(s, dim=-1)
-    prob = torch.exp(s - lse[..., None])
-    if mask is not None:
-        prob = prob * seen
-        lse = torch.where(seen[..., 0], lse, -math.inf)
-    prob = torch.where(keep.to(prob.device), prob * dropout.keep_scale(p), 0.0)
-    return torch.einsum("bhqk,bkhd->bqhd", prob, v), lse
-
-
-def oracle_grads(q, k, v, dout, keep, p, mask=None):
-    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out, _ = dropout_oracle(q, k, v, keep, p, mask)
-    return torch.autograd.grad((out * dout.double()).sum(), (q, k, v))
+def dropped(keep, p):
+    """The oracle's ``dropped`` for a keep mask applied at rate p (kernels/dropout.py's
+    rounding): the kept probabilities scaled by keep_scale(p)."""
+    return keep, dropout.keep_scale(p)
 
 
 @triton.jit
@@ -135,11 +115,9 @@ def test_flash_attn_dropout_matches_oracle(impl, case, monkeypatch):
     qd, kd, vd = (t.to(device).requires_grad_() for t in (q, k, v))
     out, lse = flash_attn(qd, kd, vd, dropout_p=p, seed=seed, return_lse=True, **kw)
     out.backward(dout.to(device))
-    keep = dropout_keep_mask(seed, p, b, h, s)
-    want_out, want_lse = dropout_oracle(q, k, v, keep, p, mask)
-    want = (want_out, want_lse, *oracle_grads(q, k, v, dout, keep, p, mask))
-    for name, got, w in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, qd.grad, kd.grad, vd.grad), want):
-        err = rel_err(got.cpu(), w)
+    want = oracle_results(q, k, v, dout, mask, dropped(dropout_keep_mask(seed, p, b, h, s), p))
+    for name, got in zip(want, (out, lse, qd.grad, kd.grad, vd.grad)):
+        err = rel_err(got.cpu(), want[name])
         assert err <= TOL[dtype], f"{impl} {case}: {name} rel err {err:.3g}"
 
 
@@ -172,10 +150,9 @@ def test_pair_positions_in_runs_of_blocks(impl, pos, band, monkeypatch):
     qpos, kpos = pair_positions(pos, torch.arange(s), torch.arange(s))
     assert int(qpos[128] - qpos[127]) == 1 + pos[3]  # the rows really jump
     keep = dropout_keep_mask(seed, p, b, h, s, q_positions=qpos, k_positions=kpos)
-    want_out, want_lse = dropout_oracle(q, k, v, keep, p, dense)
-    want = (want_out, want_lse, *oracle_grads(q, k, v, dout, keep, p, dense))
-    for name, got, w in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), want):
-        err = rel_err(got.cpu(), w)
+    want = oracle_results(q, k, v, dout, dense, dropped(keep, p))
+    for name, got in zip(want, (out, lse, *grads)):
+        err = rel_err(got.cpu(), want[name])
         assert err <= TOL[F32], f"{impl} pos={pos}: {name} rel err {err:.3g}"
 
 

@@ -13,9 +13,8 @@ import pytest
 import torch
 
 import ringflash
-from oracle import LAYOUTS, NOISE_FLOOR, TOL, attention_oracle, global_mask, oracle_grads, rel_err
-from test_dropout import dropout_oracle
-from test_dropout import oracle_grads as dropout_grads
+from oracle import LAYOUTS, NOISE_FLOOR, TOL, global_mask, oracle_results, rel_err
+from test_dropout import dropped
 
 
 
@@ -97,15 +96,9 @@ def check_masked_ring(rank, world, layout, seed=0, n=None, device="cpu"):
                for key, val in got.items()}
         if i % world != rank:
             continue
-        mask = global_mask(seqlen, causal, window, seg)
-        if p:  # the oracle applies the mask that dropout_keep_mask documents
-            keep = ringflash.dropout_keep_mask(drop["seed"], p, 1, h, seqlen)
-            want_out, want_lse = dropout_oracle(q, k, v, keep, p, mask)
-            grads = dropout_grads(q, k, v, dout, keep, p, mask)
-        else:
-            want_out, want_lse = attention_oracle(q, k, v, mask=mask)
-            grads = oracle_grads(q, k, v, dout, mask=mask)
-        want = dict(zip(("out", "lse", "dq", "dk", "dv"), (want_out, want_lse, *grads)))
+        # with dropout, the oracle applies the mask that dropout_keep_mask documents
+        keep = dropped(ringflash.dropout_keep_mask(drop["seed"], p, 1, h, seqlen), p) if p else None
+        want = oracle_results(q, k, v, dout, global_mask(seqlen, causal, window, seg), keep)
         # The single-device kernel with the same mask (and seed), on the full sequence.
         full = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         ref_out, ref_lse = ringflash.flash_attn(*full, causal=causal, window_size=window,
