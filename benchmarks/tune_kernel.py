@@ -2,16 +2,20 @@
 
     python benchmarks/tune_kernel.py [--seqlen 16384] [--head-dims 64 128 256]
                                      [--which fwd dkdv dq] [--causal 0 1] [--no-tma]
+                                     [--dropout 0.1]
 
 The forward and the two backward kernels (dK/dV, dQ) are swept apart: each has its own
 tiles. Every forward candidate is checked against torch SDPA and every backward one
 against the library's current backward before it is timed; the chosen shapes go into
-fwd_config / bwd_config in kernels/triton_attn.py by hand.
+fwd_config / bwd_config in kernels/triton_attn.py by hand. With --dropout the kernels
+draw dropout bits (checked against the current shapes with the same seed), and the current
+shapes are also timed without dropout, the speed the dropout path is held to.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 
 import torch
@@ -33,7 +37,8 @@ def _tflops(batch, heads, seqlen, head_dim, causal, ms, factor):
 
 def _candidates(which, head_dim):
     if which == "fwd":
-        blocks = [(128, 32), (128, 64), (128, 128)] if head_dim <= 128 else [(128, 32), (128, 64), (64, 64)]
+        blocks = [(64, 64), (64, 128), (128, 32), (128, 64), (128, 128)] if head_dim <= 128 else \
+            [(128, 32), (128, 64), (64, 64)]
         stages = (2, 3, 4)
     else:
         blocks = [(32, 128), (64, 64), (64, 128), (128, 64), (128, 128)] if head_dim <= 128 else \
@@ -43,50 +48,70 @@ def _candidates(which, head_dim):
         yield dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=st)
 
 
-def sweep(which, head_dim, causal, seqlen, heads=32, batch=1, dtype=torch.bfloat16):
+@contextlib.contextmanager
+def tiles(which, cfg):
+    """triton_attn launching kernel ``which`` (fwd, dkdv, dq) with the tiles ``cfg``, the other
+    kernels with their own: fwd_config / bwd_config stand-ins that take whatever arguments
+    the launches pass them."""
+    original = triton_attn.fwd_config, triton_attn.bwd_config
+
+    def bwd_config(*args, **kwargs):
+        dkdv_cfg, dq_cfg = original[1](*args, **kwargs)
+        return (cfg, dq_cfg) if which == "dkdv" else (dkdv_cfg, cfg)
+
+    if which == "fwd":
+        triton_attn.fwd_config = lambda *args, **kwargs: cfg
+    else:
+        triton_attn.bwd_config = bwd_config
+    try:
+        yield
+    finally:
+        triton_attn.fwd_config, triton_attn.bwd_config = original
+
+
+def sweep(which, head_dim, causal, seqlen, heads=32, batch=1, dtype=torch.bfloat16, dropout_p=0.0):
     torch.manual_seed(0)
     q, k, v, do = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=dtype)
                    for _ in range(4))
     scale, offset = head_dim ** -0.5, (0 if causal else None)
+    plain = PairMask.causal(offset)
+    mask = plain._replace(dropout_p=dropout_p, seed=1234, pos=(0, 0, 1, 0)) if dropout_p else plain
     lse = torch.empty(batch, heads, seqlen, device="cuda")
     out = torch.empty_like(q)
-    triton_attn.fwd(q, k, v, out, lse, softmax_scale=scale, mask=PairMask.causal(offset), accumulate=False)
+    triton_attn.fwd(q, k, v, out, lse, softmax_scale=scale, mask=mask, accumulate=False)
     delta = attn_delta(out, do)
     grads = [torch.empty(t.shape, device="cuda") for t in (q, k, v)]
-    triton_attn.bwd(do, q, k, v, lse, delta, *grads, softmax_scale=scale, mask=PairMask.causal(offset),
-                    accumulate=False)
+    triton_attn.bwd(do, q, k, v, lse, delta, *grads, softmax_scale=scale, mask=mask, accumulate=False)
     if which == "fwd":
-        ref = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)),
-                                             is_causal=causal).transpose(1, 2)
+        ref = out if dropout_p else F.scaled_dot_product_attention(
+            *(t.transpose(1, 2) for t in (q, k, v)), is_causal=causal).transpose(1, 2)
         o2, l2 = torch.empty_like(out), torch.empty_like(lse)
-        fn = lambda: triton_attn.fwd(q, k, v, o2, l2, softmax_scale=scale, mask=PairMask.causal(offset),
-                                     accumulate=False)
+        fn = lambda mask=mask: triton_attn.fwd(q, k, v, o2, l2, softmax_scale=scale, mask=mask,
+                                               accumulate=False)
         check = lambda: H.rel_err(o2, ref)
     else:
         g = [torch.empty_like(t) for t in grads]
         args = (g[0], None, None) if which == "dq" else (None, g[1], g[2])
-        fn = lambda: triton_attn.bwd(do, q, k, v, lse, delta, *args, softmax_scale=scale,
-                                     mask=PairMask.causal(offset), accumulate=False)
+        fn = lambda mask=mask: triton_attn.bwd(do, q, k, v, lse, delta, *args, softmax_scale=scale,
+                                               mask=mask, accumulate=False)
         checked = (0,) if which == "dq" else (1, 2)
         check = lambda: max(H.rel_err(g[i], grads[i]) for i in checked)
-    original = triton_attn.fwd_config, triton_attn.bwd_config
+    if dropout_p:  # the bar: the current shapes without dropout
+        fn(plain)
+        ms = triton.testing.do_bench(lambda: fn(plain), warmup=25, rep=100, return_mode="median")
+        tf = _tflops(batch, heads, seqlen, head_dim, causal, ms, FLOP_FACTOR[which])
+        print(f"  {which} d={head_dim} causal={causal} current shapes, no dropout: {ms:.3f} ms {tf:.0f} TFLOP/s",
+              flush=True)
     results = []
     for cfg in _candidates(which, head_dim):
-        if which == "fwd":
-            triton_attn.fwd_config = lambda d, dt, cfg=cfg: cfg
-        else:
-            dkdv_cfg, dq_cfg = original[1](head_dim, dtype)
-            pair = (cfg, dq_cfg) if which == "dkdv" else (dkdv_cfg, cfg)
-            triton_attn.bwd_config = lambda d, dt, pair=pair: pair
         try:
-            fn()
-            err = check()
-            ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+            with tiles(which, cfg):
+                fn()
+                err = check()
+                ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
         except Exception as exc:  # out of shared memory, registers …
             print(f"  {which} {cfg}: {type(exc).__name__}")
             continue
-        finally:
-            triton_attn.fwd_config, triton_attn.bwd_config = original
         tf = _tflops(batch, heads, seqlen, head_dim, causal, ms, FLOP_FACTOR[which])
         ok = err < 2e-2
         results.append((tf if ok else 0.0, cfg, ms, err))
@@ -103,6 +128,7 @@ def main():
                    help="kernels to sweep")
     p.add_argument("--causal", nargs="+", type=int, default=[0], help="0 (non-causal), 1 (causal) or both")
     p.add_argument("--no-tma", action="store_true", help="forward through pointer loads")
+    p.add_argument("--dropout", type=float, default=0.0, help="dropout rate the kernels run with")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("ERROR: tune_kernel.py times Triton kernels on a GPU; no CUDA device here")
@@ -110,8 +136,8 @@ def main():
         triton_attn._use_tma = lambda *tensors: False
     summary = []
     for which, d, causal in itertools.product(args.which, args.head_dims, map(bool, args.causal)):
-        tf, cfg, ms, err = sweep(which, d, causal, args.seqlen)
-        summary.append(f"{which:4} d={d:3} causal={causal!s:5} best {tf:5.0f} TFLOP/s {cfg}")
+        tf, cfg, ms, err = sweep(which, d, causal, args.seqlen, dropout_p=args.dropout)
+        summary.append(f"{which:4} d={d:3} causal={causal!s:5} p={args.dropout:g} best {tf:5.0f} TFLOP/s {cfg}")
     print("\n".join(summary))
 
 

@@ -175,3 +175,29 @@ def test_result_names_come_from_the_device():
     assert H.result_name("ring", cpu, 2) == "ring_cpux2"
     assert H.results_dir(None, smoke=False) == RESULTS
     assert H.results_dir("elsewhere", smoke=True) == Path("elsewhere")
+
+
+def test_tune_kernel_sets_the_tiles_of_one_kernel():
+    """tune_kernel's stand-ins for fwd_config / bwd_config take the arguments the launches
+    pass them (a stand-in without bwd_config's block-mask flag made every backward candidate
+    fail) and change the swept kernel's tiles only, until the sweep leaves it."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import tune_kernel
+    finally:
+        sys.path.remove(str(BENCH))
+    import torch
+    from ringflash.kernels import triton_attn as T
+    cfg = dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
+    fwd = T.fwd_config(128, torch.bfloat16)
+    for sparse in (False, True):
+        dkdv, dq = T.bwd_config(128, torch.bfloat16, sparse)
+        with tune_kernel.tiles("dkdv", cfg):
+            assert T.bwd_config(128, torch.bfloat16, sparse) == (cfg, dq)
+            assert T.fwd_config(128, torch.bfloat16) == fwd
+        with tune_kernel.tiles("dq", cfg):
+            assert T.bwd_config(128, torch.bfloat16, sparse=sparse) == (dkdv, cfg)
+        assert T.bwd_config(128, torch.bfloat16, sparse) == (dkdv, dq)
+    with tune_kernel.tiles("fwd", cfg):
+        assert T.fwd_config(128, torch.bfloat16) == cfg
+    assert T.fwd_config(128, torch.bfloat16) == fwd
