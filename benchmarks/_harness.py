@@ -624,11 +624,15 @@ def _panel_title(config: dict) -> str:
 
 
 def default_label(record: dict) -> str:
-    impl = str(record.get("impl"))
+    """A line of the plot: the implementation, ringflash's layout, and the dropout rate where
+    the records have one (p = 0 and p = 0.1 are two lines, not one)."""
+    label = str(record.get("impl"))
     layout = record.get("layout")
-    if impl == "ringflash" and layout:
-        return f"{impl} ({layout})"
-    return impl
+    if label == "ringflash" and layout:
+        label = f"{label} ({layout})"
+    if record.get("dropout_p") is not None:
+        label = f"{label} p={record['dropout_p']:g}"
+    return label
 
 
 def _linestyle(label: str) -> str:

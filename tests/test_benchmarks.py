@@ -177,6 +177,19 @@ def test_result_names_come_from_the_device():
     assert H.results_dir("elsewhere", smoke=True) == Path("elsewhere")
 
 
+def test_plot_lines_tell_dropout_rates_apart():
+    """One line per implementation, layout and dropout rate: the dropout plots drew p = 0 and
+    p = 0.1 as one zigzag line."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import _harness as H
+    finally:
+        sys.path.remove(str(BENCH))
+    assert H.default_label({"impl": "ringflash", "layout": "zigzag"}) == "ringflash (zigzag)"
+    assert H.default_label({"impl": "ringflash", "layout": "zigzag", "dropout_p": 0.0}) == "ringflash (zigzag) p=0"
+    assert H.default_label({"impl": "sdpa_cudnn", "dropout_p": 0.1}) == "sdpa_cudnn p=0.1"
+
+
 def test_tune_kernel_sets_the_tiles_of_one_kernel():
     """tune_kernel's stand-ins for fwd_config / bwd_config take the arguments the launches
     pass them (a stand-in without bwd_config's block-mask flag made every backward candidate
