@@ -44,14 +44,18 @@ def compile_kernel(which: str, head_dim: int, dropout: bool, sparse: bool = Fals
     if which == "fwd":
         fn, cfg = T._fwd_kernel, T.fwd_config(head_dim, torch.bfloat16)
     else:
-        dkdv_cfg, dq_cfg = T.bwd_config(head_dim, torch.bfloat16, sparse)
+        dkdv_cfg, dq_cfg = T.bwd_config(head_dim, torch.bfloat16, sparse,
+                                        dropout and not (sparse or band or segments))
         fn, cfg = (T._dkdv_kernel, dkdv_cfg) if which == "dkdv" else (T._dq_kernel, dq_cfg)
     bd = T.block_d(head_dim)
     column_ids = segments and which != "dkdv"  # as fwd() and bwd() launch them
     consts = dict(HEAD_DIM=head_dim, BLOCK_D=bd, BAND=band, SEGMENTS=segments, SPARSE=sparse,
                   LIST_STAGES=T.list_stages(cfg, sparse, column_ids), DROPOUT=dropout,
                   GROUPED=dropout, ACCUMULATE=False, PRECISION="tf32", BAND_BLOCK=1,
-                  BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], **{n: 1 for n in ONES})
+                  **{n: 1 for n in ONES},
+                  **{n: v for n, v in cfg.items() if n not in ("num_warps", "num_stages")})
+    consts.update({p.name: p.default for p in fn.params  # constexprs a launch may leave out
+                   if p.is_constexpr and p.has_default and p.name not in consts and p.name != "TMA"})
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts or name == "TMA":

@@ -44,8 +44,10 @@ def _candidates(which, head_dim):
         blocks = [(32, 128), (64, 64), (64, 128), (128, 64), (128, 128)] if head_dim <= 128 else \
             [(32, 64), (64, 32), (64, 64), (32, 128), (128, 32)]
         stages = (2, 3)
-    for (bm, bn), warps, st in itertools.product(blocks, (4, 8), stages):
-        yield dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=st)
+    orientations = (False, True) if which == "dkdv" else (None,)  # dK/dV's QUERY_MAJOR
+    for (bm, bn), warps, st, qm in itertools.product(blocks, (4, 8), stages, orientations):
+        cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=st)
+        yield cfg if qm is None else dict(cfg, QUERY_MAJOR=qm)
 
 
 @contextlib.contextmanager

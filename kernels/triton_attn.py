@@ -82,15 +82,21 @@ def fwd_config(head_dim: int, dtype: torch.dtype) -> dict:
     return dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=4)
 
 
-def bwd_config(head_dim: int, dtype: torch.dtype, sparse: bool = False) -> tuple[dict, dict]:
+def bwd_config(head_dim: int, dtype: torch.dtype, sparse: bool = False,
+               dropout_only: bool = False) -> tuple[dict, dict]:
     """Tiles of the two backward kernels, (dK/dV kernel, dQ kernel): BLOCK_M query rows by
     BLOCK_N key rows in each, tuned apart. Same provenance as fwd_config. Under a block
     mask (sparse) dK/dV takes 128 keys a program: the listed query blocks sit apart in
     memory and each load of one then serves twice the keys (-2-8% dK/dV time at 128k,
-    densities 0.05-0.5; benchmarks/NOTES.md, "Block-sparse, second round")."""
+    densities 0.05-0.5; benchmarks/NOTES.md, "Block-sparse, second round"). Under dropout
+    with no other mask (dropout_only) the dK/dV kernel computes its scores queries by keys
+    (QUERY_MAJOR), the layout the dropout bits are drawn in without redundant Philox calls,
+    and passes P and dS to its products transposed: at head_dim 128, 16k, dK/dV 21.6 ->
+    18.6 ms; no gain under a causal band, and 3% slower without dropout (benchmarks/NOTES.md,
+    "Dropout, fourth round"). The results are the same either way."""
     if _interpreting():
         cfg = dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)
-        return cfg, cfg
+        return dict(cfg, QUERY_MAJOR=dropout_only), cfg
     if dtype == torch.float32:
         cfg = dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
         return cfg, cfg
@@ -99,7 +105,7 @@ def bwd_config(head_dim: int, dtype: torch.dtype, sparse: bool = False) -> tuple
                 dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3))
     if head_dim <= 128:
         dkdv = dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2) if sparse else \
-            dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)
+            dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2, QUERY_MAJOR=dropout_only)
         return dkdv, dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
     return (dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
             dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=3))
@@ -787,7 +793,7 @@ def _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, off_b, off_h, stride_qb, stride_
                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_D: tl.constexpr, MASKED: tl.constexpr, SEGMENTS: tl.constexpr,
                DROPOUT: tl.constexpr, GROUPED: tl.constexpr, PRECISION: tl.constexpr,
-               BAND_BLOCK: tl.constexpr):
+               BAND_BLOCK: tl.constexpr, QUERY_MAJOR: tl.constexpr):
     """One query tile into a key tile's dK, dV. MASKED: the keys' intervals of queries
     apply. Padding queries need no test here: they saw nothing (lse -inf), so their
     probabilities are 0 whatever the tile."""
@@ -797,18 +803,22 @@ def _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, off_b, off_h, stride_qb, stride_
     do = _load_block(DO, off_b, off_h, start_m, stride_dob, stride_dos, stride_doh, seqlen_q,
                      BLOCK_M, BLOCK_D, HEAD_DIM, True, False)
     lse, delta = _load_stats(LSE, DELTA, rows, seqlen_q)
-    if DROPOUT:  # drawn before the products: 992 instructions a tile loop against 1049 after them
+    if DROPOUT:  # drawn before the products, in the layout of the scores
         _, qpos = _tile_positions(q_pos0, start_m, BLOCK_M, pos_stride, pos_jump)
-        keep = _keep(seed, threshold, off_b, off_h, qpos, kpos_start, kpos, BLOCK_M, BLOCK_N, GROUPED, True)
-    # Transposed scores (keys x queries) so the tile products need no transposed store.
-    pT = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse[None, :])
+        keep = _keep(seed, threshold, off_b, off_h, qpos, kpos_start, kpos, BLOCK_M, BLOCK_N,
+                     GROUPED, not QUERY_MAJOR)
+    if QUERY_MAJOR:  # scores queries by keys, as in the forward; P and dS reach dV, dK transposed
+        pT = tl.trans(tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+                                   - lse[:, None]))
+        dpT = tl.trans(tl.dot(do, tl.trans(v), input_precision=PRECISION))
+    else:  # scores keys by queries: P and dS feed dV and dK from the accumulator's registers
+        pT = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse[None, :])
+        dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
     if MASKED:
         pT = _visible(pT, cols, rows, first, stop, band_lo, band_hi, 0.0, SEGMENTS or BAND_BLOCK > 1, True)
-    dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
     if DROPOUT:  # dV takes the dropped probabilities, dP the dropped gradient (D unchanged)
         scaleT = tl.trans(tl.where(keep, drop_scale, 0.0))
-        dv = tl.dot((pT * scaleT).to(do.dtype), do, dv,
-                    input_precision=PRECISION)
+        dv = tl.dot((pT * scaleT).to(do.dtype), do, dv, input_precision=PRECISION)
         dpT = dpT * scaleT
     else:
         dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
@@ -839,7 +849,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DK_IN, DV_IN, RANGES, COUNTS, 
                  BLOCK_N: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
                  DROPOUT: tl.constexpr, GROUPED: tl.constexpr, SPARSE: tl.constexpr,
                  LIST_STAGES: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
-                 BAND_BLOCK: tl.constexpr):
+                 BAND_BLOCK: tl.constexpr, QUERY_MAJOR: tl.constexpr = False):
     """One key tile of one kv head; loops over the query heads of its group and over
     the query tiles that see it, so dK and dV are written once, without atomics."""
     start_n = tl.program_id(0) * BLOCK_N
@@ -885,7 +895,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DK_IN, DV_IN, RANGES, COUNTS, 
                                 stride_doh, start_m, cols, first, stop, band_lo, band_hi, seqlen_q, qk_scale, seed, threshold, drop_scale, q_pos0,
                                 kpos_start, kpos, pos_stride, pos_jump, HEAD_DIM, BLOCK_M, BLOCK_N,
                                 BLOCK_D, BAND or SEGMENTS, SEGMENTS, DROPOUT,
-                                GROUPED, PRECISION, BAND_BLOCK)
+                                GROUPED, PRECISION, BAND_BLOCK, QUERY_MAJOR)
         for pos in tl.range(full_start, full_end, BLOCK_M, num_stages=LIST_STAGES):
             start_m = _column(pos, INDEX, row, n_col_blocks, SPARSE)
             dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, lse_base, delta_base, off_b, off_h,
@@ -893,7 +903,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DK_IN, DV_IN, RANGES, COUNTS, 
                                 stride_doh, start_m, cols, first, stop, band_lo, band_hi, seqlen_q, qk_scale, seed, threshold, drop_scale, q_pos0,
                                 kpos_start, kpos, pos_stride, pos_jump, HEAD_DIM, BLOCK_M, BLOCK_N,
                                 BLOCK_D, SEGMENTS and SPARSE, SEGMENTS, DROPOUT,
-                                GROUPED, PRECISION, BAND_BLOCK)
+                                GROUPED, PRECISION, BAND_BLOCK, QUERY_MAJOR)
         for pos in range(full_end, end, BLOCK_M):
             start_m = _column(pos, INDEX, row, n_col_blocks, SPARSE)
             dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, lse_base, delta_base, off_b, off_h,
@@ -901,7 +911,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DK_IN, DV_IN, RANGES, COUNTS, 
                                 stride_doh, start_m, cols, first, stop, band_lo, band_hi, seqlen_q, qk_scale, seed, threshold, drop_scale, q_pos0,
                                 kpos_start, kpos, pos_stride, pos_jump, HEAD_DIM, BLOCK_M, BLOCK_N,
                                 BLOCK_D, BAND or SEGMENTS, SEGMENTS, DROPOUT,
-                                GROUPED, PRECISION, BAND_BLOCK)
+                                GROUPED, PRECISION, BAND_BLOCK, QUERY_MAJOR)
 
     mask = (cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
     dk_offsets = off_b * stride_dkb + off_hk * stride_dkh + cols[:, None] * stride_dks + offs_d[None, :]
@@ -1014,10 +1024,11 @@ def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask, accu
     here (benchmarks/NOTES.md)."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    dkdv_cfg, dq_cfg = bwd_config(d, q.dtype, mask.blocks is not None)
     (lo, hi, qseg, kseg, band, segments), drop = _mask_args(mask, q.device)
+    sparse = mask.blocks is not None
+    dkdv_cfg, dq_cfg = bwd_config(d, q.dtype, sparse, drop[7] and not (band or segments or sparse))
     common = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BAND=band, SEGMENTS=segments, DROPOUT=drop[7],
-                  GROUPED=drop[8], SPARSE=mask.blocks is not None, ACCUMULATE=accumulate,
+                  GROUPED=drop[8], SPARSE=sparse, ACCUMULATE=accumulate,
                   PRECISION=_dot_precision(q.dtype), BAND_BLOCK=mask.band_block)
     scalars = (h // hkv, sq, sk, softmax_scale * LOG2E, softmax_scale, lo, hi, *drop[:7])
     qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

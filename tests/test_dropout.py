@@ -156,6 +156,35 @@ def test_pair_positions_in_runs_of_blocks(impl, pos, band, monkeypatch):
         assert err <= TOL[F32], f"{impl} pos={pos}: {name} rel err {err:.3g}"
 
 
+@pytest.mark.parametrize("p, causal", [(0.3, False), (0.3, True), (0.0, True)], ids=str)
+def test_dkdv_tile_orientations_agree(p, causal, monkeypatch):
+    """The dK/dV kernel's scores keys by queries or queries by keys (QUERY_MAJOR, which
+    bwd_config takes under dropout with no other mask) give the same dk and dv, and the
+    launches take the orientation bwd_config gives."""
+    device = _impl("triton", monkeypatch)
+    dtype = F16 if device == "cuda" else F32
+    b, s, h, hkv, d = 1, 128, 2, 1, 16 if device == "cpu" else 128
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, dout = (torch.randn(b, s, n, d, generator=gen).to(device, dtype) for n in (h, hkv, hkv, h))
+    mask = PairMask(band_hi=0 if causal else None, dropout_p=p, seed=11, pos=(0, 0, 1, 0))
+    kw = dict(softmax_scale=d ** -0.5, mask=mask, accumulate=False)
+    out, lse = torch.empty_like(q), torch.empty(b, h, s, device=device)
+    triton_attn.fwd(q, k, v, out, lse, **kw)
+    delta = attn_delta(out, dout)
+    assert triton_attn.bwd_config(d, dtype, False, True)[0].get("QUERY_MAJOR") is True
+    assert not triton_attn.bwd_config(d, dtype, False, False)[0].get("QUERY_MAJOR")
+    config, grads = triton_attn.bwd_config, []
+    for query_major in (False, True):
+        monkeypatch.setattr(triton_attn, "bwd_config", lambda *a, qm=query_major: (
+            dict(config(*a)[0], QUERY_MAJOR=qm), config(*a)[1]))
+        dk, dv = (torch.zeros(t.shape, device=device) for t in (k, v))
+        triton_attn.bwd(dout, q, k, v, lse, delta, None, dk, dv, **kw)
+        grads.append((dk, dv))
+    for a, w in zip(*grads):
+        assert a.abs().sum() > 0
+        assert rel_err(a.cpu(), w.cpu()) <= 1e-6
+
+
 def test_p_zero_is_no_dropout():
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, 33, 2, 16, generator=gen) for _ in range(3))
