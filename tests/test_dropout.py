@@ -159,8 +159,7 @@ def test_pair_positions_in_runs_of_blocks(impl, pos, band, monkeypatch):
 @pytest.mark.parametrize("p, causal", [(0.3, False), (0.3, True), (0.0, True)], ids=str)
 def test_dkdv_tile_orientations_agree(p, causal, monkeypatch):
     """The dK/dV kernel's scores keys by queries or queries by keys (QUERY_MAJOR, which
-    bwd_config takes under dropout with no other mask) give the same dk and dv, and the
-    launches take the orientation bwd_config gives."""
+    bwd_config takes under dropout with no other mask) give the same dk and dv."""
     device = _impl("triton", monkeypatch)
     dtype = F16 if device == "cuda" else F32
     b, s, h, hkv, d = 1, 128, 2, 1, 16 if device == "cpu" else 128
