@@ -503,21 +503,9 @@ def _fwd_kernel(Q, K, V, O, O_IN, LSE, KSEG, RANGES, COUNTS, INDEX,
 
     q = _load_block(Q, off_b, off_h, start_m, stride_qb, stride_qs, stride_qh, seqlen_q,
                     BLOCK_M, BLOCK_D, HEAD_DIM, True, TMA)
-    # O_IN: the running output an accumulating launch resumes from (O itself, or a buffer
-    # with O's strides: the ring's last step reads its fp32 sums and writes q's dtype).
-    o_offsets = off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :]
-    o_ptrs = O + o_offsets
-    o_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    lse_ptrs = LSE + off_b * stride_lb + off_h * stride_lh + offs_m
-
-    if ACCUMULATE:  # resume the online softmax from a previous partial (o, lse): m = lse, l = 1
-        m_i = tl.load(lse_ptrs, mask=row_ok, other=float("-inf")) * 1.4426950408889634
-        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
-        acc = tl.load(O_IN + o_offsets, mask=o_mask, other=0.0).to(tl.float32)
-    else:
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     qpos = offs_m
     if DROPOUT:  # global positions
         _, qpos = _tile_positions(q_pos0, start_m, BLOCK_M, pos_stride, pos_jump)
@@ -551,11 +539,27 @@ def _fwd_kernel(Q, K, V, O, O_IN, LSE, KSEG, RANGES, COUNTS, INDEX,
                                   BLOCK_N, BLOCK_D, True, SEGMENTS, DROPOUT, GROUPED, PRECISION,
                                   TMA)
 
+    o_offsets = off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :]
+    o_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    lse_ptrs = LSE + off_b * stride_lb + off_h * stride_lh + offs_m
+    if ACCUMULATE:  # merge with a previous partial (o, lse), read only now: resuming from it
+        # held its addresses through the tile loops (255 registers and 13-17% slower under
+        # dropout, benchmarks/NOTES.md). O_IN is O itself, or a buffer with O's strides (the
+        # ring's last step reads its fp32 sums and writes q's dtype).
+        m_in = tl.load(lse_ptrs, mask=row_ok, other=float("-inf")) * 1.4426950408889634
+        m_new = tl.maximum(m_i, m_in)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_safe)
+        beta = tl.math.exp2(m_in - m_safe)
+        o_in = tl.load(O_IN + o_offsets, mask=o_mask, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + o_in * beta[:, None]
+        l_i = l_i * alpha + beta
+        m_i = m_new
     empty = l_i == 0.0  # saw no key at all: out 0, lse -inf
     l_safe = tl.where(empty, 1.0, l_i)
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
     tl.store(lse_ptrs, lse, mask=row_ok)
-    tl.store(o_ptrs, (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=o_mask)
+    tl.store(O + o_offsets, (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=o_mask)
 
 
 def _or(partial, dest):

@@ -4,8 +4,8 @@ custom ops).
 World size W, rank r. At step s the rank holds the K/V shard that started on rank
 src = (r - s) mod W. Before computing step s it posts the send of that shard to r+1
 and the receive of the next one from r-1, then runs the layout's block pairs for
-(r, src) through the local kernel. Merging is the kernel's own epilogue: it resumes
-the online softmax from the running (out, lse), kept in fp32 until the last step, whose
+(r, src) through the local kernel. Merging is the kernel's own epilogue: it merges its
+block's softmax state with the running (out, lse), kept in fp32 until the last step, whose
 kernels read those sums and write out in q's dtype (dQ, and dK/dV on a ring of two, the
 same way in the backward). The own shard leaves from k and v themselves; later shards
 arrive in one buffer (a ring of two) or two taking turns.

@@ -198,3 +198,22 @@ def test_bad_dropout_arguments(p, seed, error):
     q = torch.randn(1, 8, 2, 16)
     with pytest.raises(error, match="dropout_p|seed"):
         flash_attn(q, q, q, dropout_p=p, seed=seed)
+
+
+@pytest.mark.parametrize("impl", ["twin", "triton"])
+def test_dropout_merged_over_key_ranges_is_one_call(impl, monkeypatch):
+    """The ring's forward under dropout: two key ranges merged into a running fp32 (out,
+    lse), each keyed by its own positions, equal one call over all keys with the same seed."""
+    device = _impl(impl, monkeypatch)
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 96, 2, 16, generator=gen).to(device) for _ in range(3))
+    drop = dict(dropout_p=0.3, seed=21)
+    whole = PairMask(band_hi=40, pos=(0, 0, 1, 0), **drop)
+    want, want_lse = flash_attn_fwd(q, k, v, softmax_scale=0.25, mask=whole)
+    out = torch.zeros(q.shape, device=device)
+    lse = torch.full((1, 2, 96), -math.inf, device=device)
+    for start, end in ((64, 96), (0, 64)):  # the later keys first, as a ring may visit them
+        mask = PairMask(band_hi=40 - start, pos=(0, start, 1, 0), **drop)
+        flash_attn_fwd(q, k[:, start:end], v[:, start:end], softmax_scale=0.25, mask=mask, out=out, lse=lse,
+                       accumulate=True)
+    assert rel_err(out.cpu(), want.cpu()) <= 1e-5 and rel_err(lse.cpu(), want_lse.cpu()) <= 1e-6

@@ -263,6 +263,8 @@ def test_transports_give_the_same_bits(nccl, layout, monkeypatch):
 def test_ranks_disagreeing_on_transport_raise(nccl, monkeypatch):
     """Rank 1 asks for NCCL, the others for peer copies: every rank raises, naming the
     field, and the next call works."""
+    if dist.get_world_size() < 2:  # the same on every rank: no collective is left waiting
+        pytest.skip("needs a rank 1 to disagree")
     q, k, v, dout, dlse = _inputs(1, 512 * dist.get_world_size(), 4, 4, 64, BF16, nccl, seed=3)
     ql, kl, vl = (ringflash.shard(t, 1, "zigzag") for t in (q, k, v))
     monkeypatch.setenv("RINGFLASH_TRANSPORT", "nccl" if dist.get_rank() == 1 else "peer")
