@@ -11,11 +11,9 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 import _harness as H
 from ringflash.kernels.masks import BLOCK
-from ringflash.layouts import LAYOUTS, global_positions, step_pairs
+from ringflash.layouts import LAYOUTS, global_positions, pair_area, step_pairs
 
 WORLD, SEQLEN = 4, 32  # SEQLEN cells: tokens, or for block_stripe blocks of BLOCK tokens
 
@@ -35,23 +33,11 @@ def owner_map(layout) -> list[int]:
 
 def causal_work(layout):
     """Visible (query, key) elements each rank computes: the causal triangle split by rank
-    (a pair keeps band_lo <= j - i' <= band_hi, i' = i rounded down to its band_block)."""
+    (what each pair's band keeps, ``layouts.pair_area``)."""
     n = SEQLEN * unit(layout) // WORLD
-    work = []
-    for rank in range(WORLD):
-        total = 0
-        for src in range(WORLD):
-            for pair in step_pairs(layout, rank, src, WORLD, n, (None, 0)):
-                rows = torch.arange(len(range(n)[pair.q]))[:, None] // pair.band_block * pair.band_block
-                diff = torch.arange(len(range(n)[pair.k]))[None, :] - rows
-                keep = torch.ones_like(diff, dtype=torch.bool)
-                if pair.band_lo is not None:
-                    keep &= diff >= pair.band_lo
-                if pair.band_hi is not None:
-                    keep &= diff <= pair.band_hi
-                total += int(keep.sum())
-        work.append(total)
-    return work
+    return [sum(pair_area(pair, n) for src in range(WORLD)
+                for pair in step_pairs(layout, rank, src, WORLD, n, (None, 0)))
+            for rank in range(WORLD)]
 
 
 def main(argv=None) -> int:

@@ -38,9 +38,11 @@ ONES = ("GROUP", "pos_stride")  # equal to 1 at these launches: Triton specializ
 
 
 def compile_kernel(which: str, head_dim: int, dropout: bool, sparse: bool = False,
-                   band: bool = False, segments: bool = False, accumulate: bool = False):
+                   band: bool = False, segments: bool = False, accumulate: bool = False,
+                   positional: bool = False):
     """The compiled kernel and its launch options (sparse: reading block-mask index lists;
-    band, segments: the masked variants; accumulate: merging into running sums)."""
+    band, segments: the masked variants, positional: the band on global positions;
+    accumulate: merging into running sums)."""
     if which == "fwd":
         fn, cfg = T._fwd_kernel, T.fwd_config(head_dim, torch.bfloat16)
     else:
@@ -51,7 +53,7 @@ def compile_kernel(which: str, head_dim: int, dropout: bool, sparse: bool = Fals
     column_ids = segments and which != "dkdv"  # as fwd() and bwd() launch them
     consts = dict(HEAD_DIM=head_dim, BLOCK_D=bd, BAND=band, SEGMENTS=segments, SPARSE=sparse,
                   LIST_STAGES=T.list_stages(cfg, sparse, column_ids), DROPOUT=dropout,
-                  GROUPED=dropout, ACCUMULATE=accumulate, PRECISION="tf32", BAND_BLOCK=1,
+                  GROUPED=dropout, ACCUMULATE=accumulate, PRECISION="tf32", POSITIONAL=positional,
                   **{n: 1 for n in ONES},
                   **{n: v for n, v in cfg.items() if n not in ("num_warps", "num_stages")})
     consts.update({p.name: p.default for p in fn.params  # constexprs a launch may leave out

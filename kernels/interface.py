@@ -204,7 +204,8 @@ def flash_attn_fwd(q, k, v, *, softmax_scale: float, mask: Optional[PairMask] = 
     """Attention of one (query block, key block) pair, returning ``(out, lse)``.
 
     q (B, Sq, H, D); k, v (B, Sk, Hkv, D); Sq and Sk may differ.
-    mask: a ``PairMask`` (band of local indices, segment ids), None for no mask.
+    mask: a ``PairMask`` (band of local indices or global positions, segment ids, dropout,
+        block mask), None for no mask.
     causal_offset: shorthand for ``PairMask.causal(o)``: key j is visible to query i iff
         j <= i + o (o = q_start - k_start for two contiguous blocks of one sequence).
     out (B, Sq, H, D), any float dtype, and lse (B, H, Sq) fp32: where to write; allocated

@@ -3,7 +3,7 @@
 One mechanism for every mask (DESIGN.md, Masks). Key j of a pair is visible to query i iff
 
     band_lo <= j - i <= band_hi          (local indices; None = unbounded on that side;
-                                          i rounded down to a multiple of band_block)
+                                          with band_on_positions, global positions)
     and, with segment ids, q_segments[b, i] == k_segments[b, j] >= 0
     and, with a block mask, blocks[h, i // BLOCK, j // BLOCK]
 
@@ -17,11 +17,11 @@ runs): that is what lets a row find the keys of its document as one interval. A 
 mask (block-sparse attention) marks which (BLOCK x BLOCK) blocks of the pair are computed
 at all; the elements of a computed block follow the band and the segment ids.
 
-A band with ``band_block`` Q > 1 is measured from the first row of the query's block of Q
-rows, not from the query itself: the causal mask between two shards of the block-stripe
-layout (ringflash.layouts), whose rows are runs of Q consecutive global positions, is
-``band_hi = Q - 1`` (a key block at or before the query block) or ``-1`` (strictly before),
-and leaves every Q x Q block wholly visible or wholly hidden.
+Where the pair's positions are not affine in its local indices (the block_stripe layout,
+whose rows are runs of BLOCK consecutive positions W * BLOCK apart), the band is kept on
+global positions (``band_on_positions``): band_lo <= kpos(j) - qpos(i) <= band_hi. Positions
+increase along the rows either way, so each row still sees one interval of columns
+(``band_interval``), which is all the kernels need.
 """
 
 from __future__ import annotations
@@ -40,19 +40,19 @@ BLOCK = 128
 class PairMask(NamedTuple):
     """The mask of one (query block, key block) pair.
 
-    band_lo, band_hi: key j visible to query i only if band_lo <= j - i' <= band_hi (None:
-        unbounded), i' = i rounded down to a multiple of ``band_block`` (1: i itself).
-        ``PairMask.causal(o)`` is j <= i + o.
+    band_lo, band_hi: key j visible to query i only if band_lo <= j - i <= band_hi (None:
+        unbounded). ``PairMask.causal(o)`` is j <= i + o.
     q_segments (B, Sq), k_segments (B, Sk): int32 contiguous segment ids, or both None.
     dropout_p, seed: attention dropout (kernels/dropout.py), keyed by global positions:
     pos = (q_pos, k_pos, stride, jump): query i of the pair is at global position
         q_pos + i * stride + (i // BLOCK) * jump, key j at k_pos + j * stride
-        + (j // BLOCK) * jump (needed with dropout only). jump is 0 but for the
-        block_stripe layout, whose rows are runs of BLOCK positions W * BLOCK apart.
+        + (j // BLOCK) * jump (needed with dropout or band_on_positions). jump is 0 but for
+        the block_stripe layout, whose rows are runs of BLOCK positions W * BLOCK apart.
     blocks: a ``Blocks`` over (heads or 1, cdiv(Sq, BLOCK), cdiv(Sk, BLOCK)), or None:
         block (a, c) holds queries [a * BLOCK, (a + 1) * BLOCK) and keys
         [c * BLOCK, (c + 1) * BLOCK) of the pair; False blocks are never computed.
-    band_block: see band_lo (not combined with blocks).
+    band_on_positions: the band compares global positions instead of local indices,
+        band_lo <= kpos(j) - qpos(i) <= band_hi (not combined with blocks).
     """
 
     band_lo: Optional[int] = None
@@ -63,7 +63,7 @@ class PairMask(NamedTuple):
     seed: int = 0
     pos: Optional[tuple[int, int, int, int]] = None
     blocks: Optional["Blocks"] = None
-    band_block: int = 1
+    band_on_positions: bool = False
 
     @classmethod
     def causal(cls, offset: Optional[int]) -> "PairMask":
@@ -82,6 +82,37 @@ def pair_positions(pos: tuple[int, int, int, int], q_rows: torch.Tensor, k_rows:
             k0 + k_rows * stride + k_rows // BLOCK * jump)
 
 
+def first_at_or_after(t: torch.Tensor, pos0: int, stride: int, jump: int) -> torch.Tensor:
+    """The first local index whose global position (pos0 + c * stride + (c // BLOCK) * jump,
+    ``PairMask.pos``) is >= t, elementwise over integer t (0 for t <= pos0; past the end
+    for t past the last position)."""
+    period = BLOCK * stride + jump
+    u = (t - pos0).clamp(min=0)
+    blocks = u // period
+    offset = u - blocks * period
+    return blocks * BLOCK + torch.clamp(-(-offset // stride), max=BLOCK)
+
+
+def band_interval(rows: torch.Tensor, mask: PairMask, n_cols: int, transposed: bool = False):
+    """(first, stop): the columns [first, stop) the band of ``mask`` leaves each of ``rows``
+    (query rows; key rows with ``transposed``), clamped to [0, n_cols). The kernels' interval
+    (kernels/triton_attn.py, ``_band_interval``) in torch ops."""
+    lo, hi = mask.band_lo, mask.band_hi
+    if mask.band_on_positions:
+        q0, k0, stride, jump = mask.pos
+        row0, col0 = (k0, q0) if transposed else (q0, k0)
+        at = row0 + rows * stride + rows // BLOCK * jump
+        def col(t): return first_at_or_after(t, col0, stride, jump)
+    else:
+        at = rows
+        def col(t): return t
+    if transposed:
+        lo, hi = (None if hi is None else -hi), (None if lo is None else -lo)
+    first = torch.zeros_like(rows) if lo is None else col(at + lo)
+    stop = torch.full_like(rows, n_cols) if hi is None else col(at + hi + 1)
+    return first.clamp(0, n_cols), stop.clamp(0, n_cols)
+
+
 def band_of_window(causal: bool, window_size: tuple[int, int]) -> tuple[Optional[int], Optional[int]]:
     """(lo, hi) of kp - qp for causal and window_size (left, right), -1 = unbounded."""
     left, right = window_size
@@ -97,7 +128,11 @@ def visible(qi: torch.Tensor, kj: torch.Tensor, mask: PairMask):
     (len(qi), len(kj)), or (B, len(qi), len(kj)) with segment ids, or with a block mask
     (B or 1, heads or 1, len(qi), len(kj)). qi, kj: local row indices."""
     ok = None
-    diff = kj[None, :] - (qi // mask.band_block * mask.band_block)[:, None]
+    if mask.band_on_positions:
+        qp, kp = pair_positions(mask.pos, qi, kj)
+        diff = kp[None, :] - qp[:, None]
+    else:
+        diff = kj[None, :] - qi[:, None]
     if mask.band_lo is not None:
         ok = diff >= mask.band_lo
     if mask.band_hi is not None:

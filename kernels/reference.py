@@ -22,9 +22,11 @@ BLOCK_N = 256
 
 
 def _key_blocks(seqlen_q: int, seqlen_k: int, mask: PairMask):
-    """Yield (start, end) of key tiles that the band leaves at least one visible key in."""
-    lo = 0 if mask.band_lo is None else max(0, mask.band_lo)  # row 0 sees keys j >= band_lo
-    hi = seqlen_k if mask.band_hi is None else min(seqlen_k, seqlen_q + mask.band_hi)
+    """Yield (start, end) of key tiles that the band may leave a visible key in (a band on
+    positions: every tile, the caller tests each)."""
+    local = not mask.band_on_positions
+    lo = 0 if mask.band_lo is None or not local else max(0, mask.band_lo)  # row 0 sees j >= band_lo
+    hi = seqlen_k if mask.band_hi is None or not local else min(seqlen_k, seqlen_q + mask.band_hi)
     for start in range(lo // BLOCK_N * BLOCK_N, max(hi, 0), BLOCK_N):
         yield start, min(start + BLOCK_N, hi)
 

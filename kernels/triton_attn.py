@@ -15,8 +15,8 @@ indices and segment ids, never an N x N tensor:
     band      key j visible to query i only if band_lo <= j - i <= band_hi (``BAND``; an
               unbounded side is a sentinel). Causal with diagonal offset o is band_hi = o;
               a sliding window on global positions becomes a band of the pair's local rows.
-              With BAND_BLOCK = Q > 1, i is rounded down to a multiple of Q first (the
-              causal mask between two block-stripe shards, masks.PairMask).
+              With POSITIONAL the band is on the rows' global positions instead (the
+              block_stripe layout, whose rows jump: masks.PairMask.band_on_positions).
     segments  only if qseg_i == kseg_j >= 0 (``SEGMENTS``: packed documents, padding = -1).
               Each query row carries the hull of the key rows its id occupies (and each key
               row that of the query rows), since a pair's non-padding ids never decrease.
@@ -298,34 +298,40 @@ def _keep(seed, threshold, off_b, off_h, qpos, kpos_start, kpos, BLOCK_M: tl.con
 
 
 @triton.jit
-def _floor_to(x, Q: tl.constexpr):
-    """x rounded down to a multiple of Q (x of either sign; integer division truncates)."""
-    return tl.where(x >= 0, x // Q, -((Q - 1 - x) // Q)) * Q
+def _first_at_or_after(t, pos0, stride, jump):
+    """The first local row whose global position (pos0 + c * stride + (c // BLOCK) * jump,
+    PairMask.pos) is >= t (masks.first_at_or_after), or 0 for t <= pos0: no division of a
+    negative number."""
+    period = SPARSE_BLOCK * stride + jump
+    u = tl.maximum(t - pos0, 0)
+    blocks = u // period
+    offset = u - blocks * period
+    return blocks * SPARSE_BLOCK + tl.minimum((offset + stride - 1) // stride, SPARSE_BLOCK)
 
 
 @triton.jit
-def _band_interval(rows, lo, hi, BAND_BLOCK: tl.constexpr, TRANSPOSED: tl.constexpr):
+def _band_interval(rows, lo, hi, positions, POSITIONAL: tl.constexpr, TRANSPOSED: tl.constexpr):
     """[first, stop) of the columns the band leaves each of ``rows`` (a tensor or a scalar):
-    query rows i see keys c with lo <= c - i' <= hi, i' = i rounded down to a multiple of
-    BAND_BLOCK. TRANSPOSED: rows are keys and columns queries (the dK/dV kernel), the same
-    band read the other way: i' in [c - hi, c - lo]. Non-decreasing in the row either way."""
-    if BAND_BLOCK == 1:
-        if TRANSPOSED:
-            first, stop = rows - hi, rows - lo + 1
-        else:
-            first, stop = rows + lo, rows + hi + 1
-    elif TRANSPOSED:
-        first = _floor_to(rows - hi + BAND_BLOCK - 1, BAND_BLOCK)
-        stop = _floor_to(rows - lo, BAND_BLOCK) + BAND_BLOCK
+    query rows i see keys c with lo <= c - i <= hi, or with POSITIONAL lo <= kpos(c) -
+    qpos(i) <= hi on global positions: positions = (row_pos0, col_pos0, stride, jump), rows
+    and columns at row_pos0 / col_pos0 + index * stride + (index // BLOCK) * jump (with
+    TRANSPOSED the rows' are the keys'). TRANSPOSED: rows are keys and columns queries (the
+    dK/dV kernel), the same band read the other way. Non-decreasing in the row either way."""
+    if TRANSPOSED:
+        lo, hi = -hi, -lo
+    if POSITIONAL:
+        row_pos0, col_pos0, stride, jump = positions
+        at = row_pos0 + rows * stride + rows // SPARSE_BLOCK * jump
+        first = _first_at_or_after(at + lo, col_pos0, stride, jump)
+        stop = _first_at_or_after(at + hi + 1, col_pos0, stride, jump)
     else:
-        base = rows // BAND_BLOCK * BAND_BLOCK
-        first, stop = base + lo, base + hi + 1
+        first, stop = rows + lo, rows + hi + 1
     return first, stop
 
 
 @triton.jit
-def _row_bounds(rows, n_rows, n_cols, lo, hi, RANGES, off_b, stride_plane, stride_b,
-                BAND: tl.constexpr, SEGMENTS: tl.constexpr, BAND_BLOCK: tl.constexpr,
+def _row_bounds(rows, n_rows, n_cols, lo, hi, RANGES, off_b, stride_plane, stride_b, positions,
+                BAND: tl.constexpr, SEGMENTS: tl.constexpr, POSITIONAL: tl.constexpr,
                 TRANSPOSED: tl.constexpr):
     """What each row of a tile may see, as column intervals: (first, stop, run_stop, holes).
 
@@ -343,7 +349,7 @@ def _row_bounds(rows, n_rows, n_cols, lo, hi, RANGES, off_b, stride_plane, strid
     first = tl.zeros_like(rows)
     stop = tl.where(ok, n_cols, 0)
     if BAND:
-        band_first, band_stop = _band_interval(rows, lo, hi, BAND_BLOCK, TRANSPOSED)
+        band_first, band_stop = _band_interval(rows, lo, hi, positions, POSITIONAL, TRANSPOSED)
         first = tl.maximum(first, band_first)
         stop = tl.minimum(stop, band_stop)
     run_stop = stop
@@ -360,9 +366,9 @@ def _row_bounds(rows, n_rows, n_cols, lo, hi, RANGES, off_b, stride_plane, strid
 
 
 @triton.jit
-def _tile_range(start_r, n_rows, n_cols, lo, hi, first, stop, run_stop, BLOCK_ROWS: tl.constexpr,
-                BLOCK_COLS: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
-                BAND_BLOCK: tl.constexpr, TRANSPOSED: tl.constexpr):
+def _tile_range(start_r, n_rows, n_cols, lo, hi, first, stop, run_stop, positions,
+                BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, BAND: tl.constexpr,
+                SEGMENTS: tl.constexpr, POSITIONAL: tl.constexpr, TRANSPOSED: tl.constexpr):
     """Loop bounds over the column tiles of the row tile [start_r, start_r + BLOCK_ROWS),
     (start, full_start, full_end, end), from its rows' ``_row_bounds`` (with segments; the
     band alone gives them from the tile's first and last rows). Columns outside
@@ -382,8 +388,9 @@ def _tile_range(start_r, n_rows, n_cols, lo, hi, first, stop, run_stop, BLOCK_RO
         full_begin = 0
         full_stop = n_cols
         if BAND:  # the tile's first and last rows bound the others' intervals
-            first_of_first, stop_of_first = _band_interval(start_r, lo, hi, BAND_BLOCK, TRANSPOSED)
-            first_of_last, stop_of_last = _band_interval(last, lo, hi, BAND_BLOCK, TRANSPOSED)
+            first_of_first, stop_of_first = _band_interval(start_r, lo, hi, positions, POSITIONAL,
+                                                           TRANSPOSED)
+            first_of_last, stop_of_last = _band_interval(last, lo, hi, positions, POSITIONAL, TRANSPOSED)
             begin = tl.maximum(first_of_first, 0)
             stop_all = tl.minimum(stop_of_last, n_cols)
             full_begin = first_of_last
@@ -407,23 +414,23 @@ def _listed_range(COUNTS, stride_plane, row):
 
 @triton.jit
 def _query_loop(start_m, rows, seqlen_q, seqlen_k, band_lo, band_hi, RANGES, off_b, off_h,
-                stride_rp, stride_rb, COUNTS, stride_cp, stride_sh, BLOCK_M: tl.constexpr,
+                stride_rp, stride_rb, COUNTS, stride_cp, stride_sh, positions, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
-                SPARSE: tl.constexpr, BAND_BLOCK: tl.constexpr):
+                SPARSE: tl.constexpr, POSITIONAL: tl.constexpr):
     """The key loop of a query tile (forward, dQ): its rows' ``_row_bounds`` (first, stop,
     holes), its block-mask list row (0 without SPARSE) and its loop bounds (start,
     full_start, full_end, end), from the rows' intervals or the query block's lists."""
     first, stop, run_stop, holes = _row_bounds(rows, seqlen_q, seqlen_k, band_lo, band_hi, RANGES,
-                                               off_b, stride_rp, stride_rb, BAND, SEGMENTS,
-                                               BAND_BLOCK, False)
+                                               off_b, stride_rp, stride_rb, positions, BAND,
+                                               SEGMENTS, POSITIONAL, False)
     row = 0
     if SPARSE:  # the query block's index lists
         row = off_h * stride_sh + start_m // SPARSE_BLOCK
         start, full_start, full_end, end = _listed_range(COUNTS, stride_cp, row)
     else:
         start, full_start, full_end, end = _tile_range(start_m, seqlen_q, seqlen_k, band_lo, band_hi, first,
-                                                       stop, run_stop, BLOCK_M, BLOCK_N, BAND, SEGMENTS,
-                                                       BAND_BLOCK, False)
+                                                       stop, run_stop, positions, BLOCK_M, BLOCK_N, BAND,
+                                                       SEGMENTS, POSITIONAL, False)
     return first, stop, holes, row, start, full_start, full_end, end
 
 
@@ -492,7 +499,7 @@ def _fwd_kernel(Q, K, V, O, O_IN, LSE, KSEG, RANGES, COUNTS, INDEX,
                 BLOCK_N: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
                 DROPOUT: tl.constexpr, GROUPED: tl.constexpr, SPARSE: tl.constexpr,
                 LIST_STAGES: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
-                TMA: tl.constexpr, BAND_BLOCK: tl.constexpr):
+                TMA: tl.constexpr, POSITIONAL: tl.constexpr):
     start_m = _query_tile(BLOCK_M, BAND)
     off_b = tl.program_id(1) // H
     off_h = tl.program_id(1) % H
@@ -512,8 +519,8 @@ def _fwd_kernel(Q, K, V, O, O_IN, LSE, KSEG, RANGES, COUNTS, INDEX,
 
     first, stop, holes, row, start, full_start, full_end, end = _query_loop(
         start_m, offs_m, seqlen_q, seqlen_k, band_lo, band_hi, RANGES, off_b, off_h, stride_rp,
-        stride_rb, COUNTS, stride_cp, stride_sh, BLOCK_M, BLOCK_N, BAND, SEGMENTS, SPARSE,
-        BAND_BLOCK)
+        stride_rb, COUNTS, stride_cp, stride_sh, (q_pos0, k_pos0, pos_stride, pos_jump), BLOCK_M,
+        BLOCK_N, BAND, SEGMENTS, SPARSE, POSITIONAL)
     for pos in range(start, full_start, BLOCK_N):
         start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
@@ -569,18 +576,20 @@ def _or(partial, dest):
 
 def _mask_args(mask, device: torch.device):
     """Kernel arguments of a PairMask: (band_lo, band_hi, qseg, kseg, BAND, SEGMENTS) and the
-    dropout arguments (seed, threshold, scale, q_pos0, k_pos0, stride, jump, DROPOUT, GROUPED).
-    Without segments, the segment pointers are a one-element stand-in."""
+    dropout arguments (seed, threshold, scale, q_pos0, k_pos0, stride, jump, DROPOUT, GROUPED),
+    whose positions a band on positions reads too. Without segments, the segment pointers
+    are a one-element stand-in."""
     band = mask.band_lo is not None or mask.band_hi is not None
     lo = -BAND_INF if mask.band_lo is None else mask.band_lo
     hi = BAND_INF if mask.band_hi is None else mask.band_hi
+    positions = mask.pos if mask.dropout_p > 0 or mask.band_on_positions else (0, 0, 1, 0)
     if mask.dropout_p > 0:
-        q_pos0, k_pos0, stride, jump = mask.pos
+        q_pos0, k_pos0, stride, jump = positions
         grouped = stride == 1 and q_pos0 % 16 == 0 and k_pos0 % 32 == 0 and jump % 32 == 0
         drop = (mask.seed, dropout.threshold(mask.dropout_p), dropout.keep_scale(mask.dropout_p),
-                q_pos0, k_pos0, stride, jump, True, grouped)
+                *positions, True, grouped)
     else:
-        drop = (0, 0, 1.0, 0, 0, 1, 0, False, False)
+        drop = (0, 0, 1.0, *positions, False, False)
     if mask.q_segments is None:
         dummy = torch.zeros(1, dtype=torch.int32, device=device)
         return (lo, hi, dummy, dummy, band, False), drop
@@ -594,8 +603,8 @@ def _sparse_args(mask, lo: int, hi: int, n_rows: int, n_cols: int, transpose: bo
     if mask.blocks is None:
         dummy = torch.zeros(1, dtype=torch.int32, device=device)
         return (dummy, dummy, 0, 0, 0), False
-    if mask.band_block != 1:
-        raise ValueError("a block mask cannot be combined with a band of band_block > 1")
+    if mask.band_on_positions:
+        raise ValueError("a block mask cannot be combined with a band on positions")
     counts, index = mask.blocks.lists(lo, hi, n_rows, n_cols, transpose)
     heads, n_row_blocks, n_col_blocks = index.shape
     return (counts, index, counts.stride(0), n_row_blocks if heads > 1 else 0, n_col_blocks), True
@@ -744,7 +753,7 @@ def fwd(q, k, v, out, lse, *, softmax_scale: float, mask, accumulate: bool, out_
         h, h // hkv, sq, sk, softmax_scale * LOG2E, lo, hi, *drop[:7], *sparse_strides,
         HEAD_DIM=d, BLOCK_D=bd, BAND=band, SEGMENTS=segments, DROPOUT=drop[7], GROUPED=drop[8],
         SPARSE=sparse, LIST_STAGES=list_stages(cfg, sparse, segments), ACCUMULATE=accumulate,
-        PRECISION=_dot_precision(q.dtype), TMA=tma, BAND_BLOCK=mask.band_block, **cfg)
+        PRECISION=_dot_precision(q.dtype), TMA=tma, POSITIONAL=mask.band_on_positions, **cfg)
     return out, lse
 
 
@@ -797,7 +806,7 @@ def _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, off_b, off_h, stride_qb, stride_
                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_D: tl.constexpr, MASKED: tl.constexpr, SEGMENTS: tl.constexpr,
                DROPOUT: tl.constexpr, GROUPED: tl.constexpr, PRECISION: tl.constexpr,
-               BAND_BLOCK: tl.constexpr, QUERY_MAJOR: tl.constexpr):
+               POSITIONAL: tl.constexpr, QUERY_MAJOR: tl.constexpr):
     """One query tile into a key tile's dK, dV. MASKED: the keys' intervals of queries
     apply. Padding queries need no test here: they saw nothing (lse -inf), so their
     probabilities are 0 whatever the tile."""
@@ -819,7 +828,7 @@ def _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, off_b, off_h, stride_qb, stride_
         pT = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse[None, :])
         dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
     if MASKED:
-        pT = _visible(pT, cols, rows, first, stop, band_lo, band_hi, 0.0, SEGMENTS or BAND_BLOCK > 1, True)
+        pT = _visible(pT, cols, rows, first, stop, band_lo, band_hi, 0.0, SEGMENTS or POSITIONAL, True)
     if DROPOUT:  # dV takes the dropped probabilities, dP the dropped gradient (D unchanged)
         scaleT = tl.trans(tl.where(keep, drop_scale, 0.0))
         dv = tl.dot((pT * scaleT).to(do.dtype), do, dv, input_precision=PRECISION)
@@ -853,7 +862,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DK_IN, DV_IN, RANGES, COUNTS, 
                  BLOCK_N: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
                  DROPOUT: tl.constexpr, GROUPED: tl.constexpr, SPARSE: tl.constexpr,
                  LIST_STAGES: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
-                 BAND_BLOCK: tl.constexpr, QUERY_MAJOR: tl.constexpr = False):
+                 POSITIONAL: tl.constexpr, QUERY_MAJOR: tl.constexpr = False):
     """One key tile of one kv head; loops over the query heads of its group and over
     the query tiles that see it, so dK and dV are written once, without atomics."""
     start_n = tl.program_id(0) * BLOCK_N
@@ -877,11 +886,13 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DK_IN, DV_IN, RANGES, COUNTS, 
     # measured 17% slower here without segments and 44% slower with them (benchmarks/NOTES.md),
     # the mask being cheap beside four matmuls. Block-sparse: the index lists of the key
     # block, per query head (rows are key blocks there).
+    positions = (k_pos0, q_pos0, pos_stride, pos_jump)  # rows are keys here
     first, stop, run_stop, _ = _row_bounds(cols, seqlen_k, seqlen_q, band_lo, band_hi, RANGES,
-                                           off_b, stride_rp, stride_rb, BAND, SEGMENTS, BAND_BLOCK, True)
+                                           off_b, stride_rp, stride_rb, positions, BAND, SEGMENTS,
+                                           POSITIONAL, True)
     begin, full_start, full_end, end = _tile_range(start_n, seqlen_k, seqlen_q, band_lo, band_hi, first,
-                                                   stop, run_stop, BLOCK_N, BLOCK_M, BAND, SEGMENTS,
-                                                   BAND_BLOCK, True)
+                                                   stop, run_stop, positions, BLOCK_N, BLOCK_M, BAND,
+                                                   SEGMENTS, POSITIONAL, True)
     full_start = end
     full_end = end
     row = 0
@@ -899,7 +910,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DK_IN, DV_IN, RANGES, COUNTS, 
                                 stride_doh, start_m, cols, first, stop, band_lo, band_hi, seqlen_q, qk_scale, seed, threshold, drop_scale, q_pos0,
                                 kpos_start, kpos, pos_stride, pos_jump, HEAD_DIM, BLOCK_M, BLOCK_N,
                                 BLOCK_D, BAND or SEGMENTS, SEGMENTS, DROPOUT,
-                                GROUPED, PRECISION, BAND_BLOCK, QUERY_MAJOR)
+                                GROUPED, PRECISION, POSITIONAL, QUERY_MAJOR)
         for pos in tl.range(full_start, full_end, BLOCK_M, num_stages=LIST_STAGES):
             start_m = _column(pos, INDEX, row, n_col_blocks, SPARSE)
             dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, lse_base, delta_base, off_b, off_h,
@@ -907,7 +918,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DK_IN, DV_IN, RANGES, COUNTS, 
                                 stride_doh, start_m, cols, first, stop, band_lo, band_hi, seqlen_q, qk_scale, seed, threshold, drop_scale, q_pos0,
                                 kpos_start, kpos, pos_stride, pos_jump, HEAD_DIM, BLOCK_M, BLOCK_N,
                                 BLOCK_D, SEGMENTS and SPARSE, SEGMENTS, DROPOUT,
-                                GROUPED, PRECISION, BAND_BLOCK, QUERY_MAJOR)
+                                GROUPED, PRECISION, POSITIONAL, QUERY_MAJOR)
         for pos in range(full_end, end, BLOCK_M):
             start_m = _column(pos, INDEX, row, n_col_blocks, SPARSE)
             dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, lse_base, delta_base, off_b, off_h,
@@ -915,7 +926,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DK_IN, DV_IN, RANGES, COUNTS, 
                                 stride_doh, start_m, cols, first, stop, band_lo, band_hi, seqlen_q, qk_scale, seed, threshold, drop_scale, q_pos0,
                                 kpos_start, kpos, pos_stride, pos_jump, HEAD_DIM, BLOCK_M, BLOCK_N,
                                 BLOCK_D, BAND or SEGMENTS, SEGMENTS, DROPOUT,
-                                GROUPED, PRECISION, BAND_BLOCK, QUERY_MAJOR)
+                                GROUPED, PRECISION, POSITIONAL, QUERY_MAJOR)
 
     mask = (cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
     dk_offsets = off_b * stride_dkb + off_hk * stride_dkh + cols[:, None] * stride_dks + offs_d[None, :]
@@ -932,7 +943,7 @@ def _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              BLOCK_D: tl.constexpr, MASKED: tl.constexpr, BAND: tl.constexpr,
              SEGMENTS: tl.constexpr, DROPOUT: tl.constexpr, GROUPED: tl.constexpr,
-             PRECISION: tl.constexpr, BAND_BLOCK: tl.constexpr):
+             PRECISION: tl.constexpr, POSITIONAL: tl.constexpr):
     """One key tile into a query tile's dQ; MASKED and SEGMENTS as in ``_fwd_tile``.
     Keys past seqlen_k load as zeros, so they add nothing to dq: only the loads are bounded."""
     k = _load_block(K, off_b, off_hk, start_n, stride_kb, stride_ks, stride_kh, seqlen_k,
@@ -942,7 +953,7 @@ def _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
     p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse[:, None])
     if (MASKED and BAND) or SEGMENTS:
         cols = start_n + tl.arange(0, BLOCK_N)
-        p = _visible(p, rows, cols, first, stop, band_lo, band_hi, 0.0, SEGMENTS or BAND_BLOCK > 1)
+        p = _visible(p, rows, cols, first, stop, band_lo, band_hi, 0.0, SEGMENTS or POSITIONAL)
         if SEGMENTS:
             p = _unpadded(p, cols, KSEG, off_b, stride_ksegb, seqlen_k, holes, 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
@@ -968,7 +979,7 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DQ_IN, KSEG, RANGES, COUNTS, INDEX,
                BLOCK_N: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
                DROPOUT: tl.constexpr, GROUPED: tl.constexpr, SPARSE: tl.constexpr,
                LIST_STAGES: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
-               BAND_BLOCK: tl.constexpr):
+               POSITIONAL: tl.constexpr):
     start_m = _query_tile(BLOCK_M, BAND)
     off_b = tl.program_id(1) // H
     off_h = tl.program_id(1) % H
@@ -989,8 +1000,8 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DQ_IN, KSEG, RANGES, COUNTS, INDEX,
 
     first, stop, holes, row, start, full_start, full_end, end = _query_loop(
         start_m, rows, seqlen_q, seqlen_k, band_lo, band_hi, RANGES, off_b, off_h, stride_rp,
-        stride_rb, COUNTS, stride_cp, stride_sh, BLOCK_M, BLOCK_N, BAND, SEGMENTS, SPARSE,
-        BAND_BLOCK)
+        stride_rb, COUNTS, stride_cp, stride_sh, (q_pos0, k_pos0, pos_stride, pos_jump), BLOCK_M,
+        BLOCK_N, BAND, SEGMENTS, SPARSE, POSITIONAL)
     for pos in range(start, full_start, BLOCK_N):
         start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
         dq = _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
@@ -998,7 +1009,7 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DQ_IN, KSEG, RANGES, COUNTS, INDEX,
                       rows, first, stop, holes, seqlen_k, qk_scale, band_lo, band_hi, seed,
                       threshold, drop_scale, qpos, k_pos0, pos_stride, pos_jump,
                       HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, BAND,
-                      SEGMENTS, DROPOUT, GROUPED, PRECISION, BAND_BLOCK)
+                      SEGMENTS, DROPOUT, GROUPED, PRECISION, POSITIONAL)
     for pos in tl.range(full_start, full_end, BLOCK_N, num_stages=LIST_STAGES):
         start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
         dq = _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
@@ -1006,7 +1017,7 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DQ_IN, KSEG, RANGES, COUNTS, INDEX,
                       rows, first, stop, holes, seqlen_k, qk_scale, band_lo, band_hi, seed,
                       threshold, drop_scale, qpos, k_pos0, pos_stride, pos_jump,
                       HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, BAND,
-                      SEGMENTS and SPARSE, DROPOUT, GROUPED, PRECISION, BAND_BLOCK)
+                      SEGMENTS and SPARSE, DROPOUT, GROUPED, PRECISION, POSITIONAL)
     for pos in range(full_end, end, BLOCK_N):
         start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
         dq = _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
@@ -1014,7 +1025,7 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DQ_IN, KSEG, RANGES, COUNTS, INDEX,
                       rows, first, stop, holes, seqlen_k, qk_scale, band_lo, band_hi, seed,
                       threshold, drop_scale, qpos, k_pos0, pos_stride, pos_jump,
                       HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, BAND,
-                      SEGMENTS, DROPOUT, GROUPED, PRECISION, BAND_BLOCK)
+                      SEGMENTS, DROPOUT, GROUPED, PRECISION, POSITIONAL)
 
     mask = (rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
     dq_offsets = off_b * stride_dqb + off_h * stride_dqh + rows[:, None] * stride_dqs + offs_d[None, :]
@@ -1033,7 +1044,7 @@ def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask, accu
     dkdv_cfg, dq_cfg = bwd_config(d, q.dtype, sparse, drop[7] and not (band or segments or sparse))
     common = dict(HEAD_DIM=d, BLOCK_D=block_d(d), BAND=band, SEGMENTS=segments, DROPOUT=drop[7],
                   GROUPED=drop[8], SPARSE=sparse, ACCUMULATE=accumulate,
-                  PRECISION=_dot_precision(q.dtype), BAND_BLOCK=mask.band_block)
+                  PRECISION=_dot_precision(q.dtype), POSITIONAL=mask.band_on_positions)
     scalars = (h // hkv, sq, sk, softmax_scale * LOG2E, softmax_scale, lo, hi, *drop[:7])
     qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                    v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))

@@ -110,24 +110,18 @@ def _check_local(q, k, v, causal, layout, softmax_scale, window_size, segment_id
         raise ValueError(f"layout 'zigzag' needs an even seqlen_local (two chunks a rank), got {q.shape[1]}")
     segments = check_segment_ids(segment_ids, q.shape[0], q.shape[1], q.device)
     seqlen = q.shape[1] * world
-    if layout == "block_stripe":
-        _check_block_stripe(q.shape[1], causal, window)
+    if layout == "block_stripe" and q.shape[1] % BLOCK:
+        raise ValueError(f"layout 'block_stripe' needs seqlen_local a multiple of {BLOCK} (whole "
+                         f"blocks a rank), got {q.shape[1]}")
     blocks = check_block_mask(block_mask, q.shape[2], seqlen, seqlen, q.device)
     if blocks is not None:
         check_block_layout(layout, world, q.shape[1], BLOCK)
+        if layout == "block_stripe" and band_of_window(causal, window) not in ((None, None), (None, 0)):
+            raise ValueError(f"block_mask with layout 'block_stripe' takes causal or full attention, "
+                             f"not window_size {window}: a window cuts the shards' blocks (layouts "
+                             "'contiguous' and 'zigzag' take both)")
     dropout = check_dropout(dropout_p, seed)
     return causal, layout, scale, window, segments, dropout, blocks
-
-
-def _check_block_stripe(local_len: int, causal: bool, window: tuple[int, int]) -> None:
-    """What layout 'block_stripe' serves: whole blocks a rank; causal or full attention
-    (a window's band is not one on its local rows)."""
-    if local_len % BLOCK:
-        raise ValueError(f"layout 'block_stripe' needs seqlen_local a multiple of {BLOCK} (whole "
-                         f"blocks a rank), got {local_len}")
-    if band_of_window(causal, window) not in ((None, None), (None, 0)):
-        raise ValueError(f"window_size {window} needs layout 'contiguous', 'zigzag' or 'stripe': "
-                         "'block_stripe' serves causal or full attention, with segment ids")
 
 
 def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
@@ -151,8 +145,8 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
             with. Every mask is on GLOBAL positions, so the result does not depend on it;
             the work per rank and the hops K/V travel do (packed documents:
             "block_stripe", ``ringflash.DOCUMENTS_LAYOUT``; sliding windows: "contiguous").
-            "block_stripe" needs seqlen_local a multiple of 128 and serves causal or full
-            attention, with segment ids, dropout and block_mask (no window_size).
+            "block_stripe" needs seqlen_local a multiple of 128; it takes every mask, but
+            not window_size together with block_mask.
         return_lse: also return lse.
         segment_ids: (batch, seqlen_local) integer ids of this rank's tokens, sharded like
             q (``shard(ids, dim=1, layout=...)``, or ``segment_ids_from_cu_seqlens`` /

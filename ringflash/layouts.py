@@ -17,9 +17,9 @@ World size W, global length N, n = N / W tokens per rank:
   like stripe, for causal attention and for packed documents alike (busiest rank within
   2% of the mean at 128k on 2 and 4 ranks, benchmarks/NOTES.md), and each local block of
   128 rows is 128 consecutive tokens, so a document keeps the tiles it has on one device.
-  Between two shards the causal mask leaves every block pair wholly visible or wholly
-  hidden (a band with ``band_block`` = BLOCK: key block <= query block, or <); the own
-  shard is plain causal.
+  A pair's positions jump by W * BLOCK every BLOCK rows, so its band (causal, window) is
+  kept on global positions (``Pair.on_positions``); the own shard under causal alone is
+  plain causal on local indices.
 
 A block mask (block-sparse attention) enters as the set of (query chunk, key chunk)
 pairs of GLOBAL chunks it leaves any block in (``occupied_chunks``; block_stripe's chunk r
@@ -34,7 +34,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .kernels.masks import BLOCK
+from .kernels.masks import BLOCK, PairMask, band_interval
 
 LAYOUTS = ("contiguous", "zigzag", "stripe", "block_stripe")
 # The layout of every function that takes one (shard, unshard, positions, ring_flash_attn,
@@ -59,14 +59,15 @@ class Pair(NamedTuple):
     unbounded). pos = (q_pos, k_pos, stride, jump): the global positions of query i and
     key j are q_pos + i * stride + (i // BLOCK) * jump and k_pos + j * stride
     + (j // BLOCK) * jump (jump: 0, or BLOCK (W - 1) for block_stripe); None for a pair
-    merged across chunks, which masks nothing. band_block: see kernels.masks.PairMask."""
+    merged across chunks, which masks nothing. on_positions: the band is on the global
+    positions instead, band_lo <= kp - qp <= band_hi (kernels.masks.PairMask)."""
 
     q: slice
     k: slice
     band_lo: Optional[int] = None
     band_hi: Optional[int] = None
     pos: Optional[tuple[int, int, int, int]] = None
-    band_block: int = 1  # the band is measured from the query's block of this many rows
+    on_positions: bool = False
 
 
 class _Chunk(NamedTuple):
@@ -157,24 +158,25 @@ def _merged(pairs: list[Pair], n: int) -> list[Pair]:
     return sorted(pairs, key=lambda p: (span(p.q), span(p.k)))
 
 
-def _block_stripe_pair(rank: int, src: int, world: int, band: Band,
+def _block_stripe_pair(rank: int, src: int, world: int, local_len: int, band: Band,
                        occupied: Optional[frozenset]) -> Optional[Pair]:
-    """The one pair of a block_stripe step (None where a block mask leaves it empty).
-    Query block a of rank r is global block a W + r, key block c of shard s is c W + s:
-    under causal, key block c is visible to query block a iff c <= a (s < r) or c < a
-    (s > r), whole blocks either way; the own shard keeps the global order, so it is
-    causal on local indices."""
+    """The one pair of a block_stripe step (None where the band or a block mask leaves it
+    empty). Query row i of rank r is at global position r BLOCK + i + (i // BLOCK) (W - 1)
+    BLOCK, key row j of shard s likewise: the band stays on positions, and each row still
+    sees one interval of key rows (``masks.band_interval``), which also tells an empty pair
+    or a full one. The own shard keeps the global order, so causal alone is j <= i there."""
     if occupied is not None and (rank, src) not in occupied:
         return None
     pos = (rank * BLOCK, src * BLOCK, 1, (world - 1) * BLOCK)
+    if src == rank and band == (None, 0):
+        return Pair(_ALL, _ALL, None, 0, pos)
     if band == NO_BAND:
         return Pair(_ALL, _ALL, pos=pos)
-    if band != (None, 0):
-        raise ValueError("layout 'block_stripe' serves causal or full attention with segment ids; "
-                         "a sliding window needs layout 'contiguous', 'zigzag' or 'stripe'")
-    if src == rank:
-        return Pair(_ALL, _ALL, None, 0, pos)
-    return Pair(_ALL, _ALL, None, BLOCK - 1 if src < rank else -1, pos, BLOCK)
+    pair = Pair(_ALL, _ALL, *band, pos, True)
+    area = pair_area(pair, local_len)
+    if area == 0:
+        return None
+    return Pair(_ALL, _ALL, pos=pos) if area == local_len * local_len else pair
 
 
 @functools.lru_cache(maxsize=4096)
@@ -192,7 +194,7 @@ def step_pairs(layout: str, rank: int, src: int, world: int, local_len: int,
     with the local index, so kp <= qp is j <= i.
     """
     if layout == "block_stripe":
-        pair = _block_stripe_pair(rank, src, world, band, occupied)
+        pair = _block_stripe_pair(rank, src, world, local_len, band, occupied)
         return () if pair is None else (pair,)
     pairs = [p for qc in _chunks(layout, rank, world, local_len)
              for kc in _chunks(layout, src, world, local_len)
@@ -215,13 +217,11 @@ def active_steps(layout: str, world: int, local_len: int, band: Band = NO_BAND,
     return max(busy, default=0) + 1
 
 
-def _pair_area(pair: Pair, n: int) -> int:
+def pair_area(pair: Pair, n: int) -> int:
     """How many (query, key) elements of a pair (of a rank's n rows) its band leaves."""
-    rows = torch.arange(len(range(n)[pair.q])) // pair.band_block * pair.band_block
-    n_keys = len(range(n)[pair.k])
-    first = torch.zeros_like(rows) if pair.band_lo is None else (rows + pair.band_lo).clamp(min=0)
-    stop = (torch.full_like(rows, n_keys) if pair.band_hi is None
-            else (rows + pair.band_hi + 1).clamp(max=n_keys))
+    rows = torch.arange(len(range(n)[pair.q]))
+    mask = PairMask(pair.band_lo, pair.band_hi, pos=pair.pos, band_on_positions=pair.on_positions)
+    first, stop = band_interval(rows, mask, len(range(n)[pair.k]))
     return int((stop - first).clamp(min=0).sum())
 
 
@@ -233,7 +233,7 @@ def remote_share(layout: str, world: int, local_len: int, band: Band = NO_BAND) 
     know whether a remote step is large enough to hide a transfer behind."""
     ratios = []
     for rank in range(world):
-        own, remote = (sum(_pair_area(p, local_len) for p in step_pairs(
+        own, remote = (sum(pair_area(p, local_len) for p in step_pairs(
             layout, rank, (rank - s) % world, world, local_len, band)) for s in (0, 1))
         ratios.append(remote / max(own, 1))
     return min(ratios)

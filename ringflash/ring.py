@@ -11,7 +11,8 @@ same way in the backward). The own shard leaves from k and v themselves; later s
 arrive in one buffer (a ring of two) or two taking turns.
 
 Masks are data on the way: the band on global positions (causal, sliding window) becomes
-each pair's band of local indices (layouts.step_pairs), the visiting shard's segment
+each pair's band of local indices, or stays on positions where the rows jump
+(block_stripe; layouts.step_pairs), the visiting shard's segment
 ids travel with its K/V, and dropout is keyed by the pair's global positions, so every
 layout and world size drops the same elements as one device. A block mask on global
 token blocks is sliced per pair (each pair of contiguous chunks is a rectangle of it), and
@@ -89,26 +90,26 @@ class _SparsePlan:
 
     def _blocks(self, pair, blocks: torch.Tensor) -> torch.Tensor:
         """The pair's blocks of the mask: the global blocks its rows and columns hold (by
-        their positions), with a band measured in whole blocks (band_block = BLOCK,
-        block_stripe) folded in, since it is itself a block mask (``_mask`` then drops it)."""
+        their positions), with a band on positions folded in (block_stripe: causal between
+        two shards leaves every block pair wholly visible or wholly hidden, so it is itself
+        a block mask, and ``_mask`` drops it)."""
         a, c = torch.arange(self._rows(pair.q) // BLOCK), torch.arange(self._rows(pair.k) // BLOCK)
         rows, cols = (p // BLOCK for p in pair_positions(pair.pos, a * BLOCK, c * BLOCK))
         mine = blocks[:, rows.to(blocks.device)][:, :, cols.to(blocks.device)]
-        if pair.band_block > 1:  # key block c seen by query block a iff the band keeps (c - a) BLOCK
-            assert pair.band_block == BLOCK, pair
-            diff = (c[None, :] - a[:, None]) * BLOCK
-            keep = torch.ones_like(diff, dtype=torch.bool)
-            if pair.band_lo is not None:
-                keep &= diff >= pair.band_lo
-            if pair.band_hi is not None:
-                keep &= diff <= pair.band_hi
-            mine = mine & keep.to(mine.device)
+        if pair.on_positions:  # key block c of a query block: kp - qp spans diff +- (BLOCK - 1)
+            diff = (cols[None, :] - rows[:, None]) * BLOCK
+            lo = -BAND_INF if pair.band_lo is None else pair.band_lo
+            hi = BAND_INF if pair.band_hi is None else pair.band_hi
+            whole = (diff - BLOCK + 1 >= lo) & (diff + BLOCK - 1 <= hi)
+            none = (diff + BLOCK - 1 < lo) | (diff - BLOCK + 1 > hi)
+            assert bool((whole | none).all()), "a band that cuts blocks (api refuses windows here)"
+            mine = mine & whole.to(mine.device)
         return mine
 
     def of(self, pair, blocks: torch.Tensor) -> Blocks:
         """The pair's ``Blocks`` (``_blocks``), made once and kept."""
         key = (pair.pos, self._rows(pair.q), self._rows(pair.k), pair.band_lo, pair.band_hi,
-               pair.band_block)
+               pair.on_positions)
         if key not in self._pairs:
             self._pairs[key] = Blocks(self._blocks(pair, blocks))
         return self._pairs[key]
@@ -124,7 +125,7 @@ class _SparsePlan:
                 total = torch.zeros((), dtype=torch.int64, device=blocks.device)
                 for pair in step_pairs(self.layout, rank, (rank - step) % self.world, self.world,
                                        self.n, band, False, self.occupied):
-                    lo, hi = (None, None) if pair.band_block > 1 else (pair.band_lo, pair.band_hi)
+                    lo, hi = (None, None) if pair.on_positions else (pair.band_lo, pair.band_hi)
                     total = total + computed_blocks(
                         self._blocks(pair, blocks), -BAND_INF if lo is None else lo,
                         BAND_INF if hi is None else hi, self._rows(pair.q), self._rows(pair.k))
@@ -167,11 +168,11 @@ def _mask(pair, q_segments, k_segments, dropout: tuple[float, int], plan, blocks
         own = k_segments is q_segments
         q_segments = _own_ids(q_segments, pair.q)
         k_segments = _own_ids(k_segments, pair.k) if own else k_segments[:, pair.k].contiguous()
-    lo, hi, band_block = pair.band_lo, pair.band_hi, pair.band_block
+    lo, hi, on_positions = pair.band_lo, pair.band_hi, pair.on_positions
     pair_blocks = None if plan is None else plan.of(pair, blocks)
-    if pair_blocks is not None and band_block > 1:  # a band of whole blocks, folded into them
-        lo, hi, band_block = None, None, 1
-    return PairMask(lo, hi, q_segments, k_segments, *dropout, pair.pos, pair_blocks, band_block)
+    if pair_blocks is not None and on_positions:  # a band of whole blocks, folded into them
+        lo, hi, on_positions = None, None, False
+    return PairMask(lo, hi, q_segments, k_segments, *dropout, pair.pos, pair_blocks, on_positions)
 
 
 def _spans(slices, n: int) -> list[range]:

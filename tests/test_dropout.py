@@ -123,10 +123,10 @@ def test_flash_attn_dropout_matches_oracle(impl, case, monkeypatch):
 
 @pytest.mark.parametrize("impl", ["twin", "triton"])
 @pytest.mark.parametrize("pos, band", [
-    ((128, 0, 1, 128), (127, 128)),   # block_stripe, W = 2: rank 1's queries, rank 0's keys
-    ((0, 256, 1, 256), (-1, 128)),    # W = 3: rank 0's queries, rank 2's keys (strictly before)
-    ((256, 256, 1, 256), (0, 1)),     # W = 3, the own shard: plain causal
-    ((5, 3, 1, 128), (None, 1)),      # unaligned runs: one Philox call per element
+    ((128, 0, 1, 128), (0, True)),    # block_stripe, W = 2: rank 1's queries, rank 0's keys
+    ((0, 256, 1, 256), (0, True)),    # W = 3: rank 0's queries, rank 2's keys (strictly before)
+    ((256, 256, 1, 256), (0, False)),  # W = 3, the own shard: plain causal
+    ((5, 3, 1, 128), (None, False)),  # unaligned runs: one Philox call per element
 ], ids=str)
 def test_pair_positions_in_runs_of_blocks(impl, pos, band, monkeypatch):
     """A pair whose rows are runs of 128 positions ``jump`` apart (PairMask.pos, the
@@ -136,12 +136,13 @@ def test_pair_positions_in_runs_of_blocks(impl, pos, band, monkeypatch):
     b, s, h, hkv, d, p, seed = 1, 256, 2, 1, 16, 0.3, 7
     gen = torch.Generator().manual_seed(3)
     q, k, v, dout = (torch.randn(b, s, n, d, generator=gen) for n in (h, hkv, hkv, h))
-    hi, band_block = band
+    hi, on_positions = band
     dense = None
     if hi is not None:
-        rows = torch.arange(s)[:, None] // band_block * band_block
-        dense = torch.arange(s)[None, :] - rows <= hi
-    mask = PairMask(band_hi=hi, dropout_p=p, seed=seed, pos=pos, band_block=band_block)
+        qp, kp = pair_positions(pos, torch.arange(s), torch.arange(s)) if on_positions else (
+            torch.arange(s), torch.arange(s))
+        dense = kp[None, :] - qp[:, None] <= hi
+    mask = PairMask(band_hi=hi, dropout_p=p, seed=seed, pos=pos, band_on_positions=on_positions)
     qd, kd, vd, dod = (t.to(device) for t in (q, k, v, dout))
     kw = dict(softmax_scale=d ** -0.5, mask=mask)
     out, lse = flash_attn_fwd(qd, kd, vd, **kw)

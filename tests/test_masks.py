@@ -15,6 +15,7 @@ from oracle import F16, F32, TOL, attention_oracle, global_mask, oracle_grads, r
 
 from ringflash.kernels import PairMask, flash_attn, flash_attn_bwd, flash_attn_fwd, interface
 from ringflash.kernels import attn_delta, masks, triton_attn
+from ringflash.kernels.masks import pair_positions
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -178,32 +179,36 @@ def _check_pair(q, k, v, dout, mask, dense, label):
 
 
 @pytest.mark.parametrize("impl", ["twin", "triton"])
-@pytest.mark.parametrize("band, band_block, docs", [
-    ((None, 15), 16, False), ((None, -1), 16, False), ((None, 23), 24, True), ((None, -1), 24, True),
-    ((-24, 47), 24, False), ((None, -1), 64, False)], ids=str)
-def test_block_band(impl, band, band_block, docs, monkeypatch):
-    """A band measured from the query's block of ``band_block`` rows (the causal mask
-    between two block_stripe shards: key block <= query block is (None, Q - 1), key block
-    < query block is (None, -1)), Sq != Sk, with and without segment ids; Q = 24 is no
-    multiple of the kernels' tiles, so tiles straddle query blocks."""
+@pytest.mark.parametrize("pos, band, docs", [
+    ((128, 0, 1, 128), (None, 0), False),     # block_stripe, W = 2: rank 1's queries, rank 0's keys
+    ((0, 256, 1, 256), (None, 0), True),      # W = 3: rank 0's queries, rank 2's keys
+    ((256, 0, 1, 256), (-300, 0), True),      # W = 3, a causal window across blocks
+    ((0, 128, 1, 128), (-200, 70), False),    # a window both ways
+    ((128, 0, 1, 128), (-400, -150), False),  # keys only well behind
+    ((3, 0, 2, 0), (-40, 9), False),          # evenly spaced rows (stride 2, no jump)
+], ids=str)
+def test_band_on_positions(impl, pos, band, docs, monkeypatch):
+    """A band on the pair's global positions (PairMask.band_on_positions: the block_stripe
+    layout, whose local rows jump by (W - 1) * 128 positions every 128 rows), Sq != Sk, with
+    and without segment ids, against the oracle under the dense mask."""
     device = _impl(impl, monkeypatch)
-    sq, sk = 77, 70
+    sq, sk = 300, 270
     q, k, v, dout = _inputs(1, max(sq, sk), 2, 1, 16, F32, device, seed=6)
     q, dout = q[:, :sq], dout[:, :sq]
     k, v = k[:, :sk], v[:, :sk]
-    i = torch.arange(sq)[:, None] // band_block * band_block
-    j = torch.arange(sk)[None, :]
-    dense = torch.ones(sq, sk, dtype=torch.bool)
+    qp, kp = pair_positions(pos, torch.arange(sq), torch.arange(sk))
+    diff = kp[None, :] - qp[:, None]
+    dense = diff <= band[1]
     if band[0] is not None:
-        dense &= j - i >= band[0]
-    dense &= j - i <= band[1]
+        dense &= diff >= band[0]
     seg = None
     if docs:
-        ids = segments([[30, 2, 45]], sq)
+        ids = segments([[90, 2, 145]], sq)
         seg = (ids.to(torch.int32).to(device), ids[:, :sk].to(torch.int32).to(device))
         dense &= (ids[0, :, None] == ids[0, None, :sk]) & (ids[0, :, None] >= 0)
-    mask = PairMask(*band, *(seg or (None, None)), band_block=band_block)
-    _check_pair(q, k, v, dout, mask, dense, f"{impl} band={band}/{band_block} docs={docs}")
+    assert dense.any() and not dense.all()
+    mask = PairMask(*band, *(seg or (None, None)), pos=pos, band_on_positions=True)
+    _check_pair(q, k, v, dout, mask, dense, f"{impl} pos={pos} band={band} docs={docs}")
 
 
 @pytest.mark.parametrize("bad, error, match", [

@@ -234,8 +234,6 @@ def test_backward_ends_on_the_own_shard_under_the_last_trip(monkeypatch, world, 
     adding the arrived sum as it writes. No transfer waits behind the last kernel pass
     but one."""
     from ringflash.layouts import remote_share
-    if layout == "block_stripe" and band != (None, None):
-        return  # block_stripe takes no window (test_bad_local_input_* checks that it raises)
     from ringflash import ring as ring_mod
     fake = _RecordingRing(world)
     monkeypatch.setattr(ring_mod, "flash_attn_bwd", lambda *args, **kw: fake.events.append(
@@ -447,7 +445,8 @@ def _bad_inputs(case, world=1):
     elif case.startswith("block_stripe_"):
         q, k, v = _small(n=128)
         kwargs["layout"] = "block_stripe"
-        kwargs.update(dict(block_stripe_window=dict(window_size=(16, 0)))[case])
+        kwargs.update(dict(block_stripe_window_and_block_mask=dict(
+            window_size=(16, 0), block_mask=torch.ones(1, world, world, dtype=torch.bool)))[case])
     else:
         raise KeyError(case)
     return (q, k, v), kwargs
@@ -461,7 +460,7 @@ LOCAL_CASES = {  # case -> (exception types allowed, words the message must cont
     "zigzag_odd_seqlen_local": ((ValueError,), ["zigzag", "seqlen_local"]),
     "q_k_local_lengths_differ": ((ValueError,), ["q", "k"]),
     "block_stripe_partial_block": ((ValueError,), ["block_stripe", "seqlen_local", "128"]),
-    "block_stripe_window": ((ValueError,), ["window_size", "block_stripe"]),
+    "block_stripe_window_and_block_mask": ((ValueError,), ["window_size", "block_mask", "block_stripe"]),
 }
 
 

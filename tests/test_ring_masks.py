@@ -56,8 +56,6 @@ def _configs(world: int, layout: str, n: int):
         ("dropout", False, (-1, -1), None, n, 4, 2, "float32", 0.2),
         ("dropout+docs", True, (-1, -1), "random", n, 2, 1, "float32", 0.1),
     ]
-    if layout == "block_stripe":  # no window (test_ring.py: what it refuses)
-        cases = [c for c in cases if c[2] == (-1, -1)]
     return cases
 
 
