@@ -204,9 +204,7 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     if attention_mask is not None:
         raise ValueError("ring attention got a prepared attention mask from the model; masks "
                          "come from prepare_batch (padding, packing) only")
-    if kwargs.get("sliding_window") is not None or getattr(module, "sliding_window", None):
-        raise NotImplementedError("sliding-window attention layers are not supported by ring "
-                                  "attention yet")
+    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
     for name in _UNSUPPORTED:
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"ring attention does not support {name}")
@@ -217,6 +215,14 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
         extra["dropout_p"] = dropout
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else causal
+    if window is not None:  # transformers' causal sliding window: keys j > i - window
+        if not causal:
+            raise NotImplementedError("bidirectional sliding-window layers are not supported by "
+                                      "ring attention (transformers' eager and flash paths "
+                                      "disagree on their width)")
+        if int(window) < 1:
+            raise ValueError(f"sliding_window must be a positive number of keys, got {window}")
+        extra["window_size"] = (int(window) - 1, 0)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     if torch.is_autocast_enabled(q.device.type):  # as autocast does for sdpa: one low precision
         dtype = torch.get_autocast_dtype(q.device.type)

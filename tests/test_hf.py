@@ -190,26 +190,41 @@ def test_flash_in_the_name_is_refused():
         ringflash.hf.register("ring_flash_attn")
 
 
-def sliding_window_error(rank, world):
+def sliding_window_matches_unsharded(rank, world, layout):
+    """A Mistral model with a sliding window of 40 keys over ``layout``: errors of logits,
+    loss and gradients against transformers' eager model on the whole sequence."""
     torch.manual_seed(0)
-    model = transformers.MistralForCausalLM(transformers.MistralConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, sliding_window=4))
+    config = transformers.MistralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, sliding_window=40)
+    reference = transformers.MistralForCausalLM(copy.deepcopy(config))
+    reference.set_attn_implementation("eager")
+    model = transformers.MistralForCausalLM(copy.deepcopy(config))
+    model.load_state_dict(reference.state_dict())
     model.set_attn_implementation(ringflash.hf.register())
-    ids, _ = _batch(seqlen=16)
-    try:
-        model(**ringflash.hf.prepare_batch(ringflash.SequenceParallel(), ids))
-    except NotImplementedError as error:
-        return str(error)
-    return None
+    sp = ringflash.SequenceParallel(layout=layout)
+    ids, labels = _batch(seqlen=128 * world)
+    want = reference(input_ids=ids, labels=labels)
+    want.loss.backward()
+    got = model(**ringflash.hf.prepare_batch(sp, ids, labels=labels))
+    got.loss.backward()
+    sp.reduce_gradients(model.parameters())
+    errs = {"logits": rel_err(sp.unshard(got.logits.detach()), want.logits),
+            "loss": rel_err(sp.reduce_loss(got.loss), want.loss)}
+    ref_params = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        errs[f"grad {name}"] = rel_err(p.grad, ref_params[name].grad)
+    return errs
 
 
-def test_sliding_window_layers_are_refused(worlds):
-    """In a spawned process, as the other tests that run a model here: in pytest's own,
-    running transformers' Mistral has crashed later eager calls of the kernels' custom ops
-    (torch 2.13, CPU)."""
-    caught = worlds(1).run(sliding_window_error, timeout=120)[0]
-    assert caught is not None and "sliding" in caught, caught
+@pytest.mark.parametrize("layout", ["zigzag", "block_stripe"])
+def test_sliding_window_layers_match_unsharded(worlds, layout):
+    """Sliding-window layers (transformers' key j > i - window) run as window_size
+    (window - 1, 0), on block_stripe too, whose shards' blocks of 128 the window crosses."""
+    per_rank = worlds(2).run(sliding_window_matches_unsharded, layout, timeout=180)
+    failures = [f"rank {rank}: {what} rel err {err:.3g}" for rank, errs in enumerate(per_rank)
+                for what, err in errs.items() if not err <= TOL]
+    assert not failures, "\n".join(failures)
 
 
 def compiles_in_one_graph(rank, world):
