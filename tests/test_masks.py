@@ -211,6 +211,22 @@ def test_band_on_positions(impl, pos, band, docs, monkeypatch):
     _check_pair(q, k, v, dout, mask, dense, f"{impl} pos={pos} band={band} docs={docs}")
 
 
+@pytest.mark.parametrize("pos, on_positions", [
+    ((128, 0, 1, 128), True), ((0, 384, 1, 384), True), ((3, 1, 4, 0), True), ((0, 0, 1, 0), False)],
+    ids=str)
+@pytest.mark.parametrize("band", [(None, 0), (-300, 0), (-200, 70), (-400, -150), (5, None)], ids=str)
+def test_band_interval_is_the_band(pos, on_positions, band):
+    """masks.band_interval, the kernels' per-row interval in torch ops, read either way
+    (query rows, or key rows: transposed) is exactly the set ``visible`` keeps."""
+    mask = PairMask(*band, pos=pos, band_on_positions=on_positions)
+    sq, sk = 300, 270
+    want = masks.visible(torch.arange(sq), torch.arange(sk), mask)
+    for rows, n_cols, ok in ((sq, sk, want), (sk, sq, want.T)):
+        first, stop = masks.band_interval(torch.arange(rows), mask, n_cols, transposed=ok is not want)
+        cols = torch.arange(n_cols)[None, :]
+        assert torch.equal((cols >= first[:, None]) & (cols < stop[:, None]), ok), (pos, band)
+
+
 @pytest.mark.parametrize("bad, error, match", [
     (torch.zeros(1, SEQLEN), TypeError, "integer"),
     (torch.zeros(2, SEQLEN, dtype=torch.int64), ValueError, "shape"),
