@@ -118,7 +118,7 @@ def ring(args, device) -> list[dict]:
     for seqlen in args.seqlens:
         for mask in args.masks:
             kw, visible, _, _ = case_mask(mask, seqlen, args.window, device)
-            layouts = {"causal": ["zigzag", "block_stripe"], "window": ["contiguous"],
+            layouts = {"causal": ["zigzag", "block_stripe"], "window": ["contiguous", "block_stripe"],
                        "documents": ["zigzag", "stripe", "block_stripe"]}[mask]
             gen = torch.Generator(device=device).manual_seed(0)
             full = [torch.randn(1, seqlen, args.heads, args.head_dim, device=device, generator=gen,
