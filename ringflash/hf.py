@@ -204,7 +204,7 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     if attention_mask is not None:
         raise ValueError("ring attention got a prepared attention mask from the model; masks "
                          "come from prepare_batch (padding, packing) only")
-    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     for name in _UNSUPPORTED:
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"ring attention does not support {name}")
