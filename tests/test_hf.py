@@ -39,17 +39,34 @@ def tiny_config(**overrides):
     return transformers.LlamaConfig(**config)
 
 
-def tiny_models(attn="eager", seed=0):
+def tiny_models(attn="eager", seed=0, config=None, model_cls=transformers.LlamaForCausalLM):
     """(reference with ``attn``, ring model): the same random parameters, separate configs
-    (the attention implementation lives in the config)."""
+    (the attention implementation lives in the config); a tiny Llama by default."""
     torch.manual_seed(seed)
-    config = tiny_config()
-    reference = transformers.LlamaForCausalLM(copy.deepcopy(config))
+    config = tiny_config() if config is None else config
+    reference = model_cls(copy.deepcopy(config))
     reference.set_attn_implementation(attn)
-    ring = transformers.LlamaForCausalLM(copy.deepcopy(config))
+    ring = model_cls(copy.deepcopy(config))
     ring.load_state_dict(reference.state_dict())
     ring.set_attn_implementation(ringflash.hf.register())
     return reference, ring
+
+
+def ring_errors(reference, model, sp, ids, labels):
+    """({what: rel err} of the ring model's logits, loss and summed gradients against the
+    reference's on the whole batch, the prepared batch)."""
+    want = reference(input_ids=ids, labels=labels)
+    want.loss.backward()
+    batch = ringflash.hf.prepare_batch(sp, ids, labels=labels)
+    got = model(**batch)
+    got.loss.backward()
+    sp.reduce_gradients(model.parameters())
+    errs = {"logits": rel_err(sp.unshard(got.logits.detach()), want.logits),
+            "loss": rel_err(sp.reduce_loss(got.loss), want.loss)}
+    ref_params = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        errs[f"grad {name}"] = rel_err(p.grad, ref_params[name].grad)
+    return errs, batch
 
 
 def _batch(seqlen, batch=2, seed=1):
@@ -75,20 +92,7 @@ def matches_unsharded(rank, world, layout):
     """Errors of the ring model against the unsharded one, and what misuse raised."""
     reference, model = tiny_models()
     sp = ringflash.SequenceParallel(layout=layout)
-    ids, labels = _batch(seqlen=8 * world)
-    want = reference(input_ids=ids, labels=labels)
-    want.loss.backward()
-
-    batch = ringflash.hf.prepare_batch(sp, ids, labels=labels)
-    got = model(**batch)
-    got.loss.backward()
-    sp.reduce_gradients(model.parameters())
-    errs = {"logits": rel_err(sp.unshard(got.logits.detach()), want.logits),
-            "loss": rel_err(sp.reduce_loss(got.loss), want.loss)}
-    ref_params = dict(reference.named_parameters())
-    for name, p in model.named_parameters():
-        errs[f"grad {name}"] = rel_err(p.grad, ref_params[name].grad)
-
+    errs, batch = ring_errors(reference, model, sp, *_batch(seqlen=8 * world))
     misuse = {  # each raises before the ring runs, on every rank alike: no rank waits
         "no position_ids": _raises(lambda: model(input_ids=batch["input_ids"],
                                                  **{ringflash.hf.CONTEXT_KEY: batch[ringflash.hf.CONTEXT_KEY]})),
@@ -193,28 +197,12 @@ def test_flash_in_the_name_is_refused():
 def sliding_window_matches_unsharded(rank, world, layout):
     """A Mistral model with a sliding window of 40 keys over ``layout``: errors of logits,
     loss and gradients against transformers' eager model on the whole sequence."""
-    torch.manual_seed(0)
     config = transformers.MistralConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, sliding_window=40)
-    reference = transformers.MistralForCausalLM(copy.deepcopy(config))
-    reference.set_attn_implementation("eager")
-    model = transformers.MistralForCausalLM(copy.deepcopy(config))
-    model.load_state_dict(reference.state_dict())
-    model.set_attn_implementation(ringflash.hf.register())
+    reference, model = tiny_models(config=config, model_cls=transformers.MistralForCausalLM)
     sp = ringflash.SequenceParallel(layout=layout)
-    ids, labels = _batch(seqlen=128 * world)
-    want = reference(input_ids=ids, labels=labels)
-    want.loss.backward()
-    got = model(**ringflash.hf.prepare_batch(sp, ids, labels=labels))
-    got.loss.backward()
-    sp.reduce_gradients(model.parameters())
-    errs = {"logits": rel_err(sp.unshard(got.logits.detach()), want.logits),
-            "loss": rel_err(sp.reduce_loss(got.loss), want.loss)}
-    ref_params = dict(reference.named_parameters())
-    for name, p in model.named_parameters():
-        errs[f"grad {name}"] = rel_err(p.grad, ref_params[name].grad)
-    return errs
+    return ring_errors(reference, model, sp, *_batch(seqlen=128 * world))[0]
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "block_stripe"])
