@@ -39,11 +39,14 @@ def tiny_config(**overrides):
     return transformers.LlamaConfig(**config)
 
 
-def tiny_models(attn="eager", seed=0, config=None, model_cls=transformers.LlamaForCausalLM):
+def tiny_models(attn="eager", seed=0, config=None, model_cls=None):
     """(reference with ``attn``, ring model): the same random parameters, separate configs
-    (the attention implementation lives in the config); a tiny Llama by default."""
+    (the attention implementation lives in the config); a tiny Llama by default. Called in
+    spawned workers only: importing a transformers model in pytest's own process has made
+    later calls of the kernels' custom ops crash there (torch 2.13, CPU)."""
     torch.manual_seed(seed)
     config = tiny_config() if config is None else config
+    model_cls = transformers.LlamaForCausalLM if model_cls is None else model_cls
     reference = model_cls(copy.deepcopy(config))
     reference.set_attn_implementation(attn)
     ring = model_cls(copy.deepcopy(config))
