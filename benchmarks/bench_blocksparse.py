@@ -4,6 +4,7 @@ dense kernel and FlexAttention with the same blocks on one GPU, and through the 
     python benchmarks/bench_blocksparse.py                               # -> results/blocksparse_<gpu>.json
     torchrun --nproc-per-node=2 benchmarks/bench_blocksparse.py --ring   # -> results/blocksparse_<gpu>x2.json
     torchrun --nproc-per-node=2 benchmarks/bench_blocksparse.py --ring --layouts contiguous,block_stripe
+    torchrun --nproc-per-node=2 benchmarks/bench_blocksparse.py --ring --profile runs/bs.json  # one call, traced
 
 Patterns (blocks of 128 tokens, shared by the heads, non-causal): ``random`` (exactly
 round(d * n * n) blocks, the diagonal first) and ``local_global`` (one global block, a
@@ -14,6 +15,10 @@ fewer keys; block_stripe deals the blocks round-robin, so a local band gives eve
 share) is timed beside the same mask on one GPU of the same run, so ``efficiency`` =
 1-GPU time / (GPUs x ring time) counts the computed blocks only.
 Every implementation's output is checked against ringflash's before it is timed.
+``--profile PATH`` times nothing: it traces one forward+backward (the first seqlen,
+pattern, density and layout given) and prints where the GPU's time went
+(trace_analysis.py: attention, other, communication, the communication no compute hid,
+idle).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 import _harness as H
 import ringflash
 from bench_masks import timed
+from trace_analysis import profile_call
 from ringflash.kernels import block_sparse
 from ringflash.kernels.masks import BAND_INF, BLOCK, block_lists
 
@@ -121,6 +127,34 @@ def run(args, device, group, world, rank) -> list[dict]:
     return records
 
 
+def profile(args, device, group, world) -> None:
+    """Trace one forward+backward of the first case (``profile_call``)."""
+    from torch.profiler import record_function
+
+    seqlen, pattern, d, layout = args.seqlens[0], args.patterns[0], args.densities[0], args.layouts[0]
+    bm = pattern_mask(pattern, seqlen, d, device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    full = [torch.randn(1, seqlen, args.heads, args.head_dim, device=device, generator=gen,
+                        dtype=torch.bfloat16) for _ in range(4)]
+    q, k, v, dout = (ringflash.shard(t, 1, layout, group) if args.ring else t for t in full)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    del full
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        with record_function("ringflash.fwd"):
+            out = (ringflash.ring_flash_attn(*leaves, block_mask=bm, group=group, layout=layout)
+                   if args.ring else ringflash.flash_attn(*leaves, block_mask=bm))
+        with record_function("ringflash.bwd"):
+            out.backward(dout)
+
+    where = f"{world} GPU(s), layout {layout}" if args.ring else "1 GPU"
+    profile_call(step, device=device, group=group, path=args.profile,
+                 title=f"ringflash fwd+bwd, {pattern} d={block_sparse.density(bm):.3f}, "
+                       f"{H.fmt_size(seqlen)} tokens, {where}")
+
+
 def write(records, args, device, world):
     name = args.out_name or H.result_name("blocksparse", device, world if args.ring else None)
     return H.write_results(name, H.collect_meta(device), records, args.out_dir)
@@ -171,6 +205,8 @@ def main(argv=None):
     p.add_argument("--out-name", default=None, help="results file name (default blocksparse_<gpu>[xN])")
     p.add_argument("--out-dir", default=None, help="results directory (default benchmarks/results)")
     p.add_argument("--plot", default=None, metavar="JSON", help="only draw the PNG of a results file")
+    p.add_argument("--profile", default=None, metavar="PATH",
+                   help="only trace one fwd+bwd (the first seqlen, pattern, density and layout) into PATH")
     args = p.parse_args(argv)
     if args.plot:
         print(plot(args.plot))
@@ -187,9 +223,12 @@ def main(argv=None):
         import torch.distributed as dist
         H.init_process_group(device, timeout=datetime.timedelta(minutes=10))
         group, world, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
-    records = run(args, device, group, world, rank)
-    if rank == 0:
-        print(plot(write(records, args, device, world)))
+    if args.profile:
+        profile(args, device, group, world)
+    else:
+        records = run(args, device, group, world, rank)
+        if rank == 0:
+            print(plot(write(records, args, device, world)))
     if args.ring:
         torch.distributed.destroy_process_group()
 

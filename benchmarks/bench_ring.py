@@ -28,7 +28,6 @@ import datetime
 import math
 import os
 import sys
-import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -37,7 +36,7 @@ import torch.distributed as dist
 
 import _harness as H
 import torch_cp
-from trace_analysis import key_averages_breakdown, load_trace, profile_report, trace_breakdown, trace_path
+from trace_analysis import profile_call
 
 IMPLS = ("ringflash", *torch_cp.CP_BACKENDS, "ringflash_1gpu")
 LAYOUTS = ("contiguous", "zigzag", "stripe")
@@ -172,12 +171,6 @@ def broadcast_obj(obj, ctx: Ctx, src: int = 0):
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=ctx.group)
     return box[0]
-
-
-def gather_objs(obj, ctx: Ctx) -> list:
-    out = [None] * ctx.world
-    dist.all_gather_object(out, obj, group=ctx.group)
-    return out
 
 
 class Abort(RuntimeError):
@@ -453,7 +446,7 @@ def benchmark(args, ctx: Ctx) -> list[dict]:
 
 
 def profile(args, ctx: Ctx) -> None:
-    from torch.profiler import ProfilerActivity, profile as torch_profile, record_function
+    from torch.profiler import record_function
 
     api = ringflash_api()
     causal = not args.profile_noncausal
@@ -472,44 +465,8 @@ def profile(args, ctx: Ctx) -> None:
         with record_function("ringflash.bwd"):
             out.backward(do)
 
-    for _ in range(3):  # compile, communicators, allocator
-        step()
-    H._sync(ctx.device)
-    H.barrier(ctx.group)
-    H._sync(ctx.device)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.device.type == "cuda" else [])
-    with torch_profile(activities=activities) as prof:
-        t0 = time.perf_counter()
-        step()
-        H._sync(ctx.device)
-        wall_ms = (time.perf_counter() - t0) * 1e3
-    path = trace_path(args.profile, ctx.rank)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    prof.export_chrome_trace(path)
-    info = {"rank": ctx.rank, "path": path, "wall_ms": wall_ms}
-    try:
-        info["trace"] = trace_breakdown(load_trace(path), wall_ms)
-    except Exception as exc:  # noqa: BLE001
-        info["trace_error"] = H.short_error(exc)
-    try:
-        info["key_averages"] = key_averages_breakdown(prof)
-    except Exception as exc:  # noqa: BLE001
-        info["key_averages_error"] = H.short_error(exc)
-    table = None
-    if ctx.rank == 0:
-        for sort_by in ("self_device_time_total", "self_cuda_time_total", "self_cpu_time_total"):
-            try:
-                table = prof.key_averages().table(sort_by=sort_by, row_limit=25)
-                break
-            except Exception:  # noqa: BLE001 - older/newer names of the sort key
-                continue
-    infos = gather_objs(info, ctx)
-    if ctx.rank == 0:
-        print(f"\n== profile: ringflash fwd+bwd, {cfg.tag}, layout {layout}, {ctx.world} rank(s) ==")
-        if table:
-            print(table)
-        print(profile_report(infos))
-        print("traces: " + ", ".join(i["path"] for i in infos), flush=True)
+    profile_call(step, device=ctx.device, group=ctx.group, path=args.profile,
+                 title=f"ringflash fwd+bwd, {cfg.tag}, layout {layout}, {ctx.world} rank(s)")
 
 
 # ----------------------------------------------------------------------------- main

@@ -1,7 +1,8 @@
 """What the GPU did during one profiled ring call, from a PyTorch profiler (Kineto) chrome
 trace: time by kind of work (attention kernels, merge, other, communication), the
-communication no compute hid, and the GPU's idle time. bench_ring.py --profile writes the
-traces and prints ``profile_report``.
+communication no compute hid, and the GPU's idle time. ``profile_call`` profiles one call
+on every rank, writes the traces and prints ``profile_report`` (bench_ring.py and
+bench_blocksparse.py --profile).
 
 Communication is whatever moves data between GPUs or waits for another GPU: NCCL's
 kernels, and the copy-engine ring's (ringflash.exchange.PeerRing) barrier kernel from
@@ -17,8 +18,12 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import os
+import time
 from collections import defaultdict
-from typing import Optional
+from typing import Callable, Optional
+
+import torch
 
 import _harness as H
 
@@ -182,3 +187,56 @@ def profile_report(infos: list[dict]) -> str:
             if key in i:
                 lines.append(f"rank {i['rank']} {key}: {i[key]}")
     return "\n".join(lines)
+
+
+def profile_call(step: Callable[[], None], *, device: torch.device, group, path: str,
+                 title: str, warmup: int = 3) -> None:
+    """Run ``step`` (one forward+backward, its phases under record_function("ringflash.fwd")
+    and ("ringflash.bwd")) ``warmup`` times, then once under the profiler on every rank of
+    ``group``: each rank writes its chrome trace (``trace_path``), rank 0 prints the
+    profiler's table and every rank's ``trace_breakdown``."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    for _ in range(warmup):  # compilation, communicators, the allocator
+        step()
+    H._sync(device)
+    H.barrier(group)
+    H._sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        step()
+        H._sync(device)
+        wall_ms = (time.perf_counter() - t0) * 1e3
+    rank = dist.get_rank(group) if H._dist_active(group) else 0
+    path = trace_path(path, rank)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    prof.export_chrome_trace(path)
+    info = {"rank": rank, "path": path, "wall_ms": wall_ms}
+    try:
+        info["trace"] = trace_breakdown(load_trace(path), wall_ms)
+    except Exception as exc:  # noqa: BLE001
+        info["trace_error"] = H.short_error(exc)
+    try:
+        info["key_averages"] = key_averages_breakdown(prof)
+    except Exception as exc:  # noqa: BLE001
+        info["key_averages_error"] = H.short_error(exc)
+    table = None
+    if rank == 0:
+        for sort_by in ("self_device_time_total", "self_cuda_time_total", "self_cpu_time_total"):
+            try:
+                table = prof.key_averages().table(sort_by=sort_by, row_limit=25)
+                break
+            except Exception:  # noqa: BLE001 - older/newer names of the sort key
+                continue
+    infos = [info]
+    if H._dist_active(group):
+        infos = [None] * dist.get_world_size(group)
+        dist.all_gather_object(infos, info, group=group)
+    if rank == 0:
+        print(f"\n== profile: {title} ==")
+        if table:
+            print(table)
+        print(profile_report(infos))
+        print("traces: " + ", ".join(i["path"] for i in infos), flush=True)

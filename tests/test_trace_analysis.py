@@ -1,5 +1,6 @@
-"""bench_ring --profile's breakdown (benchmarks/trace_analysis.py) on small hand-made chrome
-traces: what counts as communication, and how much of it no compute hid.
+"""The --profile breakdown of bench_ring and bench_blocksparse (benchmarks/trace_analysis.py)
+on small hand-made chrome traces: what counts as communication, and how much of it no
+compute hid; and profile_call tracing a step on the CPU.
 
 Times in the traces are microseconds, as Kineto writes them; the breakdown is in ms.
 """
@@ -106,3 +107,25 @@ def test_report_says_what_comm_counts():
     report = T.profile_report([info])
     assert "comm ms" in report and "peer copies" in report
     assert report.splitlines()[3].split()[7] == "0.03"  # the step row's exposed comm
+
+
+def test_profile_call_traces_the_step_it_is_given(tmp_path, capsys):
+    """profile_call on the CPU, no process group: warm-up calls untraced, then one traced
+    call whose phases and ops are in the written trace, and a report on stdout."""
+    import torch
+    from torch.profiler import record_function
+
+    calls = []
+
+    def step():
+        calls.append(1)
+        with record_function("ringflash.fwd"):
+            torch.ones(64, 64).matmul(torch.ones(64, 64))
+
+    path = tmp_path / "one.json"
+    T.profile_call(step, device=torch.device("cpu"), group=None, path=str(path), title="a matmul", warmup=2)
+    assert len(calls) == 3
+    names = {e.get("name") for e in T.load_trace(str(path))["traceEvents"]}
+    assert {"ringflash.fwd", "aten::matmul"} <= names
+    out = capsys.readouterr().out
+    assert "== profile: a matmul ==" in out and "exposed comm ms" in out and str(path) in out
