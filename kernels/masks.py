@@ -95,7 +95,7 @@ def first_at_or_after(t: torch.Tensor, pos0: int, stride: int, jump: int) -> tor
 
 def band_interval(rows: torch.Tensor, mask: PairMask, n_cols: int, transposed: bool = False):
     """(first, stop): the columns [first, stop) the band of ``mask`` leaves each of ``rows``
-    (query rows; key rows with ``transposed``), clamped to [0, n_cols). The kernels' interval
+    (query rows; key rows with ``transposed``), both clamped to [0, n_cols]. The kernels' interval
     (kernels/triton_attn.py, ``_band_interval``) in torch ops."""
     lo, hi = mask.band_lo, mask.band_hi
     if mask.band_on_positions:
