@@ -574,6 +574,20 @@ def _or(partial, dest):
     return dest if partial is None else partial
 
 
+_STAND_INS: dict = {}
+
+
+def _stand_in(device: torch.device) -> torch.Tensor:
+    """A one-element int32 tensor for the pointer arguments of a feature a launch leaves
+    off (segment ids, block lists): never read, so one per device is made and kept. A
+    fresh one per launch cost an allocation and a fill kernel each, twelve a ring of two's
+    forward+backward (~0.2 ms of its host time; benchmarks/NOTES.md, "The ring's host
+    time")."""
+    if device not in _STAND_INS:
+        _STAND_INS[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _STAND_INS[device]
+
+
 def _mask_args(mask, device: torch.device):
     """Kernel arguments of a PairMask: (band_lo, band_hi, qseg, kseg, BAND, SEGMENTS) and the
     dropout arguments (seed, threshold, scale, q_pos0, k_pos0, stride, jump, DROPOUT, GROUPED),
@@ -591,8 +605,7 @@ def _mask_args(mask, device: torch.device):
     else:
         drop = (0, 0, 1.0, *positions, False, False)
     if mask.q_segments is None:
-        dummy = torch.zeros(1, dtype=torch.int32, device=device)
-        return (lo, hi, dummy, dummy, band, False), drop
+        return (lo, hi, _stand_in(device), _stand_in(device), band, False), drop
     return (lo, hi, mask.q_segments, mask.k_segments, band, True), drop
 
 
@@ -601,8 +614,7 @@ def _sparse_args(mask, lo: int, hi: int, n_rows: int, n_cols: int, transpose: bo
     stride, head stride of the lists, index row length) and SPARSE. Rows are queries
     (forward, dQ) or, with transpose, keys (dK/dV, band negated)."""
     if mask.blocks is None:
-        dummy = torch.zeros(1, dtype=torch.int32, device=device)
-        return (dummy, dummy, 0, 0, 0), False
+        return (_stand_in(device), _stand_in(device), 0, 0, 0), False
     if mask.band_on_positions:
         raise ValueError("a block mask cannot be combined with a band on positions")
     counts, index = mask.blocks.lists(lo, hi, n_rows, n_cols, transpose)

@@ -333,6 +333,19 @@ def test_delta_kernel_matches_twin(dtype):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_launches_share_one_stand_in_for_unused_pointers():
+    """A launch without segment ids or a block mask passes one kept stand-in for their
+    pointers (no allocation and fill kernel per launch), and a launch with them passes theirs."""
+    device = torch.device(TRITON_DEVICE)
+    (_, _, qseg, kseg, _, segments), _ = triton_attn._mask_args(PairMask(), device)
+    (counts, index, *_), sparse = triton_attn._sparse_args(PairMask(), 0, 0, 8, 8, False, device)
+    assert not segments and not sparse
+    assert qseg is kseg is counts is index is triton_attn._stand_in(device)
+    ids = torch.zeros(1, 8, dtype=torch.int32, device=device)
+    (_, _, qseg, _, _, segments), _ = triton_attn._mask_args(PairMask(q_segments=ids, k_segments=ids), device)
+    assert segments and qseg is ids
+
+
 @pytest.mark.parametrize("kernel", ["twin", "triton"])
 def test_strided_views(kernel, monkeypatch):
     """Inputs sliced out of a packed qkv tensor; outputs written into views of larger buffers."""
