@@ -206,6 +206,50 @@ def step_pairs(layout: str, rank: int, src: int, world: int, local_len: int,
     return tuple(_merged(pairs, local_len))
 
 
+def _keys_within(pair: Pair, start: int, stop: int, n: int) -> Optional[Pair]:
+    """The part of ``pair`` whose key rows lie in [start, stop) of the visiting shard's n
+    rows, or None if its band leaves those keys nothing. Its band of local indices and its
+    positions follow its new first key row (where positions jump, that row must be a
+    multiple of BLOCK past the old one)."""
+    keys = range(n)[pair.k]
+    lo, hi = max(keys.start, start), min(keys.stop, stop)
+    if lo >= hi:
+        return None
+    if (lo, hi) == (keys.start, keys.stop):
+        return pair
+    skip = lo - keys.start
+    pos, band_lo, band_hi = pair.pos, pair.band_lo, pair.band_hi
+    if pos is not None:
+        q_pos, k_pos, stride, jump = pos
+        if jump and skip % BLOCK:
+            raise ValueError(f"keys cut at row {lo}: positions jump every {BLOCK} rows")
+        pos = (q_pos, k_pos + skip * stride + skip // BLOCK * jump, stride, jump)
+    if not pair.on_positions:  # j - i of the new key index j is skip less
+        band_lo = None if band_lo is None else band_lo - skip
+        band_hi = None if band_hi is None else band_hi - skip
+    part = pair._replace(k=_ALL if (lo, hi) == (0, n) else slice(lo, hi), band_lo=band_lo,
+                         band_hi=band_hi, pos=pos)
+    if (band_lo is not None or band_hi is not None) and pair_area(part, n) == 0:
+        return None
+    return part
+
+
+@functools.lru_cache(maxsize=4096)
+def step_pieces(layout: str, rank: int, src: int, world: int, local_len: int,
+                band: Band = NO_BAND, merge: bool = True, occupied: Optional[frozenset] = None,
+                cuts: tuple[int, ...] = ()) -> tuple[tuple[Pair, ...], ...]:
+    """``step_pairs`` cut along the visiting shard's key rows at ``cuts`` (increasing): for
+    each piece [0, cuts[0]), [cuts[0], cuts[1]), ..., [cuts[-1], local_len), the pairs'
+    parts whose keys lie in it. Together they compute exactly what the step does; a
+    key-major pass (dK/dV) run piece by piece finishes the keys of one piece before the
+    next, so their sums can start a trip while the rest is computed."""
+    pairs = step_pairs(layout, rank, src, world, local_len, band, merge, occupied)
+    bounds = (0, *cuts, local_len)
+    return tuple(tuple(part for pair in pairs
+                       if (part := _keys_within(pair, lo, hi, local_len)) is not None)
+                 for lo, hi in zip(bounds, bounds[1:]))
+
+
 def active_steps(layout: str, world: int, local_len: int, band: Band = NO_BAND,
                  occupied: Optional[frozenset] = None) -> int:
     """Ring steps that compute anything on some rank: the steps after them are empty on

@@ -30,21 +30,23 @@ nothing in flight and so hides the transfer, then adds the dK/dV pass straight i
 arrived sum. The last trip takes each sum home while the owner runs its own dK/dV pass,
 and the owner adds the two. On a ring of two whose remote step is large (causal, packed
 documents: not a window's sliver), the remote dK/dV pass runs first instead, its dQ pass
-hides the trip home, and the own dK/dV pass adds the arrived sum as it writes. dQ never
-leaves the rank.
+hides the trip home, and the own dK/dV pass adds the arrived sum as it writes; both dK/dV
+passes run in two halves of key rows (``layouts.step_pieces``), so the first half's sum
+travels while the second is computed. dQ never leaves the rank.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
 from .exchange import Ring
 from .kernels import PairMask, attn_delta, flash_attn_bwd, flash_attn_fwd
 from .kernels.masks import BAND_INF, BLOCK, Blocks, computed_blocks, pair_positions, tensor_memo
-from .layouts import Band, active_steps, occupied_chunks, remote_share, step_pairs, writes_first
+from .layouts import (Band, active_steps, occupied_chunks, remote_share, step_pairs, step_pieces,
+                      writes_first)
 
 
 def _kv_slots(k: torch.Tensor, segments: Optional[torch.Tensor], ring: Ring, steps: int) -> list:
@@ -135,10 +137,25 @@ class _SparsePlan:
         return self._shares[band]
 
 
+class _Schedule(NamedTuple):
+    """What a call's ring runs: the number of active steps, each step's pairs, whether step
+    0 writes its results (one pair over every row), the block mask's plan or None,
+    ``pieces(step, cuts)``: the step's pairs cut along key rows (``layouts.step_pieces``),
+    and whether on EVERY rank the own step's pairs keep to disjoint key rows (a choice of
+    schedule that depends on it must be the same on every rank: the ranks' messages
+    pair up)."""
+
+    steps: int
+    pairs: list
+    first_writes: bool
+    plan: Optional[_SparsePlan]
+    pieces: Callable[[int, tuple[int, ...]], tuple]
+    own_apart: bool
+
+
 def _schedule(ring: Ring, layout: str, local_len: int, band: Band, dropout: tuple[float, int],
-              blocks: Optional[torch.Tensor]):
-    """(number of steps, the pairs of each step, whether step 0 writes its results, the
-    block mask's plan or None). With dropout or a block mask, pairs keep their global
+              blocks: Optional[torch.Tensor]) -> _Schedule:
+    """The call's ``_Schedule``. With dropout or a block mask, pairs keep their global
     positions (no merging across chunks)."""
     plan = None if blocks is None else tensor_memo(
         blocks, ("plan", layout, ring.world, local_len),
@@ -146,9 +163,15 @@ def _schedule(ring: Ring, layout: str, local_len: int, band: Band, dropout: tupl
     occupied = None if plan is None else plan.occupied
     steps = active_steps(layout, ring.world, local_len, band, occupied) if ring.world > 1 else 1
     merge = dropout[0] == 0 and blocks is None
-    pairs = [step_pairs(layout, ring.rank, (ring.rank - s) % ring.world, ring.world, local_len,
-                        band, merge, occupied) for s in range(steps)]
-    return steps, pairs, writes_first(pairs[0]), plan
+
+    def of(rank: int, s: int) -> tuple:
+        return (layout, rank, (rank - s) % ring.world, ring.world, local_len, band, merge, occupied)
+
+    pairs = [step_pairs(*of(ring.rank, s)) for s in range(steps)]
+    own_apart = all(_uncovered([pair.k for pair in step_pairs(*of(rank, 0))], local_len) is not None
+                    for rank in range(ring.world))
+    return _Schedule(steps, pairs, writes_first(pairs[0]), plan,
+                     lambda s, cuts: step_pieces(*of(ring.rank, s), cuts), own_apart)
 
 
 def _own_ids(ids: torch.Tensor, part: slice) -> torch.Tensor:
@@ -180,12 +203,14 @@ def _spans(slices, n: int) -> list[range]:
     return sorted((range(n)[part] for part in slices), key=lambda r: r.start)
 
 
-def _uncovered(slices, n: int) -> Optional[list[slice]]:
-    """The rows of [0, n) that none of ``slices`` covers, as slices; None if two overlap."""
+def _uncovered(slices, n: int, within: Optional[range] = None) -> Optional[list[slice]]:
+    """The rows of ``within`` (all n rows) that none of ``slices`` (rows inside it) covers,
+    as slices; None if two overlap."""
+    within = range(n) if within is None else within
     spans = _spans(slices, n)
     if any(a.stop > b.start for a, b in zip(spans, spans[1:])):
         return None
-    bounds = zip([0] + [r.stop for r in spans], [r.start for r in spans] + [n])
+    bounds = zip([within.start] + [r.stop for r in spans], [r.start for r in spans] + [within.stop])
     return [slice(lo, hi) for lo, hi in bounds if lo < hi]
 
 
@@ -203,6 +228,20 @@ def _copy_rows(dst: torch.Tensor, src: torch.Tensor, rows: slice, dim: int) -> N
             piece.copy_(source)
 
 
+def _home_cuts(n: int) -> tuple[int, ...]:
+    """Where a ring of two cuts its dK/dV passes and the trip home: at the multiple of BLOCK
+    nearest half the rank's n rows (not below 2 BLOCK rows)."""
+    half = round(n / 2 / BLOCK) * BLOCK
+    return (half,) if BLOCK <= half <= n - BLOCK else ()
+
+
+def _key_rows(send: torch.Tensor, recv: torch.Tensor, rows: range) -> list:
+    """(send, recv) message pairs of key rows ``rows`` of two packed (2, B, n, H, D)
+    buffers: one contiguous piece for each of dk, dv and each batch row."""
+    return [(s[rows.start:rows.stop], r[rows.start:rows.stop])
+            for s, r in zip(send.flatten(0, 1), recv.flatten(0, 1))]
+
+
 def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout: tuple[float, int],
                  layout: str, ring: Ring, blocks: Optional[torch.Tensor] = None):
     """Returns out (in q's dtype) and lse (fp32, (B, H, S)) of q against every rank's k, v.
@@ -213,7 +252,7 @@ def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout
     dtype straight from it where their query rows do not overlap (no separate cast of
     the rows they cover)."""
     b, n, h, d = q.shape
-    steps, schedule, first_writes, plan = _schedule(ring, layout, n, band, dropout, blocks)
+    steps, schedule, first_writes, plan, *_ = _schedule(ring, layout, n, band, dropout, blocks)
     out = torch.empty((b, n, h, d), device=q.device, dtype=torch.float32)
     lse = torch.empty((b, h, n), device=q.device, dtype=torch.float32)
     if not first_writes:  # several pairs share the first step: every pair merges into these
@@ -248,7 +287,8 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
     """Returns dq (like q) and dk, dv of this rank's shards packed as one (2, *k.shape)
     tensor in k's dtype."""
     n = q.shape[1]
-    steps, schedule, first_writes, plan = _schedule(ring, layout, n, band, dropout, blocks)
+    steps, schedule, first_writes, plan, pieces, own_apart = _schedule(ring, layout, n, band, dropout,
+                                                                       blocks)
     delta = attn_delta(out, dout, dlse)
     dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
     if not first_writes:
@@ -284,15 +324,18 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
             for rows in [slice(None)] if gaps is None else gaps:
                 _copy_rows(dq_out, dq, rows, 1)
 
-    def dkv_pass(pairs, kv, seg, dest, base=None):
-        """A step's dK/dV passes into packed ``dest``. The sums start there (base None) or
-        at ``base``, fp32 sums laid out like dest (then the pairs' key rows must not
-        overlap). A dK/dV pass writes every key row of its pair, so pairs over disjoint
-        key rows write theirs and only the rows no pair covers are zeroed or copied from
-        base (-0.5 ms at 64k tokens a rank, 32 heads); overlapping pairs add into zeros."""
-        gaps = _uncovered([pair.k for pair in pairs], n)
-        if gaps is None:
+    def dkv_pass(pairs, kv, seg, dest, base=None, keys: Optional[range] = None):
+        """A step's dK/dV passes into packed ``dest``, for the key rows ``keys`` (None: all n;
+        the pairs' keys lie inside them). The sums start there (base None) or at ``base``, fp32 sums
+        laid out like dest (then the pairs' key rows must not overlap). A dK/dV pass writes
+        every key row of its pair, so pairs over disjoint key rows write theirs and only
+        the rows no pair covers are zeroed or copied from base (-0.5 ms at 64k tokens a
+        rank, 32 heads); overlapping pairs add into zeros."""
+        gaps = _uncovered([pair.k for pair in pairs], n, keys)
+        if gaps is None and keys is None:
             dest.zero_()
+        elif gaps is None:
+            _copy_rows(dest, None, slice(keys.start, keys.stop), 2)
         for rows in gaps or ():
             _copy_rows(dest, base, rows, 2)
         for pair in pairs:
@@ -314,19 +357,27 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
     # Two active steps (a ring of two): the one remote sum starts at the last step, so that
     # step can run its dK/dV pass first, its dQ pass hiding the trip home, and the own dK/dV
     # pass add the arrived sum as it writes the gradients in k's dtype (no final add, no
-    # buffer for the own part). Taken where the own pairs' key rows do not overlap and
+    # buffer for the own part). Taken where no rank's own pairs overlap in key rows and
     # every rank's remote step is at least half its own step (a sliding window's sliver
-    # of a remote step would not hide the trip; the own dK/dV pass below does).
-    if steps == 2 and _uncovered([pair.k for pair in schedule[0]], n) is not None and (
+    # of a remote step would not hide the trip; the own dK/dV pass below does). Both dK/dV
+    # passes run in two pieces of key rows (``_home_cuts``): the first piece's sums go home
+    # while the second's are computed, and the own pass adds the first before the second
+    # has arrived, so only the dQ pass need cover the last half of the trip.
+    if steps == 2 and own_apart and (
             remote_share(layout, ring.world, n, band) if plan is None
             else plan.remote_share(band, blocks)) >= 0.5:
-        pairs, (kv, seg) = schedule[1], cur
+        (kv, seg), cuts = cur, _home_cuts(n)
         running, arrived = ring.buffer("grads", (2, 2, *k.shape), torch.float32, k.device)
-        dkv_pass(pairs, kv, seg, running)
-        home_pending = ring.exchange((running, arrived), shift=-1)
-        dq_pass(pairs, kv, seg, False, True)
-        ring.wait(home_pending)
-        dkv_pass(schedule[0], *own, dkv, base=arrived)
+        bounds = (0, *cuts, n)
+        keys = [range(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+        home = []
+        for rows, pairs in zip(keys, pieces(1, cuts)):
+            dkv_pass(pairs, kv, seg, running, keys=rows)
+            home.append(ring.exchange(*_key_rows(running, arrived, rows), shift=-1))
+        dq_pass(schedule[1], kv, seg, False, True)
+        for rows, pairs, pending in zip(keys, pieces(0, cuts), home):
+            ring.wait(pending)
+            dkv_pass(pairs, *own, dkv, base=arrived, keys=rows)
         return dq_out, dkv
     # Packed (dk, dv) sums in fp32: `running` belongs to the shard this step computes and
     # arrives from r-1 during the step (the shard of step 1 starts its sum here); `sending`

@@ -270,6 +270,15 @@ def test_block_sparse_ring_matches_oracle(worlds, world_size, layout):
     assert not failures, "\n".join(failures)
 
 
+def test_block_sparse_ring_of_two_cuts_its_keys(worlds):
+    """Contiguous shards of 2 blocks: the ring of two cuts its dK/dV passes and the trip
+    home between them (ring._home_cuts), so each piece's rectangle of the block mask is
+    checked too."""
+    per_rank = worlds(2).run(check_block_sparse_ring, "contiguous", 0, "cpu", 2 * BLOCK, timeout=300)
+    failures = [f for fs in per_rank for f in fs]
+    assert not failures, "\n".join(failures)
+
+
 def test_ranks_must_agree_on_the_block_mask(worlds):
     per_rank = worlds(2).run(_disagree, timeout=120)
     assert all("block_mask" in msg for msg in per_rank), per_rank

@@ -17,7 +17,8 @@ from oracle import LAYOUTS, tokens_per_rank
 from ringflash import api
 from ringflash.kernels import band_of_window
 from ringflash.kernels.masks import PairMask, pair_positions, visible
-from ringflash.layouts import active_steps, global_positions, remote_share, step_pairs, writes_first
+from ringflash.layouts import (active_steps, global_positions, remote_share, step_pairs, step_pieces,
+                               writes_first)
 
 WORLDS = (1, 2, 3, 4, 5)
 
@@ -154,10 +155,12 @@ def _band(causal, window=(-1, -1)):
     return band_of_window(causal, window)
 
 
-def _computed(layout, world, rank, local_len, causal, window=(-1, -1), merge=True):
+def _computed(layout, world, rank, local_len, causal, window=(-1, -1), merge=True, cuts=None):
     """{step: (N, N) int tensor counting the global (query, key) pairs the rank computes at
     that step}. A pair computes the elements its band keeps (all of them without one):
     band_lo <= j - i <= band_hi on its local indices, or on its positions (on_positions).
+    With ``cuts``, the step's pairs are ``step_pieces``' (each piece's keys checked to lie
+    in it).
     """
     seqlen = local_len * world
     q_pos = global_positions(seqlen, layout, rank, world)
@@ -166,7 +169,18 @@ def _computed(layout, world, rank, local_len, causal, window=(-1, -1), merge=Tru
         src = (rank - step) % world
         k_pos = global_positions(seqlen, layout, src, world)
         done = torch.zeros(seqlen, seqlen, dtype=torch.int64)
-        for pair in step_pairs(layout, rank, src, world, local_len, _band(causal, window), merge):
+        if cuts is None:
+            pairs = step_pairs(layout, rank, src, world, local_len, _band(causal, window), merge)
+        else:
+            pieces = step_pieces(layout, rank, src, world, local_len, _band(causal, window), merge,
+                                 cuts=cuts)
+            bounds = (0, *cuts, local_len)
+            assert len(pieces) == len(bounds) - 1
+            for (lo, hi), piece in zip(zip(bounds, bounds[1:]), pieces):
+                keys = [range(local_len)[pair.k] for pair in piece]
+                assert all(lo <= r.start and r.stop <= hi for r in keys), (lo, hi, piece)
+            pairs = [pair for piece in pieces for pair in piece]
+        for pair in pairs:
             qs, ks = q_pos[pair.q], k_pos[pair.k]
             if pair.pos is not None:  # the positions a pair claims are the real ones
                 claimed = pair_positions(pair.pos, torch.arange(len(qs)), torch.arange(len(ks)))
@@ -209,6 +223,33 @@ def test_step_pairs_cover_the_mask_exactly_once(layout, world, causal, window, m
         visible = ((j <= i) | (not causal)) & ((j >= i - left) | (left < 0)) & ((j <= i + right) | (right < 0))
         assert not (total.bool() & ~visible).any(), f"n={local_len}: masked pairs computed"
         assert not (visible & ~total.bool()).any(), f"n={local_len}: visible pairs never computed"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world", (2, 3), ids=lambda w: f"W{w}")
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"win{w[0]}_{w[1]}")
+@pytest.mark.parametrize("merge", [True, False], ids=["merged", "unmerged"])
+def test_step_pieces_compute_what_the_step_does(layout, world, causal, window, merge):
+    """A step cut along its key rows (the ring of two's dK/dV passes and trip home) computes
+    the same elements as the whole step, each piece's pairs keep to its keys, and their
+    positions are the real ones (dropout and block masks read them)."""
+    if layout == "block_stripe":  # positions jump every BLOCK rows: cuts on block bounds
+        sizes = {256: [(128,)], 384: [(128,), (128, 256)]}
+    else:
+        sizes = {6: [(1,), (3,), (2, 5)], 8: [(4,), (1, 2, 7)]}
+    for local_len, all_cuts in sizes.items():
+        for rank in range(world):
+            whole = _computed(layout, world, rank, local_len, causal, window, merge)
+            for cuts in all_cuts:
+                cut = _computed(layout, world, rank, local_len, causal, window, merge, cuts)
+                for step in whole:
+                    assert torch.equal(whole[step], cut[step]), (local_len, rank, step, cuts)
+
+
+def test_step_pieces_refuse_a_cut_inside_a_block_of_jumping_positions():
+    with pytest.raises(ValueError, match="jump"):
+        step_pieces("block_stripe", 0, 1, 2, 256, cuts=(100,))
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"W{w}")
