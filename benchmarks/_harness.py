@@ -224,10 +224,25 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+_SLEEP_CYCLES_PER_MS: dict = {}
+
+
+def _sleep_cycles(device: torch.device, ms: float) -> int:
+    """GPU clock cycles ``torch.cuda._sleep`` spins for about ``ms`` (calibrated once)."""
+    if device not in _SLEEP_CYCLES_PER_MS:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(1_000_000)
+        end.record()
+        _sync(device)
+        _SLEEP_CYCLES_PER_MS[device] = 1_000_000 / max(start.elapsed_time(end), 1e-3)
+    return int(ms * _SLEEP_CYCLES_PER_MS[device])
+
+
 def bench_ms(fn: Callable[[], object], *, device: torch.device, warmup_ms: float = 25.0,
              rep_ms: float = 100.0, min_reps: int = 3, max_reps: int = 100,
              grad_to_none: Sequence[torch.Tensor] = (), flush_l2: bool = True,
-             group=None) -> float:
+             group=None, host_ahead: bool = False) -> float:
     """Median time of ``fn()`` in milliseconds (CUDA events on CUDA, wall clock elsewhere).
 
     As triton.testing.do_bench(return_mode="median"), with three changes: at least
@@ -236,6 +251,14 @@ def bench_ms(fn: Callable[[], object], *, device: torch.device, warmup_ms: float
     accumulating into old gradients; and with a process group every rank runs the same
     number of calls (the estimate is the max over ranks) and the result is the max over
     ranks of the per-rank medians.
+
+    The timed calls are enqueued back to back, so a call whose host takes longer to enqueue
+    it than the GPU takes to run it is timed at the host's pace (the GPU waits for its
+    launches). With
+    ``host_ahead`` (CUDA), the GPU sleeps before each timed call (``torch.cuda._sleep``,
+    twice the host's enqueue time of a call, the longest over the ranks, so every rank
+    sleeps as long) while the host enqueues it, and the events bracket the call alone:
+    its GPU time with the host ahead, as in a model whose other layers keep the GPU busy.
     """
     def clear() -> None:
         for t in grad_to_none:
@@ -257,8 +280,10 @@ def bench_ms(fn: Callable[[], object], *, device: torch.device, warmup_ms: float
             clear()
             fn()
         end.record()
+        host = (time.perf_counter() - t0) * 1e3 / n_est
         _sync(device)
         est = start.elapsed_time(end) / n_est
+        sleep = _sleep_cycles(device, 2 * allreduce_max(host, group, device)) if host_ahead else 0
     else:
         for _ in range(n_est):
             clear()
@@ -283,6 +308,8 @@ def bench_ms(fn: Callable[[], object], *, device: torch.device, warmup_ms: float
             clear()
             if flush_l2:
                 _flush_l2(device)
+            if sleep:
+                torch.cuda._sleep(sleep)
             starts[i].record()
             fn()
             ends[i].record()

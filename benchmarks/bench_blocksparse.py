@@ -5,6 +5,7 @@ dense kernel and FlexAttention with the same blocks on one GPU, and through the 
     torchrun --nproc-per-node=2 benchmarks/bench_blocksparse.py --ring   # -> results/blocksparse_<gpu>x2.json
     torchrun --nproc-per-node=2 benchmarks/bench_blocksparse.py --ring --layouts contiguous,block_stripe
     torchrun --nproc-per-node=2 benchmarks/bench_blocksparse.py --ring --profile runs/bs.json  # one call, traced
+    torchrun --nproc-per-node=2 benchmarks/bench_blocksparse.py --ring --host-ahead  # GPU time, host ahead
 
 Patterns (blocks of 128 tokens, shared by the heads, non-causal): ``random`` (exactly
 round(d * n * n) blocks, the diagonal first) and ``local_global`` (one global block, a
@@ -156,8 +157,10 @@ def profile(args, device, group, world) -> None:
 
 
 def write(records, args, device, world):
-    name = args.out_name or H.result_name("blocksparse", device, world if args.ring else None)
-    return H.write_results(name, H.collect_meta(device), records, args.out_dir)
+    name = args.out_name or H.result_name("blocksparse", device, world if args.ring else None) + (
+        "_host_ahead" if args.host_ahead else "")
+    meta = dict(H.collect_meta(device), timing="host_ahead" if args.host_ahead else "back_to_back")
+    return H.write_results(name, meta, records, args.out_dir)
 
 
 def plot(json_path) -> str:
@@ -202,7 +205,12 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=32, help="query (= key/value) heads")
     p.add_argument("--head-dim", type=int, default=128, help="head dim")
     p.add_argument("--rep-ms", type=float, default=100.0, help="timed time per measurement")
-    p.add_argument("--out-name", default=None, help="results file name (default blocksparse_<gpu>[xN])")
+    p.add_argument("--host-ahead", action="store_true",
+                   help="time each call's GPU work with the host ahead (the GPU sleeps while the host "
+                        "enqueues it: no host-bound gaps) instead of calls back to back; results go to "
+                        "blocksparse_<gpu>[xN]_host_ahead.json")
+    p.add_argument("--out-name", default=None,
+                   help="results file name (default blocksparse_<gpu>[xN][_host_ahead])")
     p.add_argument("--out-dir", default=None, help="results directory (default benchmarks/results)")
     p.add_argument("--plot", default=None, metavar="JSON", help="only draw the PNG of a results file")
     p.add_argument("--profile", default=None, metavar="PATH",
