@@ -254,11 +254,11 @@ def bench_ms(fn: Callable[[], object], *, device: torch.device, warmup_ms: float
 
     The timed calls are enqueued back to back, so a call whose host takes longer to enqueue
     it than the GPU takes to run it is timed at the host's pace (the GPU waits for its
-    launches). With
-    ``host_ahead`` (CUDA), the GPU sleeps before each timed call (``torch.cuda._sleep``,
-    twice the host's enqueue time of a call, the longest over the ranks, so every rank
-    sleeps as long) while the host enqueues it, and the events bracket the call alone:
-    its GPU time with the host ahead, as in a model whose other layers keep the GPU busy.
+    launches). With ``host_ahead`` (CUDA), the GPU sleeps before each timed call
+    (``torch.cuda._sleep``, twice the host's enqueue time of a call, the longest over the
+    ranks, so every rank sleeps as long) while the host enqueues it, and the events
+    bracket the call alone: its GPU time with the host ahead, as in a model whose other
+    layers keep the GPU busy.
     """
     def clear() -> None:
         for t in grad_to_none:
