@@ -2,7 +2,9 @@
 
 Three thin layers, so torch.compile can trace through them:
 ``torch.library`` custom ops (forward, backward) -> their registered autograd ->
-the public ``flash_attn``. The per-block entry points ``flash_attn_fwd`` and
+the public ``flash_attn``. Outside torch.compile the public function runs the same
+implementations through a plain ``torch.autograd.Function`` (``eager_function``), which
+skips the custom ops' dispatch. The per-block entry points ``flash_attn_fwd`` and
 ``flash_attn_bwd`` are what the ring calls at every step.
 """
 
@@ -10,6 +12,7 @@ import math
 from typing import Optional
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import reference, triton_attn
 from .masks import BLOCK, NO_MASK, Blocks, PairMask, band_of_window, tensor_memo
@@ -278,32 +281,56 @@ def _op_mask(band_lo, band_hi, segment_ids, dropout_p, seed, block_mask) -> Pair
     return PairMask(band_lo, band_hi, segment_ids, segment_ids, dropout_p, seed, (0, 0, 1, 0), blocks)
 
 
-@torch.library.custom_op("ringflash::flash_attn_forward", mutates_args=())
-def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-                band_lo: Optional[int], band_hi: Optional[int],
-                segment_ids: Optional[torch.Tensor], dropout_p: float, seed: int,
-                block_mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def eager(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether a differentiable call on ``tensors`` may run its implementations through a
+    plain autograd.Function (``eager_function``) instead of its custom ops: outside
+    torch.compile and torch.export, with no torch_dispatch mode (fake tensors, make_fx) or
+    functorch transform active, on plain tensors. The custom ops' dispatch (schema
+    checks, the autograd wrapper, dynamo's guard around the implementation) costs the
+    host ~0.2 ms a forward+backward on a CPU and ~0.6 ms on the GPU machines'
+    (benchmarks/NOTES.md, "The host's time of a call")."""
+    return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+            and not torch._C._are_functorch_transforms_active()
+            and all(t is None or type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors))
+
+
+def eager_function(name: str, forward, setup_context, backward) -> type:
+    """A torch.autograd.Function over a custom op's implementation ``forward`` and the
+    ``setup_context`` / ``backward`` registered for it: the same inputs, outputs, saved
+    tensors and gradients, without the op's dispatch."""
+    return type(name, (torch.autograd.Function,), {
+        "forward": staticmethod(forward), "setup_context": staticmethod(setup_context),
+        "backward": staticmethod(backward)})
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+             band_lo: Optional[int], band_hi: Optional[int],
+             segment_ids: Optional[torch.Tensor], dropout_p: float, seed: int,
+             block_mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return flash_attn_fwd(q, k, v, softmax_scale=softmax_scale,
                           mask=_op_mask(band_lo, band_hi, segment_ids, dropout_p, seed, block_mask))
+
+
+def _backward_grads(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
+                    softmax_scale: float, band_lo: Optional[int], band_hi: Optional[int],
+                    segment_ids: Optional[torch.Tensor], dropout_p: float, seed: int,
+                    block_mask: Optional[torch.Tensor]
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    delta = attn_delta(out, dout, dlse)
+    dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
+    return flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale=softmax_scale,
+                          mask=_op_mask(band_lo, band_hi, segment_ids, dropout_p, seed, block_mask))
+
+
+_forward_op = torch.library.custom_op("ringflash::flash_attn_forward", mutates_args=())(_forward)
+_backward_op = torch.library.custom_op("ringflash::flash_attn_backward", mutates_args=())(_backward_grads)
 
 
 @_forward_op.register_fake
 def _(q, k, v, softmax_scale, band_lo, band_hi, segment_ids, dropout_p, seed, block_mask):
     b, sq, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
-
-
-@torch.library.custom_op("ringflash::flash_attn_backward", mutates_args=())
-def _backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
-                 softmax_scale: float, band_lo: Optional[int], band_hi: Optional[int],
-                 segment_ids: Optional[torch.Tensor], dropout_p: float, seed: int,
-                 block_mask: Optional[torch.Tensor]
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    delta = attn_delta(out, dout, dlse)
-    dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
-    return flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale=softmax_scale,
-                          mask=_op_mask(band_lo, band_hi, segment_ids, dropout_p, seed, block_mask))
 
 
 @_backward_op.register_fake
@@ -317,6 +344,7 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, segment_ids, block_mask)
     ctx.args = (softmax_scale, band_lo, band_hi, dropout_p, seed)
+    ctx.set_materialize_grads(False)  # an unused lse's gradient stays None, not zeros
 
 
 def no_double_backward() -> None:
@@ -331,12 +359,15 @@ def _backward(ctx, dout, dlse):
     no_double_backward()
     q, k, v, out, lse, segment_ids, block_mask = ctx.saved_tensors
     softmax_scale, band_lo, band_hi, dropout_p, seed = ctx.args
-    dq, dk, dv = _backward_op(dout, q, k, v, out, lse, dlse, softmax_scale, band_lo, band_hi,
-                              segment_ids, dropout_p, seed, block_mask)
+    dout = torch.zeros_like(out) if dout is None else dout  # only lse was used
+    grads = _backward_grads if eager(dout, q) else _backward_op
+    dq, dk, dv = grads(dout, q, k, v, out, lse, dlse, softmax_scale, band_lo, band_hi,
+                       segment_ids, dropout_p, seed, block_mask)
     return dq, dk, dv, None, None, None, None, None, None, None
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
+_FlashAttn = eager_function("_FlashAttn", _forward, _setup_context, _backward)
 
 
 def flash_attn(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] = None,
@@ -390,5 +421,6 @@ def flash_attn(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] 
                          f"{q.shape[1]} and {k.shape[1]}")
     segment_ids = check_segment_ids(segment_ids, q.shape[0], q.shape[1], q.device)
     dropout_p, seed = check_dropout(dropout_p, seed)
-    out, lse = _forward_op(q, k, v, scale, band_lo, band_hi, segment_ids, dropout_p, seed, block_mask)
+    forward = _FlashAttn.apply if eager(q, k, v) else _forward_op
+    out, lse = forward(q, k, v, scale, band_lo, band_hi, segment_ids, dropout_p, seed, block_mask)
     return (out, lse) if return_lse else out

@@ -1,7 +1,9 @@
 """The ring as two ``torch.library`` custom ops, so torch.compile traces it whole.
 
 FlashAttention-3's layering: custom ops (forward, backward) -> their registered autograd
--> the public ``ring_flash_attn`` (api.py). To the compiler each op is one opaque call
+-> the public ``ring_flash_attn`` (api.py). Outside torch.compile, ``ring_attn`` runs the
+same implementations through a plain autograd.Function instead, without the ops' dispatch
+(``kernels.interface.eager``). To the compiler each op is one opaque call
 with a fake (meta) implementation giving its output shapes; everything the ring does at
 run time -- point-to-point exchanges, the cross-rank agreement check and its host
 synchronization, the choice of transport -- happens inside, where it cannot break a
@@ -31,6 +33,7 @@ import torch
 from .exchange import PeerRing, Ring, transport
 from .groups import group_name as name_of
 from .kernels import band_of_window, no_double_backward
+from .kernels.interface import eager, eager_function
 from .ring import ring_backward, ring_forward
 
 # Older torch has neither the tag nor custom_op's tags argument.
@@ -90,13 +93,12 @@ def _agreed_ring(q, k, segments, blocks, causal, layout, softmax_scale, window, 
 # ----------------------------------------------------------------------------- forward
 
 
-@torch.library.custom_op("ringflash::ring_attn_forward", mutates_args=(), **_TAGS)
-def ring_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      segments: Optional[torch.Tensor], blocks: Optional[torch.Tensor],
-                      softmax_scale: float, causal: bool,
-                      layout: str, group_name: str, window_left: int = -1, window_right: int = -1,
-                      dropout_p: float = 0.0, seed: int = 0, requires_grad: bool = False
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             segments: Optional[torch.Tensor], blocks: Optional[torch.Tensor],
+             softmax_scale: float, causal: bool,
+             layout: str, group_name: str, window_left: int = -1, window_right: int = -1,
+             dropout_p: float = 0.0, seed: int = 0, requires_grad: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """out (B, S, H, D) in q's dtype and lse (B, H, S) fp32 of this rank's queries against
     every rank's keys. ``requires_grad`` (will a backward follow?) only enters the
     agreement check: a rank that skips the backward would leave the others waiting."""
@@ -106,6 +108,10 @@ def ring_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return ring_forward(q, k, v, segments, softmax_scale=softmax_scale,
                         band=band_of_window(causal, window), dropout=dropout, layout=layout, ring=ring,
                         blocks=blocks)
+
+
+ring_attn_forward = torch.library.custom_op("ringflash::ring_attn_forward", mutates_args=(),
+                                            **_TAGS)(_forward)
 
 
 @ring_attn_forward.register_fake
@@ -118,14 +124,13 @@ def _(q, k, v, segments, blocks, softmax_scale, causal, layout, group_name, wind
 # ----------------------------------------------------------------------------- backward
 
 
-@torch.library.custom_op("ringflash::ring_attn_backward", mutates_args=(), **_TAGS)
-def ring_attn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
-                       segments: Optional[torch.Tensor], blocks: Optional[torch.Tensor],
-                       softmax_scale: float, causal: bool,
-                       layout: str, group_name: str, window_left: int = -1, window_right: int = -1,
-                       dropout_p: float = 0.0, seed: int = 0
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def _backward_grads(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
+                    segments: Optional[torch.Tensor], blocks: Optional[torch.Tensor],
+                    softmax_scale: float, causal: bool,
+                    layout: str, group_name: str, window_left: int = -1, window_right: int = -1,
+                    dropout_p: float = 0.0, seed: int = 0
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """dq (like q) and dK/dV packed as one (2, *k.shape) tensor: an op may not return two
     views of one buffer, which is what the ring's last hop delivers. The transport is
     chosen again here, from the same RINGFLASH_TRANSPORT as the forward's."""
@@ -136,6 +141,10 @@ def ring_attn_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     return ring_backward(dout.contiguous(), q, k, v, out, lse, dlse, segments,
                          softmax_scale=softmax_scale, band=band_of_window(causal, window),
                          dropout=(dropout_p, seed), layout=layout, ring=ring, blocks=blocks)
+
+
+ring_attn_backward = torch.library.custom_op("ringflash::ring_attn_backward", mutates_args=(),
+                                             **_TAGS)(_backward_grads)
 
 
 @ring_attn_backward.register_fake
@@ -152,16 +161,20 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, segments, blocks)
     ctx.args = args  # softmax_scale, causal, layout, group_name, window, dropout
+    ctx.set_materialize_grads(False)  # an unused lse's gradient stays None, not zeros
 
 
 def _backward(ctx, dout, dlse):
     no_double_backward()
     q, k, v, out, lse, segments, blocks = ctx.saved_tensors
-    dq, dkv = ring_attn_backward(dout, q, k, v, out, lse, dlse, segments, blocks, *ctx.args)
+    dout = torch.zeros_like(out) if dout is None else dout  # only lse was used
+    grads = _backward_grads if eager(dout, q) else ring_attn_backward
+    dq, dkv = grads(dout, q, k, v, out, lse, dlse, segments, blocks, *ctx.args)
     return (dq, dkv[0], dkv[1]) + (None,) * 11
 
 
 ring_attn_forward.register_autograd(_backward, setup_context=_setup_context)
+_RingAttn = eager_function("_RingAttn", _forward, _setup_context, _backward)
 
 
 def ring_attn(q, k, v, segments=None, *, softmax_scale: float, causal: bool, layout: str,
@@ -169,8 +182,9 @@ def ring_attn(q, k, v, segments=None, *, softmax_scale: float, causal: bool, lay
     """Differentiable (out, lse) over the ring of ``group`` (already resolved); arguments
     already checked. What ``ring_flash_attn`` calls once its checks passed."""
     requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    return ring_attn_forward(q, k, v, segments, blocks, softmax_scale, causal, layout,
-                             name_of(group), *window, *dropout, requires_grad)
+    forward = _RingAttn.apply if eager(q, k, v) else ring_attn_forward
+    return forward(q, k, v, segments, blocks, softmax_scale, causal, layout, name_of(group), *window,
+                   *dropout, requires_grad)
 
 
 __all__ = ["ring_attn", "ring_attn_backward", "ring_attn_forward", "ring_of"]

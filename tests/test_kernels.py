@@ -504,6 +504,59 @@ def test_torch_compile_traces_the_op():
     assert_matches_oracle(case, (q, k, v, dout), (out, lse, q.grad, k.grad, v.grad))
 
 
+@pytest.mark.parametrize("backend", ["twin", "triton"])
+@pytest.mark.parametrize("uses", ["out", "lse", "both"])
+def test_eager_calls_skip_the_custom_ops_and_agree_with_them(backend, uses, monkeypatch):
+    """Outside torch.compile flash_attn runs its implementations through a plain
+    autograd.Function: the custom ops are not called, and out, lse and every gradient equal
+    the ops' path bit for bit, whichever of out and lse the loss uses (an unused one's
+    gradient arrives as None) -- and match the oracle."""
+    device = use_backend(backend, monkeypatch)
+    case = Case(1, 70, 50, 2, 1, 64, 0)
+    gen = torch.Generator().manual_seed(2)
+    dlse = torch.randn(1, 2, 70, generator=gen).to(device) * (uses != "out")
+    q, k, v, dout = leaf_inputs(case, F32, device)
+    dout = dout * (uses != "lse")
+
+    def run():
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out, lse = flash_attn(qq, kk, vv, causal=True, return_lse=True)
+        loss = {"out": (out * dout).sum(), "lse": (lse * dlse).sum(),
+                "both": (out * dout).sum() + (lse * dlse).sum()}[uses]
+        loss.backward()
+        return out.detach(), lse.detach(), qq.grad, kk.grad, vv.grad
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an eager call reached a custom op")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(interface, "_forward_op", refuse)
+        patched.setattr(interface, "_backward_op", refuse)
+        eager = run()
+    monkeypatch.setattr(interface, "eager", lambda *tensors: False)
+    through_ops = run()
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), eager, through_ops):
+        assert torch.equal(a, b), name
+    assert_matches_oracle(case, (q, k, v, dout), eager, dlse=dlse)
+
+
+def test_eager_is_off_under_compile_and_fake_tensors():
+    """torch.compile and fake-tensor tracing (make_fx, opcheck) see the custom ops."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    t = torch.zeros(1, 4, 2, 16)
+    assert interface.eager(t, None)
+    with FakeTensorMode():
+        assert not interface.eager(torch.zeros(1, 4, 2, 16))
+    seen = []
+
+    def traced(x):
+        seen.append(interface.eager(x))
+        return x * 2
+
+    torch.compile(traced, backend="eager", fullgraph=True)(t)
+    assert seen == [False]
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

@@ -617,3 +617,49 @@ def roundtrip(rank, world) -> list[str]:
 
 def test_shard_unshard_roundtrip_on_group(worlds):
     _assert_no_failures(worlds(4).run(roundtrip))
+
+
+# ----------------------------------------------------------------------------- eager calls
+
+
+def eager_and_op_paths(rank, world, uses):
+    """The ring called eagerly (no custom op reached) and through its custom ops: out, lse
+    and the gradients of each path, for a loss on ``uses`` ("out", "lse" or "both")."""
+    from ringflash import ops
+    q, k, v = (ringflash.shard(t, 1, "zigzag") for t in _small(n=8 * world, seed=4))
+    gen = torch.Generator().manual_seed(9 + rank)
+    dout = torch.randn(q.shape, generator=gen) * (uses != "lse")
+    dlse = torch.randn(q.shape[0], q.shape[2], q.shape[1], generator=gen) * (uses != "out")
+
+    def run():
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        out, lse = ringflash.ring_flash_attn(qq, kk, vv, causal=True, return_lse=True)
+        loss = {"out": (out * dout).sum(), "lse": (lse * dlse).sum(),
+                "both": (out * dout).sum() + (lse * dlse).sum()}[uses]
+        loss.backward()
+        return [out.detach(), lse.detach(), qq.grad, kk.grad, vv.grad]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an eager call reached a custom op")
+
+    real = ops.ring_attn_forward, ops.ring_attn_backward, ops.eager
+    ops.ring_attn_forward = ops.ring_attn_backward = refuse
+    try:
+        eager = run()
+    finally:
+        ops.ring_attn_forward, ops.ring_attn_backward, ops.eager = real
+    ops.eager = lambda *tensors: False
+    try:
+        through_ops = run()
+    finally:
+        ops.eager = real[2]
+    return [name for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), eager, through_ops)
+            if not torch.equal(a, b)]
+
+
+@pytest.mark.parametrize("uses", ["out", "lse", "both"])
+def test_eager_ring_skips_the_custom_ops_and_agrees_with_them(worlds, uses):
+    """Outside torch.compile the ring runs as a plain autograd.Function over the ops'
+    implementations: bit for bit the ops' results, an unused output's gradient None."""
+    for rank, differ in enumerate(worlds(4).run(eager_and_op_paths, uses, timeout=60)):
+        assert differ == [], (rank, differ)
