@@ -141,9 +141,9 @@ class _Schedule(NamedTuple):
     """What a call's ring runs: the number of active steps, each step's pairs, whether step
     0 writes its results (one pair over every row), the block mask's plan or None,
     ``pieces(step, cuts)``: the step's pairs cut along key rows (``layouts.step_pieces``),
-    and whether on EVERY rank the own step's pairs keep to disjoint key rows (a choice of
-    schedule that depends on it must be the same on every rank: the ranks' messages
-    pair up)."""
+    and, for two active steps, whether on EVERY rank the own step's pairs keep to disjoint
+    key rows (a choice of schedule that depends on it must be the same on every rank: the
+    ranks' messages pair up; False for other step counts)."""
 
     steps: int
     pairs: list
@@ -168,8 +168,9 @@ def _schedule(ring: Ring, layout: str, local_len: int, band: Band, dropout: tupl
         return (layout, rank, (rank - s) % ring.world, ring.world, local_len, band, merge, occupied)
 
     pairs = [step_pairs(*of(ring.rank, s)) for s in range(steps)]
-    own_apart = all(_uncovered([pair.k for pair in step_pairs(*of(rank, 0))], local_len) is not None
-                    for rank in range(ring.world))
+    own_apart = steps == 2 and all(  # read by a ring of two only
+        _uncovered([pair.k for pair in step_pairs(*of(rank, 0))], local_len) is not None
+        for rank in range(ring.world))
     return _Schedule(steps, pairs, writes_first(pairs[0]), plan,
                      lambda s, cuts: step_pieces(*of(ring.rank, s), cuts), own_apart)
 
