@@ -1,14 +1,22 @@
 """Kernel variants that were measured and not taken into kernels/ (benchmarks/NOTES.md,
-"Kernel, second round"), timed beside the library's kernels on one GPU:
+"Kernel, second round" and "Dropout, seventh round"), timed beside the library's kernels
+on one GPU:
 
-    python benchmarks/kernel_attempts.py [--seqlen 16384] [--head-dim 128]
+    python benchmarks/kernel_attempts.py [--seqlen 16384] [--head-dim 128] [--variants ws gluon atomic]
 
 - ``ws``: the forward with device-side TMA descriptors and ``tl.range(...,
   warp_specialize=True)``, stripped to the non-causal case with no masks, with and
   without warp specialization;
 - ``atomic``: a backward doing 5 matmuls per tile pair instead of 7, dQ added with fp32
-  atomics from the dK/dV kernel (non-deterministic), MHA, non-causal.
-Both need the sequence length to be a multiple of their tiles. Each is checked against
+  atomics from the dK/dV kernel (non-deterministic), MHA, non-causal;
+- ``gluon``: a warp-specialized forward in Gluon (``triton.experimental.gluon``, Hopper):
+  a TMA warp loads K and V tiles into a ring of shared-memory stages, two consumer warp
+  groups (64 query rows each) share every stage, the scores' product runs asynchronously
+  while the dropout bits are drawn, and the dropped probabilities are zeroed on packed
+  bf16 pairs (one PRMT and one AND a pair) with the scale folded into the epilogue. The
+  bits are the library's (kernels/dropout.py). Non-causal, MHA, no mask, head_dim 128,
+  p <= 0.5. ``gluon_compile`` builds it for sm_90 on any machine.
+All need the sequence length to be a multiple of their tiles. Each is checked against
 the library before it is timed.
 
 Found afterwards by compiling for sm_90 without a GPU (triton 3.6): the ``ws`` kernel as
@@ -29,9 +37,14 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 import _harness as H
-from ringflash.kernels import PairMask, attn_delta, triton_attn
+from ringflash.kernels import PairMask, attn_delta, dropout, triton_attn
 
 LOG2E = math.log2(math.e)
 
@@ -135,12 +148,238 @@ def atomic_bwd(do, q, k, v, lse, delta, dq, dk, dv, scale, *, BLOCK_M=64, BLOCK_
     return dq, dk, dv
 
 
+@gluon.jit
+def _philox(seed_lo, seed_hi, c0, c1, c2, c3, ROUNDS: gl.constexpr):
+    """Philox4x32 (as tl.philox and kernels/dropout.py) on uint32 tensors."""
+    k0 = seed_lo
+    k1 = seed_hi
+    for _ in gl.static_range(ROUNDS):
+        hi_b = gl.umulhi(c2, 0xCD9E8D57)
+        lo_b = c2 * 0xCD9E8D57
+        hi_a = gl.umulhi(c0, 0xD2511F53)
+        lo_a = c0 * 0xD2511F53
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0 = k0 + 0x9E3779B9
+        k1 = k1 + 0xBB67AE85
+    return c0, c1, c2, c3
+
+
+@gluon.jit
+def _call_axes(x):
+    """A (64, 128) tile in the wgmma accumulator layout with the 16 elements of each Philox
+    call (query bit 3; key bits 0, 3, 4: all in one thread's registers) on the last axes:
+    (q5 q4, q2-0, k6 k5, k2 k1, k3, q3, k4, k0). Register moves only."""
+    return x.reshape([4, 2, 8, 4, 2, 2, 4, 2]).permute([0, 2, 3, 6, 5, 1, 4, 7])
+
+
+@gluon.jit
+def _keep_words(rows, cols, seed_lo, seed_hi, head, batch, t4):
+    """The Philox words of a (64, 128) tile of global rows x cols, on axes (q5 q4, q2-0,
+    k6 k5, k2 k1, k3, q3) (word = k3 | q3 << 1), each byte reduced to its keep bit in
+    bit 7 (byte >= t, four bytes at once: ((w | 0x80..) - t4) | w, valid for t <= 128)."""
+    r = gl.expand_dims(rows.to(gl.uint32), 1)
+    c = gl.expand_dims(cols.to(gl.uint32), 0)
+    kc, qc = gl.broadcast(((c >> 5) << 2) | ((c >> 1) & 3), ((r >> 4) << 3) | (r & 7))
+    kc = _call_axes(kc)
+    qc = _call_axes(qc)
+    for _ in gl.static_range(4):  # one element of each call: k0 = k4 = q3 = k3 = 0
+        kc, _k1 = kc.split()
+        qc, _q1 = qc.split()
+    head = gl.full(kc.shape, 0, gl.uint32, kc.type.layout) + head
+    batch = gl.full(kc.shape, 0, gl.uint32, kc.type.layout) + batch
+    o0, o1, o2, o3 = _philox(seed_lo, seed_hi, kc, qc, head, batch, 7)
+    w = gl.join(gl.join(o0, o1), gl.join(o2, o3))
+    return (((w | 0x80808080) - t4) | w) & 0x80808080
+
+
+@gluon.jit
+def _drop(p, words, layout: gl.constexpr):
+    """p (64, 128) bf16 in the wgmma ``layout`` with the dropped elements zeroed: byte
+    k0 | k4 << 1 of a word decides element (k4, k0) of its call; two sign-replicated bytes
+    (PRMT) mask one packed pair of p (k0 = 0, 1). No data leaves its register."""
+    pe, po = _call_axes(p).split()  # k0
+    p00, p10 = pe.split()  # k4
+    p01, p11 = po.split()
+    q00, q01, q10, q11 = gl.inline_asm_elementwise(
+        """{
+        .reg .b32 m, x;
+        prmt.b32 m, $4, 0, 0x9988;
+        mov.b32 x, {$5, $6};
+        and.b32 x, x, m;
+        mov.b32 {$0, $1}, x;
+        prmt.b32 m, $4, 0, 0xBBAA;
+        mov.b32 x, {$7, $8};
+        and.b32 x, x, m;
+        mov.b32 {$2, $3}, x;
+        }""",
+        "=h,=h,=h,=h,r,h,h,h,h", [words, p00, p01, p10, p11],
+        dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
+    q = gl.join(gl.join(q00, q01), gl.join(q10, q11))  # (.., k0, k4)
+    return gl.convert_layout(q.permute([0, 5, 1, 2, 7, 4, 3, 6]).reshape([64, 128]), layout,
+                             assert_trivial=True)
+
+
+@gluon.jit
+def _gl_loader(a, STAGES: gl.constexpr, DROPOUT: gl.constexpr):
+    """The TMA warp: both halves of the query tile once, then K and V tile by tile into
+    the ring of stages, each stage refilled once both consumers have released it."""
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
+     o_ptr, lse_ptr, row_q, row_k, col, n_tiles, H, seqlen, qk_scale, seed_lo, seed_hi,
+     t4, drop_scale) = a
+    mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [row_q, col], q_bar, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [row_q + 64, col], q_bar, q_smem.index(1))
+    for j in range(n_tiles):
+        s = j % STAGES
+        ph = (j // STAGES) & 1
+        mbarrier.wait(kv_empty.index(s), ph ^ 1)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row_k + j * 128, col], k_ready.index(s),
+                                        k_smem.index(s))
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [row_k + j * 128, col], v_ready.index(s),
+                                        v_smem.index(s))
+
+
+@gluon.jit
+def _gl_consume(a, STAGES: gl.constexpr, DROPOUT: gl.constexpr, HALF: gl.constexpr):
+    """One consumer warp group: the online softmax of query rows [64 HALF, 64 HALF + 64)
+    of the program's tile over every key tile, then out and lse."""
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
+     o_ptr, lse_ptr, row_q, row_k, col, n_tiles, H, seqlen, qk_scale, seed_lo, seed_hi,
+     t4, drop_scale) = a
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, 128, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+    cols_l: gl.constexpr = gl.SliceLayout(0, mma)
+    bh = gl.program_id(1)
+    off_b = bh // H
+    off_h = bh % H
+    rows = gl.program_id(0) * 128 + HALF * 64 + gl.arange(0, 64, rows_l)
+    cols = gl.arange(0, 128, cols_l)
+    m_i = gl.full([64], float("-inf"), gl.float32, rows_l)
+    l_i = gl.full([64], 0.0, gl.float32, rows_l)
+    acc = gl.zeros([64, 128], gl.float32, mma)
+    zero = gl.zeros([64, 128], gl.float32, mma)
+    mbarrier.wait(q_bar, 0)
+    q = q_smem.index(HALF)
+    for j in range(n_tiles):
+        s = j % STAGES
+        ph = (j // STAGES) & 1
+        mbarrier.wait(k_ready.index(s), ph)
+        qk = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+        if DROPOUT:  # under the scores' product
+            words = _keep_words(rows, j * 128 + cols, seed_lo, seed_hi, off_h.to(gl.uint32),
+                                off_b.to(gl.uint32), t4)
+        qk = warpgroup_mma_wait(0, deps=[qk])
+        m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+        p = gl.exp2(qk * qk_scale - gl.expand_dims(m_new, 1))
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, 1)  # of the undropped scores
+        acc = acc * gl.expand_dims(alpha, 1)
+        pb = p.to(gl.bfloat16)
+        if DROPOUT:
+            pb = _drop(pb, words, mma)
+        mbarrier.wait(v_ready.index(s), ph)
+        acc = warpgroup_mma(gl.convert_layout(pb, p_layout), v_smem.index(s), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(kv_empty.index(s), count=1)
+        m_i = m_new
+    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+    gl.store(lse_ptr + bh * seqlen + rows, lse)
+    offs = ((off_b * seqlen + gl.expand_dims(rows, 1)) * H + off_h) * 128 + gl.expand_dims(cols, 0)
+    gl.store(o_ptr + offs, (acc * (drop_scale / gl.expand_dims(l_i, 1))).to(gl.bfloat16))
+
+
+@gluon.jit
+def _gl_consume0(a, STAGES: gl.constexpr, DROPOUT: gl.constexpr):
+    _gl_consume(a, STAGES, DROPOUT, 0)
+
+
+@gluon.jit
+def _gl_consume1(a, STAGES: gl.constexpr, DROPOUT: gl.constexpr):
+    _gl_consume(a, STAGES, DROPOUT, 1)
+
+
+@gluon.jit
+def _gl_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, H, seqlen, qk_scale, seed, threshold,
+                   drop_scale, STAGES: gl.constexpr, DROPOUT: gl.constexpr,
+                   CONSUMER_REGS: gl.constexpr):
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 128], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, 128], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, 128], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a stage
+    off_b = gl.program_id(1) // H
+    seed64 = seed.to(gl.int64)
+    a = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
+         o_ptr, lse_ptr, off_b * seqlen + gl.program_id(0) * 128, off_b * seqlen,
+         (gl.program_id(1) % H) * 128, seqlen // 128, H, seqlen, qk_scale,
+         (seed64 & 0xFFFFFFFF).to(gl.uint32), ((seed64 >> 32) & 0xFFFFFFFF).to(gl.uint32),
+         threshold.to(gl.uint32) * 0x01010101, drop_scale)
+    gl.warp_specialize([(_gl_consume0, (a, STAGES, DROPOUT)), (_gl_consume1, (a, STAGES, DROPOUT)),
+                        (_gl_loader, (a, STAGES, DROPOUT))], [4, 1], [CONSUMER_REGS, 24])
+
+
+def _gl_descs(q, k, v):
+    """TMA descriptors over (B S, H D) views of contiguous (B, S, H, 128) tensors."""
+    b, s, h, d = q.shape
+    lay_q = gl.NVMMASharedLayout.get_default_for([64, d], gl.bfloat16)
+    lay_kv = gl.NVMMASharedLayout.get_default_for([128, d], gl.bfloat16)
+    return (TensorDescriptor(q, [b * s, h * d], [h * d, 1], [64, d], lay_q),
+            TensorDescriptor(k, [b * s, h * d], [h * d, 1], [128, d], lay_kv),
+            TensorDescriptor(v, [b * s, h * d], [h * d, 1], [128, d], lay_kv))
+
+
+GL_OPTIONS = dict(num_warps=4, maxnreg=168)  # 12 warps: 2 x 4 consumers at 232-248 registers, 1 loader at 24
+
+
+def gluon_fwd(q, k, v, out, lse, scale, *, dropout_p=0.0, seed=0, stages=3, consumer_regs=232):
+    """out (B, S, H, 128) bf16 and lse (B, H, S) fp32 of non-causal MHA attention, with the
+    library's dropout bits for (dropout_p, seed)."""
+    b, s, h, d = q.shape
+    if d != 128 or s % 128 or dropout.threshold(dropout_p) > 128:
+        raise ValueError("gluon_fwd: head_dim 128, seqlen a multiple of 128, dropout_p <= 0.5")
+    drop_scale = dropout.keep_scale(dropout_p) if dropout_p > 0 else 1.0
+    _gl_fwd_kernel[(s // 128, b * h)](*_gl_descs(q, k, v), out, lse, h, s, scale * LOG2E, seed,
+                                      dropout.threshold(dropout_p), drop_scale, stages,
+                                      dropout_p > 0, consumer_regs, **GL_OPTIONS)
+    return out, lse
+
+
+def gluon_compile(dropout_on: bool, stages: int = 3, consumer_regs: int = 232):
+    """The Gluon forward compiled for sm_90 without a GPU (for its SASS and resources)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.experimental.gluon._runtime import GluonASTSource
+    t = torch.zeros(1, 256, 2, 128, dtype=torch.bfloat16)
+    sig = {name: native_specialize_impl(CUDABackend, desc, False, True, True)[0]
+           for name, desc in zip(("q_desc", "k_desc", "v_desc"), _gl_descs(t, t, t))}
+    sig.update(o_ptr="*bf16", lse_ptr="*fp32", H="i32", seqlen="i32", qk_scale="fp32", seed="i64",
+               threshold="i32", drop_scale="fp32", STAGES="constexpr", DROPOUT="constexpr",
+               CONSUMER_REGS="constexpr")
+    consts = dict(STAGES=stages, DROPOUT=dropout_on, CONSUMER_REGS=consumer_regs)
+    return triton.compile(GluonASTSource(_gl_fwd_kernel, sig, consts),
+                          target=GPUTarget("cuda", 90, 32), options=GL_OPTIONS)
+
+
 def main():
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()).rstrip(":") + ".",
                                 formatter_class=H.HelpFormatter)
     p.add_argument("--seqlen", type=int, default=16384, help="tokens (a multiple of the tiles, 128)")
     p.add_argument("--head-dim", type=int, default=128, help="head dim")
     p.add_argument("--heads", type=int, default=32, help="heads (MHA)")
+    p.add_argument("--variants", nargs="+", default=["ws", "gluon", "atomic"],
+                   choices=["ws", "gluon", "atomic"], help="which attempts to time")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("ERROR: kernel_attempts.py times Triton kernels on a GPU; no CUDA device here")
@@ -159,7 +398,7 @@ def main():
     lib_fwd()
     report("library forward", bench(lib_fwd), 1.0, 0.0)
     o2, l2 = torch.empty_like(out), torch.empty_like(lse)
-    for bn, stages, ws in itertools.product((64, 128), (2, 3), (False, True)):
+    for bn, stages, ws in itertools.product((64, 128), (2, 3), (False, True)) if "ws" in args.variants else ():
         fn = lambda: ws_fwd(q, k, v, o2, l2, scale, BLOCK_N=bn, num_stages=stages, ws=ws)
         try:
             fn()
@@ -168,6 +407,20 @@ def main():
             continue
         report(f"ws BLOCK_N={bn} stages={stages} warp_specialize={ws}", bench(fn), 1.0, H.rel_err(o2, out))
 
+    if d == 128 and "gluon" in args.variants:
+        for p_drop in (0.0, 0.1):
+            mask = PairMask(dropout_p=p_drop, seed=1234, pos=(0, 0, 1, 0))
+            fn = lambda: triton_attn.fwd(q, k, v, out, lse, softmax_scale=scale, mask=mask,
+                                         accumulate=False)
+            fn()
+            report(f"library forward, dropout {p_drop}", bench(fn), 1.0, 0.0)
+            for stages in (2, 3):
+                fn = lambda: gluon_fwd(q, k, v, o2, l2, scale, dropout_p=p_drop, seed=1234,
+                                       stages=stages)
+                fn()
+                report(f"gluon stages={stages}, dropout {p_drop}", bench(fn), 1.0, H.rel_err(o2, out))
+        lib_fwd()  # out, lse of the dropout-free forward again, for the backward below
+
     delta = attn_delta(out, do)
     grads = [torch.empty(t.shape, device="cuda") for t in (q, k, v)]
     lib_bwd = lambda: triton_attn.bwd(do, q, k, v, lse, delta, *grads, softmax_scale=scale,
@@ -175,7 +428,8 @@ def main():
     lib_bwd()
     report("library backward (dK/dV + dQ kernels)", bench(lib_bwd), 2.5, 0.0)
     g = [torch.empty_like(t) for t in grads]
-    for (bm, bn), warps in itertools.product(((64, 64), (64, 128), (128, 128)), (4, 8)):
+    for (bm, bn), warps in (itertools.product(((64, 64), (64, 128), (128, 128)), (4, 8))
+                            if "atomic" in args.variants else ()):
         fn = lambda: atomic_bwd(do, q, k, v, lse, delta, *g, scale, BLOCK_M=bm, BLOCK_N=bn,
                                 num_warps=warps)
         fn()

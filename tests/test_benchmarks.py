@@ -165,6 +165,28 @@ def test_every_masked_variant_fits_hopper_shared_memory(tmp_path):
         assert int(size) <= HOPPER_SHARED_BYTES, (which, size)
 
 
+def test_gluon_forward_attempt_compiles_for_hopper(tmp_path):
+    """The warp-specialized Gluon forward of kernel_attempts.py (benchmarks/NOTES.md,
+    "Dropout, seventh round") builds for sm_90 here, with and without dropout: no stack, its
+    shared memory within a Hopper block's, and the dropout bits joined into the
+    accumulator's registers without a layout conversion (the kernel asserts it)."""
+    import triton
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")):
+        pytest.skip("this triton ships no nvdisasm")
+    script = ("import re, sass_loops as S, kernel_attempts as K\n"  # sass_loops turns the interpreter off
+              "for drop in (False, True):\n"
+              "    kernel = K.gluon_compile(drop)\n"
+              "    usage = S._tool('cuobjdump', kernel.asm['cubin'], '--dump-resource-usage')\n"
+              "    sass = S._tool('nvdisasm', kernel.asm['cubin'], '-c')\n"
+              "    print(drop, re.search(r'STACK:(\\d+)', usage).group(1), kernel.metadata.shared,\n"
+              "          sass.count('IMAD.HI'), sass.count('HGMMA'))\n")
+    out = _run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(BENCH)!r})\n" + script], tmp_path)
+    rows = dict((drop, tuple(map(int, rest))) for drop, *rest in (line.split() for line in out.splitlines()
+                                                                 if line.startswith(("False", "True"))))
+    for stack, shared, _, hgmma in rows.values():
+        assert stack == 0 and shared <= HOPPER_SHARED_BYTES and hgmma > 0, rows
+    assert rows["True"][2] >= rows["False"][2] + 56, rows  # Philox's 7 rounds x 2 x 4 calls a tile
+
 def test_layout_picture_covers_every_layout():
     """plot_layouts.py's data (its drawing needs matplotlib, not in the test extras): every
     layout, every token owned, and the ranks' causal work adding up to the triangle."""
