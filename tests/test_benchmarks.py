@@ -120,6 +120,14 @@ def test_block_sparse_loop_prefetches_like_dense(tmp_path, results_untouched):
         assert sparse[-2:] == [max(dense)] * 2, (which, dense, sparse)
 
 
+def _rows_by_flag(script: str, tmp_path: Path) -> dict[str, tuple[int, ...]]:
+    """Run ``script`` with benchmarks/ importable; its lines "False ..." and "True ..." as
+    {flag: the integers after it}."""
+    out = _run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(BENCH)!r})\n" + script], tmp_path)
+    return dict((flag, tuple(map(int, rest))) for flag, *rest in (line.split() for line in out.splitlines()
+                                                                 if line.startswith(("False", "True"))))
+
+
 def test_accumulating_forward_keeps_the_tile_loop(tmp_path):
     """The ring's accumulating forward (merging into running sums) compiles, dropout on, to
     the plain forward's tile loop, registers and stack: resuming from the sums held their
@@ -136,9 +144,7 @@ def test_accumulating_forward_keeps_the_tile_loop(tmp_path):
               "    loop = S.tile_loop(S._tool('nvdisasm', kernel.asm['cubin'], '-c'))\n"
               "    print(acc, re.search(r'REG:(\\d+)', usage).group(1), re.search(r'STACK:(\\d+)', usage).group(1),\n"
               "          len(loop))\n")
-    out = _run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(BENCH)!r})\n" + script], tmp_path)
-    rows = dict((acc, tuple(map(int, rest))) for acc, *rest in (line.split() for line in out.splitlines()
-                                                               if line.startswith(("False", "True"))))
+    rows = _rows_by_flag(script, tmp_path)
     (plain_regs, plain_stack, plain_loop), (regs, stack, loop) = rows["False"], rows["True"]
     assert stack == plain_stack == 0 and loop == plain_loop and regs <= plain_regs + 2, rows
 
@@ -180,12 +186,11 @@ def test_gluon_forward_attempt_compiles_for_hopper(tmp_path):
               "    sass = S._tool('nvdisasm', kernel.asm['cubin'], '-c')\n"
               "    print(drop, re.search(r'STACK:(\\d+)', usage).group(1), kernel.metadata.shared,\n"
               "          sass.count('IMAD.HI'), sass.count('HGMMA'))\n")
-    out = _run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(BENCH)!r})\n" + script], tmp_path)
-    rows = dict((drop, tuple(map(int, rest))) for drop, *rest in (line.split() for line in out.splitlines()
-                                                                 if line.startswith(("False", "True"))))
+    rows = _rows_by_flag(script, tmp_path)
     for stack, shared, _, hgmma in rows.values():
         assert stack == 0 and shared <= HOPPER_SHARED_BYTES and hgmma > 0, rows
     assert rows["True"][2] >= rows["False"][2] + 56, rows  # Philox's 7 rounds x 2 x 4 calls a tile
+
 
 def test_layout_picture_covers_every_layout():
     """plot_layouts.py's data (its drawing needs matplotlib, not in the test extras): every
