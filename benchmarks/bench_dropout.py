@@ -1,5 +1,6 @@
 """Attention dropout: ringflash at p = 0.1 beside p = 0, and torch SDPA's backends that
-accept dropout, forward and forward+backward, in one run.
+accept dropout, also at both rates (what dropout costs a peer), forward and
+forward+backward, in one run.
 
     python benchmarks/bench_dropout.py                               # one GPU -> dropout_<gpu>.json
     torchrun --nproc-per-node=2 benchmarks/bench_dropout.py --ring   # ring -> dropout_<gpu>x2.json
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import os
 
 import torch
@@ -66,17 +68,17 @@ def main(argv=None):
                                     fwdbwd_tflops_per_gpu=H.tflops(flops / world, fwdbwd)))
             if not args.ring:
                 qt = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in full]
-                for name, backend in SDPA.items():
-                    def sdpa(q, k, v, backend=backend):
+                for (name, backend), drop in itertools.product(SDPA.items(), (0.0, args.p)):
+                    def sdpa(q, k, v, backend=backend, drop=drop):
                         with sdpa_kernel(backend):
-                            return F.scaled_dot_product_attention(q, k, v, dropout_p=args.p, is_causal=causal)
+                            return F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=causal)
                     try:
                         fwd, fwdbwd = timed(sdpa, *qt, device, args)
                         err = None
                     except RuntimeError as e:  # this backend refuses dropout here
                         fwd = fwdbwd = None
                         err = H.short_error(e)
-                    records.append(dict(impl=name, dropout_p=args.p, seqlen=seqlen, causal=causal, gpus=1,
+                    records.append(dict(impl=name, dropout_p=drop, seqlen=seqlen, causal=causal, gpus=1,
                                         fwd_ms=fwd, fwdbwd_ms=fwdbwd, error=err,
                                         fwdbwd_tflops_per_gpu=H.tflops(flops, fwdbwd)))
                 del qt
