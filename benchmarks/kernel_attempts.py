@@ -1,6 +1,6 @@
 """Kernel variants that were measured and not taken into kernels/ (benchmarks/NOTES.md,
-"Kernel, second round" and "Dropout, seventh round"), timed beside the library's kernels
-on one GPU:
+"Kernel, second round" and "Dropout, seventh round" and "eighth round"), timed beside the
+library's kernels on one GPU:
 
     python benchmarks/kernel_attempts.py [--seqlen 16384] [--head-dim 128] [--variants ws gluon atomic]
 
@@ -15,7 +15,12 @@ on one GPU:
   while the dropout bits are drawn, and the dropped probabilities are zeroed on packed
   bf16 pairs (one PRMT and one AND a pair) with the scale folded into the epilogue. The
   bits are the library's (kernels/dropout.py). Non-causal, MHA, no mask, head_dim 128,
-  p <= 0.5. ``gluon_compile`` builds it for sm_90 on any machine.
+  p <= 0.5. Variants (``GLUON_VARIANTS``, checked to give the same out and lse bit for
+  bit): 2 or 3 stages; ``bits="group"``, a fourth warp group that draws the bits and
+  hands them to the consumers packed in shared memory; ``pingpong``, the consumers taking
+  turns at issuing their scores' products; and two probes, the mask applied with constant
+  bits and the bits' group not waited for. ``--rounds N`` times the variants in N
+  interleaved rounds (medians). ``gluon_compile`` builds it for sm_90 on any machine.
 All need the sequence length to be a multiple of their tiles. Each is checked against
 the library before it is timed.
 
@@ -33,6 +38,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import statistics
+import subprocess
+import time
 
 import torch
 import triton
@@ -193,6 +201,28 @@ def _keep_words(rows, cols, seed_lo, seed_hi, head, batch, t4):
 
 
 @gluon.jit
+def _pack_words(w):
+    """A thread's 16 keep words of a (64, 128) tile (``_keep_words``: keep bits in bit 7 of
+    each byte) packed into 2: word (k3, q3) of key half k5 goes to bit 7 - (q3 + 2 k3 + 4 k5)
+    of each byte. Axes (q5 q4, q2-0, k2 k1, k6)."""
+    a, b = w.split()  # q3
+    w = a | (b >> 1)
+    a, b = w.split()  # k3
+    w = (a | (b >> 2)).permute([0, 1, 3, 2]).reshape([4, 8, 4, 2, 2])  # (.., k2 k1, k6, k5)
+    a, b = w.split()  # k5
+    return a | (b >> 4)
+
+
+@gluon.jit
+def _unpack_words(x):
+    """``_pack_words`` undone: each word's keep bits back in bit 7 of its bytes (the other
+    bits are left over from the packing, and ``_drop`` reads bit 7 only)."""
+    w = gl.join(x, x << 4).reshape([4, 8, 4, 4]).permute([0, 1, 3, 2])  # (.., k6 k5, k2 k1)
+    w = gl.join(w, w << 2)  # k3
+    return gl.join(w, w << 1)  # q3
+
+
+@gluon.jit
 def _drop(p, words, layout: gl.constexpr):
     """p (64, 128) bf16 in the wgmma ``layout`` with the dropped elements zeroed: byte
     k0 | k4 << 1 of a word decides element (k4, k0) of its call; two sign-replicated bytes
@@ -220,12 +250,36 @@ def _drop(p, words, layout: gl.constexpr):
 
 
 @gluon.jit
-def _gl_loader(a, STAGES: gl.constexpr, DROPOUT: gl.constexpr):
+def _tile_words(a, rows, cols, s, ph, probe, BITS: gl.constexpr, HALF: gl.constexpr):
+    """A consumer's keep words of its rows and the key tile's ``cols`` (``_keep_words``), in
+    ``probe``'s layout, by ``BITS_MODES[BITS]``: drawn here; read from stage ``s`` of the
+    bits' group once it is filled, and unpacked; constant (all kept: a probe of what the
+    mask's application costs); or read from the stage without waiting (a probe of what
+    the bits' group costs the consumers; its outputs are not defined)."""
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
+     bits_smem, bits_ready, turn, o_ptr, lse_ptr, row_q, row_k, col, n_tiles, H, seqlen,
+     qk_scale, seed_lo, seed_hi, t4, drop_scale) = a
+    if BITS == 0:
+        bh = gl.program_id(1)
+        return _keep_words(rows, cols, seed_lo, seed_hi, (bh % H).to(gl.uint32),
+                           (bh // H).to(gl.uint32), t4)
+    elif BITS == 2:
+        return probe | 0x80808080
+    else:
+        if BITS == 1:
+            mbarrier.wait(bits_ready.index(s), ph)
+        packed = bits_smem.index(2 * s + HALF).load(_pack_words(probe).type.layout)
+        return gl.convert_layout(_unpack_words(packed), probe.type.layout, assert_trivial=True)
+
+
+@gluon.jit
+def _gl_loader(a, STAGES: gl.constexpr, DROPOUT: gl.constexpr, BITS: gl.constexpr,
+               PINGPONG: gl.constexpr):
     """The TMA warp: both halves of the query tile once, then K and V tile by tile into
     the ring of stages, each stage refilled once both consumers have released it."""
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
-     o_ptr, lse_ptr, row_q, row_k, col, n_tiles, H, seqlen, qk_scale, seed_lo, seed_hi,
-     t4, drop_scale) = a
+     bits_smem, bits_ready, turn, o_ptr, lse_ptr, row_q, row_k, col, n_tiles, H, seqlen,
+     qk_scale, seed_lo, seed_hi, t4, drop_scale) = a
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [row_q, col], q_bar, q_smem.index(0))
     tma.async_copy_global_to_shared(q_desc, [row_q + 64, col], q_bar, q_smem.index(1))
@@ -242,12 +296,14 @@ def _gl_loader(a, STAGES: gl.constexpr, DROPOUT: gl.constexpr):
 
 
 @gluon.jit
-def _gl_consume(a, STAGES: gl.constexpr, DROPOUT: gl.constexpr, HALF: gl.constexpr):
+def _gl_consume(a, STAGES: gl.constexpr, DROPOUT: gl.constexpr, BITS: gl.constexpr,
+                PINGPONG: gl.constexpr, HALF: gl.constexpr):
     """One consumer warp group: the online softmax of query rows [64 HALF, 64 HALF + 64)
-    of the program's tile over every key tile, then out and lse."""
+    of the program's tile over every key tile, then out and lse. Its dropout bits come
+    from ``_tile_words``."""
     (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
-     o_ptr, lse_ptr, row_q, row_k, col, n_tiles, H, seqlen, qk_scale, seed_lo, seed_hi,
-     t4, drop_scale) = a
+     bits_smem, bits_ready, turn, o_ptr, lse_ptr, row_q, row_k, col, n_tiles, H, seqlen,
+     qk_scale, seed_lo, seed_hi, t4, drop_scale) = a
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, 128, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -262,16 +318,20 @@ def _gl_consume(a, STAGES: gl.constexpr, DROPOUT: gl.constexpr, HALF: gl.constex
     l_i = gl.full([64], 0.0, gl.float32, rows_l)
     acc = gl.zeros([64, 128], gl.float32, mma)
     zero = gl.zeros([64, 128], gl.float32, mma)
+    probe = _words_probe(mma)
     mbarrier.wait(q_bar, 0)
     q = q_smem.index(HALF)
     for j in range(n_tiles):
         s = j % STAGES
         ph = (j // STAGES) & 1
         mbarrier.wait(k_ready.index(s), ph)
+        if PINGPONG:  # the groups take turns at issuing their scores' products
+            mbarrier.wait(turn.index(HALF), (j & 1) ^ (1 - HALF))
         qk = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
-        if DROPOUT:  # under the scores' product
-            words = _keep_words(rows, j * 128 + cols, seed_lo, seed_hi, off_h.to(gl.uint32),
-                                off_b.to(gl.uint32), t4)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - HALF), count=1)
+        if DROPOUT:  # drawn under the scores' product, or read from the bits' group
+            words = _tile_words(a, rows, j * 128 + cols, s, ph, probe, BITS, HALF)
         qk = warpgroup_mma_wait(0, deps=[qk])
         m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
         p = gl.exp2(qk * qk_scale - gl.expand_dims(m_new, 1))
@@ -293,19 +353,57 @@ def _gl_consume(a, STAGES: gl.constexpr, DROPOUT: gl.constexpr, HALF: gl.constex
 
 
 @gluon.jit
-def _gl_consume0(a, STAGES: gl.constexpr, DROPOUT: gl.constexpr):
-    _gl_consume(a, STAGES, DROPOUT, 0)
+def _gl_consume0(a, STAGES: gl.constexpr, DROPOUT: gl.constexpr, BITS: gl.constexpr,
+                 PINGPONG: gl.constexpr):
+    _gl_consume(a, STAGES, DROPOUT, BITS, PINGPONG, 0)
 
 
 @gluon.jit
-def _gl_consume1(a, STAGES: gl.constexpr, DROPOUT: gl.constexpr):
-    _gl_consume(a, STAGES, DROPOUT, 1)
+def _gl_consume1(a, STAGES: gl.constexpr, DROPOUT: gl.constexpr, BITS: gl.constexpr,
+                 PINGPONG: gl.constexpr):
+    _gl_consume(a, STAGES, DROPOUT, BITS, PINGPONG, 1)
+
+
+@gluon.jit
+def _gl_rng(a, STAGES: gl.constexpr, DROPOUT: gl.constexpr, BITS: gl.constexpr,
+            PINGPONG: gl.constexpr):
+    """The bits' warp group (``BITS`` 1 or 3): each key tile's keep words for both query halves,
+    packed (``_pack_words``) into the stage its K and V occupy, refilled when they are."""
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
+     bits_smem, bits_ready, turn, o_ptr, lse_ptr, row_q, row_k, col, n_tiles, H, seqlen,
+     qk_scale, seed_lo, seed_hi, t4, drop_scale) = a
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, 128, 16])
+    bh = gl.program_id(1)
+    head = (bh % H).to(gl.uint32)
+    batch = (bh // H).to(gl.uint32)
+    rows = gl.program_id(0) * 128 + gl.arange(0, 64, gl.SliceLayout(1, mma))
+    cols = gl.arange(0, 128, gl.SliceLayout(0, mma))
+    for j in range(n_tiles):
+        s = j % STAGES
+        mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
+        for half in gl.static_range(2):
+            words = _keep_words(rows + 64 * half, j * 128 + cols, seed_lo, seed_hi, head, batch, t4)
+            bits_smem.index(2 * s + half).store(_pack_words(words))
+        gl.thread_barrier()  # every warp's words stored before the one arrive
+        mbarrier.arrive(bits_ready.index(s), count=1)
+
+
+@gluon.jit
+def _words_probe(mma: gl.constexpr):
+    """Zeros shaped and laid out as ``_keep_words``'s result for a tile in ``mma`` (only its
+    type is used)."""
+    z = _call_axes(gl.zeros([64, 128], gl.uint32, mma))
+    for _ in gl.static_range(4):
+        z, _z = z.split()
+    return gl.join(gl.join(z, z), gl.join(z, z))
 
 
 @gluon.jit
 def _gl_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, H, seqlen, qk_scale, seed, threshold,
                    drop_scale, STAGES: gl.constexpr, DROPOUT: gl.constexpr,
-                   CONSUMER_REGS: gl.constexpr):
+                   CONSUMER_REGS: gl.constexpr, BITS: gl.constexpr, RNG_REGS: gl.constexpr,
+                   PINGPONG: gl.constexpr):
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 128], q_desc.layout)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, 128], k_desc.layout)
     v_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, 128, 128], v_desc.layout)
@@ -313,20 +411,37 @@ def _gl_fwd_kernel(q_desc, k_desc, v_desc, o_ptr, lse_ptr, H, seqlen, qk_scale, 
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    bits_smem = gl.allocate_shared_memory(  # the bits' group's packed words, both halves a stage
+        gl.uint32, [2 * STAGES, 4, 8, 4, 2],
+        gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[3, 2, 1, 0]))
+    bits_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
     for i in gl.static_range(STAGES):
+        mbarrier.init(bits_ready.index(i), count=1)
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=2)  # both consumers release a stage
     off_b = gl.program_id(1) // H
     seed64 = seed.to(gl.int64)
     a = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, kv_empty,
-         o_ptr, lse_ptr, off_b * seqlen + gl.program_id(0) * 128, off_b * seqlen,
-         (gl.program_id(1) % H) * 128, seqlen // 128, H, seqlen, qk_scale,
+         bits_smem, bits_ready, turn, o_ptr, lse_ptr, off_b * seqlen + gl.program_id(0) * 128,
+         off_b * seqlen, (gl.program_id(1) % H) * 128, seqlen // 128, H, seqlen, qk_scale,
          (seed64 & 0xFFFFFFFF).to(gl.uint32), ((seed64 >> 32) & 0xFFFFFFFF).to(gl.uint32),
          threshold.to(gl.uint32) * 0x01010101, drop_scale)
-    gl.warp_specialize([(_gl_consume0, (a, STAGES, DROPOUT)), (_gl_consume1, (a, STAGES, DROPOUT)),
-                        (_gl_loader, (a, STAGES, DROPOUT))], [4, 1], [CONSUMER_REGS, 24])
+    if BITS % 2 == 1:  # a bits' group
+        gl.warp_specialize([(_gl_consume0, (a, STAGES, DROPOUT, BITS, PINGPONG)),
+                            (_gl_consume1, (a, STAGES, DROPOUT, BITS, PINGPONG)),
+                            (_gl_loader, (a, STAGES, DROPOUT, BITS, PINGPONG)),
+                            (_gl_rng, (a, STAGES, DROPOUT, BITS, PINGPONG))],
+                           [4, 1, 4], [CONSUMER_REGS, 24, RNG_REGS])
+    else:
+        gl.warp_specialize([(_gl_consume0, (a, STAGES, DROPOUT, BITS, PINGPONG)),
+                            (_gl_consume1, (a, STAGES, DROPOUT, BITS, PINGPONG)),
+                            (_gl_loader, (a, STAGES, DROPOUT, BITS, PINGPONG))],
+                           [4, 1], [CONSUMER_REGS, 24])
 
 
 def _gl_descs(q, k, v):
@@ -339,23 +454,45 @@ def _gl_descs(q, k, v):
             TensorDescriptor(v, [b * s, h * d], [h * d, 1], [128, d], lay_kv))
 
 
-GL_OPTIONS = dict(num_warps=4, maxnreg=168)  # 12 warps: 2 x 4 consumers at 232-248 registers, 1 loader at 24
+BITS_MODES = ("consumers", "group", "constant", "group-nowait")  # _tile_words
+# (stages, bits, pingpong); the last two are probes, timed at p > 0 only
+GLUON_VARIANTS = [(3, "consumers", False), (2, "consumers", False), (3, "consumers", True),
+                  (2, "group", False), (2, "group", True), (2, "constant", False),
+                  (2, "group-nowait", False)]
 
 
-def gluon_fwd(q, k, v, out, lse, scale, *, dropout_p=0.0, seed=0, stages=3, consumer_regs=232):
+def _gl_options(group):
+    """Launch options and register budgets (a Hopper SM's 64K registers shared by warp groups:
+    two consumers, the loader's warp padded to a group, and with ``group`` the bits' group)."""
+    if group:  # 16 warps at 128: consumers 2 x 200, loader 24, bits 88
+        return dict(num_warps=4, maxnreg=128), 200, 88
+    return dict(num_warps=4, maxnreg=168), 232, 0  # 12 warps at 168: consumers 2 x 232, loader 24
+
+
+def gluon_fwd(q, k, v, out, lse, scale, *, dropout_p=0.0, seed=0, stages=3, bits="consumers",
+              pingpong=False):
     """out (B, S, H, 128) bf16 and lse (B, H, S) fp32 of non-causal MHA attention, with the
-    library's dropout bits for (dropout_p, seed)."""
+    library's dropout bits for (dropout_p, seed). ``bits`` (``BITS_MODES``): who draws them,
+    the consumers or a warp group of their own that hands them over in shared memory, or
+    one of two probes (see ``_tile_words``); ``pingpong``: the consumers take turns at
+    issuing their scores' products."""
     b, s, h, d = q.shape
     if d != 128 or s % 128 or dropout.threshold(dropout_p) > 128:
         raise ValueError("gluon_fwd: head_dim 128, seqlen a multiple of 128, dropout_p <= 0.5")
+    mode = BITS_MODES.index(bits) if dropout_p > 0 else 0
+    if mode % 2 and stages > 2:
+        raise ValueError("gluon_fwd: a bits' group takes 2 stages (with 3, 227 KB is exceeded)")
     drop_scale = dropout.keep_scale(dropout_p) if dropout_p > 0 else 1.0
+    options, consumer_regs, rng_regs = _gl_options(mode % 2)
     _gl_fwd_kernel[(s // 128, b * h)](*_gl_descs(q, k, v), out, lse, h, s, scale * LOG2E, seed,
                                       dropout.threshold(dropout_p), drop_scale, stages,
-                                      dropout_p > 0, consumer_regs, **GL_OPTIONS)
+                                      dropout_p > 0, consumer_regs, mode, rng_regs, pingpong,
+                                      **options)
     return out, lse
 
 
-def gluon_compile(dropout_on: bool, stages: int = 3, consumer_regs: int = 232):
+def gluon_compile(dropout_on: bool, stages: int = 3, bits: str = "consumers",
+                  pingpong: bool = False):
     """The Gluon forward compiled for sm_90 without a GPU (for its SASS and resources)."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import GPUTarget
@@ -366,10 +503,62 @@ def gluon_compile(dropout_on: bool, stages: int = 3, consumer_regs: int = 232):
            for name, desc in zip(("q_desc", "k_desc", "v_desc"), _gl_descs(t, t, t))}
     sig.update(o_ptr="*bf16", lse_ptr="*fp32", H="i32", seqlen="i32", qk_scale="fp32", seed="i64",
                threshold="i32", drop_scale="fp32", STAGES="constexpr", DROPOUT="constexpr",
-               CONSUMER_REGS="constexpr")
-    consts = dict(STAGES=stages, DROPOUT=dropout_on, CONSUMER_REGS=consumer_regs)
+               CONSUMER_REGS="constexpr", BITS="constexpr", RNG_REGS="constexpr",
+               PINGPONG="constexpr")
+    mode = BITS_MODES.index(bits)
+    options, consumer_regs, rng_regs = _gl_options(mode % 2)
+    consts = dict(STAGES=stages, DROPOUT=dropout_on, CONSUMER_REGS=consumer_regs, BITS=mode,
+                  RNG_REGS=rng_regs, PINGPONG=pingpong)
     return triton.compile(GluonASTSource(_gl_fwd_kernel, sig, consts),
-                          target=GPUTarget("cuda", 90, 32), options=GL_OPTIONS)
+                          target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def clocks(q, k, v, do, scale, seconds):
+    """The SM clock and board power (medians of nvidia-smi samples every 50 ms) while the
+    library's forward, then its backward, run back to back at p = 0 and p = 0.1."""
+    out, lse = torch.empty_like(q), torch.empty(q.shape[0], q.shape[2], q.shape[1], device="cuda")
+    grads = [torch.empty(t.shape, device="cuda") for t in (q, k, v)]
+    phases = []
+    for kind in ("forward", "backward"):
+        for p_drop in (0.0, 0.1):
+            mask = PairMask(dropout_p=p_drop, seed=1234, pos=(0, 0, 1, 0))
+            fwd = lambda mask=mask: triton_attn.fwd(q, k, v, out, lse, softmax_scale=scale,
+                                                    mask=mask, accumulate=False)
+            fn = fwd
+            if kind == "backward":
+                fwd()
+                delta = attn_delta(out, do)
+                fn = (lambda mask=mask, delta=delta: triton_attn.bwd(
+                    do, q, k, v, lse, delta, *grads, softmax_scale=scale, mask=mask, accumulate=False))
+            fn()
+            phases.append((f"library {kind}, dropout {p_drop}", fn))
+    torch.cuda.synchronize()
+    smi = subprocess.Popen(["nvidia-smi", "-i", str(torch.cuda.current_device()), "-lms", "50",
+                            "--query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active",
+                            "--format=csv,noheader,nounits"], stdout=subprocess.PIPE, text=True)
+    start = time.monotonic()
+    spans = []
+    for name, fn in phases:
+        calls, t0 = 0, time.monotonic()
+        first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        first.record()
+        while time.monotonic() - t0 < seconds:
+            fn()
+            calls += 1
+            torch.cuda.synchronize()
+        last.record()
+        last.synchronize()
+        spans.append((name, t0 - start, time.monotonic() - start, first.elapsed_time(last) / calls))
+    smi.terminate()
+    samples = [line.split(", ") for line in smi.communicate()[0].strip().splitlines()]
+    step = (time.monotonic() - start) / max(len(samples), 1)  # samples at a steady rate
+    for name, a, b, ms in spans:
+        inside = [row for i, row in enumerate(samples) if a + seconds / 4 <= i * step <= b]
+        clock = statistics.median(float(r[0]) for r in inside) if inside else float("nan")
+        power = statistics.median(float(r[1]) for r in inside) if inside else float("nan")
+        reasons = sorted({r[2] for r in inside})
+        print(f"{name:40} {ms:9.3f} ms a call  SM {clock:5.0f} MHz  {power:4.0f} W  "
+              f"throttle reasons {reasons} ({len(inside)} samples)")
 
 
 def main():
@@ -380,6 +569,11 @@ def main():
     p.add_argument("--heads", type=int, default=32, help="heads (MHA)")
     p.add_argument("--variants", nargs="+", default=["ws", "gluon", "atomic"],
                    choices=["ws", "gluon", "atomic"], help="which attempts to time")
+    p.add_argument("--rounds", type=int, default=1, help="gluon: time the variants in this many "
+                   "interleaved rounds and print medians")
+    p.add_argument("--clocks", type=float, default=0.0, metavar="SECONDS",
+                   help="also run the library's forward and backward at p = 0 and 0.1 for this "
+                   "long each and print the SM clock and power nvidia-smi samples meanwhile")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("ERROR: kernel_attempts.py times Triton kernels on a GPU; no CUDA device here")
@@ -408,18 +602,39 @@ def main():
         report(f"ws BLOCK_N={bn} stages={stages} warp_specialize={ws}", bench(fn), 1.0, H.rel_err(o2, out))
 
     if d == 128 and "gluon" in args.variants:
+        cases = []  # (name, fn), each checked once, then timed in rounds
         for p_drop in (0.0, 0.1):
             mask = PairMask(dropout_p=p_drop, seed=1234, pos=(0, 0, 1, 0))
-            fn = lambda: triton_attn.fwd(q, k, v, out, lse, softmax_scale=scale, mask=mask,
-                                         accumulate=False)
-            fn()
-            report(f"library forward, dropout {p_drop}", bench(fn), 1.0, 0.0)
-            for stages in (2, 3):
-                fn = lambda: gluon_fwd(q, k, v, o2, l2, scale, dropout_p=p_drop, seed=1234,
-                                       stages=stages)
+            cases.append((f"library forward, dropout {p_drop}",
+                          lambda mask=mask: triton_attn.fwd(q, k, v, out, lse, softmax_scale=scale,
+                                                            mask=mask, accumulate=False)))
+            cases[-1][1]()
+            ref = None
+            for stages, bits, pingpong in GLUON_VARIANTS:
+                if bits != "consumers" and not p_drop:
+                    continue
+                fn = (lambda p_drop=p_drop, stages=stages, bits=bits, pingpong=pingpong: gluon_fwd(
+                    q, k, v, o2, l2, scale, dropout_p=p_drop, seed=1234, stages=stages, bits=bits,
+                    pingpong=pingpong))
                 fn()
-                report(f"gluon stages={stages}, dropout {p_drop}", bench(fn), 1.0, H.rel_err(o2, out))
+                if ref is None:
+                    ref = o2.clone(), l2.clone()
+                    print(f"gluon, dropout {p_drop}: relative error against the library "
+                          f"{H.rel_err(o2, out):.1e}")
+                elif bits in ("consumers", "group"):  # the same arithmetic on the same bits
+                    assert torch.equal(o2, ref[0]) and torch.equal(l2, ref[1]), (stages, bits, pingpong)
+                name = f"gluon stages={stages}" + (f", bits {bits}" if p_drop else "")
+                cases.append((name + (", ping-pong" if pingpong else "") + f", dropout {p_drop}", fn))
+        times = {name: [] for name, _ in cases}
+        for _ in range(args.rounds):
+            for name, fn in cases:
+                times[name].append(bench(fn))
+        for name, t in times.items():
+            spread = f"  ({min(t):.2f}-{max(t):.2f} over {len(t)} rounds)" if len(t) > 1 else ""
+            print(f"{name:56} {statistics.median(t):8.3f} ms{spread}")
         lib_fwd()  # out, lse of the dropout-free forward again, for the backward below
+    if args.clocks:
+        clocks(q, k, v, do, scale, args.clocks)
 
     delta = attn_delta(out, do)
     grads = [torch.empty(t.shape, device="cuda") for t in (q, k, v)]

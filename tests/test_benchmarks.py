@@ -121,8 +121,8 @@ def test_block_sparse_loop_prefetches_like_dense(tmp_path, results_untouched):
 
 
 def _rows_by_flag(script: str, tmp_path: Path) -> dict[str, tuple[int, ...]]:
-    """Run ``script`` with benchmarks/ importable; its lines "False ..." and "True ..." as
-    {flag: the integers after it}."""
+    """Run ``script`` with benchmarks/ importable; its lines that start with "False" or
+    "True" as {their first word: the integers after it}."""
     out = _run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(BENCH)!r})\n" + script], tmp_path)
     return dict((flag, tuple(map(int, rest))) for flag, *rest in (line.split() for line in out.splitlines()
                                                                  if line.startswith(("False", "True"))))
@@ -173,23 +173,28 @@ def test_every_masked_variant_fits_hopper_shared_memory(tmp_path):
 
 def test_gluon_forward_attempt_compiles_for_hopper(tmp_path):
     """The warp-specialized Gluon forward of kernel_attempts.py (benchmarks/NOTES.md,
-    "Dropout, seventh round") builds for sm_90 here, with and without dropout: no stack, its
-    shared memory within a Hopper block's, and the dropout bits joined into the
-    accumulator's registers without a layout conversion (the kernel asserts it)."""
+    "Dropout, seventh round" and "eighth round") builds for sm_90 here, without dropout,
+    with it, with the bits drawn by a warp group of their own and with the consumers taking
+    turns: no stack, its shared memory within a Hopper block's, the dropout bits joined into
+    the accumulator's registers without a layout conversion (the kernel asserts it)."""
     import triton
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")):
         pytest.skip("this triton ships no nvdisasm")
     script = ("import re, sass_loops as S, kernel_attempts as K\n"  # sass_loops turns the interpreter off
-              "for drop in (False, True):\n"
-              "    kernel = K.gluon_compile(drop)\n"
+              "for drop, stages, rng, pp in ((False, 3, 0, 0), (True, 3, 0, 0), (True, 2, 1, 0), (True, 3, 0, 1)):\n"
+              "    kernel = K.gluon_compile(drop, stages, 'group' if rng else 'consumers', bool(pp))\n"
               "    usage = S._tool('cuobjdump', kernel.asm['cubin'], '--dump-resource-usage')\n"
               "    sass = S._tool('nvdisasm', kernel.asm['cubin'], '-c')\n"
-              "    print(drop, re.search(r'STACK:(\\d+)', usage).group(1), kernel.metadata.shared,\n"
-              "          sass.count('IMAD.HI'), sass.count('HGMMA'))\n")
+              "    print(f'{drop}-{rng}{pp}', re.search(r'STACK:(\\d+)', usage).group(1), kernel.metadata.shared,\n"
+              "          sass.count('IMAD.HI'), sass.count('HGMMA'), sass.count('SYNCS.ARRIVE'), sass.count('STS'))\n")
     rows = _rows_by_flag(script, tmp_path)
-    for stack, shared, _, hgmma in rows.values():
+    assert len(rows) == 4, rows
+    for stack, shared, _, hgmma, _, _ in rows.values():
         assert stack == 0 and shared <= HOPPER_SHARED_BYTES and hgmma > 0, rows
-    assert rows["True"][2] >= rows["False"][2] + 56, rows  # Philox's 7 rounds x 2 x 4 calls a tile
+    plain, drop, rng, pingpong = (rows[k] for k in ("False-00", "True-00", "True-10", "True-01"))
+    assert drop[2] >= plain[2] + 56, rows  # Philox's 7 rounds x 2 x 4 calls a tile
+    assert rng[2] >= plain[2] + 56 and rng[5] > plain[5] and rng[4] == plain[4] + 1, rows  # the bits group
+    assert pingpong[4] == plain[4] + 2, rows  # each consumer hands the turn to the other
 
 
 def test_layout_picture_covers_every_layout():
