@@ -170,6 +170,16 @@ class Blocks:
                 else block_lists(mask, lo, hi, n_rows, n_cols)
         return self._lists[key]
 
+    def order(self, lo: int, hi: int, n_rows: int, n_cols: int, transpose: bool, tile: int,
+              batch: int, heads: int, group: int = 1, reverse: bool = False) -> torch.Tensor:
+        """``program_order`` of a launch over these lists, kept like them."""
+        key = ("order", lo, hi, n_rows, n_cols, transpose, tile, batch, heads, group, reverse)
+        if key not in self._lists:
+            counts = self.lists(lo, hi, n_rows, n_cols, transpose)[0]
+            self._lists[key] = program_order(counts, -(-n_rows // tile), tile, batch, heads, group,
+                                             reverse)
+        return self._lists[key]
+
 
 _MEMO: dict = {}
 
@@ -230,6 +240,37 @@ def block_lists(blocks: torch.Tensor, lo: int, hi: int, n_rows: int, n_cols: int
     order = torch.argsort(key, dim=-1, stable=True)
     counts = torch.stack([(live & ~every).sum(-1, dtype=torch.int32), full.sum(-1, dtype=torch.int32)])
     return counts.contiguous(), order.to(torch.int32).contiguous()
+
+
+def program_order(counts: torch.Tensor, n_tiles: int, tile: int, batch: int, heads: int,
+                  group: int = 1, reverse: bool = False) -> torch.Tensor:
+    """The order a block-sparse launch runs its programs in: the long ones first.
+
+    A launch's programs are (batch b, head h of ``heads``, tile t of ``tile`` rows), numbered
+    (b * heads + h) * n_tiles + t (its grid (n_tiles, batch * heads), tiles fastest). A
+    program's work is the blocks its row block lists (``block_lists``' counts (2, Hm, R)),
+    summed over the ``group`` list heads it loops over (dK/dV: the query heads of a kv head;
+    Hm is heads * group, or 1 for a mask shared by the heads). Launched in that order, a
+    row that sees many more blocks than the rest (local + global attention's global rows
+    and columns) may start last and run alone at the end of the launch; so the programs
+    with more than twice the mean work run first, and the rest keep the natural order
+    (tiles reversed with ``reverse``: a causal band's longest tiles first), which keeps a
+    head's programs together for the cache. Returns int32 (batch * heads * n_tiles): the
+    number of the program to run at each launch position. Built on the device, without a
+    host synchronization (a CUDA graph may capture it)."""
+    dev = counts.device
+    t = torch.arange(n_tiles, device=dev)
+    if reverse:
+        t = t.flip(0)
+    listed = counts.sum(0)[:, t * tile // BLOCK]  # (Hm, T) in launch order
+    if listed.shape[0] > 1:
+        work = listed.view(heads, group, n_tiles).sum(1)
+    else:
+        work = (listed * group).expand(heads, n_tiles)
+    work = work.repeat(batch, 1).flatten()
+    natural = (torch.arange(batch * heads, device=dev)[:, None] * n_tiles + t[None, :]).flatten()
+    short = work.float() <= 2 * work.float().mean()
+    return natural[torch.argsort(short.to(torch.uint8), stable=True)].to(torch.int32).contiguous()
 
 
 def segment_ranges(rows_seg: torch.Tensor, cols_seg: torch.Tensor) -> torch.Tensor:

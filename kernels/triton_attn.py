@@ -33,6 +33,8 @@ kernel masks all of its tiles (measured faster there, benchmarks/NOTES.md).
               the column blocks it computes, built once per launch (masks.block_lists):
               partial blocks with the predicate, then full ones without. Blocks not
               listed are never loaded, so the work follows the mask's nonzero blocks.
+              The programs whose rows list far more blocks than the rest run first
+              (masks.program_order), so that no long row ends a launch alone.
 
 Layouts: q, o, do (B, Sq, H, D); k, v, dk, dv (B, Sk, Hkv, D), H a multiple of Hkv;
 lse, delta (B, H, Sq). Any of them may be a strided view (last dim contiguous).
@@ -177,13 +179,27 @@ def _load_block(src, off_b, off_h, start, stride_b, stride_s, stride_h, n_rows,
 
 
 @triton.jit
-def _query_tile(BLOCK_M: tl.constexpr, BAND: tl.constexpr):
-    """First row of this program's query tile (program_id(0)). Banded grids run last tile
-    first: under a causal band it sees the most keys, and a launch that ends on short tiles
-    has a short tail (+1-9% on the causal forward, benchmarks/NOTES.md)."""
-    if BAND:
-        return (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
-    return tl.program_id(0) * BLOCK_M
+def _program(ORDER, SPARSE: tl.constexpr):
+    """(tile, batch * heads index) of this program: program_id(0) and (1), or under a block
+    mask the program ORDER names for this launch position (``masks.program_order``: the
+    programs whose rows list many more blocks than the rest run first)."""
+    if SPARSE:
+        n_tiles = tl.num_programs(0)
+        program = tl.load(ORDER + tl.program_id(1) * n_tiles + tl.program_id(0))
+        return program % n_tiles, program // n_tiles
+    return tl.program_id(0), tl.program_id(1)
+
+
+@triton.jit
+def _query_tile(ORDER, BLOCK_M: tl.constexpr, BAND: tl.constexpr, SPARSE: tl.constexpr):
+    """(first row of this program's query tile, batch * heads index). Banded grids run last
+    tile first: under a causal band it sees the most keys, and a launch that ends on short
+    tiles has a short tail (+1-9% on the causal forward, benchmarks/NOTES.md); under a
+    block mask ORDER has that order built in."""
+    tile, bh = _program(ORDER, SPARSE)
+    if BAND and not SPARSE:
+        tile = tl.num_programs(0) - 1 - tile
+    return tile * BLOCK_M, bh
 
 
 @triton.jit
@@ -488,7 +504,7 @@ def _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb, str
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, O_IN, LSE, KSEG, RANGES, COUNTS, INDEX,
+def _fwd_kernel(Q, K, V, O, O_IN, LSE, KSEG, RANGES, COUNTS, INDEX, ORDER,
                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                 stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
                 stride_lb, stride_lh, stride_ksegb, stride_rp, stride_rb,
@@ -500,9 +516,9 @@ def _fwd_kernel(Q, K, V, O, O_IN, LSE, KSEG, RANGES, COUNTS, INDEX,
                 DROPOUT: tl.constexpr, GROUPED: tl.constexpr, SPARSE: tl.constexpr,
                 LIST_STAGES: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
                 TMA: tl.constexpr, POSITIONAL: tl.constexpr):
-    start_m = _query_tile(BLOCK_M, BAND)
-    off_b = tl.program_id(1) // H
-    off_h = tl.program_id(1) % H
+    start_m, bh = _query_tile(ORDER, BLOCK_M, BAND, SPARSE)
+    off_b = bh // H
+    off_h = bh % H
     off_hk = off_h // GROUP
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -609,17 +625,22 @@ def _mask_args(mask, device: torch.device):
     return (lo, hi, mask.q_segments, mask.k_segments, band, True), drop
 
 
-def _sparse_args(mask, lo: int, hi: int, n_rows: int, n_cols: int, transpose: bool, device):
-    """Kernel arguments of a block mask for one kernel: (counts, indices, counts' plane
-    stride, head stride of the lists, index row length) and SPARSE. Rows are queries
-    (forward, dQ) or, with transpose, keys (dK/dV, band negated)."""
+def _sparse_args(mask, lo: int, hi: int, n_rows: int, n_cols: int, transpose: bool, device,
+                 grid: tuple[int, int, int, int], reverse: bool = False):
+    """Kernel arguments of a block mask for one kernel: (counts, indices, program order,
+    counts' plane stride, head stride of the lists, index row length) and SPARSE. Rows are
+    queries (forward, dQ) or, with transpose, keys (dK/dV, band negated). ``grid`` is the
+    launch's (tile rows, batch, heads, list heads a program loops over), ``reverse`` its
+    tiles' natural order reversed (``masks.program_order``)."""
     if mask.blocks is None:
-        return (_stand_in(device), _stand_in(device), 0, 0, 0), False
+        return (_stand_in(device), _stand_in(device), _stand_in(device), 0, 0, 0), False
     if mask.band_on_positions:
         raise ValueError("a block mask cannot be combined with a band on positions")
     counts, index = mask.blocks.lists(lo, hi, n_rows, n_cols, transpose)
+    order = mask.blocks.order(lo, hi, n_rows, n_cols, transpose, *grid, reverse)
     heads, n_row_blocks, n_col_blocks = index.shape
-    return (counts, index, counts.stride(0), n_row_blocks if heads > 1 else 0, n_col_blocks), True
+    return (counts, index, order, counts.stride(0), n_row_blocks if heads > 1 else 0,
+            n_col_blocks), True
 
 
 @triton.jit
@@ -754,11 +775,13 @@ def fwd(q, k, v, out, lse, *, softmax_scale: float, mask, accumulate: bool, out_
     tma = _use_tma(q, k, v)
     (lo, hi, qseg, kseg, band, segments), drop = _mask_args(mask, q.device)
     ranges = _ranges(qseg, kseg, segments)
-    (counts, index, *sparse_strides), sparse = _sparse_args(mask, lo, hi, sq, sk, False, q.device)
+    (counts, index, order, *sparse_strides), sparse = _sparse_args(
+        mask, lo, hi, sq, sk, False, q.device, (cfg["BLOCK_M"], b, h, 1), band)
     grid = (triton.cdiv(sq, cfg["BLOCK_M"]), b * h)
     _fwd_kernel[grid](
         _source(q, cfg["BLOCK_M"], bd, tma), _source(k, cfg["BLOCK_N"], bd, tma),
-        _source(v, cfg["BLOCK_N"], bd, tma), out, _or(out_partial, out), lse, kseg, ranges, counts, index,
+        _source(v, cfg["BLOCK_N"], bd, tma), out, _or(out_partial, out), lse, kseg, ranges, counts,
+        index, order,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1), kseg.stride(0), ranges.stride(0), ranges.stride(1),
@@ -862,7 +885,7 @@ def _store_grad(OUT, IN, offsets, mask, grad, ACCUMULATE: tl.constexpr):
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DK_IN, DV_IN, RANGES, COUNTS, INDEX,
+def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DK_IN, DV_IN, RANGES, COUNTS, INDEX, ORDER,
                  stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                  stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
                  stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
@@ -877,9 +900,10 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DK_IN, DV_IN, RANGES, COUNTS, 
                  POSITIONAL: tl.constexpr, QUERY_MAJOR: tl.constexpr = False):
     """One key tile of one kv head; loops over the query heads of its group and over
     the query tiles that see it, so dK and dV are written once, without atomics."""
-    start_n = tl.program_id(0) * BLOCK_N
-    off_b = tl.program_id(1) // HKV
-    off_hk = tl.program_id(1) % HKV
+    tile, bh = _program(ORDER, SPARSE)
+    start_n = tile * BLOCK_N
+    off_b = bh // HKV
+    off_hk = bh % HKV
     cols = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
@@ -978,7 +1002,7 @@ def _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DQ_IN, KSEG, RANGES, COUNTS, INDEX,
+def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DQ_IN, KSEG, RANGES, COUNTS, INDEX, ORDER,
                stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
                stride_dqb, stride_dqs, stride_dqh,
@@ -992,9 +1016,9 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DQ_IN, KSEG, RANGES, COUNTS, INDEX,
                DROPOUT: tl.constexpr, GROUPED: tl.constexpr, SPARSE: tl.constexpr,
                LIST_STAGES: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
                POSITIONAL: tl.constexpr):
-    start_m = _query_tile(BLOCK_M, BAND)
-    off_b = tl.program_id(1) // H
-    off_h = tl.program_id(1) % H
+    start_m, bh = _query_tile(ORDER, BLOCK_M, BAND, SPARSE)
+    off_b = bh // H
+    off_h = bh % H
     off_hk = off_h // GROUP
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -1063,18 +1087,21 @@ def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask, accu
     stat_strides = (lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1))
     if dk is not None:  # key tiles outer: q and do are read in BLOCK_M rows, k and v once
         ranges = _ranges(kseg, qseg, segments)
-        (counts, index, *sparse_strides), _ = _sparse_args(mask, lo, hi, sk, sq, True, q.device)
+        (counts, index, order, *sparse_strides), _ = _sparse_args(
+            mask, lo, hi, sk, sq, True, q.device, (dkdv_cfg["BLOCK_N"], b, hkv, h // hkv))
         _dkdv_kernel[(triton.cdiv(sk, dkdv_cfg["BLOCK_N"]), b * hkv)](
             q, k, v, do, lse, delta, dk, dv, _or(partials[1], dk), _or(partials[2], dv), ranges,
-            counts, index, *qkv_strides,
+            counts, index, order, *qkv_strides,
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
             *stat_strides, ranges.stride(0), ranges.stride(1), hkv, *scalars, *sparse_strides,
             LIST_STAGES=list_stages(dkdv_cfg, common["SPARSE"]), **common, **dkdv_cfg)
     if dq is not None:  # query tiles outer: k and v are read in BLOCK_N rows
         ranges = _ranges(qseg, kseg, segments)
-        (counts, index, *sparse_strides), _ = _sparse_args(mask, lo, hi, sq, sk, False, q.device)
+        (counts, index, order, *sparse_strides), _ = _sparse_args(
+            mask, lo, hi, sq, sk, False, q.device, (dq_cfg["BLOCK_M"], b, h, 1), band)
         _dq_kernel[(triton.cdiv(sq, dq_cfg["BLOCK_M"]), b * h)](
-            q, k, v, do, lse, delta, dq, _or(partials[0], dq), kseg, ranges, counts, index, *qkv_strides,
+            q, k, v, do, lse, delta, dq, _or(partials[0], dq), kseg, ranges, counts, index, order,
+            *qkv_strides,
             dq.stride(0), dq.stride(1), dq.stride(2), *stat_strides, kseg.stride(0),
             ranges.stride(0), ranges.stride(1), h,
             *scalars, *sparse_strides,

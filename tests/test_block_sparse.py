@@ -14,7 +14,7 @@ from oracle import F32, TOL, global_mask, oracle_results, rel_err, with_blocks
 
 import ringflash
 from ringflash.kernels import block_sparse, flash_attn
-from ringflash.kernels.masks import BAND_INF, BLOCK, block_lists
+from ringflash.kernels.masks import BAND_INF, BLOCK, block_lists, program_order
 from ringflash.layouts import active_steps, occupied_chunks
 from test_dropout import dropped
 from test_masks import _impl, _inputs, _run_flash_attn, segments
@@ -115,6 +115,44 @@ def test_block_lists_classify_and_order():
     assert counts.tolist() == [[[0, 1, 2]], [[2, 2, 0]]]
     assert index[0, 0, :2].tolist() == [0, 1] and index[0, 1, :3].tolist() == [2, 0, 1]
     assert index[0, 2, :2].tolist() == [0, 2]
+
+
+def test_program_order_runs_long_rows_first():
+    """A launch's programs, permuted: those whose rows list more than twice the mean blocks
+    first (local + global's global row), the rest in the natural order (tiles reversed when
+    asked); dK/dV programs count the lists of every query head they loop over."""
+    n = 6
+    lg = block_sparse.local_global_block_mask(n * BLOCK, local_blocks=1, global_blocks=1)
+    counts, _ = block_lists(lg, -BAND_INF, BAND_INF, n * BLOCK, n * BLOCK)  # rows: 6, 2, 2, ...
+    order = program_order(counts, 2 * n, BLOCK // 2, batch=2, heads=3).tolist()  # 64-row tiles
+    first = [bh * 2 * n + t for bh in range(6) for t in (0, 1)]  # row block 0's two tiles
+    assert order == first + [p for p in range(6 * 2 * n) if p not in first]
+    assert program_order(counts, n, BLOCK, 1, 1, reverse=True).tolist() == [0, 5, 4, 3, 2, 1]
+    even, _ = block_lists(torch.ones(1, n, n, dtype=torch.bool), -BAND_INF, BAND_INF, n * BLOCK, n * BLOCK)
+    assert program_order(even, n, BLOCK, 1, 2).tolist() == list(range(2 * n))
+    # per-head lists: only head 1's global row is long; a kv head of 2 query heads sums them
+    per_head = torch.stack([torch.eye(n, dtype=torch.bool), lg[0]])
+    counts, _ = block_lists(per_head, -BAND_INF, BAND_INF, n * BLOCK, n * BLOCK)
+    assert program_order(counts, n, BLOCK, 1, 2).tolist() == [6] + [p for p in range(2 * n) if p != 6]
+    counts, _ = block_lists(torch.stack([lg[0], lg[0]]), -BAND_INF, BAND_INF, n * BLOCK, n * BLOCK)
+    assert program_order(counts, n, BLOCK, 1, 1, group=2).tolist()[:1] == [0]
+    assert program_order(counts[:, :1], n, BLOCK, 1, 1, group=2).tolist()[:1] == [0]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_long_rows_first_matches_oracle(causal, monkeypatch):
+    """The Triton kernels (interpreted) with programs out of their natural order: a global
+    row and column among short band rows, six blocks."""
+    device = _impl("triton", monkeypatch)
+    s, h, hkv = 6 * BLOCK - 20, 2, 1
+    q, k, v, dout = _inputs(1, s, h, hkv, 16, F32, device, seed=11)
+    bm = block_sparse.local_global_block_mask(s, local_blocks=1, global_blocks=1)
+    counts, _ = block_lists(bm, -BAND_INF, BAND_INF, s, s)
+    assert program_order(counts, 6, BLOCK, 1, h).tolist()[:2] == [0, 6]  # reordered
+    got = _run_flash_attn(q, k, v, dout, causal=causal, block_mask=bm.to(device))
+    want = oracle_results(q, k, v, dout, with_blocks(global_mask(s, causal), bm, s))
+    for key, a in zip(want, got):
+        assert rel_err(a, want[key]) <= TOL[F32], key
 
 
 def test_helpers():

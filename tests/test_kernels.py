@@ -338,9 +338,10 @@ def test_launches_share_one_stand_in_for_unused_pointers():
     pointers (no allocation and fill kernel per launch), and a launch with them passes theirs."""
     device = torch.device(TRITON_DEVICE)
     (_, _, qseg, kseg, _, segments), _ = triton_attn._mask_args(PairMask(), device)
-    (counts, index, *_), sparse = triton_attn._sparse_args(PairMask(), 0, 0, 8, 8, False, device)
+    (counts, index, order, *_), sparse = triton_attn._sparse_args(PairMask(), 0, 0, 8, 8, False,
+                                                                    device, (16, 1, 1, 1))
     assert not segments and not sparse
-    assert qseg is kseg is counts is index is triton_attn._stand_in(device)
+    assert qseg is kseg is counts is index is order is triton_attn._stand_in(device)
     ids = torch.zeros(1, 8, dtype=torch.int32, device=device)
     (_, _, qseg, _, _, segments), _ = triton_attn._mask_args(PairMask(q_segments=ids, k_segments=ids), device)
     assert segments and qseg is ids
