@@ -114,9 +114,11 @@ def block_mask_from_mask_mod(mask_mod: Callable, *, heads: int, seqlen_q: int,
     kv = torch.arange(nk * BLOCK, device=device)
     some = torch.empty(heads, nq, nk, dtype=torch.bool, device=device)
     every = torch.empty_like(some)
-    for a in range(nq):
+    kv_ids = kv.clamp(max=seqlen_k - 1)  # the mask_mod sees real positions only; ``inside``
+    for a in range(nq):                   # drops the ragged last blocks' padding
         q = torch.arange(a * BLOCK, (a + 1) * BLOCK, device=device)
-        ok = torch.as_tensor(mask_mod(b, h, q[None, :, None], kv[None, None, :]), device=device)
+        ok = torch.as_tensor(mask_mod(b, h, q.clamp(max=seqlen_q - 1)[None, :, None],
+                                      kv_ids[None, None, :]), device=device)
         ok = ok.expand(heads, BLOCK, nk * BLOCK)
         inside = (q[:, None] < seqlen_q) & (kv[None, :] < seqlen_k)  # ragged last blocks
         ok = (ok & inside).view(heads, BLOCK, nk, BLOCK)
@@ -130,8 +132,14 @@ def block_mask_from_mask_mod(mask_mod: Callable, *, heads: int, seqlen_q: int,
 
 
 def expand_block_mask(block_mask: torch.Tensor, seqlen_q: int, seqlen_k: Optional[int] = None):
-    """The element mask (heads or 1, seqlen_q, seqlen_k) bool of a block mask."""
+    """The element mask (heads or 1, seqlen_q, seqlen_k) bool of a block mask
+    (heads or 1, cdiv(seqlen_q, BLOCK), cdiv(seqlen_k, BLOCK))."""
     seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
+    want = (_blocks(seqlen_q, "seqlen_q"), _blocks(seqlen_k, "seqlen_k"))
+    if not isinstance(block_mask, torch.Tensor) or block_mask.dim() != 3 or tuple(block_mask.shape[1:]) != want:
+        raise ValueError(f"block_mask must be (heads or 1, {want[0]}, {want[1]}) for seqlen_q {seqlen_q} "
+                         f"and seqlen_k {seqlen_k} over blocks of {BLOCK}, got "
+                         f"{tuple(getattr(block_mask, 'shape', ())) or type(block_mask).__name__}")
     rows = torch.arange(seqlen_q, device=block_mask.device) // BLOCK
     cols = torch.arange(seqlen_k, device=block_mask.device) // BLOCK
     return block_mask[:, rows][:, :, cols]

@@ -105,9 +105,16 @@ def dropout_keep_mask(seed: int, p: float, batch: int, heads: int, seqlen_q: int
     scaled by ``keep_scale(p)``). Positions default to 0..seqlen-1 (the full sequence);
     pass a shard's ``ringflash.positions`` to get that rank's rows or columns. For tests
     and for checking runs at small sizes: it is O(batch * heads * seqlen_q * seqlen_k)."""
+    from .interface import check_dropout  # interface imports this module
+    if seed is None:
+        raise TypeError("seed must be an int: the one a run used (flash_attn's seed=)")
+    p, seed = check_dropout(p, seed)
     seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
     qp = torch.arange(seqlen_q) if q_positions is None else torch.as_tensor(q_positions).cpu()
     kp = torch.arange(seqlen_k) if k_positions is None else torch.as_tensor(k_positions).cpu()
+    for name, pos, n in (("q_positions", qp, seqlen_q), ("k_positions", kp, seqlen_k)):
+        if pos.shape != (n,):
+            raise ValueError(f"{name} must be ({n},) for seqlen {n}, got {tuple(pos.shape)}")
     b = torch.arange(batch)[:, None, None, None]
     h = torch.arange(heads)[None, :, None, None]
     mask = keep(seed, p, b, h, qp[None, None, :, None], kp[None, None, None, :])

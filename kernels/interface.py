@@ -15,10 +15,11 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import reference, triton_attn
-from .masks import BLOCK, NO_MASK, Blocks, PairMask, band_of_window, tensor_memo
+from .masks import BAND_INF, BLOCK, NO_MASK, Blocks, PairMask, band_of_window, tensor_memo
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
+_INT32_MAX = 2 ** 31 - 1
 
 
 def _backend(t: torch.Tensor):
@@ -43,6 +44,8 @@ def check_qkv(q, k, v) -> None:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"q and k must have the same batch size, got {q.shape[0]} and {k.shape[0]}")
+    if q.shape[0] == 0:
+        raise ValueError("batch must be at least 1, got 0")
     if q.shape[3] != k.shape[3]:
         raise ValueError(f"q and k must have the same head_dim, got {q.shape[3]} and {k.shape[3]}")
     if not 1 <= q.shape[3] <= MAX_HEAD_DIM:
@@ -72,14 +75,16 @@ def check_causal(causal) -> bool:
 
 
 def check_window(window_size) -> tuple[int, int]:
-    """(left, right), each an int >= -1 (-1: unbounded on that side)."""
+    """(left, right), each an int >= -1 (-1: unbounded on that side). A side of 2**30
+    tokens or more reaches past any sequence the kernels take and becomes -1: the kernels'
+    band arithmetic is int32."""
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
             or any(isinstance(w, bool) or not isinstance(w, int) for w in window_size)):
         raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
     left, right = window_size
     if left < -1 or right < -1:
         raise ValueError(f"window_size values must be >= -1 (-1: unbounded), got {tuple(window_size)}")
-    return int(left), int(right)
+    return tuple(-1 if w >= BAND_INF else int(w) for w in (left, right))
 
 
 def check_segment_ids(segment_ids, batch: int, seqlen: int, device: torch.device,
@@ -103,9 +108,13 @@ def check_segment_ids(segment_ids, batch: int, seqlen: int, device: torch.device
         return segment_ids.to(torch.int32).contiguous()
 
     def checked():
+        # Range first, on the ids as given: an int64 id past int32 would wrap in the cast.
+        wide = segment_ids.long()
+        low, high = bool((wide < -1).any()), bool((wide > _INT32_MAX).any())
+        if low or high:
+            raise ValueError(f"{name} must be >= -1 (-1 marks padding) and fit in int32 "
+                             f"(<= {_INT32_MAX}), got {'a smaller' if low else 'a larger'} id")
         ids = segment_ids.to(torch.int32).contiguous()
-        if bool((ids < -1).any()):
-            raise ValueError(f"{name} must be >= -1 (-1 marks padding), got a smaller id")
         if bool(((ids >= 0) & (ids < torch.cummax(ids, dim=1).values)).any()):
             raise ValueError(f"{name} must not decrease along the sequence outside padding "
                              "(every document one contiguous run of equal ids)")
@@ -127,10 +136,11 @@ def check_deterministic(deterministic) -> bool:
 
 
 def check_block_mask(block_mask, heads: int, seqlen_q: int, seqlen_k: int,
-                     device: torch.device) -> Optional[torch.Tensor]:
+                     device: torch.device, lengths: str = "seqlen_q, seqlen_k") -> Optional[torch.Tensor]:
     """None, or a bool (heads or 1, cdiv(seqlen_q, BLOCK), cdiv(seqlen_k, BLOCK)) tensor on
-    ``device`` (seqlen_* GLOBAL lengths), returned contiguous. Block (a, c) covers queries
-    [a * BLOCK, (a + 1) * BLOCK) and keys [c * BLOCK, (c + 1) * BLOCK); BLOCK = 128."""
+    ``device`` (seqlen_* GLOBAL lengths, called ``lengths`` in the error), returned
+    contiguous. Block (a, c) covers queries [a * BLOCK, (a + 1) * BLOCK) and keys
+    [c * BLOCK, (c + 1) * BLOCK); BLOCK = 128."""
     if block_mask is None:
         return None
     if not isinstance(block_mask, torch.Tensor):
@@ -139,12 +149,18 @@ def check_block_mask(block_mask, heads: int, seqlen_q: int, seqlen_k: int,
         raise TypeError(f"block_mask must be a bool tensor, got {block_mask.dtype}")
     want = (-(-seqlen_q // BLOCK), -(-seqlen_k // BLOCK))
     if block_mask.dim() != 3 or block_mask.shape[0] not in (1, heads) or tuple(block_mask.shape[1:]) != want:
-        raise ValueError(f"block_mask must have shape (heads or 1, seqlen_q / {BLOCK}, seqlen_k / {BLOCK}) "
+        first, second = lengths.split(", ")
+        raise ValueError(f"block_mask must have shape (heads or 1, {first} / {BLOCK}, {second} / {BLOCK}) "
                          f"= ({heads} or 1, {want[0]}, {want[1]}) over blocks of {BLOCK} tokens, "
                          f"got {tuple(block_mask.shape)}")
     if block_mask.device != device:
         raise ValueError(f"block_mask must be on q's device {device}, got {block_mask.device}")
-    return block_mask.contiguous()
+    if block_mask.is_contiguous():
+        return block_mask
+    # A strided mask (say one head's expanded to every head) is copied once while the same
+    # tensor returns unmodified: the caches keyed on the copy (checksum, ring plan, index
+    # lists, each with a host synchronization) then hold from call to call.
+    return tensor_memo(block_mask, ("contiguous",), block_mask.contiguous)
 
 
 def check_dropout(dropout_p, seed) -> tuple[float, int]:
@@ -164,15 +180,20 @@ def check_dropout(dropout_p, seed) -> tuple[float, int]:
     return float(dropout_p), seed
 
 
+def _unit_last(t: torch.Tensor) -> bool:
+    """The last dimension is contiguous (a dimension of one element has any stride)."""
+    return t.stride(-1) == 1 or t.shape[-1] == 1
+
+
 def _rowmajor(t: torch.Tensor) -> torch.Tensor:
     """The kernels take any strides but need the last dimension contiguous."""
-    return t if t.stride(-1) == 1 else t.contiguous()
+    return t if _unit_last(t) else t.contiguous()
 
 
 def _check_outputs(**tensors) -> None:
     """Destinations the kernels write through strides: the last one must be 1."""
     for name, t in tensors.items():
-        if t is not None and t.stride(-1) != 1:
+        if t is not None and not _unit_last(t):
             raise ValueError(f"{name} must have a contiguous last dimension, got strides {t.stride()}")
 
 

@@ -69,6 +69,12 @@ def _grouped(q, kv_heads):
     return q.view(b, s, kv_heads, h // kv_heads, d)
 
 
+# The twin computes in fp32 whatever autocast says, as the Triton kernels ignore it: under
+# torch.autocast("cpu", torch.bfloat16) its einsums would otherwise run in bf16.
+_FP32 = torch.autocast("cpu", enabled=False)
+
+
+@_FP32
 def fwd(q, k, v, out, lse, *, softmax_scale: float, mask: PairMask, accumulate: bool,
         out_partial=None):
     """Write (or merge into) out (B, Sq, H, D) and lse (B, H, Sq) for this block pair;
@@ -109,6 +115,7 @@ def delta(out, do):
     return (out.float() * do.float()).sum(dim=-1).transpose(1, 2).contiguous()
 
 
+@_FP32
 def bwd(do, q, k, v, lse, delta_, dq, dk, dv, *, softmax_scale: float, mask: PairMask,
         accumulate: bool, partials=(None, None, None)):
     """Write (or add into) dq, dk, dv for this block pair, from the FINAL lse and delta;

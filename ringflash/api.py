@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import os
 import struct
 
@@ -113,7 +114,8 @@ def _check_local(q, k, v, causal, layout, softmax_scale, window_size, segment_id
     if layout == "block_stripe" and q.shape[1] % BLOCK:
         raise ValueError(f"layout 'block_stripe' needs seqlen_local a multiple of {BLOCK} (whole "
                          f"blocks a rank), got {q.shape[1]}")
-    blocks = check_block_mask(block_mask, q.shape[2], seqlen, seqlen, q.device)
+    blocks = check_block_mask(block_mask, q.shape[2], seqlen, seqlen, q.device,
+                              "global seqlen (W x seqlen_local), global seqlen")
     if blocks is not None:
         check_block_layout(layout, world, q.shape[1], BLOCK)
         if layout == "block_stripe" and band_of_window(causal, window) not in ((None, None), (None, 0)):
@@ -218,11 +220,29 @@ def _check_local_on_every_rank(*args, group):
         raise  # not reached: _check_ranks_agree raises ``error``
 
 
-def _check_dim(x: torch.Tensor, dim: int) -> int:
+def _int(value, name: str) -> int:
+    """``value`` as an int (numpy integers too); TypeError naming ``name`` otherwise."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+
+
+def _positive_int(value, name: str) -> int:
+    value = _int(value, name)
+    if value < 1:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return value
+
+
+def _check_dim(x: torch.Tensor, dim: int, name: str = "x") -> int:
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
-        raise ValueError(f"dim must be an int in [{-x.dim()}, {x.dim()}), got {dim!r}")
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    dim = _int(dim, "dim")
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim must be in [{-x.dim()}, {x.dim()}) for {name} of {x.dim()} dimensions, got {dim}")
     return dim % x.dim()
 
 
@@ -230,10 +250,9 @@ def positions(seqlen: int, layout: str = DEFAULT_LAYOUT, group=None, *, device=N
     """Global token ids of this rank's tokens, in local order (int64, (seqlen // W,)).
 
     For rotary embeddings, labels and masks. ``seqlen`` is the GLOBAL length; it must
-    be a multiple of W (2W for zigzag).
+    be a multiple of W (2W for zigzag, 128 W for block_stripe).
     """
-    if isinstance(seqlen, bool) or not isinstance(seqlen, int) or seqlen < 1:
-        raise ValueError(f"seqlen must be a positive int, got {seqlen!r}")
+    seqlen = _positive_int(seqlen, "seqlen")
     layout = check_layout(layout)
     ring = Ring(group)
     return global_positions(seqlen, layout, ring.rank, ring.world).to(device)
@@ -256,7 +275,7 @@ def unshard(x_local: torch.Tensor, dim: int = 1, layout: str = DEFAULT_LAYOUT, g
     i.e. a loss computed from the gathered tensor counts once, as on one device (every
     rank computes the same loss; gradients summed over the group, as ever).
     """
-    dim = _check_dim(x_local, dim)
+    dim = _check_dim(x_local, dim, "x_local")
     layout = check_layout(layout)
     if torch.is_grad_enabled() and x_local.requires_grad:
         return _Unshard.apply(x_local, dim, layout, group)
@@ -305,8 +324,7 @@ def segment_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, seqlen: int, layout: s
         raise ValueError("cu_seqlens must be a 1-D tensor [0, end_0, end_1, ...]")
     if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
         raise TypeError(f"cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
-    if isinstance(seqlen, bool) or not isinstance(seqlen, int) or seqlen < 1:
-        raise ValueError(f"seqlen must be a positive int, got {seqlen!r}")
+    seqlen = _positive_int(seqlen, "seqlen")
     bounds = cu_seqlens.cpu().long()
     if bounds[0] != 0 or (bounds[1:] < bounds[:-1]).any() or bounds[-1] > seqlen:
         raise ValueError(f"cu_seqlens must start at 0, not decrease and end at most at seqlen "
@@ -321,7 +339,10 @@ def segment_ids_from_position_ids(position_ids: torch.Tensor, layout: str = DEFA
                                   group=None) -> torch.Tensor:
     """This rank's (batch, seqlen // W) segment ids from FULL-sequence position ids
     (batch, seqlen) that restart at 0 at every document (Hugging Face packing): a new
-    document starts wherever the position is 0. Shard the tokens with the same layout."""
+    document starts wherever the position is 0. Shard the tokens with the same layout.
+    (``ringflash.hf.segment_ids_of`` takes transformers' wider rule: a document starts
+    wherever the position does not grow by one, so [0 1 2 7 8] is two documents there and
+    one here.)"""
     if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2:
         raise ValueError("position_ids must be a (batch, seqlen) tensor of the full sequence")
     if position_ids.dtype.is_floating_point or position_ids.dtype == torch.bool:

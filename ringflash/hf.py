@@ -123,7 +123,7 @@ def prepare_batch(sp: SequenceParallel, input_ids: torch.Tensor, *,
     Args:
         sp: the sequence-parallel group and layout.
         input_ids: (batch, seqlen) of the WHOLE sequences, the same on every rank;
-            seqlen a multiple of W (2W for zigzag).
+            seqlen a multiple of W (2W for zigzag, 128 W for block_stripe).
         labels: (batch, seqlen) unshifted, as for the unsharded model (``ignore_index``
             where no loss is wanted), or None for no loss.
         attention_mask: (batch, seqlen), 0 at padding; None for no padding.
@@ -145,9 +145,10 @@ def prepare_batch(sp: SequenceParallel, input_ids: torch.Tensor, *,
     device = input_ids.device if device is None else torch.device(device)
     if position_ids is None:
         position_ids = torch.arange(seqlen, device=input_ids.device)
-    position_ids = position_ids.expand(batch, seqlen) if position_ids.dim() == 1 else position_ids
-    if position_ids.shape[-1] != seqlen or position_ids.shape[0] not in (1, batch):
-        raise ValueError(f"position_ids must be (batch or 1, {seqlen}), got {tuple(position_ids.shape)}")
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() not in (1, 2) or \
+            position_ids.shape[-1] != seqlen or (position_ids.dim() == 2 and position_ids.shape[0] not in (1, batch)):
+        raise ValueError(f"position_ids must be (batch or 1, {seqlen}) or ({seqlen},), got "
+                         f"{tuple(getattr(position_ids, 'shape', ())) or type(position_ids).__name__}")
     position_ids = position_ids.expand(batch, seqlen)
     if attention_mask is not None and attention_mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask must be {tuple(input_ids.shape)} (batch, seqlen), "

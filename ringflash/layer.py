@@ -48,7 +48,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from . import api
 from .exchange import Ring
 from .groups import resolve_group
-from .kernels import check_deterministic, check_dropout, check_window
+from .kernels import check_causal, check_deterministic, check_dropout, check_window
 from .layouts import DEFAULT_LAYOUT, check_layout
 
 
@@ -140,11 +140,9 @@ class RingSelfAttention(nn.Module):
             head_dim = d_model // num_heads
         if head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {head_dim}")
-        if not isinstance(causal, bool):
-            raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
         self.d_model, self.num_heads, self.num_kv_heads, self.head_dim = (
             d_model, num_heads, num_kv_heads, head_dim)
-        self.causal = causal
+        self.causal = check_causal(causal)
         self.layout = check_layout(layout)
         self.window_size = check_window(window_size)
         self.dropout_p, _ = check_dropout(dropout_p, 0)

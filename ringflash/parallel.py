@@ -48,7 +48,7 @@ class SequenceParallel:
             "stripe" or "block_stripe" (packed documents); see ``ringflash.shard``.
 
     Tensors are split along ``dim`` (default 1, the sequence of (batch, seq, ...)); the
-    global length must be a multiple of W (2W for zigzag).
+    global length must be a multiple of W (2W for zigzag, 128 W for block_stripe).
     """
 
     def __init__(self, group=None, layout: str = DEFAULT_LAYOUT):

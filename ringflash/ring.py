@@ -6,9 +6,10 @@ src = (r - s) mod W. Before computing step s it posts the send of that shard to 
 and the receive of the next one from r-1, then runs the layout's block pairs for
 (r, src) through the local kernel. Merging is the kernel's own epilogue: it merges its
 block's softmax state with the running (out, lse), kept in fp32 until the last step, whose
-kernels read those sums and write out in q's dtype (dQ, and dK/dV on a ring of two, the
+kernels read those sums and write out in q's dtype (dQ, and dK/dV when two steps run, the
 same way in the backward). The own shard leaves from k and v themselves; later shards
-arrive in one buffer (a ring of two) or two taking turns.
+arrive in one buffer (two active steps: a ring of two, or a wider ring whose window or
+local block mask stops the shards after one hop) or two taking turns.
 
 Masks are data on the way: the band on global positions (causal, sliding window) becomes
 each pair's band of local indices, or stays on positions where the rows jump
@@ -28,7 +29,7 @@ step (it left r-1 once r-1 had finished its previous step): the gradient buffer 
 one step behind the K/V it belongs to. Each step runs the dQ pass first, which needs
 nothing in flight and so hides the transfer, then adds the dK/dV pass straight into the
 arrived sum. The last trip takes each sum home while the owner runs its own dK/dV pass,
-and the owner adds the two. On a ring of two whose remote step is large (causal, packed
+and the owner adds the two. When two steps run and the remote one is large (causal, packed
 documents: not a window's sliver), the remote dK/dV pass runs first instead, its dQ pass
 hides the trip home, and the own dK/dV pass adds the arrived sum as it writes; both dK/dV
 passes run in two halves of key rows (``layouts.step_pieces``), so the first half's sum

@@ -178,6 +178,14 @@ def test_helpers():
                                                    seqlen_q=300, partial=True)
     assert torch.equal(causal, torch.ones(2, 3, 3, dtype=torch.bool).tril())
     assert torch.equal(block_sparse.expand_block_mask(m, 1000)[:, ::BLOCK, ::BLOCK], m)
+    for seqlen in (100, 2000):  # 1 or 16 blocks, not m's 8
+        with pytest.raises(ValueError, match="block_mask must be"):
+            block_sparse.expand_block_mask(m, seqlen)
+    # a mask_mod that indexes tensors of seqlen entries: called on real positions only
+    doc = torch.tensor([0] * 100 + [1] * 200)
+    ragged = block_sparse.block_mask_from_mask_mod(lambda b, h, q, k: doc[q] == doc[k], heads=1,
+                                                   seqlen_q=300, partial=True)
+    assert torch.equal(ragged, torch.ones(1, 3, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="density"):
         block_sparse.random_block_mask(1024, 1.5)
 
@@ -239,6 +247,28 @@ def test_ring_sees_a_mask_changed_in_place():
         assert rel_err(got, want) <= 1e-6, step
         assert rel_err(flash_attn(q, k, v, block_mask=bm), want) <= 1e-6, step  # flash_attn's memo too
         bm[:, step + 1, : step + 1] = False  # in place: the version counter moves
+
+
+def test_strided_mask_is_copied_once():
+    """A mask expanded over the heads is copied to contiguous memory once while it returns
+    unmodified, so the caches keyed on the copy hold across calls; an in-place change of
+    its base gives a fresh copy, and the copy goes with the mask."""
+    import gc
+    import weakref
+
+    from ringflash.kernels.interface import check_block_mask
+    base = torch.ones(1, 4, 4, dtype=torch.bool)
+    bm = base.expand(2, 4, 4)
+    first = check_block_mask(bm, 2, 4 * BLOCK, 4 * BLOCK, torch.device("cpu"))
+    assert first.is_contiguous() and check_block_mask(bm, 2, 4 * BLOCK, 4 * BLOCK, torch.device("cpu")) is first
+    base[0, 0, 1] = False  # the view shares its base's version counter
+    second = check_block_mask(bm, 2, 4 * BLOCK, 4 * BLOCK, torch.device("cpu"))
+    assert second is not first and not second[:, 0, 1].any()
+    assert check_block_mask(base, 1, 4 * BLOCK, 4 * BLOCK, torch.device("cpu")) is base
+    copy = weakref.ref(second)
+    del bm, first, second
+    gc.collect()
+    assert copy() is None
 
 
 # ----------------------------------------------------------------------------- the ring

@@ -199,6 +199,15 @@ def test_bad_dropout_arguments(p, seed, error):
     q = torch.randn(1, 8, 2, 16)
     with pytest.raises(error, match="dropout_p|seed"):
         flash_attn(q, q, q, dropout_p=p, seed=seed)
+    with pytest.raises(error, match="dropout_p|seed"):  # the helper refuses what the kernels do
+        dropout_keep_mask(seed, p, 1, 2, 8)
+
+
+def test_keep_mask_positions_must_match_lengths():
+    with pytest.raises(ValueError, match="q_positions"):
+        dropout_keep_mask(1, 0.1, 1, 2, 8, q_positions=torch.arange(4))
+    with pytest.raises(TypeError, match="seed"):
+        dropout_keep_mask(None, 0.1, 1, 2, 8)
 
 
 @pytest.mark.parametrize("impl", ["twin", "triton"])

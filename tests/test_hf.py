@@ -192,6 +192,17 @@ def test_unpadded_single_sequences_need_no_segments():
     assert seg.tolist() == [[0, 0, 0, 1, 1, -1]]
 
 
+@pytest.mark.parametrize("position_ids", [torch.arange(7), torch.arange(8)[None, None],
+                                          torch.arange(8).expand(3, 8), [0] * 8],
+                         ids=["short-1d", "3d", "batch-3", "list"])
+def test_bad_position_ids_raise_naming_them(position_ids):
+    """Checked before anything is expanded or sharded (a short 1-D tensor used to reach
+    torch's expand error instead)."""
+    with pytest.raises(ValueError, match="position_ids must be"):
+        ringflash.hf.prepare_batch(ringflash.SequenceParallel(), torch.zeros(2, 8, dtype=torch.long),
+                                   position_ids=position_ids)
+
+
 def test_flash_in_the_name_is_refused():
     with pytest.raises(ValueError, match="flash"):
         ringflash.hf.register("ring_flash_attn")

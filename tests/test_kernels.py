@@ -391,6 +391,39 @@ def test_block_entry_points_on_cpu():
         flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, None, softmax_scale=1.0)
 
 
+@pytest.mark.parametrize("impl", ["twin", "triton"])
+def test_one_query_row(impl, monkeypatch):
+    """seqlen_q = 1 (a decoding step) through flash_attn's backward: lse and delta then have a
+    last dimension of one element, whose stride is anything (the twin's delta used to be
+    refused as not contiguous)."""
+    if impl == "triton" and not HAS_CUDA:
+        monkeypatch.setattr(interface, "_backend", lambda t: triton_attn)
+    device = TRITON_DEVICE if impl == "triton" else "cpu"
+    case = Case(1, 1, 37, 4, 2, 16)
+    q, k, v, dout = (t.requires_grad_() for t in make_inputs(case, F32, device))
+    out, lse = flash_attn(q, k, v, return_lse=True)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert_matches_oracle(case, (q.detach(), k.detach(), v.detach(), dout), (out.detach(), lse.detach(), *grads))
+
+
+def test_cpu_autocast_leaves_the_twin_in_its_dtype():
+    """The twin computes as the Triton kernels do, in q's dtype with fp32 sums, whatever
+    torch.autocast("cpu") says: inside a bf16 autocast region fp32 inputs give the same bits
+    (the einsums were downcast to bf16 before, errors ~1e-2)."""
+    case = Case(1, 40, 40, 2, 1, 32, 0)
+    q, k, v, dout = (t.requires_grad_() for t in make_inputs(case, F32, "cpu"))
+
+    def run():
+        out = flash_attn(q, k, v, causal=True)
+        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+    want = run()
+    with torch.autocast("cpu", dtype=BF16):
+        got = run()
+    assert got[0].dtype == F32
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 # ----------------------------------------------------------------------------- the differentiable op
 
 OP_CASES = [  # (case, causal); causal means offset 0, top-left aligned
@@ -583,6 +616,7 @@ BAD_INPUTS = [  # id, (q, k, v), kwargs, exception, the argument the message mus
     ("zero-kv-heads", lambda: (_t(*Q), _t(1, 8, 0, 16), _t(1, 8, 0, 16)), {}, ValueError, r"\bheads\b"),
     ("head_dim-over-256", lambda: (_t(1, 8, 2, 264), _t(1, 8, 1, 264), _t(1, 8, 1, 264)), {},
      ValueError, r"\bhead_dim\b"),
+    ("batch-0", lambda: (_t(0, 8, 2, 16), _t(0, 8, 1, 16), _t(0, 8, 1, 16)), {}, ValueError, r"\bbatch\b"),
     ("seqlen_q-0", lambda: (_t(1, 0, 2, 16), _t(*KV), _t(*KV)), {}, ValueError, r"\bseqlen\b"),
     ("seqlen_k-0", lambda: (_t(*Q), _t(1, 0, 1, 16), _t(1, 0, 1, 16)), {}, ValueError, r"\bseqlen\b"),
     ("scale-str", lambda: (_t(*Q), _t(*KV), _t(*KV)), {"softmax_scale": "0.1"}, TypeError, r"\bsoftmax_scale\b"),

@@ -133,19 +133,28 @@ def test_seqlen_the_layout_cannot_split(monkeypatch, layout, world, seqlen, need
         assert needs in str(info.value) and layout in str(info.value)
 
 
-@pytest.mark.parametrize("bad", [
-    dict(layout="spiral"), dict(dim=4), dict(dim=-5), dict(dim=1.0), dict(dim=True)])
-def test_shard_bad_arguments(bad):
-    with pytest.raises(ValueError, match="layout" if "layout" in bad else "dim"):
+@pytest.mark.parametrize("bad, error", [
+    (dict(layout="spiral"), ValueError), (dict(dim=4), ValueError), (dict(dim=-5), ValueError),
+    (dict(dim=1.0), TypeError), (dict(dim=True), TypeError)])
+def test_shard_bad_arguments(bad, error):
+    with pytest.raises(error, match="layout" if "layout" in bad else "dim"):
         ringflash.shard(torch.zeros(1, 8, 2, 4), **bad)
-    with pytest.raises(ValueError, match="layout" if "layout" in bad else "dim"):
+    with pytest.raises(error, match="layout" if "layout" in bad else "dim"):
         ringflash.unshard(torch.zeros(1, 8, 2, 4), **bad)
+    with pytest.raises(TypeError, match="x_local"):
+        ringflash.unshard([0] * 8)
 
 
-@pytest.mark.parametrize("seqlen", [0, -4, 4.0, True])
-def test_positions_bad_seqlen(seqlen):
-    with pytest.raises(ValueError, match="seqlen"):
+@pytest.mark.parametrize("seqlen, error", [(0, ValueError), (-4, ValueError), (4.0, TypeError),
+                                           (True, TypeError), ("8", TypeError)])
+def test_positions_bad_seqlen(seqlen, error):
+    with pytest.raises(error, match="seqlen"):
         ringflash.positions(seqlen)
+
+
+def test_positions_takes_numpy_ints():
+    np = pytest.importorskip("numpy")
+    assert torch.equal(ringflash.positions(np.int64(8), "contiguous"), torch.arange(8))
 
 
 # ----------------------------------------------------------------------------- step_pairs

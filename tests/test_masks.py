@@ -233,12 +233,28 @@ def test_band_interval_is_the_band(pos, on_positions, band):
     (torch.zeros(1, SEQLEN - 1, dtype=torch.int64), ValueError, "shape"),
     (torch.full((1, SEQLEN), -2), ValueError, ">= -1"),
     (torch.tensor([[1] * 40 + [0] * (SEQLEN - 40)]), ValueError, "decrease"),
+    # would wrap to 0 in int32 and join the first document
+    (torch.tensor([[0] * 40 + [2 ** 32] * (SEQLEN - 40)]), ValueError, "int32"),
     ([0] * SEQLEN, TypeError, "Tensor"),
-], ids=["float", "batch", "seqlen", "below-1", "decreasing", "list"])
+], ids=["float", "batch", "seqlen", "below-1", "decreasing", "past-int32", "list"])
 def test_bad_segment_ids(bad, error, match):
     q, k, v, _ = _inputs(1, SEQLEN, 2, 2, 16, F32, "cpu")
     with pytest.raises(error, match=match):
         flash_attn(q, k, v, segment_ids=bad)
+
+
+@pytest.mark.parametrize("impl", ["twin", "triton"])
+def test_window_past_any_sequence_is_unbounded(impl, monkeypatch):
+    """A side of 2**30 tokens or more is -1 (unbounded): the kernels' band arithmetic is
+    int32, and a window of 2**31 - 1 used to wrap there (dK/dV all zero under causal)."""
+    device = _impl(impl, monkeypatch)
+    q, k, v, dout = _inputs(1, 40, 2, 1, 16, F32, device, seed=5)
+    for causal, huge, same in ((True, (2 ** 31 - 1, 0), (-1, 0)), (False, (0, 2 ** 31 - 1), (0, -1)),
+                               (False, (10 ** 30, 2 ** 30), (-1, -1))):
+        want = _run_flash_attn(q, k, v, dout, causal=causal, window_size=same)
+        got = _run_flash_attn(q, k, v, dout, causal=causal, window_size=huge)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), (causal, huge)
 
 
 @pytest.mark.parametrize("bad, error", [((-2, 0), ValueError), ((0,), TypeError), (5, TypeError),
