@@ -54,12 +54,15 @@ class Ring:
         call, so one call's buffers never alias each other."""
         return torch.empty(shape, dtype=dtype, device=device)
 
-    def exchange(self, *pairs: tuple[torch.Tensor, torch.Tensor], shift: int = 1) -> list:
+    def exchange(self, *pairs: tuple, shift: int = 1) -> list:
         """Post, for each (send, recv) pair, the send to rank+shift and the receive from
-        rank-shift."""
+        rank-shift. A pair may name a third tensor, ``at``: a view of the buffer ``recv``
+        belongs to, at the place where rank+shift receives this message in its own copy of
+        that buffer, when that is not where this rank receives (both shards of a ring of
+        two in global order: each rank receives into the other's rows)."""
         to, frm = self.peer(shift), self.peer(-shift)
         ops = []
-        for send, recv in pairs:
+        for send, recv, *_at in pairs:
             ops.append(dist.P2POp(dist.isend, send, to, self.group))
             ops.append(dist.P2POp(dist.irecv, recv, frm, self.group))
         return dist.batch_isend_irecv(ops)
@@ -181,10 +184,10 @@ class PeerRing(Ring):
 
     def exchange(self, *pairs, shift: int = 1):
         located = []
-        for send, recv in pairs:
+        for send, recv, *at in pairs:
             if not (send.is_contiguous() and recv.is_contiguous()):
                 raise ValueError("PeerRing.exchange: send and recv must be contiguous")
-            located.append((send, *self._find(recv)))
+            located.append((send, *self._find(at[0] if at else recv)))
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream())
         barrier = located[0][2].barrier

@@ -34,7 +34,7 @@ from .exchange import PeerRing, Ring, transport
 from .groups import group_name as name_of
 from .kernels import band_of_window, no_double_backward
 from .kernels.interface import eager, eager_function
-from .ring import ring_backward, ring_forward
+from .ring import keeps_kv, ring_backward, ring_forward
 
 # Older torch has neither the tag nor custom_op's tags argument.
 _TAGS = ({"tags": (torch.Tag.cudagraph_unsafe,)}
@@ -98,16 +98,31 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              softmax_scale: float, causal: bool,
              layout: str, group_name: str, window_left: int = -1, window_right: int = -1,
              dropout_p: float = 0.0, seed: int = 0, requires_grad: bool = False
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """out (B, S, H, D) in q's dtype and lse (B, H, S) fp32 of this rank's queries against
-    every rank's keys. ``requires_grad`` (will a backward follow?) only enters the
-    agreement check: a rank that skips the backward would leave the others waiting."""
+    every rank's keys, and what the backward keeps (``_kept_shapes``; empty tensors when
+    nothing). ``requires_grad`` (will a backward follow?) also enters the agreement check:
+    a rank that skips the backward would leave the others waiting."""
     window, dropout = (window_left, window_right), (dropout_p, seed)
     ring = _agreed_ring(q, k, segments, blocks, causal, layout, softmax_scale, window, dropout,
                         requires_grad, group_name)
-    return ring_forward(q, k, v, segments, softmax_scale=softmax_scale,
-                        band=band_of_window(causal, window), dropout=dropout, layout=layout, ring=ring,
-                        blocks=blocks)
+    keep = keeps_kv(layout, ring.world, requires_grad, blocks is not None)
+    out, lse, kept = ring_forward(q, k, v, segments, softmax_scale=softmax_scale,
+                                  band=band_of_window(causal, window), dropout=dropout, layout=layout,
+                                  ring=ring, blocks=blocks, keep=keep)
+    if kept is None:  # nothing kept, though maybe asked for: a ring that never left the rank
+        return out, lse, *(t.new_empty(shape) for t, shape in
+                           zip((k, q.new_empty(0, dtype=torch.int32)), _kept_shapes(k, segments, keep)))
+    kv, seg = kept
+    return out, lse, kv, seg if seg is not None else q.new_empty(0, dtype=torch.int32)
+
+
+def _kept_shapes(k: torch.Tensor, segments: Optional[torch.Tensor], keep: bool) -> tuple:
+    """The shapes of the kept K/V (2, B, 2 S, Hkv, D) and segment ids (B, 2 S), (0,) where
+    not kept (``ring.keeps_kv``)."""
+    b, n, *rest = k.shape
+    return (((2, b, 2 * n, *rest) if keep else (0,)),
+            ((b, 2 * n) if keep and segments is not None else (0,)))
 
 
 ring_attn_forward = torch.library.custom_op("ringflash::ring_attn_forward", mutates_args=(),
@@ -118,7 +133,10 @@ ring_attn_forward = torch.library.custom_op("ringflash::ring_attn_forward", muta
 def _(q, k, v, segments, blocks, softmax_scale, causal, layout, group_name, window_left=-1, window_right=-1,
       dropout_p=0.0, seed=0, requires_grad=False):
     b, n, h, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((b, h, n), dtype=torch.float32)
+    keep = keeps_kv(layout, ring_of(group_name).world, requires_grad, blocks is not None)
+    kv, seg = _kept_shapes(k, segments, keep)
+    return (q.new_empty(q.shape), q.new_empty((b, h, n), dtype=torch.float32), k.new_empty(kv),
+            q.new_empty(seg, dtype=torch.int32))
 
 
 # ----------------------------------------------------------------------------- backward
@@ -127,20 +145,23 @@ def _(q, k, v, segments, blocks, softmax_scale, causal, layout, group_name, wind
 def _backward_grads(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
                     segments: Optional[torch.Tensor], blocks: Optional[torch.Tensor],
+                    kept_kv: torch.Tensor, kept_segments: torch.Tensor,
                     softmax_scale: float, causal: bool,
                     layout: str, group_name: str, window_left: int = -1, window_right: int = -1,
                     dropout_p: float = 0.0, seed: int = 0
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """dq (like q) and dK/dV packed as one (2, *k.shape) tensor: an op may not return two
-    views of one buffer, which is what the ring's last hop delivers. The transport is
-    chosen again here, from the same RINGFLASH_TRANSPORT as the forward's."""
+    views of one buffer, which is what the ring's last hop delivers. kept_kv, kept_segments:
+    what the forward kept (empty: nothing). The transport is chosen again here, from the
+    same RINGFLASH_TRANSPORT as the forward's."""
     ring = ring_of(group_name)
     if ring.world > 1 and transport(ring.group) == "peer":
         ring = PeerRing(ring.group)
     window = (window_left, window_right)
+    kept = (kept_kv, kept_segments if kept_segments.numel() else None) if kept_kv.numel() else None
     return ring_backward(dout.contiguous(), q, k, v, out, lse, dlse, segments,
                          softmax_scale=softmax_scale, band=band_of_window(causal, window),
-                         dropout=(dropout_p, seed), layout=layout, ring=ring, blocks=blocks)
+                         dropout=(dropout_p, seed), layout=layout, ring=ring, blocks=blocks, kept=kept)
 
 
 ring_attn_backward = torch.library.custom_op("ringflash::ring_attn_backward", mutates_args=(),
@@ -148,8 +169,8 @@ ring_attn_backward = torch.library.custom_op("ringflash::ring_attn_backward", mu
 
 
 @ring_attn_backward.register_fake
-def _(dout, q, k, v, out, lse, dlse, segments, blocks, softmax_scale, causal, layout, group_name,
-      window_left=-1, window_right=-1, dropout_p=0.0, seed=0):
+def _(dout, q, k, v, out, lse, dlse, segments, blocks, kept_kv, kept_segments, softmax_scale, causal,
+      layout, group_name, window_left=-1, window_right=-1, dropout_p=0.0, seed=0):
     return q.new_empty(q.shape), k.new_empty((2, *k.shape))
 
 
@@ -158,18 +179,19 @@ def _(dout, q, k, v, out, lse, dlse, segments, blocks, softmax_scale, causal, la
 
 def _setup_context(ctx, inputs, output):
     q, k, v, segments, blocks, *args, _requires_grad = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, segments, blocks)
+    out, lse, kept_kv, kept_segments = output
+    ctx.save_for_backward(q, k, v, out, lse, segments, blocks, kept_kv, kept_segments)
+    ctx.mark_non_differentiable(kept_kv, kept_segments)
     ctx.args = args  # softmax_scale, causal, layout, group_name, window, dropout
     ctx.set_materialize_grads(False)  # an unused lse's gradient stays None, not zeros
 
 
-def _backward(ctx, dout, dlse):
+def _backward(ctx, dout, dlse, _dkv=None, _dseg=None):
     no_double_backward()
-    q, k, v, out, lse, segments, blocks = ctx.saved_tensors
+    q, k, v, out, lse, segments, blocks, kept_kv, kept_segments = ctx.saved_tensors
     dout = torch.zeros_like(out) if dout is None else dout  # only lse was used
     grads = _backward_grads if eager(dout, q) else ring_attn_backward
-    dq, dkv = grads(dout, q, k, v, out, lse, dlse, segments, blocks, *ctx.args)
+    dq, dkv = grads(dout, q, k, v, out, lse, dlse, segments, blocks, kept_kv, kept_segments, *ctx.args)
     return (dq, dkv[0], dkv[1]) + (None,) * 11
 
 
@@ -183,8 +205,9 @@ def ring_attn(q, k, v, segments=None, *, softmax_scale: float, causal: bool, lay
     already checked. What ``ring_flash_attn`` calls once its checks passed."""
     requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     forward = _RingAttn.apply if eager(q, k, v) else ring_attn_forward
-    return forward(q, k, v, segments, blocks, softmax_scale, causal, layout, name_of(group), *window,
-                   *dropout, requires_grad)
+    out, lse, *_kept = forward(q, k, v, segments, blocks, softmax_scale, causal, layout, name_of(group),
+                               *window, *dropout, requires_grad)
+    return out, lse
 
 
 __all__ = ["ring_attn", "ring_attn_backward", "ring_attn_forward", "ring_of"]

@@ -34,6 +34,13 @@ documents: not a window's sliver), the remote dK/dV pass runs first instead, its
 hides the trip home, and the own dK/dV pass adds the arrived sum as it writes; both dK/dV
 passes run in two halves of key rows (``layouts.step_pieces``), so the first half's sum
 travels while the second is computed. dQ never leaves the rank.
+
+A ring of two over contiguous shards under a block mask (``keeps_kv``) keeps the K/V it
+saw in the forward, both shards side by side: the whole sequence's, in global order.
+Its backward swaps queries instead (Q, dO, lse, delta) under a dQ pass over every key,
+then runs one dK/dV pass over every query (``_gathered_backward``): two launches of the
+shape one GPU runs, where the rotation above runs six of half the size, whose fixed costs
+no longer hide at low density.
 """
 
 from __future__ import annotations
@@ -46,8 +53,8 @@ import torch
 from .exchange import Ring
 from .kernels import PairMask, attn_delta, flash_attn_bwd, flash_attn_fwd
 from .kernels.masks import BAND_INF, BLOCK, Blocks, computed_blocks, pair_positions, tensor_memo
-from .layouts import (Band, active_steps, occupied_chunks, remote_share, step_pairs, step_pieces,
-                      writes_first)
+from .layouts import (Band, active_steps, gathered_pair, occupied_chunks, remote_share, step_pairs,
+                      step_pieces, writes_first)
 
 
 def _kv_slots(k: torch.Tensor, segments: Optional[torch.Tensor], ring: Ring, steps: int) -> list:
@@ -88,8 +95,8 @@ class _SparsePlan:
         self._pairs: dict = {}
         self._shares: dict = {}
 
-    def _rows(self, part: slice) -> int:
-        return len(range(self.n)[part])
+    def _rows(self, part: slice) -> int:  # slices past n: a gathered pair's keys (2 n rows)
+        return len(range(self.n if part.stop is None else part.stop)[part])
 
     def _blocks(self, pair, blocks: torch.Tensor) -> torch.Tensor:
         """The pair's blocks of the mask: the global blocks its rows and columns hold (by
@@ -244,15 +251,57 @@ def _key_rows(send: torch.Tensor, recv: torch.Tensor, rows: range) -> list:
             for s, r in zip(send.flatten(0, 1), recv.flatten(0, 1))]
 
 
+def keeps_kv(layout: str, world: int, needs_grad: bool, block_mask: bool) -> bool:
+    """Whether ``ring_forward`` keeps both ranks' K/V for the backward: a ring of two over
+    the contiguous layout under a block mask, when a backward follows. Its backward then
+    moves queries instead of K/V and gradients, and runs one dQ and one dK/dV launch over
+    the whole sequence, as one GPU does (``_gathered_backward``), instead of six launches
+    over half of it: worth a (2, B, 2 S, Hkv, D) tensor saved per call where the work
+    shrinks with the mask's density and the fixed costs do not (benchmarks/NOTES.md, "The
+    ring of two keeps its K/V"). Dense attention gains nothing from it at any length."""
+    return needs_grad and block_mask and world == 2 and layout == "contiguous"
+
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+class _Aside:
+    """Copies that run beside the kernels, on a side stream of the device that starts once
+    the work queued so far is done; ``join`` makes the current stream wait for them. On
+    the CPU, at once."""
+
+    def __init__(self, device: torch.device):
+        self.stream = None
+        if device.type == "cuda":
+            if device.index not in _SIDE_STREAMS:
+                _SIDE_STREAMS[device.index] = torch.cuda.Stream(device, priority=-1)
+            self.stream = _SIDE_STREAMS[device.index]
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self.stream is None:
+            dst.copy_(src)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src)
+
+    def join(self) -> None:
+        if self.stream is not None:
+            torch.cuda.current_stream().wait_stream(self.stream)
+
+
 def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout: tuple[float, int],
-                 layout: str, ring: Ring, blocks: Optional[torch.Tensor] = None):
-    """Returns out (in q's dtype) and lse (fp32, (B, H, S)) of q against every rank's k, v.
+                 layout: str, ring: Ring, blocks: Optional[torch.Tensor] = None, keep: bool = False):
+    """Returns out (in q's dtype), lse (fp32, (B, H, S)) of q against every rank's k, v, and
+    what the backward keeps: None, or with ``keep`` (``keeps_kv``) and two active steps,
+    (kv, segment ids): every rank's K/V side by side in global order, (2, B, 2 S, Hkv, D),
+    and their (B, 2 S) int32 segment ids or None.
     segments: this rank's (B, S) int32 segment ids, or None. dropout: (p, seed).
     blocks: the GLOBAL block mask (heads or 1, N / BLOCK, N / BLOCK) bool, or None.
 
     The running out stays fp32 until the last step, whose pairs write the result in q's
     dtype straight from it where their query rows do not overlap (no separate cast of
-    the rows they cover)."""
+    the rows they cover). The kept copies run on a side stream, under the kernels."""
     b, n, h, d = q.shape
     steps, schedule, first_writes, plan, *_ = _schedule(ring, layout, n, band, dropout, blocks)
     out = torch.empty((b, n, h, d), device=q.device, dtype=torch.float32)
@@ -263,6 +312,11 @@ def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout
     result = out if q.dtype == torch.float32 else torch.empty(q.shape, device=q.device, dtype=q.dtype)
     gaps = None if result is out else _uncovered([pair.q for pair in schedule[-1]], n)
     slots = _kv_slots(k, segments, ring, steps)
+    kept, aside = None, _Aside(q.device)
+    if keep and steps == 2:
+        kept = (torch.empty((2, b, 2 * n, *k.shape[2:]), device=k.device, dtype=k.dtype),
+                None if segments is None else torch.empty((b, 2 * n), device=k.device, dtype=torch.int32))
+        _keep_rows(aside, kept, ((k, v), segments), ring.rank, n)
     cur = ((k, v), segments)
     for step, pairs in enumerate(schedule):
         nxt = slots[step % len(slots)] if step + 1 < steps else None
@@ -277,21 +331,77 @@ def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout
                            accumulate=merge, out_partial=out[:, pair.q] if final and merge else None)
         ring.wait(pending)
         cur = nxt
+        if kept is not None and step == 0:
+            _keep_rows(aside, kept, cur, 1 - ring.rank, n)
     if result is not out:
         for rows in [slice(None)] if gaps is None else gaps:
             _copy_rows(result, out, rows, 1)
-    return result, lse
+    aside.join()
+    return result, lse, kept
+
+
+def _keep_rows(aside: _Aside, kept, shard, src: int, n: int) -> None:
+    """Copy rank ``src``'s shard ((k, v) or packed kv, segment ids) into its rows of ``kept``."""
+    (kv, seg), rows = shard, slice(src * n, (src + 1) * n)
+    for i in range(2):
+        aside.copy(kept[0][i, :, rows], kv[i])
+    if seg is not None:
+        aside.copy(kept[1][:, rows], seg)
+
+
+def _gathered_backward(dout, q, k, v, lse, delta, segments, kept, *, softmax_scale: float, band: Band,
+                       dropout: tuple[float, int], ring: Ring, plan, blocks):
+    """``ring_backward`` of a ring of two whose forward kept both ranks' K/V (``keeps_kv``):
+    the whole sequence's keys are on this rank, in global order. The ranks swap their
+    queries instead (Q, dO, lse and delta, which land in global order too; each rank's own
+    rows are copied in beside the kernel) while one dQ launch runs over every key; then one
+    dK/dV launch over every query writes this rank's dK/dV. One GPU runs the same two
+    launches, each over twice the programs: no launch is split by shard, no partial sum
+    travels, and each gradient is rounded once."""
+    b, n, h, d = q.shape
+    own, theirs = (slice(r * n, (r + 1) * n) for r in (ring.rank, 1 - ring.rank))
+    q_all, dout_all = (ring.buffer(name, (b, 2 * n, h, d), q.dtype, q.device) for name in ("q", "dout"))
+    stats = ring.buffer("stats", (2, b, h, n), torch.float32, q.device)
+    mine = torch.stack([lse, delta])
+    messages, aside = [(mine, stats)], _Aside(q.device)
+    for every, t in ((q_all, q.contiguous()), (dout_all, dout)):  # one message a batch row
+        messages += [(t[i], every[i, theirs], every[i, own]) for i in range(b)]
+    pending = ring.exchange(*messages)
+    for every, t in ((q_all, q), (dout_all, dout)):
+        aside.copy(every[:, own], t)
+    (kv, seg), pair = kept, gathered_pair(ring.rank, n, band)
+    dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    if pair is None:
+        dq.zero_()
+    else:
+        flash_attn_bwd(dout, q, kv[0], kv[1], lse, delta, dq, None, None, softmax_scale=softmax_scale,
+                       mask=_mask(pair, segments, seg, dropout, plan, blocks))
+    ring.wait(pending)
+    aside.join()
+    every = torch.empty((2, b, h, 2 * n), device=q.device, dtype=torch.float32)  # lse, delta
+    every[..., own], every[..., theirs] = mine, stats
+    dkv = torch.empty((2, *k.shape), device=k.device, dtype=k.dtype)
+    pair = gathered_pair(ring.rank, n, band, keys=False)
+    if pair is None:
+        dkv.zero_()
+    else:
+        flash_attn_bwd(dout_all, q_all, k, v, every[0], every[1], None, dkv[0], dkv[1],
+                       softmax_scale=softmax_scale, mask=_mask(pair, seg, segments, dropout, plan, blocks))
+    return dq, dkv
 
 
 def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: float, band: Band,
                   dropout: tuple[float, int], layout: str, ring: Ring,
-                  blocks: Optional[torch.Tensor] = None):
+                  blocks: Optional[torch.Tensor] = None, kept=None):
     """Returns dq (like q) and dk, dv of this rank's shards packed as one (2, *k.shape)
-    tensor in k's dtype."""
+    tensor in k's dtype. kept: what ``ring_forward`` kept, or None."""
     n = q.shape[1]
     steps, schedule, first_writes, plan, pieces, own_apart = _schedule(ring, layout, n, band, dropout,
                                                                        blocks)
     delta = attn_delta(out, dout, dlse)
+    if kept is not None and steps == 2:
+        return _gathered_backward(dout, q, k, v, lse, delta, segments, kept, softmax_scale=softmax_scale,
+                                  band=band, dropout=dropout, ring=ring, plan=plan, blocks=blocks)
     dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
     if not first_writes:
         dq.zero_()

@@ -26,13 +26,13 @@ from oracle import rel_err
 BACKENDS = ("eager", "aot_eager", "inductor")
 
 
-def _block(sp: ringflash.SequenceParallel, causal: bool):
+def _block(sp: ringflash.SequenceParallel, causal: bool, block_mask=None):
     """x (B, S_local, 32) -> attention over the ring -> (B, S_local, 32), and the loss."""
 
     def block(x, w_qkv, w_out):
         b, n, _ = x.shape
         q, k, v = (x @ w_qkv).view(b, n, 8, 8).split([4, 2, 2], dim=2)  # 4 heads, 2 kv heads
-        out, lse = sp.attn(q, k, v.contiguous(), causal=causal, return_lse=True)
+        out, lse = sp.attn(q, k, v.contiguous(), causal=causal, return_lse=True, block_mask=block_mask)
         y = out.reshape(b, n, 32) @ w_out
         return y, (y * y).sum() + lse.sum()
 
@@ -55,7 +55,7 @@ def _run(fn, sp, x, w_qkv, w_out):
     return [y.detach(), loss.detach(), *(t.grad for t in leaves)]
 
 
-def compile_matches_eager(rank, world, backends, cases=(("zigzag", True),)):
+def compile_matches_eager(rank, world, backends, cases=(("zigzag", True),), n_local=12, block_mask=None):
     """Per (layout, causal, backend): frames compiled and the largest relative difference
     to eager over the outputs, the loss and the gradients (inductor reorders fp32 sums)."""
     import torch._dynamo
@@ -65,12 +65,12 @@ def compile_matches_eager(rank, world, backends, cases=(("zigzag", True),)):
     results = {}
     for layout, causal in cases:
         sp = ringflash.SequenceParallel(layout=layout)
-        x, w_qkv, w_out = _inputs(world)
-        eager = _run(_block(sp, causal), sp, x, w_qkv, w_out)
+        x, w_qkv, w_out = _inputs(world, n_local)
+        eager = _run(_block(sp, causal, block_mask), sp, x, w_qkv, w_out)
         for backend in backends:
             torch._dynamo.reset()
             counter = CompileCounterWithBackend(backend)
-            compiled = torch.compile(_block(sp, causal), fullgraph=True, backend=counter)
+            compiled = torch.compile(_block(sp, causal, block_mask), fullgraph=True, backend=counter)
             got = _run(compiled, sp, x, w_qkv, w_out)
             got_again = _run(compiled, sp, x, w_qkv, w_out)  # no recompilation either
             diff = max(rel_err(a, b) for a, b in zip(got + got_again, eager + eager))
@@ -122,6 +122,19 @@ def test_fullgraph_compile_matches_eager(worlds, world_size):
             if not diff <= 1e-5:
                 failures.append(f"{case}: differs from eager by {diff:.3g}")
     assert not failures, "\n".join(failures)
+
+
+def test_fullgraph_compile_of_a_ring_of_two_that_keeps_its_kv(worlds):
+    """A block mask on contiguous shards of a ring of two: the forward op also returns the
+    K/V it keeps for the backward (ring.keeps_kv), whose shapes its fake implementation
+    must give the same way."""
+    from ringflash.kernels.block_sparse import random_block_mask
+    mask = random_block_mask(256, 0.5, heads=4, seed=1)
+    per_rank = worlds(2).run(compile_matches_eager, ("aot_eager",), (("contiguous", True),), 128, mask,
+                             timeout=300)
+    for rank, results in enumerate(per_rank):
+        for case, (frames, diff) in results.items():
+            assert frames == 1 and diff <= 1e-5, (rank, case, frames, diff)
 
 
 def test_ring_self_attention_compiles_without_graph_break(worlds):

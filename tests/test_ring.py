@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 import ringflash
-from oracle import LAYOUTS, TOL, RingCase, attention_oracle, oracle_grads, rel_err, tokens_per_rank
+from oracle import (LAYOUTS, TOL, RingCase, attention_oracle, oracle_grads, rel_err, tokens_per_rank,
+                    with_blocks)
 
 # ----------------------------------------------------------------------------- configurations
 
@@ -209,13 +210,14 @@ class _RecordingRing:
     the waits and the kernel passes in between."""
 
     def __init__(self, world):
-        self.rank, self.world, self.events = 0, world, []
+        self.rank, self.world, self.events, self.messages = 0, world, [], []
 
     def buffer(self, name, shape, dtype, device):
         return torch.zeros(shape, dtype=dtype, device=device)
 
     def exchange(self, *pairs, shift=1):
         self.events.append(("post", shift))
+        self.messages += [tuple(t.shape for t in pair) for pair in pairs]
         return [object()]
 
     def wait(self, pending):
@@ -294,6 +296,31 @@ def test_ring_of_two_weighs_its_steps_by_the_mask(monkeypatch, mask, early):
         assert ("dkv",) in ev[last_post:] and ("dq",) not in ev[last_post:], ev
 
 
+def test_ring_of_two_that_kept_its_kv_swaps_queries_under_its_dq_pass(monkeypatch):
+    """A ring of two over the contiguous layout whose forward kept both shards
+    (``keeps_kv``): its backward moves no K/V and no gradient. The ranks' Q, dO, lse and
+    delta travel (one message for the stats, one per batch row of Q and of dO) under the
+    dQ pass over every key; then one dK/dV pass over every query."""
+    from ringflash import ring as ring_mod
+    calls = []
+    fake = _RecordingRing(2)
+    monkeypatch.setattr(ring_mod, "flash_attn_bwd", lambda *args, **kw: (
+        fake.events.append(("dq" if args[6] is not None else "dkv",)), calls.append(args)))
+    n, batch = 16, 2
+    q, k, v, out, dout = (torch.randn(batch, n, 2, 8) for _ in range(5))
+    kept = (torch.randn(2, batch, 2 * n, 2, 8), None)
+    for band in ((None, None), (None, 0), (-3, 0)):
+        fake.events.clear()
+        fake.messages.clear()
+        calls.clear()
+        ring_mod.ring_backward(dout, q, k, v, out, torch.randn(batch, 2, n), None, None, softmax_scale=0.3,
+                               band=band, dropout=(0.0, 0), layout="contiguous", ring=fake, kept=kept)
+        assert fake.events == [("post", 1), ("dq",), ("wait",), ("dkv",)], (band, fake.events)
+        assert len(fake.messages) == 1 + 2 * batch, fake.messages
+        dq_call, dkv_call = calls
+        assert dq_call[2].shape[1] == 2 * n and dkv_call[1].shape[1] == 2 * n  # every key; every query
+
+
 class _NaNRing(_RecordingRing):
     """A ring whose buffers start as NaN and whose every rank sends what this one does (a
     message lands at once): a row of a running dK/dV sum that no pass writes and nothing
@@ -303,7 +330,7 @@ class _NaNRing(_RecordingRing):
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
     def exchange(self, *pairs, shift=1):
-        for send, recv in pairs:
+        for send, recv, *_at in pairs:
             recv.copy_(send)
         return []
 
@@ -617,6 +644,73 @@ def roundtrip(rank, world) -> list[str]:
 
 def test_shard_unshard_roundtrip_on_group(worlds):
     _assert_no_failures(worlds(4).run(roundtrip))
+
+
+def kept_kv(rank, world):
+    """What a ring of two's forward keeps and how many kernel passes its backward runs, per
+    layout, with and without a block mask, with and without a backward to follow; the
+    kept K/V against the whole sequence's, and the gradients against the oracle's."""
+    from ringflash import ops
+    from ringflash import ring as ring_mod
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ringflash.kernels.block_sparse import random_block_mask
+    passes = []
+    bwd = ring_mod.flash_attn_bwd
+
+    def counting(*args, **kwargs):
+        passes.append(1)
+        return bwd(*args, **kwargs)
+
+    ring_mod.flash_attn_bwd = counting
+    failures, report = [], {}
+    n = 512  # blocks of 128 tokens: zigzag's chunks hold one each
+    full = _small(n=n, heads=2, kv_heads=1, head_dim=8, seed=7)
+    mask = random_block_mask(n, 0.5, heads=2, seed=3)
+    try:
+        for layout in ("contiguous", "zigzag"):
+            q, k, v = (ringflash.shard(t, 1, layout) for t in full)
+            for blocks in (None, mask):
+                for grad in (False, True):
+                    args = (0.25, False, layout, dist.group.WORLD.group_name)
+                    real = ops._forward(q, k, v, None, blocks, *args, requires_grad=grad)
+                    with FakeTensorMode() as mode:  # what torch.compile traces with
+                        fake = ops.ring_attn_forward(
+                            *(None if t is None else mode.from_tensor(t) for t in (q, k, v, None, blocks)),
+                            *args, requires_grad=grad)
+                    if [t.shape for t in fake] != [t.shape for t in real]:
+                        failures.append(f"{layout}: fake shapes {[t.shape for t in fake]}")
+                    kv = real[2]
+                    report[layout, blocks is not None, grad] = tuple(kv.shape)
+                    if kv.numel() and not torch.equal(kv, torch.stack(full[1:])):
+                        failures.append(f"{layout}: the kept K/V is not the whole sequence's")
+            qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+            dout = torch.randn(qq.shape, generator=torch.Generator().manual_seed(rank))
+            passes.clear()
+            ringflash.ring_flash_attn(qq, kk, vv, layout=layout, block_mask=mask).backward(dout)
+            report[layout] = len(passes)
+            dq, dk, dv = oracle_grads(*full, ringflash.unshard(dout, 1, layout),
+                                      mask=with_blocks(None, mask, n))
+            for name, got, want in (("dq", qq.grad, dq), ("dk", kk.grad, dk), ("dv", vv.grad, dv)):
+                err = rel_err(got, ringflash.shard(want, 1, layout))
+                if not err <= TOL[torch.float32]:
+                    failures.append(f"{layout} {name} rel err {err:.3g}")
+    finally:
+        ring_mod.flash_attn_bwd = bwd
+    return failures, report
+
+
+def test_ring_of_two_keeps_its_kv_for_the_backward(worlds):
+    """Only a ring of two over the contiguous layout under a block mask keeps K/V, and only
+    when a backward follows: (2, B, 2 n, Hkv, D), the whole sequence's K/V. Its backward
+    then runs two kernel passes (dQ over every key, dK/dV over every query) where zigzag's
+    runs one dQ and one dK/dV pass per pair of chunks a block mask occupies (twelve here).
+    Both rings' gradients match the oracle's."""
+    for failures, report in worlds(2).run(kept_kv, timeout=120):
+        assert failures == [], failures
+        kept = {key: shape for key, shape in report.items() if isinstance(key, tuple) and shape != (0,)}
+        assert kept == {("contiguous", True, True): (2, 1, 512, 1, 8)}, report
+        assert report["contiguous"] == 2 and report["zigzag"] == 12, report
 
 
 # ----------------------------------------------------------------------------- eager calls
