@@ -267,20 +267,21 @@ _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 class _Aside:
     """Copies that run beside the kernels, on a side stream of the device that starts once
-    the work queued so far is done; ``join`` makes the current stream wait for them. On
-    the CPU, at once."""
+    the work queued so far is done; ``join`` makes the current stream wait for them (and
+    does nothing if none was made: under CUDA graph capture, waiting on a stream the
+    capture never forked into is an error). On the CPU, at once."""
 
     def __init__(self, device: torch.device):
-        self.stream = None
-        if device.type == "cuda":
-            if device.index not in _SIDE_STREAMS:
-                _SIDE_STREAMS[device.index] = torch.cuda.Stream(device, priority=-1)
-            self.stream = _SIDE_STREAMS[device.index]
+        self.device, self.stream = device, None
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        if self.stream is None:
+        if self.device.type != "cuda":
             dst.copy_(src)
             return
+        if self.stream is None:
+            if self.device.index not in _SIDE_STREAMS:
+                _SIDE_STREAMS[self.device.index] = torch.cuda.Stream(self.device, priority=-1)
+            self.stream = _SIDE_STREAMS[self.device.index]
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
             dst.copy_(src)
