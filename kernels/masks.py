@@ -221,6 +221,14 @@ def computed_blocks(blocks: torch.Tensor, lo: int, hi: int, n_rows: int, n_cols:
     return _classify(blocks, lo, hi, n_rows, n_cols)[0].sum()
 
 
+def block_work(blocks: torch.Tensor, lo: int, hi: int, n_rows: int, n_cols: int):
+    """The blocks a kernel computes under ``blocks`` and the band [lo, hi] (as
+    ``block_lists``), counted over the heads per row block (R,) and per column block (C,):
+    int64 tensors on the mask's device."""
+    live = _classify(blocks, lo, hi, n_rows, n_cols)[0]
+    return live.sum((0, 2)), live.sum((0, 1))
+
+
 def block_lists(blocks: torch.Tensor, lo: int, hi: int, n_rows: int, n_cols: int):
     """What a kernel iterates over under a block mask: for every (head, row block), the
     column blocks it computes, partial ones (the band crosses them, or they run past

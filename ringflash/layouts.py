@@ -206,13 +206,14 @@ def step_pairs(layout: str, rank: int, src: int, world: int, local_len: int,
     return tuple(_merged(pairs, local_len))
 
 
-def gathered_pair(rank: int, local_len: int, band: Band = NO_BAND, keys: bool = True) -> Optional[Pair]:
+def gathered_pair(rows: range, local_len: int, band: Band = NO_BAND, keys: bool = True) -> Optional[Pair]:
     """A ring of two over the contiguous layout, with both ranks' rows side by side in one
-    buffer of 2 n rows: the whole sequence, row = global position. The one pair of this
-    rank's n queries against all 2 n keys (``keys``), or of all 2 n queries against its n
-    keys; None where the band leaves nothing visible."""
-    mine, every = _Chunk(0, local_len, rank * local_len, 1), _Chunk(0, 2 * local_len, 0, 1)
-    return _local_pair(*((mine, every) if keys else (every, mine)), band, local_len)
+    buffer of 2 n rows: the whole sequence, row = global position. The pair of the query
+    rows ``rows`` against all 2 n keys (``keys``), or of all 2 n queries against the key
+    rows ``rows``, for tensors holding just those rows; None where the band leaves nothing
+    visible."""
+    part, every = _Chunk(0, len(rows), rows.start, 1), _Chunk(0, 2 * local_len, 0, 1)
+    return _local_pair(*((part, every) if keys else (every, part)), band, local_len)
 
 
 def _keys_within(pair: Pair, start: int, stop: int, n: int) -> Optional[Pair]:

@@ -52,7 +52,8 @@ import torch
 
 from .exchange import Ring
 from .kernels import PairMask, attn_delta, flash_attn_bwd, flash_attn_fwd
-from .kernels.masks import BAND_INF, BLOCK, Blocks, computed_blocks, pair_positions, tensor_memo
+from .kernels.masks import (BAND_INF, BLOCK, Blocks, block_work, computed_blocks, pair_positions,
+                            tensor_memo)
 from .layouts import (Band, active_steps, gathered_pair, occupied_chunks, remote_share, step_pairs,
                       step_pieces, writes_first)
 
@@ -143,6 +144,35 @@ class _SparsePlan:
             counts = torch.stack([torch.stack([work(r, 0), work(r, 1)]) for r in range(self.world)]).tolist()
             self._shares[band] = min(remote / max(own, 1) for own, remote in counts)
         return self._shares[band]
+
+
+    def key_cut(self, band: Band, blocks: torch.Tensor) -> int:
+        """A ring of two that kept both shards (``_gathered_backward``): the global key row
+        where its dK/dV launches divide the keys, rank 0 taking those below it. Chosen from
+        the mask's blocks so that each rank's forward, dQ and dK/dV work, weighed by what a
+        block costs each kernel, is as even as the cut allows (a multiple of BLOCK; n, the
+        own keys, when the ranks' work is even): local + global gives rank 0 its global rows
+        and the global keys. Every rank computes it from the global mask (one host
+        synchronization per mask and band)."""
+        key = ("cut", band)
+        if key not in self._shares:
+            lo, hi = (-BAND_INF if band[0] is None else band[0]), (BAND_INF if band[1] is None else band[1])
+            rows, cols = (t.tolist() for t in block_work(blocks, lo, hi, 2 * self.n, 2 * self.n))
+            half = self.n // BLOCK
+            fixed = [_ROW_COST * sum(rows[:half]), _ROW_COST * sum(rows[half:])]
+            below = [0]
+            for work in cols:
+                below.append(below[-1] + work)
+            slower = [max(fixed[0] + _KEY_COST * k, fixed[1] + _KEY_COST * (below[-1] - k)) for k in below]
+            cut = min(range(len(slower)), key=slower.__getitem__)
+            # moving keys costs a launch and a trip: not for less than 2% of the slower rank's work
+            self._shares[key] = (cut if slower[cut] < 0.98 * slower[half] else half) * BLOCK
+        return self._shares[key]
+
+
+# What one block costs the kernels, ms per 4096 programs (benchmarks/NOTES.md, "The ring of
+# two at 32k on 2 x H200"): a query block's forward and dQ, a key block's dK/dV.
+_ROW_COST, _KEY_COST = 0.061 + 0.084, 0.126
 
 
 class _Schedule(NamedTuple):
@@ -350,27 +380,29 @@ def _keep_rows(aside: _Aside, kept, shard, src: int, n: int) -> None:
         aside.copy(kept[1][:, rows], seg)
 
 
-def _gathered_backward(dout, q, k, v, lse, delta, segments, kept, *, softmax_scale: float, band: Band,
+def _gathered_backward(dout, q, k, lse, delta, segments, kept, *, softmax_scale: float, band: Band,
                        dropout: tuple[float, int], ring: Ring, plan, blocks):
     """``ring_backward`` of a ring of two whose forward kept both ranks' K/V (``keeps_kv``):
     the whole sequence's keys are on this rank, in global order. The ranks swap their
     queries instead (Q, dO, lse and delta, which land in global order too; each rank's own
-    rows are copied in beside the kernel) while one dQ launch runs over every key; then one
-    dK/dV launch over every query writes this rank's dK/dV. One GPU runs the same two
-    launches, each over twice the programs: no launch is split by shard, no partial sum
-    travels, and each gradient is rounded once."""
+    rows are copied in beside the kernel) while one dQ launch runs over every key. Then the
+    dK/dV launches run over every query: one over this rank's keys, where the mask leaves
+    the ranks even work; else the busier rank leaves the other some of its keys
+    (``_SparsePlan.key_cut``), whose finished dK/dV come home. One GPU runs the same
+    launches over twice the programs: no pass is split by shard, no partial sum travels,
+    and each gradient is rounded once."""
     b, n, h, d = q.shape
-    own, theirs = (slice(r * n, (r + 1) * n) for r in (ring.rank, 1 - ring.rank))
+    here, there = (range(r * n, (r + 1) * n) for r in (ring.rank, 1 - ring.rank))  # global rows
     q_all, dout_all = (ring.buffer(name, (b, 2 * n, h, d), q.dtype, q.device) for name in ("q", "dout"))
     stats = ring.buffer("stats", (2, b, h, n), torch.float32, q.device)
     mine = torch.stack([lse, delta])
     messages, aside = [(mine, stats)], _Aside(q.device)
     for every, t in ((q_all, q.contiguous()), (dout_all, dout)):  # one message a batch row
-        messages += [(t[i], every[i, theirs], every[i, own]) for i in range(b)]
+        messages += [(t[i], every[i, _rows(there)], every[i, _rows(here)]) for i in range(b)]
     pending = ring.exchange(*messages)
     for every, t in ((q_all, q), (dout_all, dout)):
-        aside.copy(every[:, own], t)
-    (kv, seg), pair = kept, gathered_pair(ring.rank, n, band)
+        aside.copy(every[:, _rows(here)], t)
+    (kv, seg), pair = kept, gathered_pair(here, n, band)
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     if pair is None:
         dq.zero_()
@@ -380,15 +412,50 @@ def _gathered_backward(dout, q, k, v, lse, delta, segments, kept, *, softmax_sca
     ring.wait(pending)
     aside.join()
     every = torch.empty((2, b, h, 2 * n), device=q.device, dtype=torch.float32)  # lse, delta
-    every[..., own], every[..., theirs] = mine, stats
+    every[..., _rows(here)], every[..., _rows(there)] = mine, stats
+
+    def dkv_pass(rows: range, dest: torch.Tensor) -> None:
+        """dK/dV of the key rows ``rows`` (global) over every query, into packed ``dest``."""
+        pair = gathered_pair(rows, n, band, keys=False)
+        if pair is None:
+            dest.zero_()
+            return
+        cols = _rows(rows)
+        flash_attn_bwd(dout_all, q_all, kv[0][:, cols], kv[1][:, cols], every[0], every[1], None,
+                       dest[0], dest[1], softmax_scale=softmax_scale,
+                       mask=_mask(pair, seg, None if seg is None else seg[:, cols], dropout, plan, blocks))
+
+    cut = n if plan is None else plan.key_cut(band, blocks)
+    keys = range(0, cut) if ring.rank == 0 else range(cut, 2 * n)
+    theirs = range(0, cut) if ring.rank == 1 else range(cut, 2 * n)
+    lent, moved = _overlap(keys, there), _overlap(theirs, here)
     dkv = torch.empty((2, *k.shape), device=k.device, dtype=k.dtype)
-    pair = gathered_pair(ring.rank, n, band, keys=False)
-    if pair is None:
-        dkv.zero_()
-    else:
-        flash_attn_bwd(dout_all, q_all, k, v, every[0], every[1], None, dkv[0], dkv[1],
-                       softmax_scale=softmax_scale, mask=_mask(pair, seg, segments, dropout, plan, blocks))
+    if lent or moved:  # the other rank's keys computed here go home under this rank's own pass
+        slot = ring.buffer("moved", (2, b, len(lent or moved), *k.shape[2:]), k.dtype, k.device)
+        if lent:
+            done = torch.empty(slot.shape, device=k.device, dtype=k.dtype)
+            dkv_pass(lent, done)
+            pending = ring.exchange((done, slot.view(-1)[:0], slot))
+        else:
+            pending = ring.exchange((slot.new_empty(0), slot))
+    own = _overlap(keys, here)
+    if own:
+        dkv_pass(own, dkv[:, :, _rows(own, here.start)])
+    if lent or moved:
+        ring.wait(pending)
+    if moved:
+        dkv[:, :, _rows(moved, here.start)].copy_(slot)
     return dq, dkv
+
+
+def _rows(rows: range, start: int = 0) -> slice:
+    """``rows`` as a slice of a tensor whose first row is ``start``."""
+    return slice(rows.start - start, rows.stop - start)
+
+
+def _overlap(a: range, b: range) -> range:
+    """The rows two ranges share (an empty range if none)."""
+    return range(max(a.start, b.start), max(min(a.stop, b.stop), max(a.start, b.start)))
 
 
 def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: float, band: Band,
@@ -401,7 +468,7 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
                                                                        blocks)
     delta = attn_delta(out, dout, dlse)
     if kept is not None and steps == 2:
-        return _gathered_backward(dout, q, k, v, lse, delta, segments, kept, softmax_scale=softmax_scale,
+        return _gathered_backward(dout, q, k, lse, delta, segments, kept, softmax_scale=softmax_scale,
                                   band=band, dropout=dropout, ring=ring, plan=plan, blocks=blocks)
     dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
     if not first_writes:

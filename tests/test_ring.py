@@ -713,6 +713,52 @@ def test_ring_of_two_keeps_its_kv_for_the_backward(worlds):
         assert report["contiguous"] == 2 and report["zigzag"] == 12, report
 
 
+def kept_kv_moves_keys(rank, world):
+    """A ring of two that kept its K/V, under masks that leave one rank more work
+    (local + global: rank 0 holds the global rows and keys; flipped: rank 1), causal or
+    not, with documents and dropout: the dK/dV cut (``key_cut``) and how far the out and
+    gradients are from flash_attn's on the whole sequence with the same arguments."""
+    from test_masks import segments as documents
+
+    from ringflash import ring as ring_mod
+    from ringflash.kernels.block_sparse import local_global_block_mask
+    n = 1024
+    full = _small(n=n, heads=2, kv_heads=1, head_dim=8, batch=2, seed=11)
+    lg = local_global_block_mask(n, local_blocks=1, global_blocks=1)
+    docs = documents([[300, 724], [n]], n)
+    results = []
+    for name, mask, causal, extra in (("lg", lg, False, {}), ("flipped-causal", lg.flip(1).flip(2), True, {}),
+                                      ("lg-docs-dropout", lg, False,
+                                       dict(segment_ids=docs, dropout_p=0.2, seed=5))):
+        band = (None, 0) if causal else (None, None)
+        cut = ring_mod._SparsePlan(mask, "contiguous", 2, n // 2).key_cut(band, mask)
+        kw = dict(causal=causal, block_mask=mask, **extra)
+        local = dict(kw, segment_ids=ringflash.shard(docs, 1, "contiguous")) if extra else kw
+        qq, kk, vv = (ringflash.shard(t, 1, "contiguous").requires_grad_() for t in full)
+        dout = torch.randn(full[0].shape, generator=torch.Generator().manual_seed(3))
+        out = ringflash.ring_flash_attn(qq, kk, vv, layout="contiguous", **local)
+        out.backward(ringflash.shard(dout, 1, "contiguous"))
+        ref = [t.clone().requires_grad_() for t in full]
+        want = ringflash.flash_attn(*ref, **kw)
+        want.backward(dout)
+        errors = [rel_err(ringflash.unshard(got, 1, "contiguous"), ref_t)
+                  for got, ref_t in ((out.detach(), want.detach()), (qq.grad, ref[0].grad),
+                                     (kk.grad, ref[1].grad), (vv.grad, ref[2].grad))]
+        results.append((name, cut, max(errors)))
+    return results
+
+
+def test_ring_of_two_that_kept_its_kv_evens_out_its_dkv_work(worlds):
+    """Where the mask gives one rank more work, the busier rank leaves the other some of
+    its keys' dK/dV (rank 0 under local + global: the cut below n; rank 1 when flipped:
+    above), and the gradients that come home equal flash_attn's on the whole sequence."""
+    for results in worlds(2).run(kept_kv_moves_keys, timeout=120):
+        cuts = {name: cut for name, cut, _ in results}
+        assert cuts["lg"] < 512 < cuts["flipped-causal"] and cuts["lg-docs-dropout"] < 512, cuts
+        for name, cut, err in results:
+            assert err <= 1e-5, (name, err)
+
+
 # ----------------------------------------------------------------------------- eager calls
 
 
