@@ -40,7 +40,8 @@ saw in the forward, both shards side by side: the whole sequence's, in global or
 Its backward swaps queries instead (Q, dO, lse, delta) under a dQ pass over every key,
 then runs one dK/dV pass over every query (``_gathered_backward``): two launches of the
 shape one GPU runs, where the rotation above runs six of half the size, whose fixed costs
-no longer hide at low density.
+no longer hide at low density. Holding every key and query, the ranks can also divide
+the dK/dV work where the mask makes it even (``_SparsePlan.key_cut``).
 """
 
 from __future__ import annotations
