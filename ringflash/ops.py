@@ -110,11 +110,12 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out, lse, kept = ring_forward(q, k, v, segments, softmax_scale=softmax_scale,
                                   band=band_of_window(causal, window), dropout=dropout, layout=layout,
                                   ring=ring, blocks=blocks, keep=keep)
-    if kept is None:  # nothing kept, though maybe asked for: a ring that never left the rank
-        return out, lse, *(t.new_empty(shape) for t, shape in
-                           zip((k, q.new_empty(0, dtype=torch.int32)), _kept_shapes(k, segments, keep)))
-    kv, seg = kept
-    return out, lse, kv, seg if seg is not None else q.new_empty(0, dtype=torch.int32)
+    # Nothing kept though asked for (a ring whose shards never travel) still returns the
+    # shapes the fake gives, uninitialized.
+    kv_shape, seg_shape = _kept_shapes(k, segments, keep)
+    kv, seg = (None, None) if kept is None else kept
+    return (out, lse, k.new_empty(kv_shape) if kv is None else kv,
+            q.new_empty(seg_shape, dtype=torch.int32) if seg is None else seg)
 
 
 def _kept_shapes(k: torch.Tensor, segments: Optional[torch.Tensor], keep: bool) -> tuple:

@@ -146,7 +146,6 @@ class _SparsePlan:
             self._shares[band] = min(remote / max(own, 1) for own, remote in counts)
         return self._shares[band]
 
-
     def key_cut(self, band: Band, blocks: torch.Tensor) -> int:
         """A ring of two that kept both shards (``_gathered_backward``): the global key row
         where its dK/dV launches divide the keys, rank 0 taking those below it. Chosen from

@@ -650,10 +650,10 @@ def kept_kv(rank, world):
     """What a ring of two's forward keeps and how many kernel passes its backward runs, per
     layout, with and without a block mask, with and without a backward to follow; the
     kept K/V against the whole sequence's, and the gradients against the oracle's."""
-    from ringflash import ops
-    from ringflash import ring as ring_mod
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from ringflash import ops
+    from ringflash import ring as ring_mod
     from ringflash.kernels.block_sparse import random_block_mask
     passes = []
     bwd = ring_mod.flash_attn_bwd
