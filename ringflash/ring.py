@@ -95,7 +95,7 @@ class _SparsePlan:
         self.layout, self.world, self.n = layout, world, n
         self.occupied = occupied_chunks(blocks, layout, world, n, BLOCK)
         self._pairs: dict = {}
-        self._shares: dict = {}
+        self._decided: dict = {}  # per band: remote_share, and ("cut", band): key_cut
 
     def _rows(self, part: slice) -> int:  # slices past n: a gathered pair's keys (2 n rows)
         return len(range(self.n if part.stop is None else part.stop)[part])
@@ -132,7 +132,7 @@ class _SparsePlan:
         where the band alone would not (a local band over contiguous shards). Every rank
         computes every rank's counts from the global mask, so all take one decision (one
         host synchronization per mask and band)."""
-        if band not in self._shares:
+        if band not in self._decided:
             def work(rank: int, step: int) -> torch.Tensor:
                 total = torch.zeros((), dtype=torch.int64, device=blocks.device)
                 for pair in step_pairs(self.layout, rank, (rank - step) % self.world, self.world,
@@ -143,8 +143,8 @@ class _SparsePlan:
                         BAND_INF if hi is None else hi, self._rows(pair.q), self._rows(pair.k))
                 return total
             counts = torch.stack([torch.stack([work(r, 0), work(r, 1)]) for r in range(self.world)]).tolist()
-            self._shares[band] = min(remote / max(own, 1) for own, remote in counts)
-        return self._shares[band]
+            self._decided[band] = min(remote / max(own, 1) for own, remote in counts)
+        return self._decided[band]
 
     def key_cut(self, band: Band, blocks: torch.Tensor) -> int:
         """A ring of two that kept both shards (``_gathered_backward``): the global key row
@@ -155,7 +155,7 @@ class _SparsePlan:
         and the global keys. Every rank computes it from the global mask (one host
         synchronization per mask and band)."""
         key = ("cut", band)
-        if key not in self._shares:
+        if key not in self._decided:
             lo, hi = (-BAND_INF if band[0] is None else band[0]), (BAND_INF if band[1] is None else band[1])
             rows, cols = (t.tolist() for t in block_work(blocks, lo, hi, 2 * self.n, 2 * self.n))
             half = self.n // BLOCK
@@ -166,8 +166,8 @@ class _SparsePlan:
             slower = [max(fixed[0] + _KEY_COST * k, fixed[1] + _KEY_COST * (below[-1] - k)) for k in below]
             cut = min(range(len(slower)), key=slower.__getitem__)
             # moving keys costs a launch and a trip: not for less than 2% of the slower rank's work
-            self._shares[key] = (cut if slower[cut] < 0.98 * slower[half] else half) * BLOCK
-        return self._shares[key]
+            self._decided[key] = (cut if slower[cut] < 0.98 * slower[half] else half) * BLOCK
+        return self._decided[key]
 
 
 # What one block costs the kernels, ms per 4096 programs (benchmarks/NOTES.md, "The ring of
