@@ -33,7 +33,7 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 POINTERS = {"O": "*bf16", "LSE": "*fp32", "DELTA": "*fp32", "QSEG": "*i32", "KSEG": "*i32",
             **{n: "*fp32" for n in ("O_IN", "DQ_IN", "DK_IN", "DV_IN")},  # running sums
             "RANGES": "*i32", **{n: "*i32" for n in ("COUNTS", "INDEX", "ORDER")},
-            **{n: "*bf16" for n in ("Q", "K", "V", "DO", "DK", "DV", "DQ")}}
+            **{n: "*bf16" for n in ("Q", "K", "V", "DO", "DK", "DV", "DQ", "Q2", "K2", "V2", "DO2")}}
 ONES = ("GROUP", "pos_stride")  # equal to 1 at these launches: Triton specializes them
 
 

@@ -9,7 +9,7 @@ skips the custom ops' dispatch. The per-block entry points ``flash_attn_fwd`` an
 """
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -269,6 +269,43 @@ def attn_delta(out: torch.Tensor, dout: torch.Tensor,
     return delta
 
 
+class Joined(NamedTuple):
+    """One (B, S1 + S2, H, D) sequence held in two tensors: rows [0, S1) in ``first``, the
+    rest in ``second``, of one dtype and device, with the same strides (S1 a multiple of
+    128). ``flash_attn_bwd`` takes k and v so in a dQ pass (dk = dv = None), q and dout in
+    a dK/dV pass (dq = None), under a block mask: a ring of two holds its own shard and
+    the other rank's apart, and the kernels read both where they are, without a copy that
+    joins them (their block lists are split where the parts meet)."""
+
+    first: torch.Tensor
+    second: torch.Tensor
+
+
+def _tails(pair: dict) -> Optional[tuple]:
+    """For two arguments given as ``Joined`` (by name, in ``pair``): their second parts, after
+    checking them; None if neither is joined."""
+    joined = [isinstance(t, Joined) for t in pair.values()]
+    if not any(joined):
+        return None
+    names = " and ".join(pair)
+    if not all(joined):
+        raise ValueError(f"{names} must both be Joined or neither")
+    for name, (first, second) in pair.items():
+        if (first.dtype, first.device) != (second.dtype, second.device):
+            raise ValueError(f"{name}: Joined parts must share dtype and device")
+        same = first.shape[0] == second.shape[0] and first.shape[2:] == second.shape[2:]
+        if not same or first.stride() != second.stride():
+            raise ValueError(f"{name}: Joined parts must differ only in rows and share strides, got "
+                             f"{tuple(first.shape)} / {first.stride()} and "
+                             f"{tuple(second.shape)} / {second.stride()}")
+        if first.shape[1] % BLOCK:
+            raise ValueError(f"{name}: a Joined first part's rows must be a multiple of {BLOCK}, "
+                             f"got {first.shape[1]}")
+    if len({t.first.shape[1] for t in pair.values()}) > 1:
+        raise ValueError(f"{names}: Joined first parts must have the same rows")
+    return tuple(t.second for t in pair.values())
+
+
 def flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float,
                    mask: Optional[PairMask] = None, causal_offset: Optional[int] = None,
                    accumulate: bool = False, dq_partial: Optional[torch.Tensor] = None,
@@ -282,14 +319,26 @@ def flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: floa
     mask / causal_offset: as in ``flash_attn_fwd``.
     dq_partial, dk_partial, dv_partial: with accumulate, the running sum a gradient adds to
         when it is not the gradient itself (same shape and strides), as ``out_partial``.
+    q and dout (a dK/dV pass only), or k and v (a dQ pass only), may each be a ``Joined``:
+        a sequence in two tensors.
     """
     if (dk is None) != (dv is None):
         raise ValueError("dk and dv are computed together: pass both or neither")
     _check_outputs(lse=lse, delta=delta, dq=dq, dk=dk, dv=dv)
     _check_partials(accumulate, dq=(dq, dq_partial), dk=(dk, dk_partial), dv=(dv, dv_partial))
+    mask = _pair_mask(mask, causal_offset)
+    q_tails, k_tails = _tails(dict(q=q, dout=dout)), _tails(dict(k=k, v=v))
+    if (q_tails or k_tails) and mask.blocks is None:
+        raise ValueError("a sequence Joined from two tensors needs a block mask (the kernels "
+                         "list its blocks apart where the parts meet)")
+    if q_tails is not None and dq is not None:
+        raise ValueError("Joined q and dout are for a dK/dV pass: pass dq=None")
+    if k_tails is not None and dk is not None:
+        raise ValueError("Joined k and v are for a dQ pass: pass dk=dv=None")
+    dout, q, k, v = (t.first if isinstance(t, Joined) else t for t in (dout, q, k, v))
     _backend(q).bwd(_rowmajor(dout), _rowmajor(q), _rowmajor(k), _rowmajor(v), lse, delta, dq, dk,
-                    dv, softmax_scale=softmax_scale, mask=_pair_mask(mask, causal_offset),
-                    accumulate=accumulate, partials=(dq_partial, dk_partial, dv_partial))
+                    dv, softmax_scale=softmax_scale, mask=mask, accumulate=accumulate,
+                    partials=(dq_partial, dk_partial, dv_partial), tails=(q_tails, k_tails))
     return dq, dk, dv
 
 

@@ -160,14 +160,15 @@ class Blocks:
         self.mask = mask
         self._lists: dict = {}
 
-    def lists(self, lo: int, hi: int, n_rows: int, n_cols: int, transpose: bool = False):
+    def lists(self, lo: int, hi: int, n_rows: int, n_cols: int, transpose: bool = False,
+              split: Optional[int] = None):
         """``block_lists`` (counts, indices) of the mask (transposed: rows are keys, band
-        negated)."""
-        key = (lo, hi, n_rows, n_cols, transpose)
+        negated), the columns split at ``split`` when given."""
+        key = (lo, hi, n_rows, n_cols, transpose, split)
         if key not in self._lists:
             mask = self.mask.transpose(1, 2) if transpose else self.mask
-            self._lists[key] = block_lists(mask, -hi, -lo, n_rows, n_cols) if transpose \
-                else block_lists(mask, lo, hi, n_rows, n_cols)
+            self._lists[key] = block_lists(mask, -hi, -lo, n_rows, n_cols, split) if transpose \
+                else block_lists(mask, lo, hi, n_rows, n_cols, split)
         return self._lists[key]
 
     def order(self, lo: int, hi: int, n_rows: int, n_cols: int, transpose: bool, tile: int,
@@ -229,7 +230,8 @@ def block_work(blocks: torch.Tensor, lo: int, hi: int, n_rows: int, n_cols: int)
     return live.sum((0, 2)), live.sum((0, 1))
 
 
-def block_lists(blocks: torch.Tensor, lo: int, hi: int, n_rows: int, n_cols: int):
+def block_lists(blocks: torch.Tensor, lo: int, hi: int, n_rows: int, n_cols: int,
+                split: Optional[int] = None):
     """What a kernel iterates over under a block mask: for every (head, row block), the
     column blocks it computes, partial ones (the band crosses them, or they run past
     n_rows / n_cols: element predicate) first, then full ones (no mask arithmetic).
@@ -239,14 +241,20 @@ def block_lists(blocks: torch.Tensor, lo: int, hi: int, n_rows: int, n_cols: int
     Returns counts (2, Hm, R) int32 (partial, full) and indices (Hm, R, C) int32: a row's
     first counts[0] indices are its partial blocks, the next counts[1] its full blocks,
     each group ascending. One pass over the mask per launch, so a kernel's work follows
-    the nonzero blocks.
+    the nonzero blocks. With ``split`` (a column, a multiple of BLOCK: columns held in two
+    tensors, ``interface.Joined``) the columns before it are listed first and then the
+    rest, each part partial then full: counts (4, Hm, R).
     """
     live, every = _classify(blocks, lo, hi, n_rows, n_cols)
     full = live & every
-    # sort key: 0 partial, 1 full, 2 not computed; stable, so each group stays ascending
-    key = 2 * (~live).to(torch.uint8) + full.to(torch.uint8)
+    # sort key: partial, full, ... of each part, not computed last; stable, so each group
+    # stays ascending
+    parts = 1 if split is None else 2
+    part = torch.zeros_like(full) if split is None else \
+        (torch.arange(blocks.shape[-1], device=blocks.device) >= split // BLOCK).expand_as(full)
+    key = torch.where(live, 2 * part.to(torch.uint8) + full.to(torch.uint8), 2 * parts)
     order = torch.argsort(key, dim=-1, stable=True)
-    counts = torch.stack([(live & ~every).sum(-1, dtype=torch.int32), full.sum(-1, dtype=torch.int32)])
+    counts = torch.stack([(key == k).sum(-1, dtype=torch.int32) for k in range(2 * parts)])
     return counts.contiguous(), order.to(torch.int32).contiguous()
 
 

@@ -117,10 +117,15 @@ def delta(out, do):
 
 @_FP32
 def bwd(do, q, k, v, lse, delta_, dq, dk, dv, *, softmax_scale: float, mask: PairMask,
-        accumulate: bool, partials=(None, None, None)):
+        accumulate: bool, partials=(None, None, None), tails=(None, None)):
     """Write (or add into) dq, dk, dv for this block pair, from the FINAL lse and delta;
     a gradient passed as None is skipped. Accumulating, a gradient's running sum is read
-    from its entry of ``partials`` when given (else from the gradient itself)."""
+    from its entry of ``partials`` when given (else from the gradient itself). ``tails``:
+    the rows that follow (q, do) and (k, v) when held apart (``interface.Joined``), or None."""
+    if tails[0] is not None:
+        q, do = (torch.cat([t, tail], 1) for t, tail in zip((q, do), tails[0]))
+    if tails[1] is not None:
+        k, v = (torch.cat([t, tail], 1) for t, tail in zip((k, v), tails[1]))
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     g = h // hkv

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Optional
 
 import torch
 import triton
@@ -419,13 +420,18 @@ def _tile_range(start_r, n_rows, n_cols, lo, hi, first, stop, run_stop, position
 
 
 @triton.jit
-def _listed_range(COUNTS, stride_plane, row):
+def _listed_range(COUNTS, stride_plane, row, PART: tl.constexpr = 0):
     """Block-sparse loop bounds (start, full_start, full_end, end), in virtual columns: the
     blocks listed for row block ``row`` laid end to end, its partial blocks in
-    [0, full_start) and its full ones in [full_start, end). ``_column`` maps them back."""
-    full_start = tl.load(COUNTS + row) * SPARSE_BLOCK
-    end = full_start + tl.load(COUNTS + stride_plane + row) * SPARSE_BLOCK
-    return 0, full_start, end, end
+    [start, full_start) and its full ones in [full_start, end). ``_column`` maps them back.
+    PART: of the columns' second part (lists split where the columns are held in two
+    tensors, ``masks.block_lists``), listed after the first's."""
+    start = 0
+    if PART == 1:
+        start = (tl.load(COUNTS + row) + tl.load(COUNTS + stride_plane + row)) * SPARSE_BLOCK
+    full_start = start + tl.load(COUNTS + 2 * PART * stride_plane + row) * SPARSE_BLOCK
+    end = full_start + tl.load(COUNTS + (2 * PART + 1) * stride_plane + row) * SPARSE_BLOCK
+    return start, full_start, end, end
 
 
 @triton.jit
@@ -626,17 +632,18 @@ def _mask_args(mask, device: torch.device):
 
 
 def _sparse_args(mask, lo: int, hi: int, n_rows: int, n_cols: int, transpose: bool, device,
-                 grid: tuple[int, int, int, int], reverse: bool = False):
+                 grid: tuple[int, int, int, int], reverse: bool = False, split: Optional[int] = None):
     """Kernel arguments of a block mask for one kernel: (counts, indices, program order,
     counts' plane stride, head stride of the lists, index row length) and SPARSE. Rows are
     queries (forward, dQ) or, with transpose, keys (dK/dV, band negated). ``grid`` is the
     launch's (tile rows, batch, heads, list heads a program loops over), ``reverse`` its
-    tiles' natural order reversed (``masks.program_order``)."""
+    tiles' natural order reversed (``masks.program_order``); ``split``: the column where
+    the columns' second part starts (lists split there), or None."""
     if mask.blocks is None:
         return (_stand_in(device), _stand_in(device), _stand_in(device), 0, 0, 0), False
     if mask.band_on_positions:
         raise ValueError("a block mask cannot be combined with a band on positions")
-    counts, index = mask.blocks.lists(lo, hi, n_rows, n_cols, transpose)
+    counts, index = mask.blocks.lists(lo, hi, n_rows, n_cols, transpose, split)
     order = mask.blocks.order(lo, hi, n_rows, n_cols, transpose, *grid, reverse)
     heads, n_row_blocks, n_col_blocks = index.shape
     return (counts, index, order, counts.stride(0), n_row_blocks if heads > 1 else 0,
@@ -892,14 +899,17 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DK_IN, DV_IN, RANGES, COUNTS, 
                  stride_lb, stride_lh, stride_deltab, stride_deltah, stride_rp, stride_rb,
                  HKV, GROUP, seqlen_q, seqlen_k, qk_scale, sm_scale, band_lo, band_hi,
                  seed, threshold, drop_scale, q_pos0, k_pos0, pos_stride, pos_jump,
-                 stride_cp, stride_sh, n_col_blocks,
+                 stride_cp, stride_sh, n_col_blocks, Q2, DO2, split,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
                  DROPOUT: tl.constexpr, GROUPED: tl.constexpr, SPARSE: tl.constexpr,
                  LIST_STAGES: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
-                 POSITIONAL: tl.constexpr, QUERY_MAJOR: tl.constexpr = False):
+                 POSITIONAL: tl.constexpr, QUERY_MAJOR: tl.constexpr = False,
+                 PARTS: tl.constexpr = 1):
     """One key tile of one kv head; loops over the query heads of its group and over
-    the query tiles that see it, so dK and dV are written once, without atomics."""
+    the query tiles that see it, so dK and dV are written once, without atomics. PARTS = 2:
+    the queries' rows from ``split`` on are Q2, DO2, listed apart (as in ``_dq_kernel``)."""
+    tl.static_assert(PARTS == 1 or SPARSE, "queries in two parts need block lists")
     tile, bh = _program(ORDER, SPARSE)
     start_n = tile * BLOCK_N
     off_b = bh // HKV
@@ -939,30 +949,35 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DK_IN, DV_IN, RANGES, COUNTS, 
         if SPARSE:
             row = off_h * stride_sh + start_n // SPARSE_BLOCK
             begin, full_start, full_end, end = _listed_range(COUNTS, stride_cp, row)
-        for pos in range(begin, full_start, BLOCK_M):
-            start_m = _column(pos, INDEX, row, n_col_blocks, SPARSE)
-            dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, lse_base, delta_base, off_b, off_h,
-                                stride_qb, stride_qs, stride_qh, stride_dob, stride_dos,
-                                stride_doh, start_m, cols, first, stop, band_lo, band_hi, seqlen_q, qk_scale, seed, threshold, drop_scale, q_pos0,
-                                kpos_start, kpos, pos_stride, pos_jump, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                BLOCK_D, BAND or SEGMENTS, SEGMENTS, DROPOUT,
-                                GROUPED, PRECISION, POSITIONAL, QUERY_MAJOR)
-        for pos in tl.range(full_start, full_end, BLOCK_M, num_stages=LIST_STAGES):
-            start_m = _column(pos, INDEX, row, n_col_blocks, SPARSE)
-            dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, lse_base, delta_base, off_b, off_h,
-                                stride_qb, stride_qs, stride_qh, stride_dob, stride_dos,
-                                stride_doh, start_m, cols, first, stop, band_lo, band_hi, seqlen_q, qk_scale, seed, threshold, drop_scale, q_pos0,
-                                kpos_start, kpos, pos_stride, pos_jump, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                BLOCK_D, SEGMENTS and SPARSE, SEGMENTS, DROPOUT,
-                                GROUPED, PRECISION, POSITIONAL, QUERY_MAJOR)
-        for pos in range(full_end, end, BLOCK_M):
-            start_m = _column(pos, INDEX, row, n_col_blocks, SPARSE)
-            dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, lse_base, delta_base, off_b, off_h,
-                                stride_qb, stride_qs, stride_qh, stride_dob, stride_dos,
-                                stride_doh, start_m, cols, first, stop, band_lo, band_hi, seqlen_q, qk_scale, seed, threshold, drop_scale, q_pos0,
-                                kpos_start, kpos, pos_stride, pos_jump, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                BLOCK_D, BAND or SEGMENTS, SEGMENTS, DROPOUT,
-                                GROUPED, PRECISION, POSITIONAL, QUERY_MAJOR)
+        for part in tl.static_range(PARTS):
+            Qp, DOp = Q, DO
+            if part == 1:  # row r of the queries is row r - split of Q2, DO2
+                Qp, DOp = Q2 - split.to(tl.int64) * stride_qs, DO2 - split.to(tl.int64) * stride_dos
+                begin, full_start, full_end, end = _listed_range(COUNTS, stride_cp, row, 1)
+            for pos in range(begin, full_start, BLOCK_M):
+                start_m = _column(pos, INDEX, row, n_col_blocks, SPARSE)
+                dk, dv = _dkdv_tile(dk, dv, k, v, Qp, DOp, lse_base, delta_base, off_b, off_h,
+                                    stride_qb, stride_qs, stride_qh, stride_dob, stride_dos,
+                                    stride_doh, start_m, cols, first, stop, band_lo, band_hi, seqlen_q, qk_scale, seed, threshold, drop_scale, q_pos0,
+                                    kpos_start, kpos, pos_stride, pos_jump, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                    BLOCK_D, BAND or SEGMENTS, SEGMENTS, DROPOUT,
+                                    GROUPED, PRECISION, POSITIONAL, QUERY_MAJOR)
+            for pos in tl.range(full_start, full_end, BLOCK_M, num_stages=LIST_STAGES):
+                start_m = _column(pos, INDEX, row, n_col_blocks, SPARSE)
+                dk, dv = _dkdv_tile(dk, dv, k, v, Qp, DOp, lse_base, delta_base, off_b, off_h,
+                                    stride_qb, stride_qs, stride_qh, stride_dob, stride_dos,
+                                    stride_doh, start_m, cols, first, stop, band_lo, band_hi, seqlen_q, qk_scale, seed, threshold, drop_scale, q_pos0,
+                                    kpos_start, kpos, pos_stride, pos_jump, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                    BLOCK_D, SEGMENTS and SPARSE, SEGMENTS, DROPOUT,
+                                    GROUPED, PRECISION, POSITIONAL, QUERY_MAJOR)
+            for pos in range(full_end, end, BLOCK_M):
+                start_m = _column(pos, INDEX, row, n_col_blocks, SPARSE)
+                dk, dv = _dkdv_tile(dk, dv, k, v, Qp, DOp, lse_base, delta_base, off_b, off_h,
+                                    stride_qb, stride_qs, stride_qh, stride_dob, stride_dos,
+                                    stride_doh, start_m, cols, first, stop, band_lo, band_hi, seqlen_q, qk_scale, seed, threshold, drop_scale, q_pos0,
+                                    kpos_start, kpos, pos_stride, pos_jump, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                    BLOCK_D, BAND or SEGMENTS, SEGMENTS, DROPOUT,
+                                    GROUPED, PRECISION, POSITIONAL, QUERY_MAJOR)
 
     mask = (cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
     dk_offsets = off_b * stride_dkb + off_hk * stride_dkh + cols[:, None] * stride_dks + offs_d[None, :]
@@ -1010,12 +1025,17 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DQ_IN, KSEG, RANGES, COUNTS, INDEX, 
                stride_rb,
                H, GROUP, seqlen_q, seqlen_k, qk_scale, sm_scale, band_lo, band_hi,
                seed, threshold, drop_scale, q_pos0, k_pos0, pos_stride, pos_jump,
-               stride_cp, stride_sh, n_col_blocks,
+               stride_cp, stride_sh, n_col_blocks, K2, V2, split,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
                DROPOUT: tl.constexpr, GROUPED: tl.constexpr, SPARSE: tl.constexpr,
                LIST_STAGES: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
-               POSITIONAL: tl.constexpr):
+               POSITIONAL: tl.constexpr, PARTS: tl.constexpr = 1):
+    """One query tile's dQ over the keys its band or lists give. PARTS = 2: the keys' rows
+    from ``split`` on are K2, V2 (``interface.Joined``); their blocks are listed apart, so
+    each part's loops read through one base (a base chosen per tile costs the loop ~10%
+    more instructions)."""
+    tl.static_assert(PARTS == 1 or SPARSE, "keys in two parts need block lists")
     start_m, bh = _query_tile(ORDER, BLOCK_M, BAND, SPARSE)
     off_b = bh // H
     off_h = bh % H
@@ -1038,30 +1058,35 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DQ_IN, KSEG, RANGES, COUNTS, INDEX, 
         start_m, rows, seqlen_q, seqlen_k, band_lo, band_hi, RANGES, off_b, off_h, stride_rp,
         stride_rb, COUNTS, stride_cp, stride_sh, (q_pos0, k_pos0, pos_stride, pos_jump), BLOCK_M,
         BLOCK_N, BAND, SEGMENTS, SPARSE, POSITIONAL)
-    for pos in range(start, full_start, BLOCK_N):
-        start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
-        dq = _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
-                      stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n,
-                      rows, first, stop, holes, seqlen_k, qk_scale, band_lo, band_hi, seed,
-                      threshold, drop_scale, qpos, k_pos0, pos_stride, pos_jump,
-                      HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, BAND,
-                      SEGMENTS, DROPOUT, GROUPED, PRECISION, POSITIONAL)
-    for pos in tl.range(full_start, full_end, BLOCK_N, num_stages=LIST_STAGES):
-        start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
-        dq = _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
-                      stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n,
-                      rows, first, stop, holes, seqlen_k, qk_scale, band_lo, band_hi, seed,
-                      threshold, drop_scale, qpos, k_pos0, pos_stride, pos_jump,
-                      HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, BAND,
-                      SEGMENTS and SPARSE, DROPOUT, GROUPED, PRECISION, POSITIONAL)
-    for pos in range(full_end, end, BLOCK_N):
-        start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
-        dq = _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
-                      stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n,
-                      rows, first, stop, holes, seqlen_k, qk_scale, band_lo, band_hi, seed,
-                      threshold, drop_scale, qpos, k_pos0, pos_stride, pos_jump,
-                      HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, BAND,
-                      SEGMENTS, DROPOUT, GROUPED, PRECISION, POSITIONAL)
+    for part in tl.static_range(PARTS):
+        Kp, Vp = K, V
+        if part == 1:  # row r of the keys is row r - split of K2, V2
+            Kp, Vp = K2 - split.to(tl.int64) * stride_ks, V2 - split.to(tl.int64) * stride_vs
+            start, full_start, full_end, end = _listed_range(COUNTS, stride_cp, row, 1)
+        for pos in range(start, full_start, BLOCK_N):
+            start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
+            dq = _dq_tile(dq, q, do, lse, delta, Kp, Vp, KSEG, off_b, off_h, off_hk, stride_kb,
+                          stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n,
+                          rows, first, stop, holes, seqlen_k, qk_scale, band_lo, band_hi, seed,
+                          threshold, drop_scale, qpos, k_pos0, pos_stride, pos_jump,
+                          HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, BAND,
+                          SEGMENTS, DROPOUT, GROUPED, PRECISION, POSITIONAL)
+        for pos in tl.range(full_start, full_end, BLOCK_N, num_stages=LIST_STAGES):
+            start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
+            dq = _dq_tile(dq, q, do, lse, delta, Kp, Vp, KSEG, off_b, off_h, off_hk, stride_kb,
+                          stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n,
+                          rows, first, stop, holes, seqlen_k, qk_scale, band_lo, band_hi, seed,
+                          threshold, drop_scale, qpos, k_pos0, pos_stride, pos_jump,
+                          HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, BAND,
+                          SEGMENTS and SPARSE, DROPOUT, GROUPED, PRECISION, POSITIONAL)
+        for pos in range(full_end, end, BLOCK_N):
+            start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
+            dq = _dq_tile(dq, q, do, lse, delta, Kp, Vp, KSEG, off_b, off_h, off_hk, stride_kb,
+                          stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n,
+                          rows, first, stop, holes, seqlen_k, qk_scale, band_lo, band_hi, seed,
+                          threshold, drop_scale, qpos, k_pos0, pos_stride, pos_jump,
+                          HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, BAND,
+                          SEGMENTS, DROPOUT, GROUPED, PRECISION, POSITIONAL)
 
     mask = (rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
     dq_offsets = off_b * stride_dqb + off_h * stride_dqh + rows[:, None] * stride_dqs + offs_d[None, :]
@@ -1069,12 +1094,17 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DQ_IN, KSEG, RANGES, COUNTS, INDEX, 
 
 
 def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask, accumulate: bool,
-        partials=(None, None, None)):
+        partials=(None, None, None), tails=(None, None)):
     """dq (skipped when None) and dk, dv (skipped when None): two kernels, so a caller can
     run them apart. The backward reads through pointers: TMA descriptors measured slower
-    here (benchmarks/NOTES.md)."""
-    b, sq, h, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
+    here (benchmarks/NOTES.md). ``tails``: the rows that follow (q, do) and (k, v) when
+    held apart (``interface.Joined``: same strides, under a block mask), or None; the
+    kernels read both parts where they are."""
+    b, h, d = q.shape[0], q.shape[2], q.shape[3]
+    hkv = k.shape[2]
+    (q_split, sq), (k_split, sk) = ((t.shape[1], t.shape[1] + (0 if tail is None else tail[0].shape[1]))
+                                    for t, tail in zip((q, k), tails))
+    q_tails, k_tails = (tail or (t, t) for t, tail in zip(((q, do), (k, v)), tails))
     (lo, hi, qseg, kseg, band, segments), drop = _mask_args(mask, q.device)
     sparse = mask.blocks is not None
     dkdv_cfg, dq_cfg = bwd_config(d, q.dtype, sparse, drop[7] and not (band or segments or sparse))
@@ -1088,23 +1118,26 @@ def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask, accu
     if dk is not None:  # key tiles outer: q and do are read in BLOCK_M rows, k and v once
         ranges = _ranges(kseg, qseg, segments)
         (counts, index, order, *sparse_strides), _ = _sparse_args(
-            mask, lo, hi, sk, sq, True, q.device, (dkdv_cfg["BLOCK_N"], b, hkv, h // hkv))
+            mask, lo, hi, sk, sq, True, q.device, (dkdv_cfg["BLOCK_N"], b, hkv, h // hkv),
+            split=None if tails[0] is None else q_split)
         _dkdv_kernel[(triton.cdiv(sk, dkdv_cfg["BLOCK_N"]), b * hkv)](
             q, k, v, do, lse, delta, dk, dv, _or(partials[1], dk), _or(partials[2], dv), ranges,
             counts, index, order, *qkv_strides,
             dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
             *stat_strides, ranges.stride(0), ranges.stride(1), hkv, *scalars, *sparse_strides,
-            LIST_STAGES=list_stages(dkdv_cfg, common["SPARSE"]), **common, **dkdv_cfg)
+            *q_tails, q_split, LIST_STAGES=list_stages(dkdv_cfg, common["SPARSE"]),
+            PARTS=1 if tails[0] is None else 2, **common, **dkdv_cfg)
     if dq is not None:  # query tiles outer: k and v are read in BLOCK_N rows
         ranges = _ranges(qseg, kseg, segments)
         (counts, index, order, *sparse_strides), _ = _sparse_args(
-            mask, lo, hi, sq, sk, False, q.device, (dq_cfg["BLOCK_M"], b, h, 1), band)
+            mask, lo, hi, sq, sk, False, q.device, (dq_cfg["BLOCK_M"], b, h, 1), band,
+            split=None if tails[1] is None else k_split)
         _dq_kernel[(triton.cdiv(sq, dq_cfg["BLOCK_M"]), b * h)](
             q, k, v, do, lse, delta, dq, _or(partials[0], dq), kseg, ranges, counts, index, order,
             *qkv_strides,
             dq.stride(0), dq.stride(1), dq.stride(2), *stat_strides, kseg.stride(0),
             ranges.stride(0), ranges.stride(1), h,
-            *scalars, *sparse_strides,
-            LIST_STAGES=list_stages(dq_cfg, common["SPARSE"], segments), **common,
-            **dq_cfg)
+            *scalars, *sparse_strides, *k_tails, k_split,
+            LIST_STAGES=list_stages(dq_cfg, common["SPARSE"], segments),
+            PARTS=1 if tails[1] is None else 2, **common, **dq_cfg)
     return dq, dk, dv

@@ -58,8 +58,8 @@ class Ring:
         """Post, for each (send, recv) pair, the send to rank+shift and the receive from
         rank-shift. A pair may name a third tensor, ``at``: a view of the buffer ``recv``
         belongs to, at the place where rank+shift receives this message in its own copy of
-        that buffer, when that is not where this rank receives (both shards of a ring of
-        two in global order: each rank receives into the other's rows)."""
+        that buffer, when that is not where this rank receives (a message one way only:
+        this rank receives an empty view while rank+shift receives into ``at``)."""
         to, frm = self.peer(shift), self.peer(-shift)
         ops = []
         for send, recv, *_at in pairs:

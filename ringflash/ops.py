@@ -119,10 +119,10 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _kept_shapes(k: torch.Tensor, segments: Optional[torch.Tensor], keep: bool) -> tuple:
-    """The shapes of the kept K/V (2, B, 2 S, Hkv, D) and segment ids (B, 2 S), (0,) where
-    not kept (``ring.keeps_kv``)."""
+    """The shapes of the kept K/V (the other rank's, (2, B, S, Hkv, D)) and segment ids
+    (both ranks', (B, 2 S)), (0,) where not kept (``ring.keeps_kv``)."""
     b, n, *rest = k.shape
-    return (((2, b, 2 * n, *rest) if keep else (0,)),
+    return (((2, *k.shape) if keep else (0,)),
             ((b, 2 * n) if keep and segments is not None else (0,)))
 
 

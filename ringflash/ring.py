@@ -35,9 +35,10 @@ hides the trip home, and the own dK/dV pass adds the arrived sum as it writes; b
 passes run in two halves of key rows (``layouts.step_pieces``), so the first half's sum
 travels while the second is computed. dQ never leaves the rank.
 
-A ring of two over contiguous shards under a block mask (``keeps_kv``) keeps the K/V it
-saw in the forward, both shards side by side: the whole sequence's, in global order.
-Its backward swaps queries instead (Q, dO, lse, delta) under a dQ pass over every key,
+A ring of two over contiguous shards under a block mask (``keeps_kv``) keeps the other
+rank's K/V from the forward, which with its own make the whole sequence's (read in place,
+in global order: ``kernels.Joined``). Its backward swaps queries instead (Q, dO, lse,
+delta) under a dQ pass over every key,
 then runs one dK/dV pass over every query (``_gathered_backward``): two launches of the
 shape one GPU runs, where the rotation above runs six of half the size, whose fixed costs
 no longer hide at low density. Holding every key and query, the ranks can also divide
@@ -52,7 +53,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from .exchange import Ring
-from .kernels import PairMask, attn_delta, flash_attn_bwd, flash_attn_fwd
+from .kernels import Joined, PairMask, attn_delta, flash_attn_bwd, flash_attn_fwd
 from .kernels.masks import (BAND_INF, BLOCK, Blocks, block_work, computed_blocks, pair_positions,
                             tensor_memo)
 from .layouts import (Band, active_steps, gathered_pair, occupied_chunks, remote_share, step_pairs,
@@ -147,7 +148,7 @@ class _SparsePlan:
         return self._decided[band]
 
     def key_cut(self, band: Band, blocks: torch.Tensor) -> int:
-        """A ring of two that kept both shards (``_gathered_backward``): the global key row
+        """A ring of two that kept the other rank's K/V (``_gathered_backward``): the global key row
         where its dK/dV launches divide the keys, rank 0 taking those below it. Chosen from
         the mask's blocks so that each rank's forward, dQ and dK/dV work, weighed by what a
         block costs each kernel, is as even as the cut allows (a multiple of BLOCK; n, the
@@ -282,13 +283,13 @@ def _key_rows(send: torch.Tensor, recv: torch.Tensor, rows: range) -> list:
 
 
 def keeps_kv(layout: str, world: int, needs_grad: bool, block_mask: bool) -> bool:
-    """Whether ``ring_forward`` keeps both ranks' K/V for the backward: a ring of two over
-    the contiguous layout under a block mask, when a backward follows. Its backward then
-    moves queries instead of K/V and gradients, and runs one dQ and one dK/dV launch over
-    the whole sequence, as one GPU does (``_gathered_backward``), instead of six launches
-    over half of it: worth a (2, B, 2 S, Hkv, D) tensor saved per call where the work
-    shrinks with the mask's density and the fixed costs do not (benchmarks/NOTES.md, "The
-    ring of two keeps its K/V"). Dense attention gains nothing from it at any length."""
+    """Whether ``ring_forward`` keeps the other rank's K/V for the backward: a ring of two
+    over the contiguous layout under a block mask, when a backward follows. Its backward
+    then moves queries instead of K/V and gradients, and runs one dQ and one dK/dV launch
+    over the whole sequence, as one GPU does (``_gathered_backward``), instead of six
+    launches over half of it: worth a (2, B, S, Hkv, D) tensor saved per call where the
+    work shrinks with the mask's density and the fixed costs do not (benchmarks/NOTES.md,
+    "The ring of two keeps its K/V"). Dense attention gains nothing from it at any length."""
     return needs_grad and block_mask and world == 2 and layout == "contiguous"
 
 
@@ -325,14 +326,14 @@ def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout
                  layout: str, ring: Ring, blocks: Optional[torch.Tensor] = None, keep: bool = False):
     """Returns out (in q's dtype), lse (fp32, (B, H, S)) of q against every rank's k, v, and
     what the backward keeps: None, or with ``keep`` (``keeps_kv``) and two active steps,
-    (kv, segment ids): every rank's K/V side by side in global order, (2, B, 2 S, Hkv, D),
-    and their (B, 2 S) int32 segment ids or None.
+    (kv, segment ids): the other rank's K/V, (2, B, S, Hkv, D), and both ranks' (B, 2 S)
+    int32 segment ids in global order, or None.
     segments: this rank's (B, S) int32 segment ids, or None. dropout: (p, seed).
     blocks: the GLOBAL block mask (heads or 1, N / BLOCK, N / BLOCK) bool, or None.
 
     The running out stays fp32 until the last step, whose pairs write the result in q's
     dtype straight from it where their query rows do not overlap (no separate cast of
-    the rows they cover). The kept copies run on a side stream, under the kernels."""
+    the rows they cover). The kept copy runs on a side stream, under the kernels."""
     b, n, h, d = q.shape
     steps, schedule, first_writes, plan, *_ = _schedule(ring, layout, n, band, dropout, blocks)
     out = torch.empty((b, n, h, d), device=q.device, dtype=torch.float32)
@@ -345,9 +346,10 @@ def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout
     slots = _kv_slots(k, segments, ring, steps)
     kept, aside = None, _Aside(q.device)
     if keep and steps == 2:
-        kept = (torch.empty((2, b, 2 * n, *k.shape[2:]), device=k.device, dtype=k.dtype),
+        kept = (torch.empty((2, *k.shape), device=k.device, dtype=k.dtype),
                 None if segments is None else torch.empty((b, 2 * n), device=k.device, dtype=torch.int32))
-        _keep_rows(aside, kept, ((k, v), segments), ring.rank, n)
+        if segments is not None:
+            kept[1][:, ring.rank * n:(ring.rank + 1) * n] = segments
     cur = ((k, v), segments)
     for step, pairs in enumerate(schedule):
         nxt = slots[step % len(slots)] if step + 1 < steps else None
@@ -362,8 +364,10 @@ def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout
                            accumulate=merge, out_partial=out[:, pair.q] if final and merge else None)
         ring.wait(pending)
         cur = nxt
-        if kept is not None and step == 0:
-            _keep_rows(aside, kept, cur, 1 - ring.rank, n)
+        if kept is not None and step == 0:  # out of the ring's buffer, which the next call reuses
+            aside.copy(kept[0], cur[0])
+            if cur[1] is not None:
+                aside.copy(kept[1][:, (1 - ring.rank) * n:(2 - ring.rank) * n], cur[1])
     if result is not out:
         for rows in [slice(None)] if gaps is None else gaps:
             _copy_rows(result, out, rows, 1)
@@ -371,57 +375,55 @@ def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout
     return result, lse, kept
 
 
-def _keep_rows(aside: _Aside, kept, shard, src: int, n: int) -> None:
-    """Copy rank ``src``'s shard ((k, v) or packed kv, segment ids) into its rows of ``kept``."""
-    (kv, seg), rows = shard, slice(src * n, (src + 1) * n)
-    for i in range(2):
-        aside.copy(kept[0][i, :, rows], kv[i])
-    if seg is not None:
-        aside.copy(kept[1][:, rows], seg)
-
-
-def _gathered_backward(dout, q, k, lse, delta, segments, kept, *, softmax_scale: float, band: Band,
+def _gathered_backward(dout, q, k, v, lse, delta, segments, kept, *, softmax_scale: float, band: Band,
                        dropout: tuple[float, int], ring: Ring, plan, blocks):
-    """``ring_backward`` of a ring of two whose forward kept both ranks' K/V (``keeps_kv``):
-    the whole sequence's keys are on this rank, in global order. The ranks swap their
-    queries instead (Q, dO, lse and delta, which land in global order too; each rank's own
-    rows are copied in beside the kernel) while one dQ launch runs over every key. Then the
-    dK/dV launches run over every query: one over this rank's keys, where the mask leaves
-    the ranks even work; else the busier rank leaves the other some of its keys
-    (``_SparsePlan.key_cut``), whose finished dK/dV come home. One GPU runs the same
-    launches over twice the programs: no pass is split by shard, no partial sum travels,
-    and each gradient is rounded once."""
+    """``ring_backward`` of a ring of two whose forward kept the other rank's K/V
+    (``keeps_kv``): the whole sequence's keys are on this rank, its own and the kept ones
+    read where they are, in global order (``Joined``). The ranks swap their queries
+    instead (Q, dO, lse and delta) while one dQ launch runs over every key. Then the dK/dV
+    launches run over every query, the own and the received ones joined the same way: one
+    over this rank's keys, where the mask leaves the ranks even work; else the busier rank
+    leaves the other some of its keys (``_SparsePlan.key_cut``), whose finished dK/dV come
+    home. One GPU runs the same launches over twice the programs: no pass is split by
+    shard, no partial sum travels, each gradient is rounded once, and nothing is copied to
+    join the shards."""
     b, n, h, d = q.shape
     here, there = (range(r * n, (r + 1) * n) for r in (ring.rank, 1 - ring.rank))  # global rows
-    q_all, dout_all = (ring.buffer(name, (b, 2 * n, h, d), q.dtype, q.device) for name in ("q", "dout"))
+    q, dout = q.contiguous(), dout.contiguous()
+    q_in, dout_in = (ring.buffer(name, q.shape, q.dtype, q.device) for name in ("q", "dout"))
     stats = ring.buffer("stats", (2, b, h, n), torch.float32, q.device)
     mine = torch.stack([lse, delta])
-    messages, aside = [(mine, stats)], _Aside(q.device)
-    for every, t in ((q_all, q.contiguous()), (dout_all, dout)):  # one message a batch row
-        messages += [(t[i], every[i, _rows(there)], every[i, _rows(here)]) for i in range(b)]
-    pending = ring.exchange(*messages)
-    for every, t in ((q_all, q), (dout_all, dout)):
-        aside.copy(every[:, _rows(here)], t)
-    (kv, seg), pair = kept, gathered_pair(here, n, band)
+    pending = ring.exchange((mine, stats), (q, q_in), (dout, dout_in))
+    (remote, seg), pair = kept, gathered_pair(here, n, band)
+
+    def joined(own: torch.Tensor, other: torch.Tensor) -> Joined:
+        """The two ranks' rows of one tensor, in global order."""
+        own, other = own.contiguous(), other.contiguous()
+        return Joined(own, other) if ring.rank == 0 else Joined(other, own)
+
     dq = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     if pair is None:
         dq.zero_()
     else:
-        flash_attn_bwd(dout, q, kv[0], kv[1], lse, delta, dq, None, None, softmax_scale=softmax_scale,
-                       mask=_mask(pair, segments, seg, dropout, plan, blocks))
+        flash_attn_bwd(dout, q, joined(k, remote[0]), joined(v, remote[1]), lse, delta, dq, None, None,
+                       softmax_scale=softmax_scale, mask=_mask(pair, segments, seg, dropout, plan, blocks))
     ring.wait(pending)
-    aside.join()
     every = torch.empty((2, b, h, 2 * n), device=q.device, dtype=torch.float32)  # lse, delta
     every[..., _rows(here)], every[..., _rows(there)] = mine, stats
+    q_all, dout_all = joined(q, q_in), joined(dout, dout_in)
 
     def dkv_pass(rows: range, dest: torch.Tensor) -> None:
-        """dK/dV of the key rows ``rows`` (global) over every query, into packed ``dest``."""
+        """dK/dV of the key rows ``rows`` (global; on one rank) over every query, into
+        packed ``dest``."""
         pair = gathered_pair(rows, n, band, keys=False)
         if pair is None:
             dest.zero_()
             return
         cols = _rows(rows)
-        flash_attn_bwd(dout_all, q_all, kv[0][:, cols], kv[1][:, cols], every[0], every[1], None,
+        own = rows.start >= here.start and rows.stop <= here.stop
+        keys, values = (k, v) if own else remote
+        part = _rows(rows, (here if own else there).start)
+        flash_attn_bwd(dout_all, q_all, keys[:, part], values[:, part], every[0], every[1], None,
                        dest[0], dest[1], softmax_scale=softmax_scale,
                        mask=_mask(pair, seg, None if seg is None else seg[:, cols], dropout, plan, blocks))
 
@@ -468,7 +470,7 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
                                                                        blocks)
     delta = attn_delta(out, dout, dlse)
     if kept is not None and steps == 2:
-        return _gathered_backward(dout, q, k, lse, delta, segments, kept, softmax_scale=softmax_scale,
+        return _gathered_backward(dout, q, k, v, lse, delta, segments, kept, softmax_scale=softmax_scale,
                                   band=band, dropout=dropout, ring=ring, plan=plan, blocks=blocks)
     dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
     if not first_writes:

@@ -256,6 +256,50 @@ def test_backward_passes_run_apart(kernel, monkeypatch):
 
 
 @pytest.mark.parametrize("kernel", ["twin", "triton"])
+@pytest.mark.parametrize("mask", ["blocks", "dropout", "causal"])
+def test_backward_reads_a_sequence_joined_from_two_tensors(kernel, mask, monkeypatch):
+    """k and v (dQ pass), q and dout (dK/dV pass) given as ``Joined``, each part a separate
+    tensor, under a per-head block mask, with dropout or a causal band (partial blocks in
+    both parts): the same bits as the whole tensors. Without a block mask it raises."""
+    from ringflash.kernels import Joined
+    from ringflash.kernels.block_sparse import random_block_mask
+    from ringflash.kernels.masks import Blocks
+    device = use_backend("twin" if kernel == "twin" else "triton", monkeypatch)
+    case = Case(2, 256, 256, 4, 2, 16, None)
+    q, k, v, dout = make_inputs(case, F32, device)
+    blocks = Blocks(random_block_mask(256, 0.5, heads=4, seed=2, device=device))
+    pair = {"blocks": PairMask(blocks=blocks),
+            "dropout": PairMask(dropout_p=0.3, seed=5, pos=(0, 0, 1, 0), blocks=blocks),
+            "causal": PairMask(band_hi=0, blocks=blocks)}[mask]
+    lse = torch.rand((2, 4, 256), device=device) + 4
+    delta = torch.randn((2, 4, 256), device=device)
+    whole = [torch.full(t.shape, NAN, device=device) for t in (q, k, v)]
+    flash_attn_bwd(dout, q, k, v, lse, delta, *whole, softmax_scale=0.3, mask=pair)
+
+    def joined(t):  # rows [0, 128) and [128, 256), apart in memory
+        return Joined(t[:, :128].clone(), t[:, 128:].clone())
+    dq = torch.full(q.shape, NAN, device=device)
+    flash_attn_bwd(dout, q, joined(k), joined(v), lse, delta, dq, None, None, softmax_scale=0.3, mask=pair)
+    dk, dv = (torch.full(t.shape, NAN, device=device) for t in (k, v))
+    flash_attn_bwd(joined(dout), joined(q), k, v, lse, delta, None, dk, dv, softmax_scale=0.3, mask=pair)
+    for got, want in zip((dq, dk, dv), whole):
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="needs a block mask"):
+        flash_attn_bwd(dout, q, joined(k), joined(v), lse, delta, dq, None, None, softmax_scale=0.3)
+    with pytest.raises(ValueError, match="dq=None"):
+        flash_attn_bwd(joined(dout), joined(q), k, v, lse, delta, dq, dk, dv, softmax_scale=0.3, mask=pair)
+    with pytest.raises(ValueError, match="both be Joined"):
+        flash_attn_bwd(dout, q, joined(k), v, lse, delta, dq, None, None, softmax_scale=0.3, mask=pair)
+    with pytest.raises(ValueError, match="share strides"):  # batch rows of unequal length
+        flash_attn_bwd(dout, q, Joined(k[:, :128].clone(), k[:, 128:192].clone()),
+                       Joined(v[:, :128].clone(), v[:, 128:192].clone()), lse, delta, dq, None, None,
+                       softmax_scale=0.3, mask=pair)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        flash_attn_bwd(dout, q, Joined(k[:1, :100], k[:1, 100:200]), Joined(v[:1, :100], v[:1, 100:200]),
+                       lse, delta, dq, None, None, softmax_scale=0.3, mask=pair)
+
+
+@pytest.mark.parametrize("kernel", ["twin", "triton"])
 def test_accumulate_into_empty_state_is_plain_forward(kernel, monkeypatch):
     """Merging one block into (out 0, lse -inf) gives exactly what accumulate=False gives."""
     mod, device = kernel_module(kernel, monkeypatch)

@@ -297,10 +297,10 @@ def test_ring_of_two_weighs_its_steps_by_the_mask(monkeypatch, mask, early):
 
 
 def test_ring_of_two_that_kept_its_kv_swaps_queries_under_its_dq_pass(monkeypatch):
-    """A ring of two over the contiguous layout whose forward kept both shards
+    """A ring of two over the contiguous layout whose forward kept the other rank's K/V
     (``keeps_kv``): its backward moves no K/V and no gradient. The ranks' Q, dO, lse and
-    delta travel (one message for the stats, one per batch row of Q and of dO) under the
-    dQ pass over every key; then one dK/dV pass over every query."""
+    delta travel (three messages) under the dQ pass over every key, its own and the kept
+    ones joined in global order; then one dK/dV pass over every query, joined the same way."""
     from ringflash import ring as ring_mod
     calls = []
     fake = _RecordingRing(2)
@@ -308,7 +308,7 @@ def test_ring_of_two_that_kept_its_kv_swaps_queries_under_its_dq_pass(monkeypatc
         fake.events.append(("dq" if args[6] is not None else "dkv",)), calls.append(args)))
     n, batch = 16, 2
     q, k, v, out, dout = (torch.randn(batch, n, 2, 8) for _ in range(5))
-    kept = (torch.randn(2, batch, 2 * n, 2, 8), None)
+    kept = (torch.randn(2, batch, n, 2, 8), None)
     for band in ((None, None), (None, 0), (-3, 0)):
         fake.events.clear()
         fake.messages.clear()
@@ -316,9 +316,12 @@ def test_ring_of_two_that_kept_its_kv_swaps_queries_under_its_dq_pass(monkeypatc
         ring_mod.ring_backward(dout, q, k, v, out, torch.randn(batch, 2, n), None, None, softmax_scale=0.3,
                                band=band, dropout=(0.0, 0), layout="contiguous", ring=fake, kept=kept)
         assert fake.events == [("post", 1), ("dq",), ("wait",), ("dkv",)], (band, fake.events)
-        assert len(fake.messages) == 1 + 2 * batch, fake.messages
+        assert len(fake.messages) == 3, fake.messages
         dq_call, dkv_call = calls
-        assert dq_call[2].shape[1] == 2 * n and dkv_call[1].shape[1] == 2 * n  # every key; every query
+        first, second = dq_call[2]  # every key: rank 0's own, then the kept ones
+        assert first is k and torch.equal(second, kept[0][0]), band
+        first, second = dkv_call[1]  # every query: its own, then the received ones
+        assert first is q and second.shape == q.shape, band
 
 
 class _NaNRing(_RecordingRing):
@@ -682,8 +685,9 @@ def kept_kv(rank, world):
                         failures.append(f"{layout}: fake shapes {[t.shape for t in fake]}")
                     kv = real[2]
                     report[layout, blocks is not None, grad] = tuple(kv.shape)
-                    if kv.numel() and not torch.equal(kv, torch.stack(full[1:])):
-                        failures.append(f"{layout}: the kept K/V is not the whole sequence's")
+                    other = torch.stack(full[1:])[:, :, (1 - rank) * n // 2:(2 - rank) * n // 2]
+                    if kv.numel() and not torch.equal(kv, other):  # only contiguous keeps
+                        failures.append(f"{layout}: the kept K/V is not the other rank's")
             qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
             dout = torch.randn(qq.shape, generator=torch.Generator().manual_seed(rank))
             passes.clear()
@@ -702,14 +706,14 @@ def kept_kv(rank, world):
 
 def test_ring_of_two_keeps_its_kv_for_the_backward(worlds):
     """Only a ring of two over the contiguous layout under a block mask keeps K/V, and only
-    when a backward follows: (2, B, 2 n, Hkv, D), the whole sequence's K/V. Its backward
+    when a backward follows: (2, B, n, Hkv, D), the other rank's K/V. Its backward
     then runs two kernel passes (dQ over every key, dK/dV over every query) where zigzag's
     runs one dQ and one dK/dV pass per pair of chunks a block mask occupies (twelve here).
     Both rings' gradients match the oracle's."""
     for failures, report in worlds(2).run(kept_kv, timeout=120):
         assert failures == [], failures
         kept = {key: shape for key, shape in report.items() if isinstance(key, tuple) and shape != (0,)}
-        assert kept == {("contiguous", True, True): (2, 1, 512, 1, 8)}, report
+        assert kept == {("contiguous", True, True): (2, 1, 256, 1, 8)}, report
         assert report["contiguous"] == 2 and report["zigzag"] == 12, report
 
 
