@@ -1104,7 +1104,7 @@ def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask, accu
     hkv = k.shape[2]
     (q_split, sq), (k_split, sk) = ((t.shape[1], t.shape[1] + (0 if tail is None else tail[0].shape[1]))
                                     for t, tail in zip((q, k), tails))
-    q_tails, k_tails = (tail or (t, t) for t, tail in zip(((q, do), (k, v)), tails))
+    q_tails, k_tails = (tail or t for t, tail in zip(((q, do), (k, v)), tails))  # stand-ins if whole
     (lo, hi, qseg, kseg, band, segments), drop = _mask_args(mask, q.device)
     sparse = mask.blocks is not None
     dkdv_cfg, dq_cfg = bwd_config(d, q.dtype, sparse, drop[7] and not (band or segments or sparse))
