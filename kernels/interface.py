@@ -271,11 +271,12 @@ def attn_delta(out: torch.Tensor, dout: torch.Tensor,
 
 class Joined(NamedTuple):
     """One (B, S1 + S2, H, D) sequence held in two tensors: rows [0, S1) in ``first``, the
-    rest in ``second``, of one dtype and device, with the same strides (S1 a multiple of
-    128). ``flash_attn_bwd`` takes k and v so in a dQ pass (dk = dv = None), q and dout in
-    a dK/dV pass (dq = None), under a block mask: a ring of two holds its own shard and
-    the other rank's apart, and the kernels read both where they are, without a copy that
-    joins them (their block lists are split where the parts meet)."""
+    rest in ``second``, of one dtype and device, with the same strides (those of dims of
+    size one aside: they are never stepped) and S1 a multiple of 128. ``flash_attn_bwd``
+    takes k and v so in a dQ pass (dk = dv = None), q and dout in a dK/dV pass (dq =
+    None), under a block mask: a ring of two holds its own shard and the other rank's
+    apart, and the kernels read both where they are, without a copy that joins them
+    (their block lists are split where the parts meet)."""
 
     first: torch.Tensor
     second: torch.Tensor
@@ -294,7 +295,11 @@ def _tails(pair: dict) -> Optional[tuple]:
         if (first.dtype, first.device) != (second.dtype, second.device):
             raise ValueError(f"{name}: Joined parts must share dtype and device")
         same = first.shape[0] == second.shape[0] and first.shape[2:] == second.shape[2:]
-        if not same or first.stride() != second.stride():
+        # the kernels step both parts by the first's strides: those of a dim of one (a batch
+        # of one, a one-row second part) are never used
+        strides = all(a == b for m, n, a, b in zip(first.shape, second.shape, first.stride(),
+                                                   second.stride()) if m > 1 and n > 1)
+        if not same or not strides:
             raise ValueError(f"{name}: Joined parts must differ only in rows and share strides, got "
                              f"{tuple(first.shape)} / {first.stride()} and "
                              f"{tuple(second.shape)} / {second.stride()}")

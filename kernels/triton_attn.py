@@ -420,7 +420,7 @@ def _tile_range(start_r, n_rows, n_cols, lo, hi, first, stop, run_stop, position
 
 
 @triton.jit
-def _listed_range(COUNTS, stride_plane, row, PART: tl.constexpr = 0):
+def _listed_range(COUNTS, stride_plane, row, PART=0):
     """Block-sparse loop bounds (start, full_start, full_end, end), in virtual columns: the
     blocks listed for row block ``row`` laid end to end, its partial blocks in
     [start, full_start) and its full ones in [full_start, end). ``_column`` maps them back.
@@ -949,11 +949,11 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DK_IN, DV_IN, RANGES, COUNTS, 
         if SPARSE:
             row = off_h * stride_sh + start_n // SPARSE_BLOCK
             begin, full_start, full_end, end = _listed_range(COUNTS, stride_cp, row)
-        for part in tl.static_range(PARTS):
+        for part in range(PARTS):
             Qp, DOp = Q, DO
             if part == 1:  # row r of the queries is row r - split of Q2, DO2
                 Qp, DOp = Q2 - split.to(tl.int64) * stride_qs, DO2 - split.to(tl.int64) * stride_dos
-                begin, full_start, full_end, end = _listed_range(COUNTS, stride_cp, row, 1)
+                begin, full_start, full_end, end = _listed_range(COUNTS, stride_cp, row, part)
             for pos in range(begin, full_start, BLOCK_M):
                 start_m = _column(pos, INDEX, row, n_col_blocks, SPARSE)
                 dk, dv = _dkdv_tile(dk, dv, k, v, Qp, DOp, lse_base, delta_base, off_b, off_h,
@@ -1034,7 +1034,8 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DQ_IN, KSEG, RANGES, COUNTS, INDEX, 
     """One query tile's dQ over the keys its band or lists give. PARTS = 2: the keys' rows
     from ``split`` on are K2, V2 (``interface.Joined``); their blocks are listed apart, so
     each part's loops read through one base (a base chosen per tile costs the loop ~10%
-    more instructions)."""
+    more instructions). The parts are a loop around the tile loops, not unrolled: unrolled,
+    a joined launch ran 2-4% behind one over a single tensor (benchmarks/NOTES.md)."""
     tl.static_assert(PARTS == 1 or SPARSE, "keys in two parts need block lists")
     start_m, bh = _query_tile(ORDER, BLOCK_M, BAND, SPARSE)
     off_b = bh // H
@@ -1058,11 +1059,11 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DQ_IN, KSEG, RANGES, COUNTS, INDEX, 
         start_m, rows, seqlen_q, seqlen_k, band_lo, band_hi, RANGES, off_b, off_h, stride_rp,
         stride_rb, COUNTS, stride_cp, stride_sh, (q_pos0, k_pos0, pos_stride, pos_jump), BLOCK_M,
         BLOCK_N, BAND, SEGMENTS, SPARSE, POSITIONAL)
-    for part in tl.static_range(PARTS):
+    for part in range(PARTS):
         Kp, Vp = K, V
         if part == 1:  # row r of the keys is row r - split of K2, V2
             Kp, Vp = K2 - split.to(tl.int64) * stride_ks, V2 - split.to(tl.int64) * stride_vs
-            start, full_start, full_end, end = _listed_range(COUNTS, stride_cp, row, 1)
+            start, full_start, full_end, end = _listed_range(COUNTS, stride_cp, row, part)
         for pos in range(start, full_start, BLOCK_N):
             start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
             dq = _dq_tile(dq, q, do, lse, delta, Kp, Vp, KSEG, off_b, off_h, off_hk, stride_kb,

@@ -284,6 +284,16 @@ def test_backward_reads_a_sequence_joined_from_two_tensors(kernel, mask, monkeyp
     flash_attn_bwd(joined(dout), joined(q), k, v, lse, delta, None, dk, dv, softmax_scale=0.3, mask=pair)
     for got, want in zip((dq, dk, dv), whole):
         assert torch.equal(got, want)
+    if mask == "blocks":  # a batch of one: a view into a longer sequence joined to a tensor of
+        one = [t[:1] for t in (q, k, v, dout)]  # its own (batch strides differ, and are unused)
+        want = torch.full(one[0].shape, NAN, device=device)
+        flash_attn_bwd(one[3], one[0], one[1], one[2], lse[:1], delta[:1], want, None, None,
+                       softmax_scale=0.3, mask=pair)
+        got = torch.full(one[0].shape, NAN, device=device)
+        apart = [torch.empty(t[:, 128:].shape, device=device).copy_(t[:, 128:]) for t in one[1:3]]
+        flash_attn_bwd(one[3], one[0], *(Joined(t[:, :128], u) for t, u in zip(one[1:3], apart)),
+                       lse[:1], delta[:1], got, None, None, softmax_scale=0.3, mask=pair)
+        assert torch.equal(got, want)
     with pytest.raises(ValueError, match="needs a block mask"):
         flash_attn_bwd(dout, q, joined(k), joined(v), lse, delta, dq, None, None, softmax_scale=0.3)
     with pytest.raises(ValueError, match="dq=None"):
