@@ -33,7 +33,8 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 POINTERS = {"O": "*bf16", "LSE": "*fp32", "DELTA": "*fp32", "QSEG": "*i32", "KSEG": "*i32",
             **{n: "*fp32" for n in ("O_IN", "DQ_IN", "DK_IN", "DV_IN")},  # running sums
             "RANGES": "*i32", **{n: "*i32" for n in ("COUNTS", "INDEX", "ORDER")},
-            **{n: "*bf16" for n in ("Q", "K", "V", "DO", "DK", "DV", "DQ", "Q2", "K2", "V2", "DO2")}}
+            **{n: "*bf16" for n in ("Q", "K", "V", "DO", "DK", "DV", "DQ", "Q2", "K2", "V2", "DO2")},
+            "ARRIVED": "*i32"}
 ONES = ("GROUP", "pos_stride")  # equal to 1 at these launches: Triton specializes them
 
 
@@ -62,7 +63,7 @@ def compile_kernel(which: str, head_dim: int, dropout: bool, sparse: bool = Fals
     for i, name in enumerate(fn.arg_names):
         if name in consts or name == "TMA":
             signature[name] = "constexpr"
-        elif which == "fwd" and name in ("Q", "K", "V"):  # TMA descriptors over (B, S, H, D)
+        elif which == "fwd" and name in ("Q", "K", "V", "K2", "V2"):  # TMA descriptors over (B, S, H, D)
             rows = cfg["BLOCK_M"] if name == "Q" else cfg["BLOCK_N"]
             signature[name] = f"tensordesc<bf16[1,{rows},1,{bd}]>"
         elif name in POINTERS:

@@ -7,6 +7,7 @@ points of one (query block, key block) pair that the ring calls at every step.
 
 from .interface import (
     SUPPORTED_DTYPES,
+    Arrival,
     Joined,
     attn_delta,
     check_block_mask,
@@ -27,6 +28,7 @@ from .masks import PairMask, band_of_window
 
 __all__ = [
     "SUPPORTED_DTYPES",
+    "Arrival",
     "Joined",
     "PairMask",
     "attn_delta",

@@ -224,7 +224,7 @@ def _pair_mask(mask: Optional[PairMask], causal_offset: Optional[int]) -> PairMa
 def flash_attn_fwd(q, k, v, *, softmax_scale: float, mask: Optional[PairMask] = None,
                    causal_offset: Optional[int] = None, out: Optional[torch.Tensor] = None,
                    lse: Optional[torch.Tensor] = None, accumulate: bool = False,
-                   out_partial: Optional[torch.Tensor] = None):
+                   out_partial: Optional[torch.Tensor] = None, arrival: Optional["Arrival"] = None):
     """Attention of one (query block, key block) pair, returning ``(out, lse)``.
 
     q (B, Sq, H, D); k, v (B, Sk, Hkv, D); Sq and Sk may differ.
@@ -240,20 +240,68 @@ def flash_attn_fwd(q, k, v, *, softmax_scale: float, mask: Optional[PairMask] = 
     out_partial: with accumulate, the running output to merge with when it is not ``out``
         itself (same shape and strides as out): the last of several blocks can read fp32
         sums and write the final out in q's dtype, with no pass of its own.
+    k and v may be a ``Joined`` pair (a sequence in two tensors, under a block mask), and
+    then ``arrival`` may say that one part comes from another GPU (``Arrival``).
     A row that sees no key has out 0 and lse -inf.
     """
     if accumulate and (out is None or lse is None):
         raise ValueError("accumulate=True needs the running out and lse")
     _check_outputs(out=out, lse=lse)
     _check_partials(accumulate, out=(out, out_partial))
+    mask = _pair_mask(mask, causal_offset)
+    tail = _tails(dict(k=k, v=v))
+    if tail is not None and mask.blocks is None:
+        raise ValueError("a sequence Joined from two tensors needs a block mask (the kernels "
+                         "list its blocks apart where the parts meet)")
+    k, v = (t.first if isinstance(t, Joined) else t for t in (k, v))
+    _check_arrival(arrival, tail, q, k)
     b, sq, h, d = q.shape
     if out is None:
         out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     if lse is None:
         lse = torch.empty((b, h, sq), device=q.device, dtype=torch.float32)
     _backend(q).fwd(_rowmajor(q), _rowmajor(k), _rowmajor(v), out, lse, softmax_scale=softmax_scale,
-                    mask=_pair_mask(mask, causal_offset), accumulate=accumulate, out_partial=out_partial)
+                    mask=mask, accumulate=accumulate, out_partial=out_partial, tail=tail,
+                    arrival=arrival)
     return out, lse
+
+
+class Arrival(NamedTuple):
+    """How ``flash_attn_fwd`` reads a ``Joined`` k, v whose part ``last`` (0: first, 1:
+    second) comes from another GPU: that part's keys run after the other's. With
+    ``flags``, the part is still on its way, in chunks of ``heads`` K/V heads: flags
+    (int32, (Hkv / heads,), on q's device) holds ``epoch`` at [c] once heads
+    [c * heads, (c + 1) * heads) have landed (the copy stream writes it after the chunk),
+    and each query tile waits inside the kernel for its head's chunk, so the launch starts
+    before the trip ends. The writer must not need this GPU's SMs to make
+    progress. flags None: the part is there."""
+
+    last: int
+    flags: Optional[torch.Tensor] = None
+    epoch: int = 0
+    heads: int = 1
+
+
+def _check_arrival(arrival, tail, q, k) -> None:
+    if arrival is None:
+        return
+    if tail is None:
+        raise ValueError("arrival is for a Joined k and v")
+    if arrival.last not in (0, 1):
+        raise ValueError(f"arrival.last must be 0 or 1, got {arrival.last!r}")
+    if arrival.flags is None:
+        return
+    hkv = k.shape[2]
+    if not q.is_cuda:
+        raise ValueError("arrival.flags: waiting for a part to land needs the Triton kernel (CUDA)")
+    if isinstance(arrival.heads, bool) or not isinstance(arrival.heads, int) or arrival.heads < 1 \
+            or hkv % arrival.heads:
+        raise ValueError(f"arrival.heads must divide the {hkv} K/V heads, got {arrival.heads!r}")
+    flags = arrival.flags
+    if flags.dtype != torch.int32 or flags.device != q.device or not flags.is_contiguous() \
+            or flags.numel() != hkv // arrival.heads:
+        raise ValueError(f"arrival.flags must be a contiguous int32 tensor of {hkv // arrival.heads} "
+                         f"on {q.device}, got {flags.dtype} {tuple(flags.shape)} on {flags.device}")
 
 
 def attn_delta(out: torch.Tensor, dout: torch.Tensor,

@@ -172,13 +172,14 @@ class Blocks:
         return self._lists[key]
 
     def order(self, lo: int, hi: int, n_rows: int, n_cols: int, transpose: bool, tile: int,
-              batch: int, heads: int, group: int = 1, reverse: bool = False) -> torch.Tensor:
+              batch: int, heads: int, group: int = 1, reverse: bool = False,
+              chunk: int = 0) -> torch.Tensor:
         """``program_order`` of a launch over these lists, kept like them."""
-        key = ("order", lo, hi, n_rows, n_cols, transpose, tile, batch, heads, group, reverse)
+        key = ("order", lo, hi, n_rows, n_cols, transpose, tile, batch, heads, group, reverse, chunk)
         if key not in self._lists:
             counts = self.lists(lo, hi, n_rows, n_cols, transpose)[0]
             self._lists[key] = program_order(counts, -(-n_rows // tile), tile, batch, heads, group,
-                                             reverse)
+                                             reverse, chunk)
         return self._lists[key]
 
 
@@ -259,7 +260,7 @@ def block_lists(blocks: torch.Tensor, lo: int, hi: int, n_rows: int, n_cols: int
 
 
 def program_order(counts: torch.Tensor, n_tiles: int, tile: int, batch: int, heads: int,
-                  group: int = 1, reverse: bool = False) -> torch.Tensor:
+                  group: int = 1, reverse: bool = False, chunk: int = 0) -> torch.Tensor:
     """The order a block-sparse launch runs its programs in: the long ones first.
 
     A launch's programs are (batch b, head h of ``heads``, tile t of ``tile`` rows), numbered
@@ -271,9 +272,11 @@ def program_order(counts: torch.Tensor, n_tiles: int, tile: int, batch: int, hea
     and columns) may start last and run alone at the end of the launch; so the programs
     with more than twice the mean work run first, and the rest keep the natural order
     (tiles reversed with ``reverse``: a causal band's longest tiles first), which keeps a
-    head's programs together for the cache. Returns int32 (batch * heads * n_tiles): the
-    number of the program to run at each launch position. Built on the device, without a
-    host synchronization (a CUDA graph may capture it)."""
+    head's programs together for the cache. With ``chunk``, the heads arrive in chunks of
+    that many (``interface.Arrival``): a chunk's programs (of every batch) run before the
+    next chunk's, the long ones first within each. Returns int32 (batch * heads * n_tiles): the number
+    of the program to run at each launch position. Built on the device, without a host
+    synchronization (a CUDA graph may capture it)."""
     dev = counts.device
     t = torch.arange(n_tiles, device=dev)
     if reverse:
@@ -285,8 +288,10 @@ def program_order(counts: torch.Tensor, n_tiles: int, tile: int, batch: int, hea
         work = (listed * group).expand(heads, n_tiles)
     work = work.repeat(batch, 1).flatten()
     natural = (torch.arange(batch * heads, device=dev)[:, None] * n_tiles + t[None, :]).flatten()
-    short = work.float() <= 2 * work.float().mean()
-    return natural[torch.argsort(short.to(torch.uint8), stable=True)].to(torch.int32).contiguous()
+    key = (work.float() <= 2 * work.float().mean()).to(torch.int64)  # the short ones after
+    if chunk:
+        key = key + 2 * (natural // n_tiles % heads // chunk)  # every batch's first chunk first
+    return natural[torch.argsort(key, stable=True)].to(torch.int32).contiguous()
 
 
 def segment_ranges(rows_seg: torch.Tensor, cols_seg: torch.Tensor) -> torch.Tensor:

@@ -76,9 +76,13 @@ _FP32 = torch.autocast("cpu", enabled=False)
 
 @_FP32
 def fwd(q, k, v, out, lse, *, softmax_scale: float, mask: PairMask, accumulate: bool,
-        out_partial=None):
+        out_partial=None, tail=None, arrival=None):
     """Write (or merge into) out (B, Sq, H, D) and lse (B, H, Sq) for this block pair;
-    accumulating, the running output is read from ``out_partial`` when given."""
+    accumulating, the running output is read from ``out_partial`` when given. ``tail``:
+    the rows that follow k and v when held apart (``interface.Joined``), or None; the
+    twin reads its keys in order, whichever part ``arrival`` runs last."""
+    if tail is not None:
+        k, v = (torch.cat([t, rest], 1) for t, rest in zip((k, v), tail))
     b, sq, h, d = q.shape
     hkv = k.shape[2]
     g = h // hkv

@@ -474,18 +474,19 @@ def _column(v, INDEX, row, n_col_blocks, SPARSE: tl.constexpr):
 def _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb, stride_ks, stride_kh,
               stride_vb, stride_vs, stride_vh, stride_segb, start_n, offs_m, first, stop, holes,
               seqlen_k, qk_scale, seed, threshold, drop_scale, qpos, k_pos0, pos_stride, pos_jump,
-              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              shift, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_D: tl.constexpr, MASKED: tl.constexpr, SEGMENTS: tl.constexpr,
               DROPOUT: tl.constexpr, GROUPED: tl.constexpr, PRECISION: tl.constexpr,
               TMA: tl.constexpr):
     """One key tile of the online softmax. MASKED: the tile may cross a row's bounds or
     seqlen_k (loads bounded, the rows' intervals applied). SEGMENTS: segment ids are in
     play, so the padding test joins the intervals (a listed block that is full but for
-    segments takes both). Both False for the tiles every row sees whole."""
-    k = _load_block(K, off_b, off_hk, start_n, stride_kb, stride_ks, stride_kh, seqlen_k,
-                    BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, TMA)
-    v = _load_block(V, off_b, off_hk, start_n, stride_vb, stride_vs, stride_vh, seqlen_k,
-                    BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, TMA)
+    segments takes both). Both False for the tiles every row sees whole. K and V hold the
+    keys from row ``shift`` on (a Joined second part; 0 else)."""
+    k = _load_block(K, off_b, off_hk, start_n - shift, stride_kb, stride_ks, stride_kh,
+                    seqlen_k - shift, BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, TMA)
+    v = _load_block(V, off_b, off_hk, start_n - shift, stride_vb, stride_vs, stride_vh,
+                    seqlen_k - shift, BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, TMA)
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # unscaled; scale > 0 commutes with max
     if DROPOUT:  # drawn before the softmax: 886 instructions a tile loop against 950 after it
         kpos_start, kpos = _tile_positions(k_pos0, start_n, BLOCK_N, pos_stride, pos_jump)
@@ -516,12 +517,19 @@ def _fwd_kernel(Q, K, V, O, O_IN, LSE, KSEG, RANGES, COUNTS, INDEX, ORDER,
                 stride_lb, stride_lh, stride_ksegb, stride_rp, stride_rb,
                 H, GROUP, seqlen_q, seqlen_k, qk_scale, band_lo, band_hi,
                 seed, threshold, drop_scale, q_pos0, k_pos0, pos_stride, pos_jump,
-                stride_cp, stride_sh, n_col_blocks,
+                stride_cp, stride_sh, n_col_blocks, K2, V2, split, ARRIVED, epoch, chunk_heads,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
                 DROPOUT: tl.constexpr, GROUPED: tl.constexpr, SPARSE: tl.constexpr,
                 LIST_STAGES: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
-                TMA: tl.constexpr, POSITIONAL: tl.constexpr):
+                TMA: tl.constexpr, POSITIONAL: tl.constexpr, PARTS: tl.constexpr = 1,
+                LAST: tl.constexpr = 1, WAIT: tl.constexpr = False):
+    """One query tile's attention over the keys its band or lists give. PARTS = 2: the keys'
+    rows from ``split`` on are K2, V2 (``interface.Joined``; their blocks listed apart), and
+    part LAST runs second. WAIT: part LAST is still arriving, in chunks of ``chunk_heads``
+    K/V heads; chunk c is in once ARRIVED[c] >= epoch (written by the copy stream after
+    the chunk), so the tile waits for its head's chunk before that part's loops
+    (``interface.Arrival``)."""
     start_m, bh = _query_tile(ORDER, BLOCK_M, BAND, SPARSE)
     off_b = bh // H
     off_h = bh % H
@@ -543,30 +551,43 @@ def _fwd_kernel(Q, K, V, O, O_IN, LSE, KSEG, RANGES, COUNTS, INDEX, ORDER,
         start_m, offs_m, seqlen_q, seqlen_k, band_lo, band_hi, RANGES, off_b, off_h, stride_rp,
         stride_rb, COUNTS, stride_cp, stride_sh, (q_pos0, k_pos0, pos_stride, pos_jump), BLOCK_M,
         BLOCK_N, BAND, SEGMENTS, SPARSE, POSITIONAL)
-    for pos in range(start, full_start, BLOCK_N):
-        start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
-                                  stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb,
-                                  start_n, offs_m, first, stop, holes, seqlen_k, qk_scale, seed,
-                                  threshold, drop_scale, qpos, k_pos0, pos_stride, pos_jump, HEAD_DIM, BLOCK_M,
-                                  BLOCK_N, BLOCK_D, True, SEGMENTS, DROPOUT, GROUPED, PRECISION,
-                                  TMA)
-    for pos in tl.range(full_start, full_end, BLOCK_N, num_stages=LIST_STAGES):
-        start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
-                                  stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb,
-                                  start_n, offs_m, first, stop, holes, seqlen_k, qk_scale, seed,
-                                  threshold, drop_scale, qpos, k_pos0, pos_stride, pos_jump, HEAD_DIM, BLOCK_M,
-                                  BLOCK_N, BLOCK_D, False, SEGMENTS and SPARSE, DROPOUT, GROUPED,
-                                  PRECISION, TMA)
-    for pos in range(full_end, end, BLOCK_N):
-        start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, K, V, KSEG, off_b, off_h, off_hk, stride_kb,
-                                  stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb,
-                                  start_n, offs_m, first, stop, holes, seqlen_k, qk_scale, seed,
-                                  threshold, drop_scale, qpos, k_pos0, pos_stride, pos_jump, HEAD_DIM, BLOCK_M,
-                                  BLOCK_N, BLOCK_D, True, SEGMENTS, DROPOUT, GROUPED, PRECISION,
-                                  TMA)
+    for p in tl.static_range(PARTS):
+        part = p if LAST == 1 else PARTS - 1 - p
+        Kp, Vp = K, V
+        shift = 0
+        if part == 1:  # row r of the keys is row r - split of K2, V2
+            Kp, Vp = K2, V2
+            shift = split
+        if PARTS == 2:
+            start, full_start, full_end, end = _listed_range(COUNTS, stride_cp, row, part)
+        if WAIT and part == LAST:  # this head's chunk of the visiting part has arrived
+            arrived = ARRIVED + off_hk // chunk_heads
+            while tl.load(arrived, volatile=True) < epoch:
+                pass
+        for pos in range(start, full_start, BLOCK_N):
+            start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, Kp, Vp, KSEG, off_b, off_h, off_hk, stride_kb,
+                                      stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb,
+                                      start_n, offs_m, first, stop, holes, seqlen_k, qk_scale, seed,
+                                      threshold, drop_scale, qpos, k_pos0, pos_stride, pos_jump, shift, HEAD_DIM, BLOCK_M,
+                                      BLOCK_N, BLOCK_D, True, SEGMENTS, DROPOUT, GROUPED, PRECISION,
+                                      TMA)
+        for pos in tl.range(full_start, full_end, BLOCK_N, num_stages=LIST_STAGES):
+            start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, Kp, Vp, KSEG, off_b, off_h, off_hk, stride_kb,
+                                      stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb,
+                                      start_n, offs_m, first, stop, holes, seqlen_k, qk_scale, seed,
+                                      threshold, drop_scale, qpos, k_pos0, pos_stride, pos_jump, shift, HEAD_DIM, BLOCK_M,
+                                      BLOCK_N, BLOCK_D, False, SEGMENTS and SPARSE, DROPOUT, GROUPED,
+                                      PRECISION, TMA)
+        for pos in range(full_end, end, BLOCK_N):
+            start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, Kp, Vp, KSEG, off_b, off_h, off_hk, stride_kb,
+                                      stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb,
+                                      start_n, offs_m, first, stop, holes, seqlen_k, qk_scale, seed,
+                                      threshold, drop_scale, qpos, k_pos0, pos_stride, pos_jump, shift, HEAD_DIM, BLOCK_M,
+                                      BLOCK_N, BLOCK_D, True, SEGMENTS, DROPOUT, GROUPED, PRECISION,
+                                      TMA)
 
     o_offsets = off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :]
     o_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
@@ -632,19 +653,21 @@ def _mask_args(mask, device: torch.device):
 
 
 def _sparse_args(mask, lo: int, hi: int, n_rows: int, n_cols: int, transpose: bool, device,
-                 grid: tuple[int, int, int, int], reverse: bool = False, split: Optional[int] = None):
+                 grid: tuple[int, int, int, int], reverse: bool = False, split: Optional[int] = None,
+                 chunk: int = 0):
     """Kernel arguments of a block mask for one kernel: (counts, indices, program order,
     counts' plane stride, head stride of the lists, index row length) and SPARSE. Rows are
     queries (forward, dQ) or, with transpose, keys (dK/dV, band negated). ``grid`` is the
     launch's (tile rows, batch, heads, list heads a program loops over), ``reverse`` its
-    tiles' natural order reversed (``masks.program_order``); ``split``: the column where
-    the columns' second part starts (lists split there), or None."""
+    tiles' natural order reversed, ``chunk`` the heads of a chunk the programs run in
+    order of (``masks.program_order``); ``split``: the column where the columns' second
+    part starts (lists split there), or None."""
     if mask.blocks is None:
         return (_stand_in(device), _stand_in(device), _stand_in(device), 0, 0, 0), False
     if mask.band_on_positions:
         raise ValueError("a block mask cannot be combined with a band on positions")
     counts, index = mask.blocks.lists(lo, hi, n_rows, n_cols, transpose, split)
-    order = mask.blocks.order(lo, hi, n_rows, n_cols, transpose, *grid, reverse)
+    order = mask.blocks.order(lo, hi, n_rows, n_cols, transpose, *grid, reverse, chunk)
     heads, n_row_blocks, n_col_blocks = index.shape
     return (counts, index, order, counts.stride(0), n_row_blocks if heads > 1 else 0,
             n_col_blocks), True
@@ -774,16 +797,25 @@ def _ranges(rows_seg, cols_seg, segments: bool):
     return segment_ranges(rows_seg, cols_seg)
 
 
-def fwd(q, k, v, out, lse, *, softmax_scale: float, mask, accumulate: bool, out_partial=None):
+def fwd(q, k, v, out, lse, *, softmax_scale: float, mask, accumulate: bool, out_partial=None,
+        tail=None, arrival=None):
+    """``tail``: the keys' and values' rows that follow k and v when held apart
+    (``interface.Joined``, under a block mask), or None; ``arrival``: with a tail, an
+    ``interface.Arrival`` (which part runs last, and whether the kernel waits for it)."""
     b, sq, h, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
+    split, hkv = k.shape[1], k.shape[2]
+    sk = split + (0 if tail is None else tail[0].shape[1])
+    k2, v2 = tail or (k, v)  # stand-ins if whole
     cfg = fwd_config(d, q.dtype)
     bd = block_d(d)
-    tma = _use_tma(q, k, v)
+    tma = _use_tma(q, k, v, k2, v2)
     (lo, hi, qseg, kseg, band, segments), drop = _mask_args(mask, q.device)
     ranges = _ranges(qseg, kseg, segments)
+    wait = arrival is not None and arrival.flags is not None
+    chunk = arrival.heads if wait else hkv
     (counts, index, order, *sparse_strides), sparse = _sparse_args(
-        mask, lo, hi, sq, sk, False, q.device, (cfg["BLOCK_M"], b, h, 1), band)
+        mask, lo, hi, sq, sk, False, q.device, (cfg["BLOCK_M"], b, h, 1), band,
+        split=None if tail is None else split, chunk=chunk * (h // hkv) if wait else 0)
     grid = (triton.cdiv(sq, cfg["BLOCK_M"]), b * h)
     _fwd_kernel[grid](
         _source(q, cfg["BLOCK_M"], bd, tma), _source(k, cfg["BLOCK_N"], bd, tma),
@@ -793,9 +825,13 @@ def fwd(q, k, v, out, lse, *, softmax_scale: float, mask, accumulate: bool, out_
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1), kseg.stride(0), ranges.stride(0), ranges.stride(1),
         h, h // hkv, sq, sk, softmax_scale * LOG2E, lo, hi, *drop[:7], *sparse_strides,
+        _source(k2, cfg["BLOCK_N"], bd, tma), _source(v2, cfg["BLOCK_N"], bd, tma), split,
+        arrival.flags if wait else _stand_in(q.device), arrival.epoch if wait else 0, chunk,
         HEAD_DIM=d, BLOCK_D=bd, BAND=band, SEGMENTS=segments, DROPOUT=drop[7], GROUPED=drop[8],
         SPARSE=sparse, LIST_STAGES=list_stages(cfg, sparse, segments), ACCUMULATE=accumulate,
-        PRECISION=_dot_precision(q.dtype), TMA=tma, POSITIONAL=mask.band_on_positions, **cfg)
+        PRECISION=_dot_precision(q.dtype), TMA=tma, POSITIONAL=mask.band_on_positions,
+        PARTS=1 if tail is None else 2, LAST=1 if arrival is None else arrival.last, WAIT=wait,
+        **cfg)
     return out, lse
 
 

@@ -19,6 +19,7 @@ which is also when the receive buffer, last step's operand, is free.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 
@@ -72,6 +73,15 @@ class Ring:
         for work in pending:
             work.wait()
 
+    # Whether ``arriving`` can tell a kernel, chunk by chunk, that a message has landed.
+    streams_chunks = False
+
+    def arriving(self, send: tuple, recv: torch.Tensor, heads: int):
+        """Send (k, v) (B, S, Hkv, D) to rank+1's ``recv`` (2, B, S, Hkv, D), a view of a
+        ``buffer``, receiving rank-1's the same way. Returns (pending, flags): here the
+        trip is whole once ``wait(pending)`` returns, and flags is None."""
+        return self.exchange((send[0].contiguous(), recv[0]), (send[1].contiguous(), recv[1])), None
+
     def all_gather_ints(self, values: list[int]) -> list[list[int]]:
         """Every rank's ``values`` (same length everywhere): one small all-gather on the host
         (``host_group``), so it waits for the other ranks' hosts, never for a GPU."""
@@ -111,6 +121,46 @@ def _timeout(group):
         return group._get_backend(torch.device("cuda")).options._timeout
     except (AttributeError, RuntimeError):
         return None
+
+
+class _Copy2D(ctypes.Structure):
+    """The CUDA driver's CUDA_MEMCPY2D."""
+    _fields_ = [(side + name, kind) for side in ("src", "dst") for name, kind in (
+        ("XInBytes", ctypes.c_size_t), ("Y", ctypes.c_size_t), ("MemoryType", ctypes.c_int),
+        ("Host", ctypes.c_void_p), ("Device", ctypes.c_uint64), ("Array", ctypes.c_void_p),
+        ("Pitch", ctypes.c_size_t))] + [("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t)]
+
+
+_DRIVER: dict = {}  # the CUDA driver's entry points, loaded on first use
+
+
+def _driver(name: str):
+    if name not in _DRIVER:
+        _DRIVER[name] = getattr(ctypes.CDLL("libcuda.so.1"), name)
+    return _DRIVER[name]
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"PeerRing: {what} failed with CUDA error {status}")
+
+
+def _copy_rows(dst: int, src: int, width: int, pitch: int, height: int, stream) -> None:
+    """``height`` rows of ``width`` bytes, ``pitch`` bytes apart at both ends, from device
+    address ``src`` to ``dst`` on ``stream``: one 2-D copy on the copy engines."""
+    copy = _Copy2D(srcMemoryType=2, srcDevice=src, srcPitch=pitch, dstMemoryType=2,  # device
+                   dstDevice=dst, dstPitch=pitch, WidthInBytes=width, Height=height)
+    _check(_driver("cuMemcpy2DAsync_v2")(ctypes.byref(copy), ctypes.c_void_p(stream.cuda_stream)),
+           "cuMemcpy2DAsync")
+
+
+def _write_flag(address: int, value: int, stream) -> None:
+    """Write the int32 ``value`` at device address ``address`` on ``stream``, once the work
+    before it there is done and its writes are visible (cuStreamWriteValue32, which fences
+    by default): no SM takes part."""
+    _check(_driver("cuStreamWriteValue32_v2")(ctypes.c_void_p(stream.cuda_stream), ctypes.c_uint64(address),
+                                               ctypes.c_uint32(value), ctypes.c_uint(0)),
+           "cuStreamWriteValue32")
 
 
 class _Copied:
@@ -170,9 +220,49 @@ class PeerRing(Ring):
         self._buffers.pop(key, None)
         base = self._symm_mem.empty(numel, dtype=dtype, device=device)
         handle = self._symm_mem.rendezvous(base, self.group)
+        base.zero_()  # arrival flags start down
         torch.cuda.synchronize(device)
         self.all_gather_ints([0])  # returns once every rank is past its synchronize
         self._buffers[key] = (base, handle)
+
+    streams_chunks = True
+
+    def arriving(self, send, recv, heads):
+        """As ``Ring.arriving``, with the K/V in chunks of ``heads`` heads (2-D copies of
+        every row's heads, K then V), each followed by its flag: returns the flags
+        ((Hkv / heads,) int32, in a buffer of their own), which turn 1 as their chunk
+        lands here, for ``kernels.Arrival``; the caller zeroes them once it has waited for
+        ``pending`` (before the next exchange, which no rank starts before then: a graph
+        replaying the call waits anew). The current stream waits for the first barrier
+        only: a kernel that waits for the flags may hold every SM (a barrier kernel needs
+        one), and the rest of the trip needs none."""
+        k, v = (t.contiguous() for t in send)
+        b, n, hkv, d = k.shape
+        flags = self.buffer("arrived", (hkv // heads,), torch.int32, k.device)
+        offset, handle = self._find(recv)
+        peer = (self.rank + 1) % self.world
+        theirs = handle.get_buffer(peer, tuple(recv.shape), recv.dtype, offset)
+        flag_offset, flag_handle = self._find(flags)
+        their_flags = flag_handle.get_buffer(peer, tuple(flags.shape), flags.dtype, flag_offset)
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream())
+        size = k.element_size()
+        with torch.cuda.stream(stream):
+            handle.barrier(channel=0, timeout_ms=_BARRIER_TIMEOUT_MS)
+            started = torch.cuda.Event()
+            started.record(stream)
+            for t in (k, v):
+                t.record_stream(stream)
+            for c in range(hkv // heads):
+                for i, t in enumerate((k, v)):
+                    _copy_rows(theirs[i].data_ptr() + c * heads * d * size, t.data_ptr() + c * heads * d * size,
+                               heads * d * size, hkv * d * size, b * n, stream)
+                _write_flag(their_flags.data_ptr() + 4 * c, 1, stream)
+            handle.barrier(channel=0, timeout_ms=_BARRIER_TIMEOUT_MS)
+            done = torch.cuda.Event()
+            done.record(stream)
+        torch.cuda.current_stream().wait_event(started)
+        return [_Copied(done)], flags
 
     def _find(self, recv: torch.Tensor):
         ptr = recv.data_ptr()

@@ -42,7 +42,9 @@ delta) under a dQ pass over every key,
 then runs one dK/dV pass over every query (``_gathered_backward``): two launches of the
 shape one GPU runs, where the rotation above runs six of half the size, whose fixed costs
 no longer hide at low density. Holding every key and query, the ranks can also divide
-the dK/dV work where the mask makes it even (``_SparsePlan.key_cut``).
+the dK/dV work where the mask makes it even (``_SparsePlan.key_cut``). Its forward is one
+launch too where the copy engines carry the shard (``_gathered_forward``): the shard
+arrives in chunks of heads, and each query tile waits inside the kernel for its head's.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from .exchange import Ring
-from .kernels import Joined, PairMask, attn_delta, flash_attn_bwd, flash_attn_fwd
+from .kernels import Arrival, Joined, PairMask, attn_delta, flash_attn_bwd, flash_attn_fwd
 from .kernels.masks import (BAND_INF, BLOCK, Blocks, block_work, computed_blocks, pair_positions,
                             tensor_memo)
 from .layouts import (Band, active_steps, gathered_pair, occupied_chunks, remote_share, step_pairs,
@@ -336,6 +338,11 @@ def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout
     the rows they cover). The kept copy runs on a side stream, under the kernels."""
     b, n, h, d = q.shape
     steps, schedule, first_writes, plan, *_ = _schedule(ring, layout, n, band, dropout, blocks)
+    slots = _kv_slots(k, segments, ring, steps)
+    keep = keep and steps == 2
+    if keep and segments is None and (ring.streams_chunks or not q.is_cuda):
+        return _gathered_forward(q, k, v, slots[0][0], softmax_scale=softmax_scale, band=band,
+                                 dropout=dropout, ring=ring, plan=plan, blocks=blocks)
     out = torch.empty((b, n, h, d), device=q.device, dtype=torch.float32)
     lse = torch.empty((b, h, n), device=q.device, dtype=torch.float32)
     if not first_writes:  # several pairs share the first step: every pair merges into these
@@ -343,9 +350,8 @@ def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout
         lse.fill_(-math.inf)
     result = out if q.dtype == torch.float32 else torch.empty(q.shape, device=q.device, dtype=q.dtype)
     gaps = None if result is out else _uncovered([pair.q for pair in schedule[-1]], n)
-    slots = _kv_slots(k, segments, ring, steps)
     kept, aside = None, _Aside(q.device)
-    if keep and steps == 2:
+    if keep:
         kept = (torch.empty((2, *k.shape), device=k.device, dtype=k.dtype),
                 None if segments is None else torch.empty((b, 2 * n), device=k.device, dtype=torch.int32))
         if segments is not None:
@@ -373,6 +379,53 @@ def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout
             _copy_rows(result, out, rows, 1)
     aside.join()
     return result, lse, kept
+
+
+def _chunk_heads(kv_heads: int, head_dim: int, size: int) -> int:
+    """The K/V heads a chunk of a streamed shard carries: the fewest whose rows are 1 KiB
+    wide (the copy engines' 2-D copies of narrower rows were not measured), a divisor of
+    kv_heads."""
+    return next(c for c in range(1, kv_heads + 1)
+                if kv_heads % c == 0 and (c * head_dim * size >= 1024 or c == kv_heads))
+
+
+def _gathered_forward(q, k, v, recv, *, softmax_scale: float, band: Band,
+                      dropout: tuple[float, int], ring: Ring, plan, blocks):
+    """``ring_forward`` of a ring of two over contiguous shards that keeps the other rank's
+    K/V (``keeps_kv``), without segment ids, where the transport streams the shard in by
+    chunks of heads (``Ring.streams_chunks``; or on the CPU, where nothing overlaps): one
+    launch over the whole sequence's keys, the own and the arriving ones joined in global
+    order (``Joined``), the own ones first in every query tile (``Arrival``). On the copy
+    engines each tile waits inside the kernel for its head's chunk, so the launch starts
+    while the shard travels. Cut in two (own keys, then the visiting ones merged through
+    fp32), the forward paid one more launch's per-program work and the merge: 0.25-0.35 ms
+    a call at 32k (benchmarks/NOTES.md). Returns out, lse and what the backward keeps."""
+    b, n, h, d = q.shape
+    own = ring.rank  # which part of the joined keys is this rank's
+    heads = _chunk_heads(k.shape[2], k.shape[3], k.element_size())
+    pending, flags = ring.arriving((k, v), recv, heads)
+    if flags is None:
+        ring.wait(pending)
+    k, v = k.contiguous(), v.contiguous()
+    keys, values = ((Joined(mine, theirs) if own == 0 else Joined(theirs, mine))
+                    for mine, theirs in ((k, recv[0]), (v, recv[1])))
+    out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    lse = torch.empty((b, h, n), device=q.device, dtype=torch.float32)
+    pair = gathered_pair(range(own * n, (own + 1) * n), n, band)
+    if pair is None:  # the band leaves these rows no key
+        out.zero_()
+        lse.fill_(-math.inf)
+    else:
+        flash_attn_fwd(q, keys, values, softmax_scale=softmax_scale,
+                       mask=_mask(pair, None, None, dropout, plan, blocks), out=out, lse=lse,
+                       arrival=Arrival(1 - own, flags, 1, heads))
+    if flags is not None:
+        ring.wait(pending)  # the whole trip, before the kept copy reads it
+        flags.zero_()  # down again for the next call (``Ring.arriving``)
+    kept, aside = torch.empty((2, *k.shape), device=k.device, dtype=k.dtype), _Aside(q.device)
+    aside.copy(kept, recv)  # out of the ring's buffer, which the next call reuses
+    aside.join()
+    return out, lse, (kept, None)
 
 
 def _gathered_backward(dout, q, k, v, lse, delta, segments, kept, *, softmax_scale: float, band: Band,

@@ -310,6 +310,42 @@ def test_backward_reads_a_sequence_joined_from_two_tensors(kernel, mask, monkeyp
 
 
 @pytest.mark.parametrize("kernel", ["twin", "triton"])
+@pytest.mark.parametrize("mask", ["blocks", "dropout", "causal"])
+def test_forward_reads_a_sequence_joined_from_two_tensors(kernel, mask, monkeypatch):
+    """k and v given as ``Joined`` under a per-head block mask, with dropout or a causal
+    band: the same bits as the whole tensors when the parts run in order, and the same
+    result up to rounding when the second part runs first (``Arrival(last=0)``, as a ring
+    of two's rank 1 runs its own keys first). Bad arrivals raise."""
+    from ringflash.kernels import Arrival, Joined
+    from ringflash.kernels.block_sparse import random_block_mask
+    from ringflash.kernels.masks import Blocks
+    device = use_backend("twin" if kernel == "twin" else "triton", monkeypatch)
+    q, k, v, _ = make_inputs(Case(2, 128, 256, 4, 2, 16, None), F32, device)
+    blocks = Blocks(random_block_mask(256, 0.5, heads=4, seed=3, device=device)[:, :1])
+    pair = {"blocks": PairMask(blocks=blocks),
+            "dropout": PairMask(dropout_p=0.3, seed=5, pos=(0, 0, 1, 0), blocks=blocks),
+            "causal": PairMask(band_hi=128, blocks=blocks)}[mask]
+    want = flash_attn_fwd(q, k, v, softmax_scale=0.3, mask=pair)
+
+    def joined(t):  # rows [0, 128) and [128, 256), apart in memory
+        return Joined(t[:, :128].clone(), t[:, 128:].clone())
+    got = flash_attn_fwd(q, joined(k), joined(v), softmax_scale=0.3, mask=pair)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    got = flash_attn_fwd(q, joined(k), joined(v), softmax_scale=0.3, mask=pair, arrival=Arrival(0))
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="needs a block mask"):
+        flash_attn_fwd(q, joined(k), joined(v), softmax_scale=0.3)
+    with pytest.raises(ValueError, match="for a Joined"):
+        flash_attn_fwd(q, k, v, softmax_scale=0.3, mask=pair, arrival=Arrival(1))
+    with pytest.raises(ValueError, match="last must be 0 or 1"):
+        flash_attn_fwd(q, joined(k), joined(v), softmax_scale=0.3, mask=pair, arrival=Arrival(2))
+    flags = torch.zeros(2, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="needs the Triton kernel"):
+        flash_attn_fwd(q, joined(k), joined(v), softmax_scale=0.3, mask=pair, arrival=Arrival(1, flags, 1, 1))
+
+
+@pytest.mark.parametrize("kernel", ["twin", "triton"])
 def test_accumulate_into_empty_state_is_plain_forward(kernel, monkeypatch):
     """Merging one block into (out 0, lse -inf) gives exactly what accumulate=False gives."""
     mod, device = kernel_module(kernel, monkeypatch)

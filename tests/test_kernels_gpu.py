@@ -184,3 +184,36 @@ def test_backward_bits_repeat(deterministic):
         runs.append([out.detach()] + [t.grad for t in leaves])
     for name, a, b in zip(("out", "dq", "dk", "dv"), *runs):
         assert torch.equal(a, b), f"{name} differs between two identical runs"
+
+
+def test_forward_waits_for_a_part_still_arriving():
+    """``Arrival`` with flags: the second part of the keys lands (host to device copies on
+    a side stream, behind a sleep that is on the GPU before the launch) after the forward
+    has started, then its flags; every query tile waits for its head's chunk, so the result
+    is that of the whole tensors. Without the wait the tiles would read the zeros the part
+    starts as."""
+    from ringflash.kernels import Arrival, Joined, flash_attn_fwd
+    from ringflash.kernels.block_sparse import random_block_mask
+    from ringflash.kernels.masks import Blocks
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(1, 1024, 8, 64, device=dev, dtype=torch.bfloat16, generator=gen)
+               for _ in range(3))
+    k, v = k[:, :, :4].contiguous(), v[:, :, :4].contiguous()  # 4 K/V heads, GQA
+    mask = PairMask(blocks=Blocks(random_block_mask(1024, 0.5, heads=8, seed=1, device=dev)))
+    want = flash_attn_fwd(q, k, v, softmax_scale=0.125, mask=mask)
+    host = [t[:, 512:].cpu().pin_memory() for t in (k, v)]
+    parts = [torch.zeros_like(t[:, 512:]) for t in (k, v)]
+    flags = torch.zeros(2, dtype=torch.int32, device=dev)  # two chunks of 2 K/V heads
+    landed = torch.full((2,), 7, dtype=torch.int32).pin_memory()
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s: the forward starts first
+        for part, src in zip(parts, host):
+            part.copy_(src, non_blocking=True)
+        flags.copy_(landed, non_blocking=True)
+    got = flash_attn_fwd(q, Joined(k[:, :512], parts[0]), Joined(v[:, :512], parts[1]),
+                         softmax_scale=0.125, mask=mask, arrival=Arrival(1, flags, 7, 2))
+    torch.cuda.synchronize()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
