@@ -273,8 +273,8 @@ class Arrival(NamedTuple):
     (int32, (Hkv / heads,), on q's device) holds ``epoch`` at [c] once heads
     [c * heads, (c + 1) * heads) have landed (the copy stream writes it after the chunk),
     and each query tile waits inside the kernel for its head's chunk, so the launch starts
-    before the trip ends. The writer must not need this GPU's SMs to make
-    progress. flags None: the part is there."""
+    before the trip ends. The writer must not need this GPU's SMs to make progress.
+    flags None: the part is there."""
 
     last: int
     flags: Optional[torch.Tensor] = None

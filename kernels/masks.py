@@ -274,9 +274,9 @@ def program_order(counts: torch.Tensor, n_tiles: int, tile: int, batch: int, hea
     (tiles reversed with ``reverse``: a causal band's longest tiles first), which keeps a
     head's programs together for the cache. With ``chunk``, the heads arrive in chunks of
     that many (``interface.Arrival``): a chunk's programs (of every batch) run before the
-    next chunk's, the long ones first within each. Returns int32 (batch * heads * n_tiles): the number
-    of the program to run at each launch position. Built on the device, without a host
-    synchronization (a CUDA graph may capture it)."""
+    next chunk's, the long ones first within each. Returns int32 (batch * heads *
+    n_tiles): the number of the program to run at each launch position. Built on the
+    device, without a host synchronization (a CUDA graph may capture it)."""
     dev = counts.device
     t = torch.arange(n_tiles, device=dev)
     if reverse:

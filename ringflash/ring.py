@@ -402,11 +402,11 @@ def _gathered_forward(q, k, v, recv, *, softmax_scale: float, band: Band,
     a call at 32k (benchmarks/NOTES.md). Returns out, lse and what the backward keeps."""
     b, n, h, d = q.shape
     own = ring.rank  # which part of the joined keys is this rank's
+    k, v = k.contiguous(), v.contiguous()
     heads = _chunk_heads(k.shape[2], k.shape[3], k.element_size())
     pending, flags = ring.arriving((k, v), recv, heads)
     if flags is None:
         ring.wait(pending)
-    k, v = k.contiguous(), v.contiguous()
     keys, values = ((Joined(mine, theirs) if own == 0 else Joined(theirs, mine))
                     for mine, theirs in ((k, recv[0]), (v, recv[1])))
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
