@@ -154,13 +154,25 @@ def _copy_rows(dst: int, src: int, width: int, pitch: int, height: int, stream) 
            "cuMemcpy2DAsync")
 
 
+class _MemoryBarrier(ctypes.Structure):
+    """A CUstreamBatchMemOpParams (a 48-byte union) holding a system-wide memory barrier."""
+    _fields_ = [("operation", ctypes.c_uint32), ("flags", ctypes.c_uint32), ("pad", ctypes.c_uint64 * 5)]
+
+
+_MEM_OP_BARRIER, _BARRIER_SYS = 6, 0  # CU_STREAM_MEM_OP_BARRIER, CU_STREAM_MEMORY_BARRIER_TYPE_SYS
+
+
 def _write_flag(address: int, value: int, stream) -> None:
-    """Write the int32 ``value`` at device address ``address`` on ``stream``, once the work
-    before it there is done and its writes are visible (cuStreamWriteValue32, which fences
-    by default): no SM takes part."""
-    _check(_driver("cuStreamWriteValue32_v2")(ctypes.c_void_p(stream.cuda_stream), ctypes.c_uint64(address),
-                                               ctypes.c_uint32(value), ctypes.c_uint(0)),
-           "cuStreamWriteValue32")
+    """Write the int32 ``value`` at device address ``address`` on ``stream`` once the work
+    before it there is done, behind a memory barrier (the _v2 stream memory operations do
+    not fence a write on their own), so the writes before it are seen first: no SM takes
+    part."""
+    barrier = _MemoryBarrier(operation=_MEM_OP_BARRIER, flags=_BARRIER_SYS)
+    handle = ctypes.c_void_p(stream.cuda_stream)
+    _check(_driver("cuStreamBatchMemOp_v2")(handle, ctypes.c_uint(1), ctypes.byref(barrier), ctypes.c_uint(0)),
+           "cuStreamBatchMemOp (a memory barrier)")
+    _check(_driver("cuStreamWriteValue32_v2")(handle, ctypes.c_uint64(address), ctypes.c_uint32(value),
+                                               ctypes.c_uint(0)), "cuStreamWriteValue32")
 
 
 class _Copied:
