@@ -720,7 +720,8 @@ def test_ring_of_two_keeps_its_kv_for_the_backward(worlds):
 def kept_kv_moves_keys(rank, world):
     """A ring of two that kept its K/V, under masks that leave one rank more work
     (local + global: rank 0 holds the global rows and keys; flipped: rank 1), causal or
-    not, with documents and dropout: the dK/dV cut (``key_cut``) and how far the out and
+    not, with dropout, with documents and dropout (the forward in one launch but for
+    documents, ``_gathered_forward``): the dK/dV cut (``key_cut``) and how far the out and
     gradients are from flash_attn's on the whole sequence with the same arguments."""
     from test_masks import segments as documents
 
@@ -732,12 +733,13 @@ def kept_kv_moves_keys(rank, world):
     docs = documents([[300, 724], [n]], n)
     results = []
     for name, mask, causal, extra in (("lg", lg, False, {}), ("flipped-causal", lg.flip(1).flip(2), True, {}),
+                                      ("lg-dropout", lg, False, dict(dropout_p=0.2, seed=5)),
                                       ("lg-docs-dropout", lg, False,
                                        dict(segment_ids=docs, dropout_p=0.2, seed=5))):
         band = (None, 0) if causal else (None, None)
         cut = ring_mod._SparsePlan(mask, "contiguous", 2, n // 2).key_cut(band, mask)
         kw = dict(causal=causal, block_mask=mask, **extra)
-        local = dict(kw, segment_ids=ringflash.shard(docs, 1, "contiguous")) if extra else kw
+        local = dict(kw, segment_ids=ringflash.shard(docs, 1, "contiguous")) if "segment_ids" in extra else kw
         qq, kk, vv = (ringflash.shard(t, 1, "contiguous").requires_grad_() for t in full)
         dout = torch.randn(full[0].shape, generator=torch.Generator().manual_seed(3))
         out = ringflash.ring_flash_attn(qq, kk, vv, layout="contiguous", **local)
