@@ -34,12 +34,12 @@ def _params(device, dtype, seed=0):
     return [(w_qkv / D_MODEL ** 0.5).to(dtype), (w_out / D_MODEL ** 0.5).to(dtype)]
 
 
-def _block(sp):
+def _block(sp, **attn):
     def block(x, w_qkv, w_out):
         b, n, _ = x.shape
         qkv = (x @ w_qkv).view(b, n, HEADS + 2 * KV_HEADS, HEAD_DIM)
         q, k, v = qkv.split([HEADS, KV_HEADS, KV_HEADS], dim=2)
-        out = sp.attn(q, k, v.contiguous(), causal=True)
+        out = sp.attn(q, k, v.contiguous(), causal=True, **attn)
         y = out.reshape(b, n, HEADS * HEAD_DIM) @ w_out
         return y, y.float().square().mean()
 
@@ -84,15 +84,24 @@ def test_fullgraph_compile_matches_eager(nccl, backend, dtype):  # noqa: F811 - 
     _agree(failures)
 
 
-@pytest.mark.parametrize("transport", ["nccl", "peer"])
+@pytest.mark.parametrize("transport", ["nccl", "peer", "peer-block-sparse"])
 def test_training_step_in_one_cuda_graph(nccl, transport, monkeypatch):  # noqa: F811
     """Forward, backward and an SGD update of the block captured as one CUDA graph after
     eager warm-up on a side stream (NCCL communicators, Triton autotuning and the
-    copy-engine buffers are all set up then), replayed on new inputs."""
-    monkeypatch.setenv("RINGFLASH_TRANSPORT", transport)
-    sp = ringflash.SequenceParallel()
+    copy-engine buffers are all set up then), replayed on new inputs. peer-block-sparse:
+    contiguous shards under a block mask, which on a ring of two is one forward launch
+    waiting inside the kernel for the chunks of the other rank's K/V (stream memory
+    operations in the graph; the flags must be down again at every replay)."""
+    from ringflash.kernels.block_sparse import local_global_block_mask
+    monkeypatch.setenv("RINGFLASH_TRANSPORT", transport.split("-")[0])
+    sparse = transport.endswith("block-sparse")
+    sp = ringflash.SequenceParallel(layout="contiguous" if sparse else "zigzag")
     dtype, lr = torch.bfloat16, 0.1
-    block = _block(sp)
+    attn = {}
+    if sparse:
+        attn["block_mask"] = local_global_block_mask(1024 * dist.get_world_size(), local_blocks=2,
+                                                     global_blocks=1, device=nccl)
+    block = _block(sp, **attn)
     params = [p.requires_grad_() for p in _params(nccl, dtype)]
     x_static = sp.shard(_x(nccl, dtype, 0))
 
