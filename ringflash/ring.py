@@ -407,21 +407,24 @@ def _gathered_forward(q, k, v, recv, *, softmax_scale: float, band: Band,
     pending, flags = ring.arriving((k, v), recv, heads)
     if flags is None:
         ring.wait(pending)
-    keys, values = ((Joined(mine, theirs) if own == 0 else Joined(theirs, mine))
-                    for mine, theirs in ((k, recv[0]), (v, recv[1])))
-    out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
-    lse = torch.empty((b, h, n), device=q.device, dtype=torch.float32)
-    pair = gathered_pair(range(own * n, (own + 1) * n), n, band)
-    if pair is None:  # the band leaves these rows no key
-        out.zero_()
-        lse.fill_(-math.inf)
-    else:
-        flash_attn_fwd(q, keys, values, softmax_scale=softmax_scale,
-                       mask=_mask(pair, None, None, dropout, plan, blocks), out=out, lse=lse,
-                       arrival=Arrival(1 - own, flags, 1, heads))
-    if flags is not None:
-        ring.wait(pending)  # the whole trip, before the kept copy reads it
-        flags.zero_()  # down again for the next call (``Ring.arriving``)
+    try:
+        keys, values = ((Joined(mine, theirs) if own == 0 else Joined(theirs, mine))
+                        for mine, theirs in ((k, recv[0]), (v, recv[1])))
+        out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+        lse = torch.empty((b, h, n), device=q.device, dtype=torch.float32)
+        pair = gathered_pair(range(own * n, (own + 1) * n), n, band)
+        if pair is None:  # the band leaves these rows no key
+            out.zero_()
+            lse.fill_(-math.inf)
+        else:
+            flash_attn_fwd(q, keys, values, softmax_scale=softmax_scale,
+                           mask=_mask(pair, None, None, dropout, plan, blocks), out=out, lse=lse,
+                           arrival=Arrival(1 - own, flags, 1, heads))
+    finally:  # also when the launch raised (say out of memory, caught and retried by the
+        # caller): a flag left up would let the next call's tiles read a shard in flight
+        if flags is not None:
+            ring.wait(pending)  # the whole trip, before the kept copy reads it
+            flags.zero_()  # down again for the next call (``Ring.arriving``)
     kept, aside = torch.empty((2, *k.shape), device=k.device, dtype=k.dtype), _Aside(q.device)
     aside.copy(kept, recv)  # out of the ring's buffer, which the next call reuses
     aside.join()

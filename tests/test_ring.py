@@ -365,6 +365,46 @@ def test_running_dkv_rows_are_written_or_zeroed(monkeypatch, world, layout, caus
         assert torch.isfinite(dkv).all() and torch.isfinite(dq).all(), rank
 
 
+class _FlaggingRing(_RecordingRing):
+    """A ring of two whose transport streams the shard in chunks (``PeerRing``'s contract
+    for ``arriving``): every flag is already up, as the peer's copy stream leaves them."""
+    streams_chunks = True
+
+    def arriving(self, send, recv, heads):
+        self.flags = torch.ones(send[0].shape[2] // heads, dtype=torch.int32)
+        self.events.append(("post", 1))
+        return [object()], self.flags
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["runs", "launch-raises"])
+def test_one_launch_forward_lowers_its_arrival_flags(monkeypatch, fails):
+    """The one-launch forward of a ring of two (``_gathered_forward``) waits for the whole
+    trip and lowers the flags that said its chunks had landed, also when the launch
+    raised (out of memory, say, caught by the caller): flags left up would let the next
+    call's tiles read a shard still in flight."""
+    from ringflash import ring as ring_mod
+    launches = []
+
+    def fwd(q, k, v, *, out, lse, arrival, **kw):
+        launches.append(arrival)
+        if fails:
+            raise torch.OutOfMemoryError("simulated")
+    monkeypatch.setattr(ring_mod, "flash_attn_fwd", fwd)
+    monkeypatch.setattr(ring_mod, "_mask", lambda *args: None)
+    fake = _FlaggingRing(2)
+    q, k, v = (torch.randn(1, 256, 4, 64) for _ in range(3))
+    recv = torch.zeros(2, *k.shape)
+    call = lambda: ring_mod._gathered_forward(q, k, v, recv, softmax_scale=0.125, band=(None, None),
+                                              dropout=(0.0, 0), ring=fake, plan=None, blocks=None)
+    if fails:
+        with pytest.raises(torch.OutOfMemoryError):
+            call()
+    else:
+        call()
+    assert launches[0].flags is fake.flags and launches[0].heads == 4 and launches[0].last == 1
+    assert fake.events == [("post", 1), ("wait",)] and not fake.flags.any()
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
