@@ -52,7 +52,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 import _harness as H
-from ringflash.kernels import PairMask, attn_delta, dropout, triton_attn
+from ringflash.kernels import PairMask, attn_delta, dropout
+from ringflash.kernels import triton as triton_kernels
 
 LOG2E = math.log2(math.e)
 
@@ -522,13 +523,13 @@ def clocks(q, k, v, do, scale, seconds):
     for kind in ("forward", "backward"):
         for p_drop in (0.0, 0.1):
             mask = PairMask(dropout_p=p_drop, seed=1234, pos=(0, 0, 1, 0))
-            fwd = lambda mask=mask: triton_attn.fwd(q, k, v, out, lse, softmax_scale=scale,
-                                                    mask=mask, accumulate=False)
+            fwd = lambda mask=mask: triton_kernels.fwd(q, k, v, out, lse, softmax_scale=scale,
+                                                       mask=mask, accumulate=False)
             fn = fwd
             if kind == "backward":
                 fwd()
                 delta = attn_delta(out, do)
-                fn = (lambda mask=mask, delta=delta: triton_attn.bwd(
+                fn = (lambda mask=mask, delta=delta: triton_kernels.bwd(
                     do, q, k, v, lse, delta, *grads, softmax_scale=scale, mask=mask, accumulate=False))
             fn()
             phases.append((f"library {kind}, dropout {p_drop}", fn))
@@ -587,8 +588,8 @@ def main():
         f"{name:48} {ms:8.3f} ms {fwd_flops * factor / ms / 1e9:6.0f} TFLOP/s  err {err:.1e}")
 
     out, lse = torch.empty_like(q), torch.empty(1, h, s, device="cuda")
-    lib_fwd = lambda: triton_attn.fwd(q, k, v, out, lse, softmax_scale=scale, mask=PairMask(),
-                                      accumulate=False)
+    lib_fwd = lambda: triton_kernels.fwd(q, k, v, out, lse, softmax_scale=scale, mask=PairMask(),
+                                         accumulate=False)
     lib_fwd()
     report("library forward", bench(lib_fwd), 1.0, 0.0)
     o2, l2 = torch.empty_like(out), torch.empty_like(lse)
@@ -606,8 +607,8 @@ def main():
         for p_drop in (0.0, 0.1):
             mask = PairMask(dropout_p=p_drop, seed=1234, pos=(0, 0, 1, 0))
             cases.append((f"library forward, dropout {p_drop}",
-                          lambda mask=mask: triton_attn.fwd(q, k, v, out, lse, softmax_scale=scale,
-                                                            mask=mask, accumulate=False)))
+                          lambda mask=mask: triton_kernels.fwd(q, k, v, out, lse, softmax_scale=scale,
+                                                               mask=mask, accumulate=False)))
             cases[-1][1]()
             ref = None
             for stages, bits, pingpong in GLUON_VARIANTS:
@@ -638,8 +639,8 @@ def main():
 
     delta = attn_delta(out, do)
     grads = [torch.empty(t.shape, device="cuda") for t in (q, k, v)]
-    lib_bwd = lambda: triton_attn.bwd(do, q, k, v, lse, delta, *grads, softmax_scale=scale,
-                                      mask=PairMask(), accumulate=False)
+    lib_bwd = lambda: triton_kernels.bwd(do, q, k, v, lse, delta, *grads, softmax_scale=scale,
+                                         mask=PairMask(), accumulate=False)
     lib_bwd()
     report("library backward (dK/dV + dQ kernels)", bench(lib_bwd), 2.5, 0.0)
     g = [torch.empty_like(t) for t in grads]

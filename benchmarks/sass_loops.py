@@ -27,7 +27,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from ringflash.kernels import triton_attn as T  # noqa: E402
+from ringflash.kernels.triton import bwd, config, fwd  # noqa: E402
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 POINTERS = {"O": "*bf16", "LSE": "*fp32", "DELTA": "*fp32", "QSEG": "*i32", "KSEG": "*i32",
@@ -45,15 +45,15 @@ def compile_kernel(which: str, head_dim: int, dropout: bool, sparse: bool = Fals
     band, segments: the masked variants, positional: the band on global positions;
     accumulate: merging into running sums)."""
     if which == "fwd":
-        fn, cfg = T._fwd_kernel, T.fwd_config(head_dim, torch.bfloat16)
+        fn, cfg = fwd._fwd_kernel, config.fwd_config(head_dim, torch.bfloat16)
     else:
-        dkdv_cfg, dq_cfg = T.bwd_config(head_dim, torch.bfloat16, sparse,
-                                        dropout and not (sparse or band or segments))
-        fn, cfg = (T._dkdv_kernel, dkdv_cfg) if which == "dkdv" else (T._dq_kernel, dq_cfg)
-    bd = T.block_d(head_dim)
+        dkdv_cfg, dq_cfg = config.bwd_config(head_dim, torch.bfloat16, sparse,
+                                             dropout and not (sparse or band or segments))
+        fn, cfg = (bwd._dkdv_kernel, dkdv_cfg) if which == "dkdv" else (bwd._dq_kernel, dq_cfg)
+    bd = config.block_d(head_dim)
     column_ids = segments and which != "dkdv"  # as fwd() and bwd() launch them
     consts = dict(HEAD_DIM=head_dim, BLOCK_D=bd, BAND=band, SEGMENTS=segments, SPARSE=sparse,
-                  LIST_STAGES=T.list_stages(cfg, sparse, column_ids), DROPOUT=dropout,
+                  LIST_STAGES=config.list_stages(cfg, sparse, column_ids), DROPOUT=dropout,
                   GROUPED=dropout, ACCUMULATE=accumulate, PRECISION="tf32", POSITIONAL=positional,
                   **{n: 1 for n in ONES},
                   **{n: v for n, v in cfg.items() if n not in ("num_warps", "num_stages")})

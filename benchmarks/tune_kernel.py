@@ -7,7 +7,7 @@
 The forward and the two backward kernels (dK/dV, dQ) are swept apart: each has its own
 tiles. Every forward candidate is checked against torch SDPA and every backward one
 against the library's current backward before it is timed; the chosen shapes go into
-fwd_config / bwd_config in kernels/triton_attn.py by hand. With --dropout the kernels
+fwd_config / bwd_config in kernels/triton/config.py by hand. With --dropout the kernels
 draw dropout bits (checked against the current shapes with the same seed), and the current
 shapes are also timed without dropout, the speed the dropout path is held to.
 """
@@ -23,7 +23,9 @@ import torch.nn.functional as F
 import triton
 
 import _harness as H
-from ringflash.kernels import PairMask, attn_delta, triton_attn
+from ringflash.kernels import PairMask, attn_delta
+from ringflash.kernels import triton as triton_kernels
+from ringflash.kernels.triton import config
 
 # Matmuls each kernel really runs, over the forward's two: dK/dV recomputes S and dP and
 # accumulates dV and dK (4), dQ recomputes S and dP and accumulates dQ (3).
@@ -52,23 +54,23 @@ def _candidates(which, head_dim):
 
 @contextlib.contextmanager
 def tiles(which, cfg):
-    """triton_attn launching kernel ``which`` (fwd, dkdv, dq) with the tiles ``cfg``, the other
+    """The Triton launchers running kernel ``which`` (fwd, dkdv, dq) with the tiles ``cfg``, the other
     kernels with their own: fwd_config / bwd_config stand-ins that take whatever arguments
     the launches pass them."""
-    original = triton_attn.fwd_config, triton_attn.bwd_config
+    original = config.fwd_config, config.bwd_config
 
     def bwd_config(*args, **kwargs):
         dkdv_cfg, dq_cfg = original[1](*args, **kwargs)
         return (cfg, dq_cfg) if which == "dkdv" else (dkdv_cfg, cfg)
 
     if which == "fwd":
-        triton_attn.fwd_config = lambda *args, **kwargs: cfg
+        config.fwd_config = lambda *args, **kwargs: cfg
     else:
-        triton_attn.bwd_config = bwd_config
+        config.bwd_config = bwd_config
     try:
         yield
     finally:
-        triton_attn.fwd_config, triton_attn.bwd_config = original
+        config.fwd_config, config.bwd_config = original
 
 
 def sweep(which, head_dim, causal, seqlen, heads=32, batch=1, dtype=torch.bfloat16, dropout_p=0.0):
@@ -80,22 +82,22 @@ def sweep(which, head_dim, causal, seqlen, heads=32, batch=1, dtype=torch.bfloat
     mask = plain._replace(dropout_p=dropout_p, seed=1234, pos=(0, 0, 1, 0)) if dropout_p else plain
     lse = torch.empty(batch, heads, seqlen, device="cuda")
     out = torch.empty_like(q)
-    triton_attn.fwd(q, k, v, out, lse, softmax_scale=scale, mask=mask, accumulate=False)
+    triton_kernels.fwd(q, k, v, out, lse, softmax_scale=scale, mask=mask, accumulate=False)
     delta = attn_delta(out, do)
     grads = [torch.empty(t.shape, device="cuda") for t in (q, k, v)]
-    triton_attn.bwd(do, q, k, v, lse, delta, *grads, softmax_scale=scale, mask=mask, accumulate=False)
+    triton_kernels.bwd(do, q, k, v, lse, delta, *grads, softmax_scale=scale, mask=mask, accumulate=False)
     if which == "fwd":
         ref = out if dropout_p else F.scaled_dot_product_attention(
             *(t.transpose(1, 2) for t in (q, k, v)), is_causal=causal).transpose(1, 2)
         o2, l2 = torch.empty_like(out), torch.empty_like(lse)
-        fn = lambda mask=mask: triton_attn.fwd(q, k, v, o2, l2, softmax_scale=scale, mask=mask,
-                                               accumulate=False)
+        fn = lambda mask=mask: triton_kernels.fwd(q, k, v, o2, l2, softmax_scale=scale, mask=mask,
+                                                  accumulate=False)
         check = lambda: H.rel_err(o2, ref)
     else:
         g = [torch.empty_like(t) for t in grads]
         args = (g[0], None, None) if which == "dq" else (None, g[1], g[2])
-        fn = lambda mask=mask: triton_attn.bwd(do, q, k, v, lse, delta, *args, softmax_scale=scale,
-                                               mask=mask, accumulate=False)
+        fn = lambda mask=mask: triton_kernels.bwd(do, q, k, v, lse, delta, *args, softmax_scale=scale,
+                                                  mask=mask, accumulate=False)
         checked = (0,) if which == "dq" else (1, 2)
         check = lambda: max(H.rel_err(g[i], grads[i]) for i in checked)
     if dropout_p:  # the bar: the current shapes without dropout
@@ -135,7 +137,7 @@ def main():
     if not torch.cuda.is_available():
         raise SystemExit("ERROR: tune_kernel.py times Triton kernels on a GPU; no CUDA device here")
     if args.no_tma:
-        triton_attn._use_tma = lambda *tensors: False
+        config.use_tma = lambda *tensors: False
     summary = []
     for which, d, causal in itertools.product(args.which, args.head_dims, map(bool, args.causal)):
         tf, cfg, ms, err = sweep(which, d, causal, args.seqlen, dropout_p=args.dropout)

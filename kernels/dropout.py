@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import torch
 
+from .checks import check_dropout
+
 _M32 = 0xFFFFFFFF
 _ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
 _KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
@@ -105,7 +107,6 @@ def dropout_keep_mask(seed: int, p: float, batch: int, heads: int, seqlen_q: int
     scaled by ``keep_scale(p)``). Positions default to 0..seqlen-1 (the full sequence);
     pass a shard's ``ringflash.positions`` to get that rank's rows or columns. For tests
     and for checking runs at small sizes: it is O(batch * heads * seqlen_q * seqlen_k)."""
-    from .interface import check_dropout  # interface imports this module
     if seed is None:
         raise TypeError("seed must be an int: the one a run used (flash_attn's seed=)")
     p, seed = check_dropout(p, seed)

@@ -96,7 +96,7 @@ def first_at_or_after(t: torch.Tensor, pos0: int, stride: int, jump: int) -> tor
 def band_interval(rows: torch.Tensor, mask: PairMask, n_cols: int, transposed: bool = False):
     """(first, stop): the columns [first, stop) the band of ``mask`` leaves each of ``rows``
     (query rows; key rows with ``transposed``), both clamped to [0, n_cols]. The kernels' interval
-    (kernels/triton_attn.py, ``_band_interval``) in torch ops."""
+    (kernels/triton/tiles.py, ``_band_interval``) in torch ops."""
     lo, hi = mask.band_lo, mask.band_hi
     if mask.band_on_positions:
         q0, k0, stride, jump = mask.pos
@@ -243,7 +243,7 @@ def block_lists(blocks: torch.Tensor, lo: int, hi: int, n_rows: int, n_cols: int
     first counts[0] indices are its partial blocks, the next counts[1] its full blocks,
     each group ascending. One pass over the mask per launch, so a kernel's work follows
     the nonzero blocks. With ``split`` (a column, a multiple of BLOCK: columns held in two
-    tensors, ``interface.Joined``) the columns before it are listed first and then the
+    tensors, ``pair.Joined``) the columns before it are listed first and then the
     rest, each part partial then full: counts (4, Hm, R).
     """
     live, every = _classify(blocks, lo, hi, n_rows, n_cols)
@@ -273,7 +273,7 @@ def program_order(counts: torch.Tensor, n_tiles: int, tile: int, batch: int, hea
     with more than twice the mean work run first, and the rest keep the natural order
     (tiles reversed with ``reverse``: a causal band's longest tiles first), which keeps a
     head's programs together for the cache. With ``chunk``, the heads arrive in chunks of
-    that many (``interface.Arrival``): a chunk's programs (of every batch) run before the
+    that many (``pair.Arrival``): a chunk's programs (of every batch) run before the
     next chunk's, the long ones first within each. Returns int32 (batch * heads *
     n_tiles): the number of the program to run at each launch position. Built on the
     device, without a host synchronization (a CUDA graph may capture it)."""
@@ -300,7 +300,7 @@ def segment_ranges(rows_seg: torch.Tensor, cols_seg: torch.Tensor) -> torch.Tens
     run of columns from lo that all carry it ends (run_end < hi: padding columns sit inside
     the hull). Rows whose id no column carries, and padding rows (-1), get lo = S_cols,
     hi = run_end = 0. Needs the non-padding ids of both sides to be non-decreasing; the
-    kernels turn these into each row's interval of columns (triton_attn._row_bounds)."""
+    kernels turn these into each row's interval of columns (triton/tiles.py, ``_row_bounds``)."""
     n_cols = cols_seg.shape[1]
     cols = cols_seg.contiguous()
     rows = rows_seg.contiguous()

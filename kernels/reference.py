@@ -1,6 +1,6 @@
 """The PyTorch twin of the Triton kernels.
 
-Same contract as ``triton_attn.fwd`` / ``triton_attn.bwd`` (see ``ringflash.kernels``),
+Same contract as the Triton launchers ``triton.fwd`` / ``triton.bwd`` (see ``ringflash.kernels``),
 written blockwise over key tiles so extra memory is O(seqlen_q * BLOCK_N), never the full
 N x N score matrix. It is the path for CPU tensors (the gloo ring) and an
 implementation independent of the Triton code for the tests.
@@ -79,7 +79,7 @@ def fwd(q, k, v, out, lse, *, softmax_scale: float, mask: PairMask, accumulate: 
         out_partial=None, tail=None, arrival=None):
     """Write (or merge into) out (B, Sq, H, D) and lse (B, H, Sq) for this block pair;
     accumulating, the running output is read from ``out_partial`` when given. ``tail``:
-    the rows that follow k and v when held apart (``interface.Joined``), or None; the
+    the rows that follow k and v when held apart (``pair.Joined``), or None; the
     twin reads its keys in order, whichever part ``arrival`` runs last."""
     if tail is not None:
         k, v = (torch.cat([t, rest], 1) for t, rest in zip((k, v), tail))
@@ -125,7 +125,7 @@ def bwd(do, q, k, v, lse, delta_, dq, dk, dv, *, softmax_scale: float, mask: Pai
     """Write (or add into) dq, dk, dv for this block pair, from the FINAL lse and delta;
     a gradient passed as None is skipped. Accumulating, a gradient's running sum is read
     from its entry of ``partials`` when given (else from the gradient itself). ``tails``:
-    the rows that follow (q, do) and (k, v) when held apart (``interface.Joined``), or None."""
+    the rows that follow (q, do) and (k, v) when held apart (``pair.Joined``), or None."""
     if tails[0] is not None:
         q, do = (torch.cat([t, tail], 1) for t, tail in zip((q, do), tails[0]))
     if tails[1] is not None:

@@ -3,98 +3,18 @@
 from __future__ import annotations
 
 import operator
-import os
-import struct
 
 import torch
 import torch.distributed as dist
 
-from .exchange import TRANSPORTS, Ring, transport  # noqa: F401 - transport: part of this module's API
+from . import agreement
+from .exchange import Ring, transport  # noqa: F401 - transport: part of this module's API
 from .groups import resolve_group
-from .kernels import (SUPPORTED_DTYPES, band_of_window, check_block_mask, check_causal,
-                      check_deterministic, check_dropout, check_qkv, check_segment_ids, check_window,
-                      resolve_scale)
-from .kernels.masks import BLOCK, tensor_memo
-from .layouts import DEFAULT_LAYOUT, LAYOUTS, check_block_layout, check_layout, global_positions
+from .kernels import (band_of_window, check_block_mask, check_causal, check_deterministic,
+                      check_dropout, check_qkv, check_segment_ids, check_window, resolve_scale)
+from .kernels.masks import BLOCK
+from .layouts import DEFAULT_LAYOUT, check_block_layout, check_layout, global_positions
 from .ops import ring_attn
-
-# Set RINGFLASH_RANK_CHECK=0 to skip the cross-rank agreement check (see _check_ranks_agree);
-# read once, at import. Without it nothing compares the ranks' arguments: ranks that disagree
-# on a shape fail inside the exchange with the backend's error (gloo aborts: "Received data
-# size doesn't match expected size"; NCCL may hang until the group's timeout), and ranks
-# that disagree on causal, layout or softmax_scale return wrong results with no error.
-_RANK_CHECK = os.environ.get("RINGFLASH_RANK_CHECK", "1") != "0"
-
-
-_SIGNATURE_FIELDS = ("batch", "seqlen_local", "heads", "head_dim", "kv_heads", "dtype", "causal",
-                     "layout", "softmax_scale", "requires_grad", "transport", "window_left",
-                     "window_right", "segment_ids given", "dropout_p", "seed",
-                     "block_mask's nonzero blocks", "block_mask's checksum")
-
-
-def _float_bits(x: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", x))[0]
-
-
-def _block_digest(blocks) -> list[int]:
-    """(nonzero blocks, a position-weighted checksum) of a block mask; (-1, -1) for none.
-    One reduction on the mask's device (a host synchronization) the first time a mask
-    object is seen."""
-    if blocks is None:
-        return [-1, -1]
-
-    def digest():
-        flat = blocks.reshape(-1)
-        weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.int64) % 1_000_003
-        return [int(flat.sum()), int((weights * flat).sum())]
-    return tensor_memo(blocks, ("digest",), digest)
-
-
-def _signature(q, k, causal, layout, scale, needs_grad, kind, window, segments, dropout,
-               blocks=None) -> list[int]:
-    """A few integers that every rank of the ring must agree on."""
-    return [*q.shape, k.shape[2], SUPPORTED_DTYPES.index(q.dtype), int(causal),
-            LAYOUTS.index(layout), _float_bits(scale), int(needs_grad), TRANSPORTS.index(kind),
-            *window, int(segments is not None), _float_bits(dropout[0]), dropout[1],
-            *_block_digest(blocks)]
-
-
-def _shown(field: str, values) -> list:
-    if field in ("softmax_scale", "dropout_p"):
-        return [struct.unpack("<d", struct.pack("<q", x))[0] for x in values]
-    if field == "dtype":
-        return [str(SUPPORTED_DTYPES[x]) for x in values]
-    if field == "layout":
-        return [LAYOUTS[x] for x in values]
-    if field == "transport":
-        return [TRANSPORTS[x] for x in values]
-    return list(values)
-
-
-def _check_ranks_agree(ring: Ring, signature: list[int] | None, error: Exception | None) -> None:
-    """Raise on every rank if any rank rejected its arguments or the ranks disagree.
-
-    ``signature`` is None on a rank whose own checks failed with ``error``: it still joins
-    the all-gather, so the other ranks learn of it instead of waiting in the ring.
-    Costs one all-gather of 19 int64 per call on the host (``exchange.host_group``: gloo),
-    which waits for the other ranks' hosts but not for the GPU (a block mask's checksum
-    is reduced on its device the first time the mask is seen). It runs on every call
-    rather than once per signature: a rank that skipped it because its own
-    signature was cached, while another rank's changed, would leave that rank waiting in a
-    collective nobody else joins.
-    """
-    mine = [1, *signature] if signature is not None else [0] * (1 + len(_SIGNATURE_FIELDS))
-    everyone = ring.all_gather_ints(mine)
-    rejected = [rank for rank, row in enumerate(everyone) if row[0] == 0]
-    if error is not None:
-        raise error
-    if rejected:
-        raise ValueError(f"rank(s) {rejected} of the ring rejected their arguments to ring_flash_attn "
-                         "(see the error raised there); every rank must pass valid, matching arguments")
-    for field, values in zip(_SIGNATURE_FIELDS, list(zip(*everyone))[1:]):
-        if len(set(values)) > 1:
-            raise ValueError(f"ranks disagree on {field}: {_shown(field, values)} (rank i's value at "
-                             "index i); every rank must call ring_flash_attn with the same arguments and shapes")
 
 
 def _check_local(q, k, v, causal, layout, softmax_scale, window_size, segment_ids, dropout_p, seed,
@@ -189,7 +109,7 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
         in q, k and v.
 
     Invalid arguments raise ValueError/TypeError on every rank of the ring, including
-    ranks whose own arguments were fine (see ``_check_ranks_agree`` for the cost); the
+    ranks whose own arguments were fine (see ``agreement.check_ranks_agree`` for the cost); the
     cross-rank check runs inside the ring's custom op (ops.py), so torch.compile traces
     this function without a graph break. Under torch.compile a rank whose own arguments
     are invalid raises while tracing, without telling the others.
@@ -214,10 +134,10 @@ def _check_local_on_every_rank(*args, group):
     try:
         return _check_local(*args, ring.world)
     except (TypeError, ValueError) as error:
-        if not (ring.world > 1 and _RANK_CHECK):
+        if not (ring.world > 1 and agreement.ENABLED):
             raise
-        _check_ranks_agree(ring, None, error)
-        raise  # not reached: _check_ranks_agree raises ``error``
+        agreement.check_ranks_agree(ring, None, error)
+        raise  # not reached: check_ranks_agree raises ``error``
 
 
 def _int(value, name: str) -> int:

@@ -3,7 +3,7 @@
 FlashAttention-3's layering: custom ops (forward, backward) -> their registered autograd
 -> the public ``ring_flash_attn`` (api.py). Outside torch.compile, ``ring_attn`` runs the
 same implementations through a plain autograd.Function instead, without the ops' dispatch
-(``kernels.interface.eager``). To the compiler each op is one opaque call
+(``kernels.op.eager``). To the compiler each op is one opaque call
 with a fake (meta) implementation giving its output shapes; everything the ring does at
 run time -- point-to-point exchanges, the cross-rank agreement check and its host
 synchronization, the choice of transport -- happens inside, where it cannot break a
@@ -30,10 +30,10 @@ from typing import Optional
 
 import torch
 
+from . import agreement
 from .exchange import PeerRing, Ring, transport
 from .groups import group_name as name_of
-from .kernels import band_of_window, no_double_backward
-from .kernels.interface import eager, eager_function
+from .kernels import band_of_window, eager, eager_function, no_double_backward
 from .ring import keeps_kv, ring_backward, ring_forward
 
 # Older torch has neither the tag nor custom_op's tags argument.
@@ -65,26 +65,24 @@ def _agreed_ring(q, k, segments, blocks, causal, layout, softmax_scale, window, 
                  requires_grad, group_name) -> Ring:
     """The ring this call runs on, with its transport, once every rank agrees on the call.
 
-    The agreement check (``api._check_ranks_agree``: one all-gather of 19 int64 on the
+    The agreement check (``agreement.check_ranks_agree``: one all-gather of 19 int64 on the
     host, never waiting for the GPU) runs here, inside the op, on every call of a ring of
     more than one rank unless RINGFLASH_RANK_CHECK=0, and except while a CUDA graph is
     being captured: a graph replays GPU work only, and the eager warm-up iterations that
     every capture of NCCL work needs anyway ran the check on the same calls.
     """
-    from . import api  # api imports this module
-
     ring = ring_of(group_name)
-    check = ring.world > 1 and api._RANK_CHECK and not _capturing(q)
+    check = ring.world > 1 and agreement.ENABLED and not _capturing(q)
     try:
         kind = transport(ring.group)
     except ValueError as error:
         if not check:
             raise
-        api._check_ranks_agree(ring, None, error)
+        agreement.check_ranks_agree(ring, None, error)
     if check:
-        signature = api._signature(q, k, causal, layout, softmax_scale, requires_grad, kind, window,
+        signature = agreement.signature(q, k, causal, layout, softmax_scale, requires_grad, kind, window,
                                    segments, dropout, blocks)
-        api._check_ranks_agree(ring, signature, None)
+        agreement.check_ranks_agree(ring, signature, None)
     if kind == "peer" and ring.world > 1:
         ring = PeerRing(ring.group)
     return ring

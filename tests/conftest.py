@@ -14,7 +14,7 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 
 if not HAS_CUDA:
-    if "ringflash.kernels.triton_attn" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    if "ringflash.kernels.triton.launch" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("ringflash.kernels was imported before tests/conftest.py could set "
                            "TRITON_INTERPRET=1: its Triton kernels are already compiled-mode")
     os.environ["TRITON_INTERPRET"] = "1"

@@ -255,7 +255,7 @@ def test_tune_kernel_sets_the_tiles_of_one_kernel():
     finally:
         sys.path.remove(str(BENCH))
     import torch
-    from ringflash.kernels import triton_attn as T
+    from ringflash.kernels.triton import config as T
     cfg = dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)
     fwd = T.fwd_config(128, torch.bfloat16)
     for sparse in (False, True):

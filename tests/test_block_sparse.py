@@ -256,7 +256,7 @@ def test_strided_mask_is_copied_once():
     import gc
     import weakref
 
-    from ringflash.kernels.interface import check_block_mask
+    from ringflash.kernels.checks import check_block_mask
     base = torch.ones(1, 4, 4, dtype=torch.bool)
     bm = base.expand(2, 4, 4)
     first = check_block_mask(bm, 2, 4 * BLOCK, 4 * BLOCK, torch.device("cpu"))

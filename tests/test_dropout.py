@@ -14,7 +14,9 @@ from oracle import F16, F32, TOL, global_mask, oracle_results, rel_err
 from test_masks import _impl
 
 from ringflash.kernels import (PairMask, attn_delta, dropout, dropout_keep_mask, flash_attn, flash_attn_bwd,
-                               flash_attn_fwd, triton_attn)
+                               flash_attn_fwd)
+from ringflash.kernels import triton as triton_kernels
+from ringflash.kernels.triton import config, tiles
 from ringflash.kernels.masks import pair_positions
 
 HAS_CUDA = torch.cuda.is_available()
@@ -32,9 +34,9 @@ def _keep_kernel(OUT, seed, threshold, q_pos0, k_pos0, stride, SQ: tl.constexpr,
     """The kernels' keep decisions of one (batch 1, head 2) tile, written out as int8."""
     rows = tl.arange(0, SQ)
     cols = tl.arange(0, SK)
-    keep = triton_attn._keep(seed, threshold, tl.program_id(0) * 0 + 1, tl.program_id(0) * 0 + 2,
-                             q_pos0 + rows * stride, k_pos0, k_pos0 + cols * stride, SQ, SK, GROUPED,
-                             KEYS_MAJOR)
+    keep = tiles._keep(seed, threshold, tl.program_id(0) * 0 + 1, tl.program_id(0) * 0 + 2,
+                       q_pos0 + rows * stride, k_pos0, k_pos0 + cols * stride, SQ, SK, GROUPED,
+                       KEYS_MAJOR)
     tl.store(OUT + rows[:, None] * SK + cols[None, :], keep.to(tl.int8))
 
 
@@ -169,16 +171,16 @@ def test_dkdv_tile_orientations_agree(p, causal, monkeypatch):
     mask = PairMask(band_hi=0 if causal else None, dropout_p=p, seed=11, pos=(0, 0, 1, 0))
     kw = dict(softmax_scale=d ** -0.5, mask=mask, accumulate=False)
     out, lse = torch.empty_like(q), torch.empty(b, h, s, device=device)
-    triton_attn.fwd(q, k, v, out, lse, **kw)
+    triton_kernels.fwd(q, k, v, out, lse, **kw)
     delta = attn_delta(out, dout)
-    assert triton_attn.bwd_config(d, dtype, False, True)[0].get("QUERY_MAJOR") is True
-    assert not triton_attn.bwd_config(d, dtype, False, False)[0].get("QUERY_MAJOR")
-    config, grads = triton_attn.bwd_config, []
+    assert config.bwd_config(d, dtype, False, True)[0].get("QUERY_MAJOR") is True
+    assert not config.bwd_config(d, dtype, False, False)[0].get("QUERY_MAJOR")
+    tiles_of, grads = config.bwd_config, []
     for query_major in (False, True):
-        monkeypatch.setattr(triton_attn, "bwd_config", lambda *a, qm=query_major: (
-            dict(config(*a)[0], QUERY_MAJOR=qm), config(*a)[1]))
+        monkeypatch.setattr(config, "bwd_config", lambda *a, qm=query_major: (
+            dict(tiles_of(*a)[0], QUERY_MAJOR=qm), tiles_of(*a)[1]))
         dk, dv = (torch.zeros(t.shape, device=device) for t in (k, v))
-        triton_attn.bwd(dout, q, k, v, lse, delta, None, dk, dv, **kw)
+        triton_kernels.bwd(dout, q, k, v, lse, delta, None, dk, dv, **kw)
         grads.append((dk, dv))
     for a, w in zip(*grads):
         assert a.abs().sum() > 0

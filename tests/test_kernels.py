@@ -1,7 +1,7 @@
 """Single-device kernels against the float64 oracle, on the CPU.
 
 Two implementations of one contract are checked: the PyTorch twin (kernels/reference.py)
-and the Triton kernels (kernels/triton_attn.py). Without CUDA the Triton kernels run on
+and the Triton kernels (kernels/triton/). Without CUDA the Triton kernels run on
 CPU tensors through Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1);
 with CUDA they run compiled, at the same small sizes. The interpreter takes seconds for a
 few hundred tokens, so the Triton shapes stay tiny; realistic sizes are in
@@ -24,8 +24,10 @@ import torch.nn.functional as F
 from oracle import (BF16, DTYPE_ID, F16, F32, LSE_TOL, NOISE_FLOOR, TOL, Case, attention_oracle,
                     oracle_grads, rel_err, torch_attention, visible_mask)
 
-from ringflash.kernels import (PairMask, attn_delta, flash_attn, flash_attn_bwd, flash_attn_fwd, interface,
-                               reference, triton_attn)
+from ringflash.kernels import (PairMask, attn_delta, flash_attn, flash_attn_bwd, flash_attn_fwd, op, pair,
+                               reference)
+from ringflash.kernels import triton as triton_kernels
+from ringflash.kernels.triton import config, launch
 
 HAS_CUDA = torch.cuda.is_available()
 TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -53,13 +55,13 @@ def make_inputs(case: Case, dtype, device, seed: int = 0):
 def kernel_module(name: str, monkeypatch):
     """(module with fwd/bwd, device) of an implementation id."""
     if name == "triton":
-        return triton_attn, TRITON_DEVICE
+        return triton_kernels, TRITON_DEVICE
     if name == "triton-gpu-tiles":  # interpreted, with the tile shapes chosen for the GPU
-        monkeypatch.setattr(triton_attn, "_interpreting", lambda: False)
-        return triton_attn, TRITON_DEVICE
+        monkeypatch.setattr(config, "interpreting", lambda: False)
+        return triton_kernels, TRITON_DEVICE
     if name == "triton-pointers":  # masked pointer loads instead of TMA descriptors
-        monkeypatch.setattr(triton_attn, "_use_tma", lambda *tensors: False)
-        return triton_attn, TRITON_DEVICE
+        monkeypatch.setattr(config, "use_tma", lambda *tensors: False)
+        return triton_kernels, TRITON_DEVICE
     if name == "twin-bn16":  # small key tiles: the twin's tile skipping and masking at small sizes
         monkeypatch.setattr(reference, "BLOCK_N", 16)
     return reference, "cpu"
@@ -70,7 +72,7 @@ def use_backend(name: str, monkeypatch) -> str:
     if name == "twin":
         return "cpu"
     if not HAS_CUDA:  # the dispatcher sends CPU tensors to the twin; send them to Triton
-        monkeypatch.setattr(interface, "_backend", lambda t: triton_attn)
+        monkeypatch.setattr(pair, "backend", lambda t: triton_kernels)
     return TRITON_DEVICE
 
 
@@ -417,7 +419,7 @@ def test_delta_kernel_matches_twin(dtype):
     gen = torch.Generator().manual_seed(3)
     out = torch.randn(2, 37, 3, 2, 40, generator=gen).to(TRITON_DEVICE, dtype)[:, :, 1]
     dout = torch.randn(2, 37, 2, 48, generator=gen).to(TRITON_DEVICE, dtype)[..., :40]
-    got = triton_attn.delta(out, dout)
+    got = triton_kernels.delta(out, dout)
     want = reference.delta(out, dout)
     assert got.shape == (2, 2, 37) and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -427,13 +429,13 @@ def test_launches_share_one_stand_in_for_unused_pointers():
     """A launch without segment ids or a block mask passes one kept stand-in for their
     pointers (no allocation and fill kernel per launch), and a launch with them passes theirs."""
     device = torch.device(TRITON_DEVICE)
-    (_, _, qseg, kseg, _, segments), _ = triton_attn._mask_args(PairMask(), device)
-    (counts, index, order, *_), sparse = triton_attn._sparse_args(PairMask(), 0, 0, 8, 8, False,
+    (_, _, qseg, kseg, _, segments), _ = launch._mask_args(PairMask(), device)
+    (counts, index, order, *_), sparse = launch._sparse_args(PairMask(), 0, 0, 8, 8, False,
                                                                     device, (16, 1, 1, 1))
     assert not segments and not sparse
-    assert qseg is kseg is counts is index is order is triton_attn._stand_in(device)
+    assert qseg is kseg is counts is index is order is launch._stand_in(device)
     ids = torch.zeros(1, 8, dtype=torch.int32, device=device)
-    (_, _, qseg, _, _, segments), _ = triton_attn._mask_args(PairMask(q_segments=ids, k_segments=ids), device)
+    (_, _, qseg, _, _, segments), _ = launch._mask_args(PairMask(q_segments=ids, k_segments=ids), device)
     assert segments and qseg is ids
 
 
@@ -487,7 +489,7 @@ def test_one_query_row(impl, monkeypatch):
     last dimension of one element, whose stride is anything (the twin's delta used to be
     refused as not contiguous)."""
     if impl == "triton" and not HAS_CUDA:
-        monkeypatch.setattr(interface, "_backend", lambda t: triton_attn)
+        monkeypatch.setattr(pair, "backend", lambda t: triton_kernels)
     device = TRITON_DEVICE if impl == "triton" else "cpu"
     case = Case(1, 1, 37, 4, 2, 16)
     q, k, v, dout = (t.requires_grad_() for t in make_inputs(case, F32, device))
@@ -654,10 +656,10 @@ def test_eager_calls_skip_the_custom_ops_and_agree_with_them(backend, uses, monk
         raise AssertionError("an eager call reached a custom op")
 
     with monkeypatch.context() as patched:
-        patched.setattr(interface, "_forward_op", refuse)
-        patched.setattr(interface, "_backward_op", refuse)
+        patched.setattr(op, "_forward_op", refuse)
+        patched.setattr(op, "_backward_op", refuse)
         eager = run()
-    monkeypatch.setattr(interface, "eager", lambda *tensors: False)
+    monkeypatch.setattr(op, "eager", lambda *tensors: False)
     through_ops = run()
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), eager, through_ops):
         assert torch.equal(a, b), name
@@ -668,13 +670,13 @@ def test_eager_is_off_under_compile_and_fake_tensors():
     """torch.compile and fake-tensor tracing (make_fx, opcheck) see the custom ops."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     t = torch.zeros(1, 4, 2, 16)
-    assert interface.eager(t, None)
+    assert op.eager(t, None)
     with FakeTensorMode():
-        assert not interface.eager(torch.zeros(1, 4, 2, 16))
+        assert not op.eager(torch.zeros(1, 4, 2, 16))
     seen = []
 
     def traced(x):
-        seen.append(interface.eager(x))
+        seen.append(op.eager(x))
         return x * 2
 
     torch.compile(traced, backend="eager", fullgraph=True)(t)

@@ -15,7 +15,8 @@ import torch
 from oracle import (BF16, DTYPE_ID, F16, F32, LSE_TOL, NOISE_FLOOR, TOL, Case, attention_oracle,
                     oracle_grads, rel_err, torch_attention, visible_mask)
 
-from ringflash.kernels import PairMask, attn_delta, flash_attn, triton_attn
+from ringflash.kernels import PairMask, attn_delta, flash_attn
+from ringflash.kernels import triton as triton_kernels
 
 pytestmark = pytest.mark.gpu
 
@@ -37,12 +38,12 @@ def run_block(case: Case, q, k, v, dout):
     """Triton forward and backward of one block pair into NaN-filled buffers (grads fp32)."""
     out = torch.full_like(q, NAN)
     lse = torch.full((case.b, case.h, case.sq), NAN, device="cuda")
-    triton_attn.fwd(q, k, v, out, lse, softmax_scale=case.softmax_scale, mask=PairMask.causal(case.offset),
+    triton_kernels.fwd(q, k, v, out, lse, softmax_scale=case.softmax_scale, mask=PairMask.causal(case.offset),
                     accumulate=False)
     dq = torch.full(q.shape, NAN, device="cuda")
     dk = torch.full(k.shape, NAN, device="cuda")
     dv = torch.full(v.shape, NAN, device="cuda")
-    triton_attn.bwd(dout, q, k, v, lse, attn_delta(out, dout), dq, dk, dv, softmax_scale=case.softmax_scale,
+    triton_kernels.bwd(dout, q, k, v, lse, attn_delta(out, dout), dq, dk, dv, softmax_scale=case.softmax_scale,
                     mask=PairMask.causal(case.offset), accumulate=False)
     return out, lse, dq, dk, dv
 
@@ -152,14 +153,14 @@ def test_ring_like_accumulation(dtype):
     out = torch.zeros(q.shape, device="cuda")
     lse = torch.full((1, 8, 1024), -math.inf, device="cuda")
     for start, end in shards:
-        triton_attn.fwd(q, k[:, start:end], v[:, start:end], out, lse, softmax_scale=case.softmax_scale,
+        triton_kernels.fwd(q, k[:, start:end], v[:, start:end], out, lse, softmax_scale=case.softmax_scale,
                         mask=PairMask.causal(case.offset - start), accumulate=True)
     delta = attn_delta(out.to(dtype), dout)
     gen = torch.Generator(device="cuda").manual_seed(1)
     before = [torch.randn(t.shape, generator=gen, device="cuda") for t in (q, k, v)]
     dq, dk, dv = (t.clone() for t in before)
     for start, end in shards:
-        triton_attn.bwd(dout, q, k[:, start:end], v[:, start:end], lse, delta, dq, dk[:, start:end],
+        triton_kernels.bwd(dout, q, k[:, start:end], v[:, start:end], lse, delta, dq, dk[:, start:end],
                         dv[:, start:end], softmax_scale=case.softmax_scale,
                         mask=PairMask.causal(case.offset - start), accumulate=True)
     added = [g - b for g, b in zip((dq, dk, dv), before)]

@@ -13,8 +13,9 @@ import pytest
 import torch
 from oracle import F16, F32, TOL, attention_oracle, global_mask, oracle_grads, rel_err
 
-from ringflash.kernels import PairMask, flash_attn, flash_attn_bwd, flash_attn_fwd, interface
-from ringflash.kernels import attn_delta, masks, triton_attn
+from ringflash.kernels import PairMask, attn_delta, flash_attn, flash_attn_bwd, flash_attn_fwd, masks, pair
+from ringflash.kernels import triton as triton_kernels
+from ringflash.kernels.triton import segments as triton_segments
 from ringflash.kernels.masks import pair_positions
 
 HAS_CUDA = torch.cuda.is_available()
@@ -54,7 +55,7 @@ def _impl(name, monkeypatch):
     """Device of implementation ``name``; routes CPU tensors to Triton's interpreter."""
     if name == "triton":
         if not HAS_CUDA:
-            monkeypatch.setattr(interface, "_backend", lambda t: triton_attn)
+            monkeypatch.setattr(pair, "backend", lambda t: triton_kernels)
         return "cuda" if HAS_CUDA else "cpu"
     return "cpu"
 
@@ -356,9 +357,9 @@ def test_segment_ranges_kernel_matches_definition(pad, n_rows, n_cols):
     gen = torch.Generator().manual_seed(n_rows * 1000 + n_cols + int(pad * 10))
     rows, cols = _monotone_ids(gen, 2, n_rows, pad), _monotone_ids(gen, 2, n_cols, pad)
     device = "cuda" if HAS_CUDA else "cpu"
-    got = triton_attn.segment_ranges(rows.to(device), cols.to(device)).cpu()
+    got = triton_kernels.segment_ranges(rows.to(device), cols.to(device)).cpu()
     assert torch.equal(got, masks.segment_ranges(rows, cols))
-    same = triton_attn.segment_ranges(cols.to(device), cols.to(device)).cpu()
+    same = triton_kernels.segment_ranges(cols.to(device), cols.to(device)).cpu()
     assert torch.equal(same, masks.segment_ranges(cols, cols))
 
 
@@ -368,8 +369,8 @@ def test_segment_ranges_once_per_tensor(monkeypatch):
     in-place change."""
     device = _impl("triton", monkeypatch)
     calls = []
-    real = triton_attn.segment_ranges
-    monkeypatch.setattr(triton_attn, "segment_ranges", lambda r, c: calls.append(1) or real(r, c))
+    real = triton_segments.segment_ranges
+    monkeypatch.setattr(triton_segments, "segment_ranges", lambda r, c: calls.append(1) or real(r, c))
     q, k, v, dout = _inputs(1, 40, 2, 2, 16, F32, device)
     ids = segments([[15, 25]], 40).to(device)
     for _ in range(2):

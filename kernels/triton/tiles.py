@@ -1,0 +1,364 @@
+"""Shared @triton.jit helpers of the attention kernels: tile loads, program order, masks as
+column intervals per row, loop bounds (band, segments, block lists) and dropout bits.
+
+Masks are a description (kernels/masks.py, ``PairMask``), evaluated per tile from local
+indices and segment ids, never an N x N tensor:
+
+    band      key j visible to query i only if band_lo <= j - i <= band_hi (``BAND``; an
+              unbounded side is a sentinel). Causal with diagonal offset o is band_hi = o;
+              a sliding window on global positions becomes a band of the pair's local rows.
+              With POSITIONAL the band is on the rows' global positions instead (the
+              block_stripe layout, whose rows jump: masks.PairMask.band_on_positions).
+    segments  only if qseg_i == kseg_j >= 0 (``SEGMENTS``: packed documents, padding = -1).
+              Each query row carries the hull of the key rows its id occupies (and each key
+              row that of the query rows), since a pair's non-padding ids never decrease.
+
+Both become one interval of columns per row, [first, stop) (``row_bounds``): the whole
+predicate is two comparisons an element, plus a test of the columns' ids only where
+padding sits inside a document's hull. Per (query tile, key tile) a kernel classifies
+from its rows' intervals: outside them all (empty, never loaded), inside every row's
+(no mask arithmetic), or partial (the intervals applied).
+
+    blocks    block-sparse (``SPARSE``): a tile's row block iterates over index lists of
+              the column blocks it computes, built once per launch (masks.block_lists):
+              partial blocks with the predicate, then full ones without. Blocks not
+              listed are never loaded, so the work follows the mask's nonzero blocks.
+              The programs whose rows list far more blocks than the rest run first
+              (masks.program_order), so that no long row ends a launch alone.
+"""
+
+import triton
+import triton.language as tl
+
+from .. import dropout
+from ..masks import BLOCK
+
+SPARSE_BLOCK = tl.constexpr(BLOCK)
+
+@triton.jit
+def _load_block(src, off_b, off_h, start, stride_b, stride_s, stride_h, n_rows,
+                BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BOUNDED: tl.constexpr, TMA: tl.constexpr):
+    """Rows [start, start + BLOCK_ROWS) of head off_h of batch off_b, a (BLOCK_ROWS, BLOCK_D)
+    tile; rows past n_rows (checked only when BOUNDED) and columns past HEAD_DIM read 0."""
+    if TMA:
+        tile = src.load([off_b, start, off_h, 0]).reshape(BLOCK_ROWS, BLOCK_D)
+    else:
+        rows = start + tl.arange(0, BLOCK_ROWS)
+        cols = tl.arange(0, BLOCK_D)
+        ptrs = src + off_b * stride_b + off_h * stride_h + rows[:, None] * stride_s + cols[None, :]
+        if BOUNDED:
+            tile = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM), other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            tile = tl.load(ptrs, mask=cols[None, :] < HEAD_DIM, other=0.0)
+        else:
+            tile = tl.load(ptrs)
+    return tile
+
+
+@triton.jit
+def _program(ORDER, SPARSE: tl.constexpr):
+    """(tile, batch * heads index) of this program: program_id(0) and (1), or under a block
+    mask the program ORDER names for this launch position (``masks.program_order``: the
+    programs whose rows list many more blocks than the rest run first)."""
+    if SPARSE:
+        n_tiles = tl.num_programs(0)
+        program = tl.load(ORDER + tl.program_id(1) * n_tiles + tl.program_id(0))
+        return program % n_tiles, program // n_tiles
+    return tl.program_id(0), tl.program_id(1)
+
+
+@triton.jit
+def _query_tile(ORDER, BLOCK_M: tl.constexpr, BAND: tl.constexpr, SPARSE: tl.constexpr):
+    """(first row of this program's query tile, batch * heads index). Banded grids run last
+    tile first: under a causal band it sees the most keys, and a launch that ends on short
+    tiles has a short tail (+1-9% on the causal forward, benchmarks/NOTES.md); under a
+    block mask ORDER has that order built in."""
+    tile, bh = _program(ORDER, SPARSE)
+    if BAND and not SPARSE:
+        tile = tl.num_programs(0) - 1 - tile
+    return tile * BLOCK_M, bh
+
+
+@triton.jit
+def _visible(s, rows, cols, first, stop, band_lo, band_hi, fill, PER_ROW: tl.constexpr,
+             KEYS_MAJOR: tl.constexpr = False):
+    """s with ``fill`` where a column is hidden from a row (s is (rows, cols): queries by keys
+    in the forward and dQ kernels, keys by queries in dK/dV, KEYS_MAJOR). PER_ROW: outside
+    the row's [first, stop) (``_row_bounds``); otherwise outside the band alone,
+    band_lo <= key - query <= band_hi: a function of the diagonal, which a thread's
+    elements share in pairs, so that form compiles shorter where it is the whole
+    predicate (dQ, dK/dV: -50 instructions a tile)."""
+    if PER_ROW:
+        ok = (cols[None, :] >= first[:, None]) & (cols[None, :] < stop[:, None])
+    else:
+        diff = rows[:, None] - cols[None, :] if KEYS_MAJOR else cols[None, :] - rows[:, None]
+        ok = (diff >= band_lo) & (diff <= band_hi)
+    return tl.where(ok, s, fill)
+
+
+@triton.jit
+def _unpadded(s, cols, SEG, off_b, stride_b, n, holes, fill):
+    """s with ``fill`` in the padding columns (segment id -1), read only when ``holes`` (some
+    row's segment hull holds padding between its own columns; ``_row_bounds``)."""
+    if holes:
+        s = tl.where(_segment_ids(SEG, off_b, stride_b, cols, n)[None, :] >= 0, s, fill)
+    return s
+
+
+@triton.jit
+def _segment_ids(SEG, off_b, stride_b, idx, n):
+    """Segment ids of rows idx (-1 past n: padding sees nothing and is never seen)."""
+    return tl.load(SEG + off_b * stride_b + idx, mask=idx < n, other=-1)
+
+
+_PHILOX_ROUNDS = tl.constexpr(dropout.ROUNDS)
+
+
+@triton.jit
+def _tile_positions(pos0, start, BLOCK: tl.constexpr, stride, jump):
+    """(global position of local row ``start``, global positions of rows [start, start +
+    BLOCK)) for dropout. Local row i is at pos0 + i * stride + (i // SPARSE_BLOCK) * jump
+    (PairMask.pos; jump is 0 but for the block_stripe layout); a tile never straddles two
+    blocks (tiles divide SPARSE_BLOCK), so inside one the positions are evenly spaced."""
+    tl.static_assert(SPARSE_BLOCK % BLOCK == 0, "dropout positions need tiles that divide a block")
+    first = pos0 + start * stride + (start // SPARSE_BLOCK) * jump
+    return first, first + tl.arange(0, BLOCK) * stride
+
+
+@triton.jit
+def _byte_keep(word, t24, shift):
+    """The byte at bit ``shift`` of word >= t, compared at the top of the word
+    (t24 = t << 24): no extraction."""
+    return (word << (24 - shift)) >= t24
+
+
+@triton.jit
+def _word_keep(word, t24):
+    """The keep decisions of a word's 4 bytes, on two appended axes (key bit 0, key bit 4)."""
+    return tl.join(tl.join(_byte_keep(word, t24, 0), _byte_keep(word, t24, 8)),
+                   tl.join(_byte_keep(word, t24, 16), _byte_keep(word, t24, 24)))
+
+
+@triton.jit
+def _keep(seed, threshold, off_b, off_h, qpos, kpos_start, kpos, BLOCK_M: tl.constexpr,
+          BLOCK_N: tl.constexpr, GROUPED: tl.constexpr, KEYS_MAJOR: tl.constexpr = False):
+    """(BLOCK_M, BLOCK_N) dropout keep decisions of queries at global positions qpos and keys
+    at kpos (kernels/dropout.py has the definition and its PyTorch twin).
+
+    GROUPED: qpos is one run of consecutive positions starting at a multiple of 16, and
+    kpos one starting at kpos_start, a multiple of 32. Then a Philox call's 16 elements
+    (query bit 3; key bits 0, 3, 4) lie in registers of one thread of the query-by-key MMA
+    layout (forward, dQ): each call runs once and its bytes are joined into place. In the
+    key-by-query layout of the dK/dV kernel (KEYS_MAJOR) only query bit 3 and key bit 3 do,
+    so each thread runs the calls of its own elements (4 threads share each) and takes
+    one byte of each word. Otherwise every element runs its own call. Counter parts that
+    vary along one axis stay unbroadcast, so Philox's first two rounds cost next to nothing."""
+    head = off_h.to(tl.uint32)
+    batch = off_b.to(tl.uint32)
+    t24 = threshold.to(tl.uint32) << 24
+    if GROUPED and BLOCK_M >= 16 and BLOCK_N >= 32:
+        q = tl.split(tl.permute(qpos.to(tl.uint32).reshape(BLOCK_M // 16, 2, 8), (0, 2, 1)))[0]
+        qc = ((q >> 4) << 3) | (q & 7)  # (query bits 4.., query bits 0-2)
+        if KEYS_MAJOR:
+            k = (kpos_start + 16 * tl.arange(0, BLOCK_N // 16)[:, None]
+                 + tl.arange(0, 8)[None, :]).to(tl.uint32)  # (key bits 4.., key bits 0-2)
+            kc = ((k >> 5) << 2) | ((k >> 1) & 3)
+            o0, o1, o2, o3 = tl.philox(seed, kc[:, :, None, None], qc[None, None, :, :], head,
+                                       batch, _PHILOX_ROUNDS)
+            shift = (8 * (k & 1) + 16 * ((k >> 4) & 1))[:, :, None, None]
+            keep = tl.join(tl.join(_byte_keep(o0, t24, shift), _byte_keep(o1, t24, shift)),
+                           tl.join(_byte_keep(o2, t24, shift), _byte_keep(o3, t24, shift)))
+            # (k 4.., k 0-2, q 4.., q 0-2, k 3, q 3) -> (k, q) -> (q, k)
+            keep = tl.trans(tl.permute(keep, (0, 4, 1, 2, 5, 3)).reshape(BLOCK_N, BLOCK_M))
+        else:
+            kc = ((kpos_start // 32 + tl.arange(0, BLOCK_N // 32)).to(tl.uint32) << 2)[:, None] \
+                | tl.arange(0, 4).to(tl.uint32)[None, :]  # (key bits 5.., key bits 1-2)
+            o0, o1, o2, o3 = tl.philox(seed, kc[None, None, :, :], qc[:, :, None, None], head,
+                                       batch, _PHILOX_ROUNDS)
+            keep = tl.join(tl.join(_word_keep(o0, t24), _word_keep(o1, t24)),
+                           tl.join(_word_keep(o2, t24), _word_keep(o3, t24)))
+            # (q 4.., q 0-2, k 5.., k 1-2, k 0, k 4, k 3, q 3) -> (q, k)
+            keep = tl.permute(keep, (0, 7, 1, 2, 5, 6, 3, 4)).reshape(BLOCK_M, BLOCK_N)
+    else:
+        qp = qpos.to(tl.uint32)[:, None]
+        kp = kpos.to(tl.uint32)[None, :]
+        o0, o1, o2, o3 = tl.philox(seed, ((kp >> 5) << 2) | ((kp >> 1) & 3),
+                                   ((qp >> 4) << 3) | (qp & 7), head, batch, _PHILOX_ROUNDS)
+        w = ((kp >> 3) & 1) | ((qp >> 2) & 2)
+        word = tl.where(w < 2, tl.where(w == 0, o0, o1), tl.where(w == 2, o2, o3))
+        keep = _byte_keep(word, t24, 8 * ((kp & 1) | ((kp >> 3) & 2)))
+    return keep
+
+
+@triton.jit
+def _first_at_or_after(t, pos0, stride, jump):
+    """The first local row whose global position (pos0 + c * stride + (c // BLOCK) * jump,
+    PairMask.pos) is >= t (masks.first_at_or_after), or 0 for t <= pos0: no division of a
+    negative number."""
+    period = SPARSE_BLOCK * stride + jump
+    u = tl.maximum(t - pos0, 0)
+    blocks = u // period
+    offset = u - blocks * period
+    return blocks * SPARSE_BLOCK + tl.minimum((offset + stride - 1) // stride, SPARSE_BLOCK)
+
+
+@triton.jit
+def _band_interval(rows, lo, hi, positions, POSITIONAL: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """[first, stop) of the columns the band leaves each of ``rows`` (a tensor or a scalar):
+    query rows i see keys c with lo <= c - i <= hi, or with POSITIONAL lo <= kpos(c) -
+    qpos(i) <= hi on global positions: positions = (row_pos0, col_pos0, stride, jump), rows
+    and columns at row_pos0 / col_pos0 + index * stride + (index // BLOCK) * jump (with
+    TRANSPOSED the rows' are the keys'). TRANSPOSED: rows are keys and columns queries (the
+    dK/dV kernel), the same band read the other way. Non-decreasing in the row either way."""
+    if TRANSPOSED:
+        lo, hi = -hi, -lo
+    if POSITIONAL:
+        row_pos0, col_pos0, stride, jump = positions
+        at = row_pos0 + rows * stride + rows // SPARSE_BLOCK * jump
+        first = _first_at_or_after(at + lo, col_pos0, stride, jump)
+        stop = _first_at_or_after(at + hi + 1, col_pos0, stride, jump)
+    else:
+        first, stop = rows + lo, rows + hi + 1
+    return first, stop
+
+
+@triton.jit
+def _row_bounds(rows, n_rows, n_cols, lo, hi, RANGES, off_b, stride_plane, stride_b, positions,
+                BAND: tl.constexpr, SEGMENTS: tl.constexpr, POSITIONAL: tl.constexpr,
+                TRANSPOSED: tl.constexpr):
+    """What each row of a tile may see, as column intervals: (first, stop, run_stop, holes).
+
+    Row r sees at most the columns [first[r], stop[r]): those the band leaves it (BAND,
+    ``_band_interval``), within [0, n_cols), and (SEGMENTS) within the hull of the columns
+    carrying its segment id; rows past n_rows see none. The columns [first[r],
+    run_stop[r]) carry its id, every one (= stop without segments). ``holes``: some row's hull holds padding columns
+    between its own, which only the per-column id test (``_unpadded``) masks; otherwise
+    the intervals are the whole predicate, two comparisons an element.
+
+    RANGES (3, B, n_rows) int32, per row: hull [lo, hi) and run end (masks.segment_ranges).
+    Rows are queries and columns keys in the forward and dQ kernels; the reverse
+    (TRANSPOSED) in dK/dV."""
+    ok = rows < n_rows
+    first = tl.zeros_like(rows)
+    stop = tl.where(ok, n_cols, 0)
+    if BAND:
+        band_first, band_stop = _band_interval(rows, lo, hi, positions, POSITIONAL, TRANSPOSED)
+        first = tl.maximum(first, band_first)
+        stop = tl.minimum(stop, band_stop)
+    run_stop = stop
+    holes = False
+    if SEGMENTS:
+        base = RANGES + off_b * stride_b + rows
+        hull_stop = tl.load(base + stride_plane, mask=ok, other=0)
+        run_end = tl.load(base + 2 * stride_plane, mask=ok, other=0)
+        first = tl.maximum(first, tl.load(base, mask=ok, other=n_cols))
+        stop = tl.minimum(stop, hull_stop)
+        run_stop = tl.minimum(stop, run_end)
+        holes = tl.max((run_end < hull_stop).to(tl.int32), 0) > 0
+    return first, stop, run_stop, holes
+
+
+@triton.jit
+def _tile_range(start_r, n_rows, n_cols, lo, hi, first, stop, run_stop, positions,
+                BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, BAND: tl.constexpr,
+                SEGMENTS: tl.constexpr, POSITIONAL: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Loop bounds over the column tiles of the row tile [start_r, start_r + BLOCK_ROWS),
+    (start, full_start, full_end, end), from its rows' ``_row_bounds`` (with segments; the
+    band alone gives them from the tile's first and last rows). Columns outside
+    [start, end) are invisible to every row; the BLOCK_COLS-aligned tiles in
+    [full_start, full_end) are visible to every row (no mask arithmetic), the others in
+    [start, end) partly."""
+    last = tl.minimum(start_r + BLOCK_ROWS, n_rows) - 1
+    if SEGMENTS:
+        ok = start_r + tl.arange(0, BLOCK_ROWS) < n_rows
+        begin = tl.min(tl.where(ok, first, n_cols), 0)
+        stop_all = tl.max(stop, 0)
+        full_begin = tl.max(tl.where(ok, first, 0), 0)
+        full_stop = tl.min(tl.where(ok, run_stop, n_cols), 0)
+    else:
+        begin = 0
+        stop_all = n_cols
+        full_begin = 0
+        full_stop = n_cols
+        if BAND:  # the tile's first and last rows bound the others' intervals
+            first_of_first, stop_of_first = _band_interval(start_r, lo, hi, positions, POSITIONAL,
+                                                           TRANSPOSED)
+            first_of_last, stop_of_last = _band_interval(last, lo, hi, positions, POSITIONAL, TRANSPOSED)
+            begin = tl.maximum(first_of_first, 0)
+            stop_all = tl.minimum(stop_of_last, n_cols)
+            full_begin = first_of_last
+            full_stop = tl.minimum(stop_of_first, n_cols)
+    start = begin // BLOCK_COLS * BLOCK_COLS
+    end = tl.maximum(stop_all, start)
+    full_start = tl.minimum(tl.maximum(start, (full_begin + BLOCK_COLS - 1) // BLOCK_COLS * BLOCK_COLS), end)
+    full_end = tl.maximum(tl.minimum(full_stop, end) // BLOCK_COLS * BLOCK_COLS, full_start)
+    return start, full_start, full_end, end
+
+
+@triton.jit
+def _listed_range(COUNTS, stride_plane, row, PART=0):
+    """Block-sparse loop bounds (start, full_start, full_end, end), in virtual columns: the
+    blocks listed for row block ``row`` laid end to end, its partial blocks in
+    [start, full_start) and its full ones in [full_start, end). ``_column`` maps them back.
+    PART: of the columns' second part (lists split where the columns are held in two
+    tensors, ``masks.block_lists``), listed after the first's."""
+    start = 0
+    if PART == 1:
+        start = (tl.load(COUNTS + row) + tl.load(COUNTS + stride_plane + row)) * SPARSE_BLOCK
+    full_start = start + tl.load(COUNTS + 2 * PART * stride_plane + row) * SPARSE_BLOCK
+    end = full_start + tl.load(COUNTS + (2 * PART + 1) * stride_plane + row) * SPARSE_BLOCK
+    return start, full_start, end, end
+
+
+@triton.jit
+def _query_loop(start_m, rows, seqlen_q, seqlen_k, band_lo, band_hi, RANGES, off_b, off_h,
+                stride_rp, stride_rb, COUNTS, stride_cp, stride_sh, positions, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
+                SPARSE: tl.constexpr, POSITIONAL: tl.constexpr):
+    """The key loop of a query tile (forward, dQ): its rows' ``_row_bounds`` (first, stop,
+    holes), its block-mask list row (0 without SPARSE) and its loop bounds (start,
+    full_start, full_end, end), from the rows' intervals or the query block's lists."""
+    first, stop, run_stop, holes = _row_bounds(rows, seqlen_q, seqlen_k, band_lo, band_hi, RANGES,
+                                               off_b, stride_rp, stride_rb, positions, BAND,
+                                               SEGMENTS, POSITIONAL, False)
+    row = 0
+    if SPARSE:  # the query block's index lists
+        row = off_h * stride_sh + start_m // SPARSE_BLOCK
+        start, full_start, full_end, end = _listed_range(COUNTS, stride_cp, row)
+    else:
+        start, full_start, full_end, end = _tile_range(start_m, seqlen_q, seqlen_k, band_lo, band_hi, first,
+                                                       stop, run_stop, positions, BLOCK_M, BLOCK_N, BAND,
+                                                       SEGMENTS, POSITIONAL, False)
+    return first, stop, holes, row, start, full_start, full_end, end
+
+
+@triton.jit
+def _column(v, INDEX, row, n_col_blocks, SPARSE: tl.constexpr):
+    """The column of loop position v: v itself, or with SPARSE the column of virtual column
+    v in the blocks INDEX lists for row block ``row``."""
+    if SPARSE:
+        block = v // SPARSE_BLOCK
+        return tl.load(INDEX + row * n_col_blocks + block) * SPARSE_BLOCK + (v - block * SPARSE_BLOCK)
+    else:
+        return v
+
+
+@triton.jit
+def _load_stats(LSE, DELTA, rows, seqlen_q):
+    """lse in base 2 (a row that saw no key gets +inf, so its p is 0) and delta."""
+    ok = rows < seqlen_q
+    lse = tl.load(LSE + rows, mask=ok, other=float("inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    return lse, tl.load(DELTA + rows, mask=ok, other=0.0)
+
+
+@triton.jit
+def _store_grad(OUT, IN, offsets, mask, grad, ACCUMULATE: tl.constexpr):
+    """OUT[offsets] = grad, plus IN[offsets] when accumulating (IN: OUT itself, or a running
+    sum with OUT's strides, which the ring's last pass reads in fp32 to write k's dtype)."""
+    if ACCUMULATE:
+        grad += tl.load(IN + offsets, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + offsets, grad.to(OUT.dtype.element_ty), mask=mask)
+
+
