@@ -19,8 +19,8 @@ import statistics
 
 import torch
 
-import _harness as H
 from bench_masks import documents
+from harness import cli, results
 from ringflash.layouts import LAYOUTS, global_positions
 
 
@@ -38,7 +38,7 @@ def main(argv=None):
     p.add_argument("--draws", type=int, default=20, help="packed sequences drawn (seeds 0..draws-1)")
     p.add_argument("--out-dir", default=None, help="results directory (default: a new temporary one)")
     args = p.parse_args(argv)
-    seqlen = H.parse_size(args.seqlen)
+    seqlen = cli.parse_size(args.seqlen)
     records = []
     for layout in LAYOUTS:
         imbalance = []
@@ -48,12 +48,12 @@ def main(argv=None):
         records.append(dict(layout=layout, seqlen=seqlen, world=args.world, draws=args.draws,
                             imbalance_mean=statistics.mean(imbalance), imbalance_worst=max(imbalance),
                             imbalance_per_draw=imbalance))
-    print(f"packed documents, {H.fmt_size(seqlen)} tokens, {args.world} ranks, {args.draws} draws: "
+    print(f"packed documents, {cli.fmt_size(seqlen)} tokens, {args.world} ranks, {args.draws} draws: "
           "busiest rank / average rank")
-    print(H.format_table(records, [("layout", "layout"), ("imbalance_mean", "mean", ".3f"),
+    print(results.format_table(records, [("layout", "layout"), ("imbalance_mean", "mean", ".3f"),
                                    ("imbalance_worst", "worst", ".3f")]))
-    path = H.write_results("balance_documents", H.collect_meta(None), records,
-                           H.results_dir(args.out_dir, smoke=True))
+    path = results.write_results("balance_documents", results.collect_meta(None), records,
+                                 results.results_dir(args.out_dir, smoke=True))
     print(f"wrote {path}")
 
 

@@ -15,19 +15,15 @@ as a world of one.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _harness as H  # noqa: E402
-
-import ringflash  # noqa: E402
-from ringflash.exchange import Ring  # noqa: E402
-from ringflash.ring import ring_backward, ring_forward  # noqa: E402
+import ringflash
+from harness import cli, results, timing
+from ringflash.exchange import Ring
+from ringflash.ring import ring_backward, ring_forward
 
 
 class ComputeOnly(Ring):
@@ -40,8 +36,8 @@ class ComputeOnly(Ring):
         return []
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=H.HelpFormatter)
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=cli.HelpFormatter)
     p.add_argument("--seqlen-local", type=int, default=None,
                    help="tokens per rank (default 16384; on the cpu 256)")
     p.add_argument("--heads", type=int, default=None, help="heads (default 32; on the cpu 4)")
@@ -54,7 +50,7 @@ def main():
                    help="directory for the results (default benchmarks/results; a new temporary "
                         "directory on the cpu)")
     p.add_argument("--timeout-min", type=float, default=5.0, help="process group timeout (minutes)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
 
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -62,15 +58,7 @@ def main():
     for name, gpu, cpu in (("seqlen_local", 16384, 256), ("heads", 32, 4), ("head_dim", 128, 32)):
         if getattr(args, name) is None:
             setattr(args, name, cpu if on_cpu else gpu)
-    timeout = datetime.timedelta(minutes=args.timeout_min)
-    if not on_cpu:
-        if not torch.cuda.is_available():
-            raise SystemExit("ERROR: no CUDA device; use --device cpu for a smoke test")
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    else:  # a smoke test of the script on CPUs (gloo, the PyTorch twin of the kernels)
-        device = torch.device("cpu")
-    H.init_process_group(device, timeout)
+    device = cli.start_ranks(args.device, args.timeout_min)  # the cpu: a smoke run over gloo
     rank, world = dist.get_rank(), dist.get_world_size()
     n, h, d = args.seqlen_local, args.heads, args.head_dim
     scale = d ** -0.5
@@ -78,7 +66,7 @@ def main():
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     q, k, v, dout = (torch.randn(1, n, h, d, device=device, dtype=dtype, generator=gen)
                      for _ in range(4))
-    H.init_l2_flush(device)
+    timing.init_l2_flush(device)
     local_ring = ComputeOnly(None)
 
     def compute_only(layout):
@@ -94,15 +82,15 @@ def main():
 
     records = []
     for layout in ringflash.LAYOUTS:
-        mine = H.bench_ms(lambda: compute_only(layout), device=device, group=None)
+        mine = timing.bench_ms(lambda: compute_only(layout), device=device, group=None)
         per_rank = [0.0] * world
         per_rank[rank] = mine
-        per_rank = H.allreduce_sum(per_rank, dist.group.WORLD, device)
+        per_rank = timing.allreduce_sum(per_rank, dist.group.WORLD, device)
         for choice in args.transports:
             os.environ["RINGFLASH_TRANSPORT"] = choice
-            ring_ms = H.bench_ms(lambda: whole_ring(layout), device=device, grad_to_none=leaves,
+            ring_ms = timing.bench_ms(lambda: whole_ring(layout), device=device, grad_to_none=leaves,
                                  group=dist.group.WORLD)
-            records.append(dict(layout=layout, transport=H.backend_label(ringflash.transport()), seqlen_local=n,
+            records.append(dict(layout=layout, transport=cli.backend_label(ringflash.transport()), seqlen_local=n,
                                 world=world, heads=h, head_dim=d, compute_ms_per_rank=per_rank,
                                 imbalance=max(per_rank) / min(per_rank), ring_fwdbwd_ms=ring_ms))
     if rank == 0:
@@ -117,11 +105,11 @@ def main():
             ranks = " ".join(f"{x:7.1f}" for x in r["compute_ms_per_rank"])
             print(f"{r['layout']:<11} {r['transport']:<9} {ranks:<36} {r['imbalance']:7.2f} "
                   f"{r['ring_fwdbwd_ms']:8.1f} {r['ring_vs_contiguous']:13.2f}")
-        out_dir = H.results_dir(args.out_dir, H.is_smoke_run(device))
-        path = H.write_results(H.result_name("balance", device, world),
-                               H.collect_meta(device, world_size=world, bench="balance",
-                                              backend=dist.get_backend()),
-                               records, out_dir)
+        out_dir = results.results_dir(args.out_dir, results.is_smoke_run(device))
+        path = results.write_results(results.result_name("balance", device, world),
+                                     results.collect_meta(device, world_size=world, bench="balance",
+                                                          backend=dist.get_backend()),
+                                     records, out_dir)
         print(f"wrote {path}")
     dist.destroy_process_group()
 

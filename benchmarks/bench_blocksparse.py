@@ -18,22 +18,17 @@ share) is timed beside the same mask on one GPU of the same run, so ``efficiency
 Every implementation's output is checked against ringflash's before it is timed.
 ``--profile PATH`` times nothing: it traces one forward+backward (the first seqlen,
 pattern, density and layout given) and prints where the GPU's time went
-(trace_analysis.py: attention, other, communication, the communication no compute hid,
+(harness/traces.py: attention, other, communication, the communication no compute hid,
 idle).
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import os
-
 import torch
 
-import _harness as H
 import ringflash
-from bench_masks import timed
-from trace_analysis import profile_call
+from harness import checks, cli, plots, results, timing, traces
+from harness.timing import timed
 from ringflash.kernels import block_sparse
 from ringflash.kernels.masks import BAND_INF, BLOCK, block_lists
 
@@ -68,7 +63,7 @@ def record(impl, pattern, bm, seqlen, fwd, fwdbwd, args, gpus=1, **extra):
     flops = 4 * args.heads * args.head_dim * seqlen * seqlen * d  # computed blocks only
     return dict(impl=impl, pattern=pattern, density=d, seqlen=seqlen, gpus=gpus, heads=args.heads,
                 head_dim=args.head_dim, fwd_ms=fwd, fwdbwd_ms=fwdbwd,
-                fwdbwd_tflops_per_gpu=H.tflops(3.5 * flops / gpus, fwdbwd), **extra)
+                fwdbwd_tflops_per_gpu=timing.tflops(3.5 * flops / gpus, fwdbwd), **extra)
 
 
 def run(args, device, group, world, rank) -> list[dict]:
@@ -100,7 +95,7 @@ def run(args, device, group, world, rank) -> list[dict]:
                         rec["efficiency"] = single[1] / (world * rec["fwdbwd_ms"])
                     del one
                 records.extend(rings)
-                H.barrier(group)
+                timing.barrier(group)
             else:
                 one = [t.clone().requires_grad_() for t in full]
                 ours = lambda q, k, v: ringflash.flash_attn(q, k, v, block_mask=bm)
@@ -112,61 +107,52 @@ def run(args, device, group, world, rank) -> list[dict]:
                     fbm = flex_block_mask(bm, seqlen)
                     qt = [t.detach().transpose(1, 2).contiguous().requires_grad_() for t in full]
                     theirs = lambda q, k, v: flex(q, k, v, block_mask=fbm)
-                    err = H.rel_err(theirs(*qt).detach().transpose(1, 2), want)
+                    err = checks.rel_err(theirs(*qt).detach().transpose(1, 2), want)
                     records.append(record("flex_attention", pattern, bm, seqlen,
                                           *timed(theirs, *qt, device, args), args, check_rel_err=err))
                     del qt
                 del one
             if rank == 0:
-                print(H.format_table(records[first:], [
+                print(results.format_table(records[first:], [
                     ("impl", "impl"), ("layout", "layout"), ("pattern", "pattern"), ("density", "density", ".3f"),
                     ("seqlen", "seqlen"), ("fwd_ms", "fwd ms", ".2f"), ("fwdbwd_ms", "fwd+bwd ms", ".2f"),
                     ("fwdbwd_tflops_per_gpu", "TFLOP/s/GPU", ".0f"), ("efficiency", "eff", ".2f")]), flush=True)
                 write(records, args, device, world)  # a run cut short keeps what it measured
         del full, local
-        H.free_memory(device)
+        timing.free_memory(device)
     return records
 
 
 def profile(args, device, group, world) -> None:
-    """Trace one forward+backward of the first case (``profile_call``)."""
-    from torch.profiler import record_function
-
+    """Trace one forward+backward of the first case (``traces.profile_call``)."""
     seqlen, pattern, d, layout = args.seqlens[0], args.patterns[0], args.densities[0], args.layouts[0]
     bm = pattern_mask(pattern, seqlen, d, device)
     gen = torch.Generator(device=device).manual_seed(0)
     full = [torch.randn(1, seqlen, args.heads, args.head_dim, device=device, generator=gen,
                         dtype=torch.bfloat16) for _ in range(4)]
     q, k, v, dout = (ringflash.shard(t, 1, layout, group) if args.ring else t for t in full)
-    leaves = [t.requires_grad_() for t in (q, k, v)]
     del full
-
-    def step():
-        for t in leaves:
-            t.grad = None
-        with record_function("ringflash.fwd"):
-            out = (ringflash.ring_flash_attn(*leaves, block_mask=bm, group=group, layout=layout)
-                   if args.ring else ringflash.flash_attn(*leaves, block_mask=bm))
-        with record_function("ringflash.bwd"):
-            out.backward(dout)
-
+    if args.ring:
+        call = lambda q, k, v: ringflash.ring_flash_attn(q, k, v, block_mask=bm, group=group, layout=layout)
+    else:
+        call = lambda q, k, v: ringflash.flash_attn(q, k, v, block_mask=bm)
     where = f"{world} GPU(s), layout {layout}" if args.ring else "1 GPU"
-    profile_call(step, device=device, group=group, path=args.profile,
-                 title=f"ringflash fwd+bwd, {pattern} d={block_sparse.density(bm):.3f}, "
-                       f"{H.fmt_size(seqlen)} tokens, {where}")
+    traces.profile_call(traces.fwd_bwd_step(call, (q, k, v), dout), device=device, group=group, path=args.profile,
+                        title=f"ringflash fwd+bwd, {pattern} d={block_sparse.density(bm):.3f}, "
+                              f"{cli.fmt_size(seqlen)} tokens, {where}")
 
 
 def write(records, args, device, world):
-    name = args.out_name or H.result_name("blocksparse", device, world if args.ring else None) + (
+    name = args.out_name or results.result_name("blocksparse", device, world if args.ring else None) + (
         "_host_ahead" if args.host_ahead else "")
-    meta = dict(H.collect_meta(device), timing="host_ahead" if args.host_ahead else "back_to_back")
-    return H.write_results(name, meta, records, args.out_dir)
+    meta = dict(results.collect_meta(device), timing="host_ahead" if args.host_ahead else "back_to_back")
+    return results.write_results(name, meta, records, args.out_dir)
 
 
 def plot(json_path) -> str:
     """fwd+bwd time against density, one panel per seqlen, with the d x dense line."""
-    plt = H.import_pyplot()
-    data = H.load_results(json_path)
+    plt = plots.import_pyplot()
+    data = results.load_results(json_path)
     records = data["records"]
     seqlens = sorted({r["seqlen"] for r in records})
     fig, axes = plt.subplots(1, len(seqlens), figsize=(5 * len(seqlens), 3.4), squeeze=False)
@@ -184,34 +170,25 @@ def plot(json_path) -> str:
         ax.set_yscale("log")
         ax.set_xlabel("density (fraction of blocks computed)")
         ax.set_ylabel("fwd+bwd ms")
-        ax.set_title(f"{H.fmt_size(seqlen)} tokens", fontsize=10)
+        ax.set_title(f"{cli.fmt_size(seqlen)} tokens", fontsize=10)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     meta = data["meta"]
     fig.suptitle(f"{meta.get('device')} x{meta.get('gpu_count')}, bf16, {records[0]['heads']} heads, "
                  f"head_dim {records[0]['head_dim']}", fontsize=9)
-    return H.save_beside(fig, json_path)
+    return plots.save_beside(fig, json_path)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--ring", action="store_true", help="run the ring under torchrun (NCCL)")
-    p.add_argument("--seqlens", nargs="+", default=["32k,128k"], help="sequence lengths")
+    p = cli.gpu_parser(__doc__, "blocksparse_<gpu>[xN][_host_ahead]")
     p.add_argument("--patterns", nargs="+", default=["random,local_global"], help="block patterns")
     p.add_argument("--densities", nargs="+", type=float, default=[1.0, 0.5, 0.25, 0.1, 0.05])
     p.add_argument("--layouts", nargs="+", default=["contiguous"],
                    help="the ring's sequence layouts, timed side by side (stripe cannot serve block masks)")
-    p.add_argument("--heads", type=int, default=32, help="query (= key/value) heads")
-    p.add_argument("--head-dim", type=int, default=128, help="head dim")
-    p.add_argument("--rep-ms", type=float, default=100.0, help="timed time per measurement")
     p.add_argument("--host-ahead", action="store_true",
                    help="time each call's GPU work with the host ahead (the GPU sleeps while the host "
                         "enqueues it: no host-bound gaps) instead of calls back to back; results go to "
                         "blocksparse_<gpu>[xN]_host_ahead.json")
-    p.add_argument("--out-name", default=None,
-                   help="results file name (default blocksparse_<gpu>[xN][_host_ahead])")
-    p.add_argument("--out-dir", default=None, help="results directory (default benchmarks/results)")
     p.add_argument("--plot", default=None, metavar="JSON", help="only draw the PNG of a results file")
     p.add_argument("--profile", default=None, metavar="PATH",
                    help="only trace one fwd+bwd (the first seqlen, pattern, density and layout) into PATH")
@@ -219,26 +196,17 @@ def main(argv=None):
     if args.plot:
         print(plot(args.plot))
         return
-    args.seqlens = H.parse_sizes(args.seqlens)
-    args.patterns = H.parse_names(args.patterns, ("random", "local_global"))
-    args.layouts = H.parse_names(args.layouts, ("contiguous", "zigzag", "block_stripe"))
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_blocksparse.py needs a GPU")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    torch.cuda.set_device(device)
-    group, world, rank = None, 1, 0
-    if args.ring:
-        import torch.distributed as dist
-        H.init_process_group(device, timeout=datetime.timedelta(minutes=10))
-        group, world, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
-    if args.profile:
-        profile(args, device, group, world)
-    else:
-        records = run(args, device, group, world, rank)
-        if rank == 0:
-            print(plot(write(records, args, device, world)))
-    if args.ring:
-        torch.distributed.destroy_process_group()
+    args.seqlens = cli.parse_sizes(args.seqlens)
+    args.patterns = cli.parse_names(args.patterns, ("random", "local_global"))
+    args.layouts = cli.parse_names(args.layouts, ("contiguous", "zigzag", "block_stripe"))
+    with cli.gpu_run(args.ring, "bench_blocksparse.py") as (device, group, world, rank):
+        args.out_dir = results.results_dir(args.out_dir, results.is_smoke_run(device))
+        if args.profile:
+            profile(args, device, group, world)
+        else:
+            records = run(args, device, group, world, rank)
+            if rank == 0:
+                print(plot(write(records, args, device, world)))
 
 
 if __name__ == "__main__":

@@ -14,16 +14,14 @@ output is checked against ringflash's on the same inputs before it is timed.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 
-import _harness as H
 import ringflash
+from harness import checks, cli, plots, results, timing
+from harness.timing import timed
 
 
 def documents(seqlen: int, seed: int = 0, median: int = 2048, sigma: float = 1.5) -> list[int]:
@@ -52,26 +50,15 @@ def case_mask(mask: str, seqlen: int, window: int, device):
             lambda b, h, q, k: (q >= k) & (ids[q] == ids[k]), lengths)
 
 
-def timed(fn, q, k, v, device, args, group=None):
-    """(fwd ms, fwd+bwd ms) of out = fn(q, k, v); GPU time with the host ahead where the
-    script has ``--host-ahead`` and it is given (``_harness.bench_ms``)."""
-    dout = torch.randn_like(q)
-    opts = dict(device=device, rep_ms=args.rep_ms, group=group,
-                host_ahead=getattr(args, "host_ahead", False))
-    fwd = H.bench_ms(lambda: fn(q, k, v), **opts)
-    fwdbwd = H.bench_ms(lambda: fn(q, k, v).backward(dout), grad_to_none=(q, k, v), **opts)
-    return fwd, fwdbwd
-
-
 def record(impl, mask, seqlen, window, visible, fwd, fwdbwd, args, world=1, **extra):
     flops = 4 * args.heads * args.head_dim * visible
     rec = dict(impl=impl, mask=mask, seqlen=seqlen, window=window if mask == "window" else None,
                heads=args.heads, head_dim=args.head_dim, fwd_ms=fwd, fwdbwd_ms=fwdbwd,
-               fwd_tflops_visible=H.tflops(flops, fwd), fwdbwd_tflops_visible=H.tflops(3.5 * flops, fwdbwd),
+               fwd_tflops_visible=timing.tflops(flops, fwd), fwdbwd_tflops_visible=timing.tflops(3.5 * flops, fwdbwd),
                **extra)
     if world > 1:
         rec["gpus"] = world
-        rec["fwdbwd_tflops_visible_per_gpu"] = H.tflops(3.5 * flops / world, fwdbwd)
+        rec["fwdbwd_tflops_visible_per_gpu"] = timing.tflops(3.5 * flops / world, fwdbwd)
     return rec
 
 
@@ -91,7 +78,7 @@ def single_gpu(args, device) -> list[dict]:
             bm = create_block_mask(mask_mod, 1, None, seqlen, seqlen, device=device, _compile=True)
             qt, kt, vt = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
             theirs = lambda q, k, v: flex(q, k, v, block_mask=bm)
-            err = H.rel_err(theirs(qt, kt, vt).detach().transpose(1, 2), want)
+            err = checks.rel_err(theirs(qt, kt, vt).detach().transpose(1, 2), want)
             records.append(record("flex_attention", mask, seqlen, args.window, visible,
                                   *timed(theirs, qt, kt, vt, device, args), args, check_rel_err=err))
             if lengths is not None:
@@ -101,21 +88,19 @@ def single_gpu(args, device) -> list[dict]:
                     return torch.cat([F.scaled_dot_product_attention(
                         q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True)
                         for a, b in zip(bounds[:-1], bounds[1:])], dim=2)
-                err = H.rel_err(per_doc(qt, kt, vt).detach().transpose(1, 2), want)
+                err = checks.rel_err(per_doc(qt, kt, vt).detach().transpose(1, 2), want)
                 records.append(record("sdpa_per_doc", mask, seqlen, args.window, visible,
                                       *timed(per_doc, qt, kt, vt, device, args), args,
                                       check_rel_err=err, documents=len(lengths)))
-            print(H.format_table(records[-3:], [("impl", "impl"), ("mask", "mask"), ("seqlen", "seqlen"),
+            print(results.format_table(records[-3:], [("impl", "impl"), ("mask", "mask"), ("seqlen", "seqlen"),
                                                 ("fwd_ms", "fwd_ms", ".2f"), ("fwdbwd_ms", "fwdbwd_ms", ".2f"),
                                                 ("fwdbwd_tflops_visible", "fwdbwd_tflops_visible", ".0f")]), flush=True)
             del q, k, v, qt, kt, vt
-            H.free_memory(device)
+            timing.free_memory(device)
     return records
 
 
-def ring(args, device) -> list[dict]:
-    import torch.distributed as dist
-    world, rank = dist.get_world_size(), dist.get_rank()
+def ring(args, device, group, world, rank) -> list[dict]:
     records = []
     for seqlen in args.seqlens:
         for mask in args.masks:
@@ -131,37 +116,32 @@ def ring(args, device) -> list[dict]:
                                     device, args)
                 records.append(record("ringflash_1gpu", mask, seqlen, args.window, visible, fwd, fwdbwd, args))
                 del one
-            dist.barrier()
+            timing.barrier(group)
             for layout in layouts:
                 local = [ringflash.shard(t, 1, layout).requires_grad_() for t in full]
                 rkw = dict(kw, layout=layout)
                 if "segment_ids" in kw:
                     rkw["segment_ids"] = ringflash.shard(kw["segment_ids"], 1, layout)
                 fwd, fwdbwd = timed(lambda q, k, v: ringflash.ring_flash_attn(q, k, v, **rkw),
-                                    *local, device, args, group=dist.group.WORLD)
+                                    *local, device, args, group=group)
                 records.append(record("ringflash", mask, seqlen, args.window, visible, fwd, fwdbwd,
                                       args, world=world, layout=layout))
                 del local
             if rank == 0:
-                print(H.format_table([r for r in records if r["seqlen"] == seqlen and r["mask"] == mask],
+                print(results.format_table([r for r in records if r["seqlen"] == seqlen and r["mask"] == mask],
                                      [("impl", "impl"), ("layout", "layout"), ("mask", "mask"), ("seqlen", "seqlen"),
                                       ("fwdbwd_ms", "fwdbwd_ms", ".2f"), ("fwdbwd_tflops_visible", "fwdbwd_tflops_visible", ".0f"),
                                       ("fwdbwd_tflops_visible_per_gpu", "fwdbwd_tflops_visible_per_gpu", ".0f")]), flush=True)
             del full
-            H.free_memory(device)
+            timing.free_memory(device)
     return records
 
 
 def plot(json_path) -> str:
     """Bars of forward+backward TFLOP/s over visible pairs (per GPU in the ring file), one
     group per (mask, seqlen), one bar per implementation (and layout), beside the JSON."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise SystemExit('plots need matplotlib: pip install -e ".[bench]"')
-    data = H.load_results(json_path)
+    plt = plots.import_pyplot()
+    data = results.load_results(json_path)
     records = data["records"]
     key = ("fwdbwd_tflops_visible_per_gpu" if any("fwdbwd_tflops_visible_per_gpu" in r for r in records)
            else "fwdbwd_tflops_visible")
@@ -176,51 +156,30 @@ def plot(json_path) -> str:
                   for g in groups]
         ax.bar([x + i * width for x in range(len(groups))], [v or 0 for v in values], width, label=label)
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(groups))])
-    ax.set_xticklabels([f"{m}\n{H.fmt_size(n)}" for m, n in groups])
+    ax.set_xticklabels([f"{m}\n{cli.fmt_size(n)}" for m, n in groups])
     ax.set_ylabel("fwd+bwd TFLOP/s" + (" per GPU" if key.endswith("per_gpu") else "") + ", visible pairs")
     ax.set_title(f"{data['meta'].get('device')} x{data['meta'].get('gpu_count')}, bf16, 32 heads, head_dim 128")
     ax.legend(fontsize=7)
-    return H.save_beside(fig, json_path)
+    return plots.save_beside(fig, json_path)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--ring", action="store_true", help="run the ring under torchrun (NCCL)")
-    p.add_argument("--seqlens", nargs="+", default=["32k,128k"], help="sequence lengths")
+    p = cli.gpu_parser(__doc__, "masks_<gpu>[xN]")
     p.add_argument("--masks", nargs="+", default=["causal,documents,window"], help="masks to run")
     p.add_argument("--window", type=int, default=4096, help="left window of the 'window' mask")
-    p.add_argument("--heads", type=int, default=32, help="query (= key/value) heads")
-    p.add_argument("--head-dim", type=int, default=128, help="head dim")
-    p.add_argument("--rep-ms", type=float, default=100.0, help="timed time per measurement")
-    p.add_argument("--out-name", default=None, help="results file name (default: masks_<gpu>[xN])")
-    p.add_argument("--out-dir", default=None, help="results directory (default benchmarks/results)")
     p.add_argument("--plot", default=None, metavar="JSON", help="only draw the PNG of a results file")
     args = p.parse_args(argv)
     if args.plot:
         print(plot(args.plot))
         return
-    args.seqlens = H.parse_sizes(args.seqlens)
-    args.masks = H.parse_names(args.masks, ("causal", "documents", "window"))
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_masks.py needs a GPU (FlexAttention and the Triton kernels)")
-    if args.ring:
-        import torch.distributed as dist
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-        H.init_process_group(device, timeout=datetime.timedelta(minutes=10))
-        records = ring(args, device)
-        name = args.out_name or H.result_name("masks", device, dist.get_world_size())
-        if dist.get_rank() == 0:
-            path = H.write_results(name, H.collect_meta(device), records, args.out_dir)
-            print(plot(path))
-        dist.destroy_process_group()
-    else:
-        device = torch.device("cuda", 0)
-        records = single_gpu(args, device)
-        path = H.write_results(args.out_name or H.result_name("masks", device), H.collect_meta(device),
-                               records, args.out_dir)
-        print(plot(path))
+    args.seqlens = cli.parse_sizes(args.seqlens)
+    args.masks = cli.parse_names(args.masks, ("causal", "documents", "window"))
+    with cli.gpu_run(args.ring, "bench_masks.py", "FlexAttention and the Triton kernels") as (device, group, world, rank):
+        records = ring(args, device, group, world, rank) if args.ring else single_gpu(args, device)
+        if rank == 0:
+            name = args.out_name or results.result_name("masks", device, world if args.ring else None)
+            out_dir = results.results_dir(args.out_dir, results.is_smoke_run(device))
+            print(plot(results.write_results(name, results.collect_meta(device), records, out_dir)))
 
 
 if __name__ == "__main__":

@@ -17,15 +17,13 @@ TFLOP/s. At the smallest seqlen every implementation is checked against ringflas
 on the full sequence (out, dq, dk, dv); ringflash aborts the run on a mismatch, a peer that
 mismatches is reported as null.
 
-torch's context parallel runs through torch_cp.py, the --profile breakdown comes from
-trace_analysis.py, and timing, FLOPs and results files from _harness.py.
+torch's context parallel runs through torch_cp.py; timing, FLOPs, checks, results files and
+the --profile breakdown come from the harness (harness/).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import math
 import os
 import sys
 from dataclasses import dataclass
@@ -34,9 +32,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-import _harness as H
 import torch_cp
-from trace_analysis import profile_call
+from harness import checks, cli, plots, results, timing, traces
 
 IMPLS = ("ringflash", *torch_cp.CP_BACKENDS, "ringflash_1gpu")
 LAYOUTS = ("contiguous", "zigzag", "stripe")
@@ -49,7 +46,7 @@ CPU_DEFAULTS = dict(seqlens="1k", heads=4, gqa_kv_heads=2, head_dim=32, dtype="f
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=H.HelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=cli.HelpFormatter)
     g, c = GPU_DEFAULTS, CPU_DEFAULTS
     p.add_argument("--seqlens", nargs="+", default=None,
                    help=f"global sequence lengths (default {g['seqlens']}; on the cpu {c['seqlens']})")
@@ -61,11 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         f"on the cpu {c['gqa_kv_heads']})")
     p.add_argument("--head-dim", type=int, default=None,
                    help=f"head dim (default {g['head_dim']}; on the cpu {c['head_dim']})")
-    p.add_argument("--batch", type=int, default=1, help="sequences per call")
-    p.add_argument("--causal", choices=("both", "causal", "noncausal"), default="both",
-                   help="which masks to run")
-    p.add_argument("--impls", nargs="+", default=None,
-                   help=f"subset of {','.join(IMPLS)} (default all; on the cpu {c['impls']})")
+    cli.add_problem_args(p, IMPLS, g, c)
     p.add_argument("--causal-layouts", nargs="+", default=["zigzag"],
                    help="ringflash layout(s) for causal runs, one record each")
     p.add_argument("--noncausal-layouts", nargs="+", default=["contiguous"],
@@ -76,14 +69,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="ringflash's ring transport(s) (RINGFLASH_TRANSPORT), each its own row")
     p.add_argument("--no-rank-check", action="store_true",
                    help="set RINGFLASH_RANK_CHECK=0 (skip ringflash's per-call cross-rank argument check)")
-    p.add_argument("--dtype", choices=sorted(H.DTYPES), default=None,
-                   help=f"input dtype (default {g['dtype']}; on the cpu {c['dtype']})")
     p.add_argument("--quick", action="store_true",
                    help="a short GPU run: smallest seqlen only, shorter timing; results to a "
                         "temporary directory unless --out-dir")
     p.add_argument("--out-name", default=None,
                    help="results file name without .json (default ring_<device>x<ranks>, e.g. ring_h200x4)")
-    H.add_run_args(p, g, c, max_reps=50)
+    cli.add_run_args(p, g, c, max_reps=50)
     p.add_argument("--tol", type=float, default=2e-2, help="max relative error of out at the check")
     p.add_argument("--grad-tol", type=float, default=5e-2, help="max relative error of dq, dk, dv")
     p.add_argument("--timeout-min", type=float, default=10.0, help="process group timeout (minutes)")
@@ -94,25 +85,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile-layout", default=None, choices=LAYOUTS,
                    help="default: first of --causal-layouts / --noncausal-layouts")
     p.add_argument("--profile-noncausal", action="store_true", help="profile the non-causal case")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: a smoke test of the script over gloo (small sizes, fp32, seconds)")
     args = p.parse_args(argv)
-    for key, value in (CPU_DEFAULTS if args.device == "cpu" else GPU_DEFAULTS).items():
-        if getattr(args, key) is None:
-            setattr(args, key, [value] if key in ("seqlens", "impls") else value)
+    cli.fill_defaults(args, CPU_DEFAULTS if args.device == "cpu" else GPU_DEFAULTS, lists=("seqlens", "impls"))
     try:
-        args.impls = H.parse_names(args.impls, IMPLS)
-        args.causal_layouts = H.parse_names(args.causal_layouts, LAYOUTS)
-        args.noncausal_layouts = H.parse_names(args.noncausal_layouts, LAYOUTS)
-        seqlens = H.parse_sizes(args.seqlens)
+        args.impls = cli.parse_names(args.impls, IMPLS)
+        args.causal_layouts = cli.parse_names(args.causal_layouts, LAYOUTS)
+        args.noncausal_layouts = cli.parse_names(args.noncausal_layouts, LAYOUTS)
+        seqlens = cli.parse_sizes(args.seqlens)
         if args.add_128k and 128 * 1024 not in seqlens:
             seqlens = sorted(seqlens + [128 * 1024])
         if args.quick and args.device != "cpu":
             seqlens = seqlens[:1]
             args.rep_ms, args.warmup_ms = min(args.rep_ms, 50.0), min(args.warmup_ms, 10.0)
         args.seqlens = seqlens
-        args.profile_seqlen = H.parse_size(args.profile_seqlen)
+        args.profile_seqlen = cli.parse_size(args.profile_seqlen)
     except ValueError as exc:
         p.error(str(exc))
     if args.profile_only and not args.profile:
@@ -152,29 +140,14 @@ def setup(args) -> Ctx:
         os.environ.setdefault(k, v)
     if args.no_rank_check:
         os.environ["RINGFLASH_RANK_CHECK"] = "0"
-    # Also runs without torchrun, as a ring of one (H.init_process_group).
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    timeout = datetime.timedelta(minutes=args.timeout_min)
-    if args.device == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit("ERROR: no CUDA device; use --device cpu for a smoke test")
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    H.init_process_group(device, timeout)
+    device = cli.start_ranks(args.device, args.timeout_min)  # without torchrun: a ring of one
     return Ctx(rank=dist.get_rank(), world=dist.get_world_size(), device=device, group=dist.group.WORLD)
-
 
 
 def broadcast_obj(obj, ctx: Ctx, src: int = 0):
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=ctx.group)
     return box[0]
-
-
-class Abort(RuntimeError):
-    """ringflash gave a wrong result: every rank raises it together."""
 
 
 # ----------------------------------------------------------------------------- configurations and data
@@ -192,11 +165,11 @@ class Cfg:
     @property
     def tag(self) -> str:
         kv = f"/{self.kv_heads}" if self.kv_heads != self.heads else ""
-        return (f"S={H.fmt_size(self.seqlen)} h={self.heads}{kv} d={self.head_dim} "
+        return (f"S={cli.fmt_size(self.seqlen)} h={self.heads}{kv} d={self.head_dim} "
                 f"{'causal' if self.causal else 'full'}")
 
     def flops(self, mode: str) -> float:
-        return H.attn_flops(self.batch, self.heads, self.seqlen, self.seqlen, self.head_dim,
+        return timing.attn_flops(self.batch, self.heads, self.seqlen, self.seqlen, self.head_dim,
                             causal=self.causal, mode=mode)
 
 
@@ -216,25 +189,7 @@ def reference(full, causal: bool) -> dict:
     """out, dq, dk, dv of ringflash's single-device kernel on the whole sequence (B, S, H, D)."""
     from ringflash.kernels import flash_attn
 
-    q, k, v, do = full
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    out = flash_attn(*leaves, causal=causal)
-    out.backward(do)
-    return {"out": out.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
-
-
-def global_rel_errs(pairs: dict, ctx: Ctx) -> dict:
-    """Relative Frobenius error of sharded tensors over the whole sequence (same on every rank)."""
-    names = list(pairs)
-    sums = []
-    for n in names:
-        sums.extend(H.sq_norms(*pairs[n]))
-    sums = H.allreduce_sum(sums, ctx.group, ctx.device)
-    out = {}
-    for i, n in enumerate(names):
-        num, den = sums[2 * i], sums[2 * i + 1]
-        out[n] = math.sqrt(num / den) if den > 0 and math.isfinite(num) else float("inf")
-    return out
+    return checks.out_and_grads(lambda q, k, v: flash_attn(q, k, v, causal=causal), full[:3], full[3])
 
 
 # ----------------------------------------------------------------------------- ringflash
@@ -251,20 +206,13 @@ def run_ringflash(cfg: Cfg, layout: str, transport: str, full, ref: Optional[dic
     """ringflash with RINGFLASH_TRANSPORT=transport for the duration of the run."""
     from ringflash import exchange  # imported late, as ringflash_api
 
-    saved = os.environ.get("RINGFLASH_TRANSPORT")
-    os.environ["RINGFLASH_TRANSPORT"] = transport
-    exchange.release_buffers()  # this run's own peer buffers, counted in its peak memory
-    try:
+    with cli.env_var("RINGFLASH_TRANSPORT", transport):
+        exchange.release_buffers()  # this run's own peer buffers, counted in its peak memory
         res = _run_ringflash(cfg, layout, full, ref, ctx, args)
         # What "auto" resolved to, and what really moved the bytes ("gloo", not "nccl", on a CPU run).
-        res["transport"] = H.backend_label(ringflash_api().transport(ctx.group), ctx.group)
+        res["transport"] = cli.backend_label(ringflash_api().transport(ctx.group), ctx.group)
         if res.get("peak_bytes") is not None:
             res["peak_bytes"] += exchange.symmetric_bytes()
-    finally:
-        if saved is None:
-            del os.environ["RINGFLASH_TRANSPORT"]
-        else:
-            os.environ["RINGFLASH_TRANSPORT"] = saved
     return res
 
 
@@ -274,31 +222,28 @@ def _run_ringflash(cfg: Cfg, layout: str, full, ref: Optional[dict], ctx: Ctx, a
     try:
         q, k, v, do = (api.shard(t, dim=1, layout=layout, group=ctx.group) for t in full)
     except Exception as exc:  # noqa: BLE001 - e.g. seqlen not divisible: same on every rank
-        return {**res, "error": f"shard: {H.short_error(exc)}"}
+        return {**res, "error": f"shard: {checks.short_error(exc)}"}
 
     def call(q_, k_, v_):
         return api.ring_flash_attn(q_, k_, v_, causal=cfg.causal, group=ctx.group, layout=layout)
 
     if ref is not None:
-        errs, error = None, None
+        error = None
         try:
-            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-            out = call(*leaves)
-            out.backward(do)
-            got = {"out": out.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
-            del out, leaves
+            got = checks.out_and_grads(call, (q, k, v), do)
         except Exception as exc:  # noqa: BLE001
-            got, error = None, H.short_error(exc)
-        if not H.all_ranks_ok(got is not None, ctx.group, ctx.device):
+            got, error = None, checks.short_error(exc)
+        if not timing.all_ranks_ok(got is not None, ctx.group, ctx.device):
             return {**res, "error": f"check: {error or 'failed on another rank'}"}
         want = {n: api.shard(t, dim=1, layout=layout, group=ctx.group) for n, t in ref.items()}
-        errs = global_rel_errs({n: (got[n], want[n]) for n in got}, ctx)
-        bad = H.failed_checks(errs, args.tol, args.grad_tol)
+        errs = checks.sharded_rel_errs({n: (got[n], want[n]) for n in got}, ctx.group, ctx.device)
+        bad = checks.failed_checks(errs, args.tol, args.grad_tol)
         if bad:
-            raise Abort(f"ringflash ring_flash_attn (layout {layout}) is WRONG at {cfg.tag}: " + "; ".join(bad))
+            raise checks.WrongResult(f"ringflash ring_flash_attn (layout {layout}) is WRONG at {cfg.tag}: " + "; ".join(bad))
         res["rel_err"] = errs["out"]
         del got, want
-    res.update(H.time_phases(call, (q, k, v), do, device=ctx.device, group=ctx.group, **H.timing_opts(args)))
+    res.update(timing.time_phases(call, (q, k, v), do, device=ctx.device, group=ctx.group,
+                                  **timing.timing_opts(args)))
     return res
 
 
@@ -313,11 +258,11 @@ def run_ringflash_1gpu(cfg: Cfg, full, ctx: Ctx, args) -> dict:
             return flash_attn(q_, k_, v_, causal=cfg.causal)
 
         try:
-            res.update(H.time_phases(call, full[:3], full[3], device=ctx.device, **H.timing_opts(args)))
+            res.update(timing.time_phases(call, full[:3], full[3], device=ctx.device, **timing.timing_opts(args)))
         except Exception as exc:  # noqa: BLE001 - out of memory and the like: null
-            res["error"] = H.short_error(exc)
-            H.free_memory(ctx.device)
-    H.barrier(ctx.group)
+            res["error"] = checks.short_error(exc)
+            timing.free_memory(ctx.device)
+    timing.barrier(ctx.group)
     return broadcast_obj(res, ctx)
 
 
@@ -329,7 +274,7 @@ def configs(args) -> list[Cfg]:
     if args.gqa_kv_heads and args.gqa_kv_heads != args.heads:
         head_cfgs.append((args.heads, args.gqa_kv_heads))
     return [Cfg(args.batch, s, h, kvh, args.head_dim, c)
-            for s in args.seqlens for (h, kvh) in head_cfgs for c in H.causal_modes(args.causal)]
+            for s in args.seqlens for (h, kvh) in head_cfgs for c in cli.causal_modes(args.causal)]
 
 
 def make_record(impl: str, cfg: Cfg, res: dict, ctx: Ctx) -> dict:
@@ -339,9 +284,9 @@ def make_record(impl: str, cfg: Cfg, res: dict, ctx: Ctx) -> dict:
     rec = {
         "impl": impl, "layout": res.get("layout"), "seqlen": cfg.seqlen, "heads": cfg.heads,
         "kv_heads": cfg.kv_heads, "head_dim": cfg.head_dim, "causal": cfg.causal,
-        "fwd_tflops_per_gpu": H.tflops(cfg.flops("fwd") / per_gpu, fwd_ms),
-        "fwdbwd_tflops_per_gpu": H.tflops(cfg.flops("fwdbwd") / per_gpu, fwdbwd_ms),
-        "peak_mem_gib": None if peak is None else peak / H.GIB,
+        "fwd_tflops_per_gpu": timing.tflops(cfg.flops("fwd") / per_gpu, fwd_ms),
+        "fwdbwd_tflops_per_gpu": timing.tflops(cfg.flops("fwdbwd") / per_gpu, fwdbwd_ms),
+        "peak_mem_gib": None if peak is None else peak / timing.GIB,
         "efficiency": None, "fwd_efficiency": None,
         "gpus": per_gpu, "batch": cfg.batch, "fwd_ms": fwd_ms, "fwdbwd_ms": fwdbwd_ms,
     }
@@ -371,7 +316,7 @@ def _problem(r: dict) -> tuple:
 
 
 def progress_line(rec: dict, tag: str, unit: tuple[str, float] = ("TFLOP/s per GPU", 1.0)) -> str:
-    """One record as a log line; ``unit``: (label, factor) of H.throughput_unit."""
+    """One record as a log line; ``unit``: (label, factor) of timing.throughput_unit."""
     label, scale = unit
 
     def f(x, spec, factor=1.0):
@@ -392,7 +337,7 @@ def table_columns(device: torch.device) -> list[tuple]:
     """Columns of the summary table; throughput in TFLOP/s per GPU, GFLOP/s per process on the CPU."""
     short, scale = ("TF/GPU", 1.0) if device.type == "cuda" else ("GF/proc", 1e3)
     per = (lambda x: f"{x * scale:.1f}")
-    return [("impl", "impl"), ("layout", "layout"), ("transport", "transport"), ("seqlen", "seqlen", H.fmt_size),
+    return [("impl", "impl"), ("layout", "layout"), ("transport", "transport"), ("seqlen", "seqlen", cli.fmt_size),
             ("heads", "heads"), ("kv_heads", "kv"), ("causal", "causal"),
             ("fwd_tflops_per_gpu", f"fwd {short}", per), ("fwdbwd_tflops_per_gpu", f"f+b {short}", per),
             ("peak_mem_gib", "mem GiB", ".2f"), ("efficiency", "eff f+b", ".2f"),
@@ -408,7 +353,7 @@ def table_rows(records: list[dict]) -> list[dict]:
 
 
 def benchmark(args, ctx: Ctx) -> list[dict]:
-    dtype = H.DTYPES[args.dtype]
+    dtype = cli.DTYPES[args.dtype]
     cfgs = configs(args)
     check_seqlen = min(args.seqlens)
     records = []
@@ -419,25 +364,25 @@ def benchmark(args, ctx: Ctx) -> list[dict]:
             try:
                 ref = reference(full, cfg.causal)
             except Exception as exc:  # noqa: BLE001 - without a reference nothing can be reported
-                raise Abort(f"the reference (flash_attn on the full sequence, {cfg.tag}) failed: "
-                            f"{H.short_error(exc)}") from exc
-            H.free_memory(ctx.device)
+                raise checks.WrongResult(f"the reference (flash_attn on the full sequence, {cfg.tag}) failed: "
+                                         f"{checks.short_error(exc)}") from exc
+            timing.free_memory(ctx.device)
         for impl in args.impls:
             if impl == "ringflash":
                 layouts = args.causal_layouts if cfg.causal else args.noncausal_layouts
-                results = [run_ringflash(cfg, layout, transport, full, ref, ctx, args)
-                           for layout in layouts for transport in args.transports]
+                runs = [run_ringflash(cfg, layout, transport, full, ref, ctx, args)
+                        for layout in layouts for transport in args.transports]
             elif impl == "ringflash_1gpu":
-                results = [run_ringflash_1gpu(cfg, full, ctx, args)]
+                runs = [run_ringflash_1gpu(cfg, full, ctx, args)]
             else:
-                results = [torch_cp.run_torch_cp(impl, cfg, full, ref, ctx, args)]
-            for res in results:
+                runs = [torch_cp.run_torch_cp(impl, cfg, full, ref, ctx, args)]
+            for res in runs:
                 rec = make_record(impl, cfg, res, ctx)
                 records.append(rec)
-                ctx.log(progress_line(rec, cfg.tag, H.throughput_unit(ctx.device, per="GPU")))
-            H.free_memory(ctx.device)
+                ctx.log(progress_line(rec, cfg.tag, timing.throughput_unit(ctx.device, per="GPU")))
+            timing.free_memory(ctx.device)
         del full, ref
-        H.free_memory(ctx.device)
+        timing.free_memory(ctx.device)
     add_efficiency(records)
     return records
 
@@ -446,41 +391,31 @@ def benchmark(args, ctx: Ctx) -> list[dict]:
 
 
 def profile(args, ctx: Ctx) -> None:
-    from torch.profiler import record_function
-
     api = ringflash_api()
     causal = not args.profile_noncausal
     layout = args.profile_layout or (args.causal_layouts if causal else args.noncausal_layouts)[0]
     cfg = Cfg(args.batch, args.profile_seqlen, args.heads, args.heads, args.head_dim, causal)
-    full = make_full(cfg, H.DTYPES[args.dtype], ctx.device, args.seed)
+    full = make_full(cfg, cli.DTYPES[args.dtype], ctx.device, args.seed)
     q, k, v, do = (api.shard(t, dim=1, layout=layout, group=ctx.group) for t in full)
     del full
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-
-    def step():
-        for t in leaves:
-            t.grad = None
-        with record_function("ringflash.fwd"):
-            out = api.ring_flash_attn(*leaves, causal=causal, group=ctx.group, layout=layout)
-        with record_function("ringflash.bwd"):
-            out.backward(do)
-
-    profile_call(step, device=ctx.device, group=ctx.group, path=args.profile,
-                 title=f"ringflash fwd+bwd, {cfg.tag}, layout {layout}, {ctx.world} rank(s)")
+    step = traces.fwd_bwd_step(
+        lambda *qkv: api.ring_flash_attn(*qkv, causal=causal, group=ctx.group, layout=layout), (q, k, v), do)
+    traces.profile_call(step, device=ctx.device, group=ctx.group, path=args.profile,
+                        title=f"ringflash fwd+bwd, {cfg.tag}, layout {layout}, {ctx.world} rank(s)")
 
 
 # ----------------------------------------------------------------------------- main
 
 
 def run(args, ctx: Ctx) -> int:
-    H.init_l2_flush(ctx.device)
+    timing.init_l2_flush(ctx.device)
     backend = dist.get_backend(ctx.group)
     ctx.log(f"# ring benchmark: {ctx.world} rank(s), device {ctx.device.type}, {backend}, impls {', '.join(args.impls)}"
             + ("; smoke run (CPU: the PyTorch twin of the kernels)" if ctx.device.type != "cuda" else ""))
     if not args.profile_only:
         records = benchmark(args, ctx)
         if ctx.rank == 0:
-            meta = H.collect_meta(ctx.device, world_size=ctx.world, bench="ring", dtype=args.dtype,
+            meta = results.collect_meta(ctx.device, world_size=ctx.world, bench="ring", dtype=args.dtype,
                                   batch=args.batch, head_dim=args.head_dim,
                                   torch_cp_rotate_method=args.rotate_method,
                                   ringflash_rank_check=os.environ.get("RINGFLASH_RANK_CHECK", "1") != "0",
@@ -492,18 +427,18 @@ def run(args, ctx: Ctx) -> int:
                                   peak_mem=("max over ranks of (peak allocated during the impl's runs minus "
                                             "memory live before them + this rank's q, k, v, dout; "
                                             "ringflash with the peer transport: + its symmetric buffers)"),
-                                  check=f"at seqlen {H.fmt_size(min(args.seqlens))} vs ringflash flash_attn on "
+                                  check=f"at seqlen {cli.fmt_size(min(args.seqlens))} vs ringflash flash_attn on "
                                         f"the full sequence: out rel err <= {args.tol}, grads <= {args.grad_tol}")
-            name = args.out_name or H.result_name("ring", ctx.device, ctx.world)
-            out_dir = H.results_dir(args.out_dir, H.is_smoke_run(ctx.device, args.quick))
-            path = H.write_results(name, meta, records, out_dir)
+            name = args.out_name or results.result_name("ring", ctx.device, ctx.world)
+            out_dir = results.results_dir(args.out_dir, results.is_smoke_run(ctx.device, args.quick))
+            path = results.write_results(name, meta, records, out_dir)
             print(f"\nwrote {path}", flush=True)
             if not args.no_plot:
-                H.try_plot(path)
+                plots.try_plot(path)
             print()
-            print(f"{H.throughput_unit(ctx.device, per='GPU')[0]} (higher is better); "
+            print(f"{timing.throughput_unit(ctx.device, per='GPU')[0]} (higher is better); "
                   "eff = ringflash / ringflash_1gpu")
-            print(H.format_table(table_rows(records), table_columns(ctx.device)), flush=True)
+            print(results.format_table(table_rows(records), table_columns(ctx.device)), flush=True)
     if args.profile:
         profile(args, ctx)
     return 0
@@ -515,10 +450,9 @@ def main(argv=None) -> int:
     code = 0
     try:
         code = run(args, ctx)
-    except Abort as exc:
+    except checks.WrongResult as exc:
         if ctx.rank == 0:
-            print("\n" + "!" * 78 + f"\nABORT: {exc}\nNo numbers are reported for a ring that is not correct.\n"
-                  + "!" * 78, file=sys.stderr, flush=True)
+            print(checks.abort_banner(str(exc), "a ring"), file=sys.stderr, flush=True)
         code = 3
     finally:
         try:

@@ -15,11 +15,11 @@ import argparse
 import sys
 from pathlib import Path
 
-import _harness as H
+from harness import cli, plots
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=H.HelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=cli.HelpFormatter)
     p.add_argument("results", nargs="+", help="results JSON files")
     p.add_argument("--out", default=None, help="PNG path (only with a single results file)")
     p.add_argument("--out-dir", default=None,
@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     if args.out and args.out_dir:
         p.error("--out and --out-dir exclude each other")
     try:
-        H.import_pyplot()
+        plots.import_pyplot()
     except ImportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
         if args.out_dir:
             out = Path(args.out_dir) / Path(path).with_suffix(".png").name
         try:
-            print(f"wrote {H.plot_json(path, out)}")
+            print(f"wrote {plots.plot_json(path, out)}")
         except ValueError as exc:  # not a TFLOP/s-against-seqlen file (balance, training metrics)
             print(f"skipped {path}: {exc}")
     return 0

@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-import _harness as H
+from harness import cli, plots, results
 from ringflash.kernels.masks import BLOCK
 from ringflash.layouts import LAYOUTS, global_positions, pair_area, step_pairs
 
@@ -41,11 +41,11 @@ def causal_work(layout):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=H.HelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=cli.HelpFormatter)
     p.add_argument("--out", default=None, help="PNG to write (default benchmarks/results/layouts.png)")
     args = p.parse_args(argv)
     try:
-        plt = H.import_pyplot()
+        plt = plots.import_pyplot()
     except ImportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
         axes[row, 1].set_xticks(range(WORLD))
     axes[-1, 0].set_xlabel("global token position")
     fig.tight_layout()
-    out = Path(args.out) if args.out else H.RESULTS_DIR / "layouts.png"
+    out = Path(args.out) if args.out else results.RESULTS_DIR / "layouts.png"
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     print(f"wrote {out}")

@@ -3,7 +3,7 @@
 ``torch.distributed.tensor.experimental.context_parallel`` over a 1-D DeviceMesh of every
 rank, SDPA restricted to one backend (``CP_BACKENDS``: the impl names bench_ring accepts):
 each run is checked against ringflash's kernel on the full sequence (after gathering CP's
-shards back into sequence order), then timed with the harness's ``time_phases``. Its load
+shards back into sequence order), then timed with the harness's ``timing.time_phases``. Its load
 balancer (head-tail sharding, ringflash's zigzag) is on for causal runs only, since it
 requires is_causal=True.
 """
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.distributed as dist
 
-import _harness as H
+from harness import checks, timing
 
 if TYPE_CHECKING:
     from bench_ring import Cfg, Ctx
@@ -31,7 +31,7 @@ def get_mesh(ctx: Ctx):
 
             ctx.mesh = init_device_mesh(ctx.device.type, (ctx.world,), mesh_dim_names=("cp",))
         except Exception as exc:  # noqa: BLE001 - the torch CP rows become null
-            ctx.mesh_error = f"DeviceMesh: {H.short_error(exc)}"
+            ctx.mesh_error = f"DeviceMesh: {checks.short_error(exc)}"
     if ctx.mesh is None:
         raise RuntimeError(ctx.mesh_error)
     return ctx.mesh
@@ -84,10 +84,10 @@ def run_torch_cp(impl: str, cfg: Cfg, full, ref: Optional[dict], ctx: Ctx, args)
         try:
             res = _run_torch_cp_once(impl, mode, cfg, full, ref, ctx, args)
         except Exception as exc:  # noqa: BLE001 - never crash the run for a peer
-            res = {"layout": None, "error": H.short_error(exc)}
-            H.free_memory(ctx.device)
+            res = {"layout": None, "error": checks.short_error(exc)}
+            timing.free_memory(ctx.device)
         ok = res.get("error") is None and not res.get("wrong")
-        if not H.all_ranks_ok(ok, ctx.group, ctx.device):
+        if not timing.all_ranks_ok(ok, ctx.group, ctx.device):
             why = res.get("wrong") or res.get("error") or "failed on another rank"
             notes.append(f"{mode}: {why}")
             ctx.log(f"  {cfg.tag} {impl} [{mode}] failed: {why}")
@@ -138,26 +138,23 @@ def _run_torch_cp_once(impl: str, mode: str, cfg: Cfg, full, ref, ctx: Ctx, args
         qs, ks, vs, dos = bufs
         with sdpa_kernel(backend):
             if ref is not None:
-                leaves = [t.detach().requires_grad_() for t in (qs, ks, vs)]
-                out = call(*leaves)
-                out.backward(dos)
-                got, how = _cp_unshard([out.detach()] + [t.grad for t in leaves], cfg.seqlen, load_balanced,
-                                       ctx, cp_attention)
-                del out, leaves
+                local = checks.out_and_grads(call, (qs, ks, vs), dos)
+                got, how = _cp_unshard(list(local.values()), cfg.seqlen, load_balanced, ctx, cp_attention)
+                del local
                 out_f, dq_f, dk_f, dv_f = got
                 if mode == "repeat_kv":  # the repeated heads' grads add up to the kv head's grad
                     dk_f, dv_f = (g.unflatten(1, (cfg.kv_heads, group_size)).sum(2) for g in (dk_f, dv_f))
-                errs = {n: H.rel_err(a.transpose(1, 2), ref[n])
+                errs = {n: checks.rel_err(a.transpose(1, 2), ref[n])
                         for n, a in (("out", out_f), ("dq", dq_f), ("dk", dk_f), ("dv", dv_f))}
-                errs = {n: H.allreduce_max(e, ctx.group, ctx.device) for n, e in errs.items()}
+                errs = {n: timing.allreduce_max(e, ctx.group, ctx.device) for n, e in errs.items()}
                 del got, out_f, dq_f, dk_f, dv_f
                 res["rel_err"] = errs["out"]
-                bad = H.failed_checks(errs, args.tol, args.grad_tol)
+                bad = checks.failed_checks(errs, args.tol, args.grad_tol)
                 if bad:
                     res["wrong"] = "WRONG RESULT: " + "; ".join(bad) + f" (unshard: {how})"
                     return res
             # Inputs of the timed calls are CP's local shards, views of the resized buffers.
-            res.update(H.time_phases(call, (qs, ks, vs), dos, device=ctx.device, group=ctx.group,
-                                     **H.timing_opts(args)))
+            res.update(timing.time_phases(call, (qs, ks, vs), dos, device=ctx.device, group=ctx.group,
+                                          **timing.timing_opts(args)))
     return res
 

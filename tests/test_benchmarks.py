@@ -1,21 +1,29 @@
-"""The benchmark scripts' CPU smoke runs: they finish, name the device they measured, label
-the backend and the unit truthfully, and write outside benchmarks/results.
+"""The benchmark scripts' CPU smoke runs and the tools the measurement notes rely on.
 
-Each script runs in a subprocess (bench_ring under torchrun, 2 gloo ranks) with TMPDIR
-pointing into pytest's temporary directory, so the temporary directory a smoke run writes
-to by default lands there. Every file under benchmarks/results must be byte-identical
-afterwards, and git must see no change there.
+Smoke runs: each script runs in a subprocess (bench_ring under torchrun, 2 gloo ranks) from
+a directory outside the checkout, with TMPDIR pointing into pytest's temporary directory,
+so the temporary directory a smoke run writes to by default lands there. They finish, name
+the device they measured, label the backend and the unit truthfully, and write outside
+benchmarks/results: every file there must be byte-identical afterwards, and git must see
+no change there. The GPU-only scripts must at least build their command line here.
+
+tools/sass_loops.py compiles the kernels for sm_90 without a GPU; its command line and the
+static checks built on it share two processes that run side by side, so each kernel variant
+is compiled once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib
+import inspect
 import json
-import os
 import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -25,6 +33,7 @@ from dist_utils import run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
+TOOLS = ROOT / "tools"
 RESULTS = BENCH / "results"
 
 
@@ -41,18 +50,35 @@ def _git_status() -> str | None:
     return done.stdout if done.returncode == 0 else None
 
 
-def _run(cmd: list[str], tmp_path: Path, timeout: float = 120) -> str:
-    rc, out = run_command(cmd, ROOT, timeout, TMPDIR=str(tmp_path), PYTHONUNBUFFERED="1")
-    assert rc == 0, f"{' '.join(cmd)} failed ({rc}):\n{out[-4000:]}"
-    return out
+@contextlib.contextmanager
+def _results_untouched():
+    before, status = _digests(), _git_status()
+    yield
+    assert _digests() == before, "a run changed files under benchmarks/results"
+    assert _git_status() == status
 
 
 @pytest.fixture
 def results_untouched():
-    before, status = _digests(), _git_status()
-    yield
-    assert _digests() == before, "a smoke run changed files under benchmarks/results"
-    assert _git_status() == status
+    with _results_untouched():
+        yield
+
+
+def _run(cmd: list[str], tmp_path: Path, timeout: float = 120) -> str:
+    """stdout+stderr of ``cmd`` run from ``tmp_path`` (not the checkout: the scripts must
+    not depend on the working directory), which is also its TMPDIR; it must succeed."""
+    rc, out = run_command(cmd, tmp_path, timeout, TMPDIR=str(tmp_path), PYTHONUNBUFFERED="1")
+    assert rc == 0, f"{' '.join(cmd)} failed ({rc}):\n{out[-4000:]}"
+    return out
+
+
+def _load(folder: Path, name: str):
+    """Module ``name`` imported as the scripts of ``folder`` see it (``folder`` on sys.path)."""
+    sys.path.insert(0, str(folder))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(folder))
 
 
 def _written(tmp_path: Path, name: str) -> dict:
@@ -60,6 +86,9 @@ def _written(tmp_path: Path, name: str) -> dict:
     found = list(tmp_path.glob(f"ringflash-bench-*/{name}"))
     assert len(found) == 1, f"expected one {name} under {tmp_path}, found {found}"
     return json.loads(found[0].read_text())
+
+
+# ----------------------------------------------------------------------------- smoke runs
 
 
 def test_bench_kernel_cpu_smoke(tmp_path, results_untouched):
@@ -72,9 +101,11 @@ def test_bench_kernel_cpu_smoke(tmp_path, results_untouched):
 
 
 def test_bench_ring_cpu_smoke_under_torchrun(tmp_path, results_untouched):
+    # 256 tokens rather than the smoke run's 1k: the same configurations (MHA and GQA,
+    # causal and not, the ring and the 1-process kernel), a sixteenth of the attention work.
     out = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                "--max-restarts=0", str(BENCH / "bench_ring.py"), "--device", "cpu", "--no-plot"],
-               tmp_path)
+                "--max-restarts=0", str(BENCH / "bench_ring.py"), "--device", "cpu", "--no-plot",
+                "--seqlens", "256"], tmp_path)
     data = _written(tmp_path, "ring_cpux2.json")
     meta = data["meta"]
     assert meta["device"].startswith("cpu") and meta["world_size"] == 2 and meta["backend"] == "gloo"
@@ -92,59 +123,132 @@ def test_bench_balance_cpu_smoke(tmp_path, results_untouched):
     assert all(r["transport"] == "gloo" for r in data["records"])
 
 
-def test_sass_loops_compiles_without_a_gpu(tmp_path, results_untouched):
-    """The static instruction counts of benchmarks/NOTES.md come from compiling for sm_90 here."""
+def test_balance_documents_writes_outside_results(tmp_path, monkeypatch, capsys, results_untouched):
+    """The CPU count behind docs/masks-and-layouts.md's imbalance figures, on a short
+    sequence: it writes into a new temporary directory unless told otherwise."""
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    _load(BENCH, "balance_documents").main(["--seqlen", "16k", "--draws", "2"])
+    data = _written(tmp_path, "balance_documents.json")
+    assert {r["layout"] for r in data["records"]} == set(LAYOUTS)
+    assert all(r["imbalance_worst"] >= r["imbalance_mean"] >= 1.0 for r in data["records"])
+    assert "wrote " + str(tmp_path) in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("script", [f"benchmarks/{name}" for name in (
+    "bench_kernel", "bench_ring", "bench_balance", "bench_masks", "bench_dropout", "bench_blocksparse",
+    "balance_documents", "plot", "plot_layouts")] + ["tools/tune_kernel"])
+def test_scripts_build_their_command_line(script, monkeypatch, capsys):
+    """Every script imports and answers --help without a GPU (the GPU-only ones can be run
+    nowhere else here)."""
+    folder, name = (ROOT / script).parent, Path(script).name
+    module = _load(folder, name)
+    main = getattr(module, "parse_args", None) or module.main
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", "--help"])  # for a main() that reads sys.argv
+    with pytest.raises(SystemExit) as done:
+        main(["--help"]) if inspect.signature(main).parameters else main()
+    assert done.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: ")
+
+
+# ----------------------------------------------------------------------------- sm_90 compiles
+
+SASS_SCRIPT = r'''
+import re, sys, traceback
+import sass_loops as S  # turns Triton's interpreter off: compiles for sm_90
+
+
+def cli():  # the command line: the plain, dropout and block-sparse loops of the forward and dQ
+    S.main(["--kernels", "fwd", "dq", "--sparse"])
+
+
+def accumulate():  # the ring's accumulating forward beside the plain one, dropout on
+    for acc in (False, True):
+        kernel, _ = S.compile_kernel("fwd", 128, dropout=True, accumulate=acc)
+        usage = S._tool("cuobjdump", kernel.asm["cubin"], "--dump-resource-usage")
+        loop = S.tile_loop(S._tool("nvdisasm", kernel.asm["cubin"], "-c"))
+        print(acc, re.search(r"REG:(\d+)", usage).group(1), re.search(r"STACK:(\d+)", usage).group(1),
+              len(loop))
+
+
+def shared():  # the heaviest variant of each kernel
+    for which in ("fwd", "dq", "dkdv"):
+        kernel, _ = S.compile_kernel(which, 128, dropout=True, sparse=True, band=True, segments=True)
+        print(which, "shared", kernel.metadata.shared)
+
+
+for part in sys.argv[1:]:
+    print(f"== {part}", flush=True)
+    try:
+        globals()[part]()
+    except Exception:
+        traceback.print_exc(file=sys.stdout)
+        print("== failed", flush=True)
+'''
+# Two processes side by side, about the same compile work each; the second's accumulate
+# runs last, when the first has compiled (and Triton cached) the plain dropout forward.
+SASS_PROCESSES = (("cli",), ("shared", "accumulate"))
+
+
+@pytest.fixture(scope="module")
+def sass(tmp_path_factory) -> dict[str, str]:
+    """What SASS_SCRIPT printed, by part (cli, accumulate, shared): each kernel variant that
+    two checks look at is compiled once, and the compiles run in two processes at once."""
     import triton
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
-                                       "bin", "nvdisasm")):
-        pytest.skip("this triton ships no nvdisasm")
-    out = _run([sys.executable, str(BENCH / "sass_loops.py"), "--kernels", "dq"], tmp_path)
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    missing = [t for t in ("ptxas", "nvdisasm", "cuobjdump") if not (bin_dir / t).exists()]
+    if missing:
+        pytest.skip(f"this triton ships no {', '.join(missing)}")
+    script = f"import sys; sys.path.insert(0, {str(TOOLS)!r})\n" + SASS_SCRIPT
+
+    def run(parts):
+        return _run([sys.executable, "-c", script, *parts], tmp_path_factory.mktemp("sass"), timeout=600)
+
+    with _results_untouched(), ThreadPoolExecutor(len(SASS_PROCESSES)) as pool:
+        out = "".join(pool.map(run, SASS_PROCESSES))
+    return dict(re.findall(r"^== (\w+)\n(.*?)(?=^== \w+\n|\Z)", out, re.M | re.S))
+
+
+def _part(sass: dict[str, str], name: str) -> str:
+    text = sass.get(name, "")
+    if not text or "== failed" in text:
+        pytest.fail(f"sass_loops, {name}:\n{text[-4000:]}")
+    return text
+
+
+def _rows_by_flag(text: str) -> dict[str, tuple[int, ...]]:
+    """The lines of ``text`` that start with "False" or "True" as {that word: the integers after it}."""
+    return dict((flag, tuple(map(int, rest))) for flag, *rest in (line.split() for line in text.splitlines()
+                                                                 if line.startswith(("False", "True"))))
+
+
+def test_sass_loops_compiles_without_a_gpu(sass):
+    """The static instruction counts of docs/notes/ (dropout.md, documents.md) come from
+    compiling for sm_90 here."""
+    out = _part(sass, "cli")
     plain, drop = (int(re.search(rf"dq +{kind} .* tile loop (\d+) instructions", out).group(1))
                    for kind in ("plain", "dropout"))
     assert 0 < plain < drop, out
 
 
-def test_block_sparse_loop_prefetches_like_dense(tmp_path, results_untouched):
+def test_block_sparse_loop_prefetches_like_dense(sass):
     """The loop over a block mask's full blocks (the sparse kernels' last) buffers its tiles
     as deep as the dense loops do: with the launch's stages, Triton's pipeliner spends one
-    level on the index list and the forward ran 14-26% slower (benchmarks/NOTES.md)."""
-    import triton
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
-                                       "bin", "nvdisasm")):
-        pytest.skip("this triton ships no nvdisasm")
-    out = _run([sys.executable, str(BENCH / "sass_loops.py"), "--kernels", "fwd", "dq", "--sparse"],
-               tmp_path)
+    level on the index list and the forward ran 14-26% slower (docs/notes/block-sparse.md,
+    "Block-sparse, second round")."""
+    out = _part(sass, "cli")
     for which in ("fwd", "dq"):
         dense, sparse = (json.loads(re.search(rf"{which} +{kind} .* tile buffers (\[.*\])", out).group(1))
                          for kind in ("plain", "sparse"))
         assert sparse[-2:] == [max(dense)] * 2, (which, dense, sparse)
 
 
-def _rows_by_flag(script: str, tmp_path: Path) -> dict[str, tuple[int, ...]]:
-    """Run ``script`` with benchmarks/ importable; its lines that start with "False" or
-    "True" as {their first word: the integers after it}."""
-    out = _run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(BENCH)!r})\n" + script], tmp_path)
-    return dict((flag, tuple(map(int, rest))) for flag, *rest in (line.split() for line in out.splitlines()
-                                                                 if line.startswith(("False", "True"))))
-
-
-def test_accumulating_forward_keeps_the_tile_loop(tmp_path):
+def test_accumulating_forward_keeps_the_tile_loop(sass):
     """The ring's accumulating forward (merging into running sums) compiles, dropout on, to
     the plain forward's tile loop, registers and stack: resuming from the sums held their
     addresses through the loops (255 registers, a stack) and ran 13-17% slower under
-    dropout on an H200 (benchmarks/NOTES.md, "Dropout, fifth round")."""
-    import triton
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
-                                       "bin", "nvdisasm")):
-        pytest.skip("this triton ships no nvdisasm")
-    script = ("import collections, re, sass_loops as S\n"
-              "for acc in (False, True):\n"
-              "    kernel, _ = S.compile_kernel('fwd', 128, dropout=True, accumulate=acc)\n"
-              "    usage = S._tool('cuobjdump', kernel.asm['cubin'], '--dump-resource-usage')\n"
-              "    loop = S.tile_loop(S._tool('nvdisasm', kernel.asm['cubin'], '-c'))\n"
-              "    print(acc, re.search(r'REG:(\\d+)', usage).group(1), re.search(r'STACK:(\\d+)', usage).group(1),\n"
-              "          len(loop))\n")
-    rows = _rows_by_flag(script, tmp_path)
+    dropout on an H200 (docs/notes/dropout.md, "Dropout, fifth round")."""
+    rows = _rows_by_flag(_part(sass, "accumulate"))
     (plain_regs, plain_stack, plain_loop), (regs, stack, loop) = rows["False"], rows["True"]
     assert stack == plain_stack == 0 and loop == plain_loop and regs <= plain_regs + 2, rows
 
@@ -152,59 +256,25 @@ def test_accumulating_forward_keeps_the_tile_loop(tmp_path):
 HOPPER_SHARED_BYTES = 227 * 1024  # the most dynamic shared memory one block can have
 
 
-def test_every_masked_variant_fits_hopper_shared_memory(tmp_path):
+def test_every_masked_variant_fits_hopper_shared_memory(sass):
     """Compiled for sm_90 here (no GPU): the heaviest variant of each kernel, band, segment
     ids, a block mask and dropout at once, head_dim 128, asks no more shared memory than a
     Hopper block has. The forward with segments and a block mask once asked 320 KB: its
     launch failed on the GPU and nothing on the CPU noticed."""
-    import triton
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
-        pytest.skip("this triton ships no ptxas")
-    script = ("from sass_loops import compile_kernel\n"  # compiles, whatever TRITON_INTERPRET says
-              "for which in ('fwd', 'dq', 'dkdv'):\n"
-              "    kernel, _ = compile_kernel(which, 128, dropout=True, sparse=True, band=True, segments=True)\n"
-              "    print(which, 'shared', kernel.metadata.shared)\n")
-    out = _run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(BENCH)!r})\n" + script], tmp_path)
+    out = _part(sass, "shared")
     shared = dict(re.findall(r"(\w+) shared (\d+)", out))
     assert sorted(shared) == ["dkdv", "dq", "fwd"], out
     for which, size in shared.items():
         assert int(size) <= HOPPER_SHARED_BYTES, (which, size)
 
 
-def test_gluon_forward_attempt_compiles_for_hopper(tmp_path):
-    """The warp-specialized Gluon forward of kernel_attempts.py (benchmarks/NOTES.md,
-    "Dropout, seventh round" and "eighth round") builds for sm_90 here, without dropout,
-    with it, with the bits drawn by a warp group of their own and with the consumers taking
-    turns: no stack, its shared memory within a Hopper block's, the dropout bits joined into
-    the accumulator's registers without a layout conversion (the kernel asserts it)."""
-    import triton
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")):
-        pytest.skip("this triton ships no nvdisasm")
-    script = ("import re, sass_loops as S, kernel_attempts as K\n"  # sass_loops turns the interpreter off
-              "for drop, stages, rng, pp in ((False, 3, 0, 0), (True, 3, 0, 0), (True, 2, 1, 0), (True, 3, 0, 1)):\n"
-              "    kernel = K.gluon_compile(drop, stages, 'group' if rng else 'consumers', bool(pp))\n"
-              "    usage = S._tool('cuobjdump', kernel.asm['cubin'], '--dump-resource-usage')\n"
-              "    sass = S._tool('nvdisasm', kernel.asm['cubin'], '-c')\n"
-              "    print(f'{drop}-{rng}{pp}', re.search(r'STACK:(\\d+)', usage).group(1), kernel.metadata.shared,\n"
-              "          sass.count('IMAD.HI'), sass.count('HGMMA'), sass.count('SYNCS.ARRIVE'), sass.count('STS'))\n")
-    rows = _rows_by_flag(script, tmp_path)
-    assert len(rows) == 4, rows
-    for stack, shared, _, hgmma, _, _ in rows.values():
-        assert stack == 0 and shared <= HOPPER_SHARED_BYTES and hgmma > 0, rows
-    plain, drop, rng, pingpong = (rows[k] for k in ("False-00", "True-00", "True-10", "True-01"))
-    assert drop[2] >= plain[2] + 56, rows  # Philox's 7 rounds x 2 x 4 calls a tile
-    assert rng[2] >= plain[2] + 56 and rng[5] > plain[5] and rng[4] == plain[4] + 1, rows  # the bits group
-    assert pingpong[4] == plain[4] + 2, rows  # each consumer hands the turn to the other
+# ----------------------------------------------------------------------------- in-process
 
 
 def test_layout_picture_covers_every_layout():
     """plot_layouts.py's data (its drawing needs matplotlib, not in the test extras): every
     layout, every token owned, and the ranks' causal work adding up to the triangle."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        import plot_layouts as P
-    finally:
-        sys.path.remove(str(BENCH))
+    P = _load(BENCH, "plot_layouts")
     for layout in LAYOUTS:
         assert sorted(set(P.owner_map(layout))) == list(range(P.WORLD)), layout
         n = P.SEQLEN * P.unit(layout)
@@ -215,45 +285,38 @@ def test_layout_picture_covers_every_layout():
 
 
 def test_result_names_come_from_the_device():
-    sys.path.insert(0, str(BENCH))
-    try:
-        import _harness as H
-    finally:
-        sys.path.remove(str(BENCH))
+    results = _load(BENCH, "harness.results")
     names = {"NVIDIA H200": "h200", "NVIDIA H100 80GB HBM3": "h100", "NVIDIA A100-SXM4-80GB": "a100",
              "NVIDIA GeForce RTX 4090": "rtx4090", "NVIDIA H200 NVL": "h200", "NVIDIA L40S": "l40s"}
     for name, slug in names.items():
-        assert H.gpu_slug(name) == slug, name
+        assert results.gpu_slug(name) == slug, name
     import torch
     cpu = torch.device("cpu")
-    assert H.result_name("kernel", cpu) == "kernel_cpu"
-    assert H.result_name("ring", cpu, 2) == "ring_cpux2"
-    assert H.results_dir(None, smoke=False) == RESULTS
-    assert H.results_dir("elsewhere", smoke=True) == Path("elsewhere")
+    assert results.result_name("kernel", cpu) == "kernel_cpu"
+    assert results.result_name("ring", cpu, 2) == "ring_cpux2"
+    assert results.results_dir(None, smoke=False) == RESULTS
+    assert results.results_dir("elsewhere", smoke=True) == Path("elsewhere")
+    smoke = results.results_dir(None, smoke=True)
+    try:
+        assert smoke.is_dir() and RESULTS not in (smoke, *smoke.parents)
+    finally:
+        smoke.rmdir()
 
 
 def test_plot_lines_tell_dropout_rates_apart():
     """One line per implementation, layout and dropout rate: the dropout plots drew p = 0 and
     p = 0.1 as one zigzag line."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        import _harness as H
-    finally:
-        sys.path.remove(str(BENCH))
-    assert H.default_label({"impl": "ringflash", "layout": "zigzag"}) == "ringflash (zigzag)"
-    assert H.default_label({"impl": "ringflash", "layout": "zigzag", "dropout_p": 0.0}) == "ringflash (zigzag) p=0"
-    assert H.default_label({"impl": "sdpa_cudnn", "dropout_p": 0.1}) == "sdpa_cudnn p=0.1"
+    plots = _load(BENCH, "harness.plots")
+    assert plots.default_label({"impl": "ringflash", "layout": "zigzag"}) == "ringflash (zigzag)"
+    assert plots.default_label({"impl": "ringflash", "layout": "zigzag", "dropout_p": 0.0}) == "ringflash (zigzag) p=0"
+    assert plots.default_label({"impl": "sdpa_cudnn", "dropout_p": 0.1}) == "sdpa_cudnn p=0.1"
 
 
 def test_tune_kernel_sets_the_tiles_of_one_kernel():
     """tune_kernel's stand-ins for fwd_config / bwd_config take the arguments the launches
     pass them (a stand-in without bwd_config's block-mask flag made every backward candidate
     fail) and change the swept kernel's tiles only, until the sweep leaves it."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        import tune_kernel
-    finally:
-        sys.path.remove(str(BENCH))
+    tune_kernel = _load(TOOLS, "tune_kernel")
     import torch
     from ringflash.kernels.triton import config as T
     cfg = dict(BLOCK_M=32, BLOCK_N=32, num_warps=4, num_stages=1)

@@ -1,4 +1,4 @@
-"""The --profile breakdown of bench_ring and bench_blocksparse (benchmarks/trace_analysis.py)
+"""The --profile breakdown of bench_ring and bench_blocksparse (benchmarks/harness/traces.py)
 on small hand-made chrome traces: what counts as communication, and how much of it no
 compute hid; and profile_call tracing a step on the CPU.
 
@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 try:
-    import trace_analysis as T
+    from harness import traces as T
 finally:
     sys.path.pop(0)
 
@@ -110,22 +110,23 @@ def test_report_says_what_comm_counts():
 
 
 def test_profile_call_traces_the_step_it_is_given(tmp_path, capsys):
-    """profile_call on the CPU, no process group: warm-up calls untraced, then one traced
-    call whose phases and ops are in the written trace, and a report on stdout."""
+    """profile_call on the CPU, no process group, of the forward+backward step the benchmarks
+    trace (fwd_bwd_step): warm-up calls untraced, then one traced call whose phases and ops
+    are in the written trace, and a report on stdout."""
     import torch
-    from torch.profiler import record_function
 
     calls = []
 
-    def step():
+    def attention(q, k, v):
         calls.append(1)
-        with record_function("ringflash.fwd"):
-            torch.ones(64, 64).matmul(torch.ones(64, 64))
+        return (q @ k.transpose(-1, -2)).softmax(-1) @ v
 
+    q, k, v, dout = (torch.ones(64, 64) for _ in range(4))
     path = tmp_path / "one.json"
-    T.profile_call(step, device=torch.device("cpu"), group=None, path=str(path), title="a matmul", warmup=2)
+    T.profile_call(T.fwd_bwd_step(attention, (q, k, v), dout), device=torch.device("cpu"), group=None,
+                   path=str(path), title="a matmul", warmup=2)
     assert len(calls) == 3
     names = {e.get("name") for e in T.load_trace(str(path))["traceEvents"]}
-    assert {"ringflash.fwd", "aten::matmul"} <= names
+    assert {"ringflash.fwd", "ringflash.bwd", "aten::matmul"} <= names
     out = capsys.readouterr().out
     assert "== profile: a matmul ==" in out and "exposed comm ms" in out and str(path) in out

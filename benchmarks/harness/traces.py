@@ -1,8 +1,8 @@
-"""What the GPU did during one profiled ring call, from a PyTorch profiler (Kineto) chrome
-trace: time by kind of work (attention kernels, merge, other, communication), the
-communication no compute hid, and the GPU's idle time. ``profile_call`` profiles one call
-on every rank, writes the traces and prints ``profile_report`` (bench_ring.py and
-bench_blocksparse.py --profile).
+"""``--profile`` (bench_ring.py, bench_blocksparse.py): what the GPU did during one profiled
+ring call, from a PyTorch profiler (Kineto) chrome trace: time by kind of work (attention
+kernels, merge, other, communication), the communication no compute hid, and the GPU's
+idle time. ``profile_call`` profiles one call (``fwd_bwd_step``) on every rank, writes the
+traces and prints ``profile_report``.
 
 Communication is whatever moves data between GPUs or waits for another GPU: NCCL's
 kernels, and the copy-engine ring's (ringflash.exchange.PeerRing) barrier kernel from
@@ -25,7 +25,9 @@ from typing import Callable, Optional
 
 import torch
 
-import _harness as H
+from .checks import short_error
+from .results import format_table
+from .timing import barrier, dist_active, sync
 
 
 CLASSES = ("attention", "merge", "other", "comm")
@@ -175,11 +177,11 @@ def profile_report(infos: list[dict]) -> str:
             ("idle", "gpu idle ms", ".2f")]
     lines = ["From the trace (GPU time by class; comm = NCCL kernels, the copy ring's barriers and peer "
              "copies; exposed comm = comm running while nothing else is):"]
-    lines.append(H.format_table(rows, cols) if rows else "  (no trace breakdown)")
+    lines.append(format_table(rows, cols) if rows else "  (no trace breakdown)")
     ka_rows = [{"rank": i["rank"], **i["key_averages"]} for i in infos if "key_averages" in i]
     if ka_rows:
         lines.append("From key_averages (self device time by class, ms):")
-        lines.append(H.format_table(ka_rows, [("rank", "rank"), ("attention", "attention", ".2f"),
+        lines.append(format_table(ka_rows, [("rank", "rank"), ("attention", "attention", ".2f"),
                                               ("merge", "merge", ".2f"), ("other", "other", ".2f"),
                                               ("comm", "comm", ".2f")]))
     for i in infos:
@@ -187,6 +189,25 @@ def profile_report(infos: list[dict]) -> str:
             if key in i:
                 lines.append(f"rank {i['rank']} {key}: {i[key]}")
     return "\n".join(lines)
+
+
+def fwd_bwd_step(call: Callable, inputs, dout: torch.Tensor) -> Callable[[], None]:
+    """One forward+backward of ``call(q, k, v)`` on leaves over ``inputs`` against ``dout``,
+    its phases under record_function("ringflash.fwd") and ("ringflash.bwd"): the step
+    ``profile_call`` traces."""
+    from torch.profiler import record_function
+
+    leaves = [t.detach().requires_grad_() for t in inputs]
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        with record_function("ringflash.fwd"):
+            out = call(*leaves)
+        with record_function("ringflash.bwd"):
+            out.backward(dout)
+
+    return step
 
 
 def profile_call(step: Callable[[], None], *, device: torch.device, group, path: str,
@@ -200,16 +221,16 @@ def profile_call(step: Callable[[], None], *, device: torch.device, group, path:
 
     for _ in range(warmup):  # compilation, communicators, the allocator
         step()
-    H._sync(device)
-    H.barrier(group)
-    H._sync(device)
+    sync(device)
+    barrier(group)
+    sync(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch_profile(activities=activities) as prof:
         t0 = time.perf_counter()
         step()
-        H._sync(device)
+        sync(device)
         wall_ms = (time.perf_counter() - t0) * 1e3
-    rank = dist.get_rank(group) if H._dist_active(group) else 0
+    rank = dist.get_rank(group) if dist_active(group) else 0
     path = trace_path(path, rank)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     prof.export_chrome_trace(path)
@@ -217,11 +238,11 @@ def profile_call(step: Callable[[], None], *, device: torch.device, group, path:
     try:
         info["trace"] = trace_breakdown(load_trace(path), wall_ms)
     except Exception as exc:  # noqa: BLE001
-        info["trace_error"] = H.short_error(exc)
+        info["trace_error"] = short_error(exc)
     try:
         info["key_averages"] = key_averages_breakdown(prof)
     except Exception as exc:  # noqa: BLE001
-        info["key_averages_error"] = H.short_error(exc)
+        info["key_averages_error"] = short_error(exc)
     table = None
     if rank == 0:
         for sort_by in ("self_device_time_total", "self_cuda_time_total", "self_cpu_time_total"):
@@ -231,7 +252,7 @@ def profile_call(step: Callable[[], None], *, device: torch.device, group, path:
             except Exception:  # noqa: BLE001 - older/newer names of the sort key
                 continue
     infos = [info]
-    if H._dist_active(group):
+    if dist_active(group):
         infos = [None] * dist.get_world_size(group)
         dist.all_gather_object(infos, info, group=group)
     if rank == 0:

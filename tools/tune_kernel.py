@@ -1,8 +1,8 @@
 """Sweep the tile shapes of the Triton kernels on one GPU and print the fastest.
 
-    python benchmarks/tune_kernel.py [--seqlen 16384] [--head-dims 64 128 256]
-                                     [--which fwd dkdv dq] [--causal 0 1] [--no-tma]
-                                     [--dropout 0.1]
+    python tools/tune_kernel.py [--seqlen 16384] [--head-dims 64 128 256]
+                                [--which fwd dkdv dq] [--causal 0 1] [--no-tma]
+                                [--dropout 0.1]
 
 The forward and the two backward kernels (dK/dV, dQ) are swept apart: each has its own
 tiles. Every forward candidate is checked against torch SDPA and every backward one
@@ -17,15 +17,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 
-import _harness as H
-from ringflash.kernels import PairMask, attn_delta
-from ringflash.kernels import triton as triton_kernels
-from ringflash.kernels.triton import config
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # the benchmarks' harness
+from harness.checks import rel_err  # noqa: E402
+from harness.cli import HelpFormatter  # noqa: E402
+from ringflash.kernels import PairMask, attn_delta  # noqa: E402
+from ringflash.kernels import triton as triton_kernels  # noqa: E402
+from ringflash.kernels.triton import config  # noqa: E402
 
 # Matmuls each kernel really runs, over the forward's two: dK/dV recomputes S and dP and
 # accumulates dV and dK (4), dQ recomputes S and dP and accumulates dQ (3).
@@ -92,14 +96,14 @@ def sweep(which, head_dim, causal, seqlen, heads=32, batch=1, dtype=torch.bfloat
         o2, l2 = torch.empty_like(out), torch.empty_like(lse)
         fn = lambda mask=mask: triton_kernels.fwd(q, k, v, o2, l2, softmax_scale=scale, mask=mask,
                                                   accumulate=False)
-        check = lambda: H.rel_err(o2, ref)
+        check = lambda: rel_err(o2, ref)
     else:
         g = [torch.empty_like(t) for t in grads]
         args = (g[0], None, None) if which == "dq" else (None, g[1], g[2])
         fn = lambda mask=mask: triton_kernels.bwd(do, q, k, v, lse, delta, *args, softmax_scale=scale,
                                                   mask=mask, accumulate=False)
         checked = (0,) if which == "dq" else (1, 2)
-        check = lambda: max(H.rel_err(g[i], grads[i]) for i in checked)
+        check = lambda: max(rel_err(g[i], grads[i]) for i in checked)
     if dropout_p:  # the bar: the current shapes without dropout
         fn(plain)
         ms = triton.testing.do_bench(lambda: fn(plain), warmup=25, rep=100, return_mode="median")
@@ -125,7 +129,7 @@ def sweep(which, head_dim, causal, seqlen, heads=32, batch=1, dtype=torch.bfloat
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=H.HelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     p.add_argument("--seqlen", type=int, default=16384, help="tokens (batch 1, 32 heads, bf16)")
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256], help="head dims to sweep")
     p.add_argument("--which", nargs="+", default=["fwd", "dkdv", "dq"], choices=["fwd", "dkdv", "dq"],

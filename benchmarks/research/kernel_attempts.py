@@ -1,8 +1,8 @@
-"""Kernel variants that were measured and not taken into kernels/ (benchmarks/NOTES.md,
-"Kernel, second round" and "Dropout, seventh round" and "eighth round"), timed beside the
-library's kernels on one GPU:
+"""Kernel variants that were measured and not taken into kernels/ (docs/notes/kernel.md,
+"Kernel, second round"; docs/notes/dropout.md, "Dropout, seventh round" and "eighth
+round"), timed beside the library's kernels on one GPU:
 
-    python benchmarks/kernel_attempts.py [--seqlen 16384] [--head-dim 128] [--variants ws gluon atomic]
+    python benchmarks/research/kernel_attempts.py [--seqlen 16384] [--head-dim 128] [--variants ws gluon atomic]
 
 - ``ws``: the forward with device-side TMA descriptors and ``tl.range(...,
   warp_specialize=True)``, stripped to the non-causal case with no masks, with and
@@ -28,9 +28,10 @@ Found afterwards by compiling for sm_90 without a GPU (triton 3.6): the ``ws`` k
 run here (8 warps) was never warp-specialized. Hopper's pass leaves 8-warp kernels alone,
 so the PTX with ``warp_specialize=True`` and False is the same, and the measured +1.6% came
 from something else (this kernel has no masks). With 4 warps the pass fails on the
-``.reshape`` of the 4-D descriptor box. Round 3 (benchmarks/NOTES.md) ran a forward that
-does specialize (per-head 2-D descriptors, one key loop, 4 warps; commit c244cc6,
-FWD_WARP_SPECIALIZE): it compiled, and its outputs were wrong on the H200.
+``.reshape`` of the 4-D descriptor box. Round 3 (docs/notes/kernel.md, "Kernel, third
+round") ran a forward that does specialize (per-head 2-D descriptors, one key loop, 4
+warps; commit c244cc6, FWD_WARP_SPECIALIZE): it compiled, and its outputs were wrong on
+the H200.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ import itertools
 import math
 import statistics
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 import triton
@@ -51,9 +54,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-import _harness as H
-from ringflash.kernels import PairMask, attn_delta, dropout
-from ringflash.kernels import triton as triton_kernels
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: the harness
+from harness.checks import rel_err  # noqa: E402
+from harness.cli import HelpFormatter  # noqa: E402
+from ringflash.kernels import PairMask, attn_delta, dropout  # noqa: E402
+from ringflash.kernels import triton as triton_kernels  # noqa: E402
 
 LOG2E = math.log2(math.e)
 
@@ -564,7 +569,7 @@ def clocks(q, k, v, do, scale, seconds):
 
 def main():
     p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()).rstrip(":") + ".",
-                                formatter_class=H.HelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--seqlen", type=int, default=16384, help="tokens (a multiple of the tiles, 128)")
     p.add_argument("--head-dim", type=int, default=128, help="head dim")
     p.add_argument("--heads", type=int, default=32, help="heads (MHA)")
@@ -600,7 +605,7 @@ def main():
         except Exception as exc:  # noqa: BLE001 - a variant this triton cannot build
             print(f"ws BLOCK_N={bn} stages={stages} ws={ws}: {type(exc).__name__}")
             continue
-        report(f"ws BLOCK_N={bn} stages={stages} warp_specialize={ws}", bench(fn), 1.0, H.rel_err(o2, out))
+        report(f"ws BLOCK_N={bn} stages={stages} warp_specialize={ws}", bench(fn), 1.0, rel_err(o2, out))
 
     if d == 128 and "gluon" in args.variants:
         cases = []  # (name, fn), each checked once, then timed in rounds
@@ -621,7 +626,7 @@ def main():
                 if ref is None:
                     ref = o2.clone(), l2.clone()
                     print(f"gluon, dropout {p_drop}: relative error against the library "
-                          f"{H.rel_err(o2, out):.1e}")
+                          f"{rel_err(o2, out):.1e}")
                 elif bits in ("consumers", "group"):  # the same arithmetic on the same bits
                     assert torch.equal(o2, ref[0]) and torch.equal(l2, ref[1]), (stages, bits, pingpong)
                 name = f"gluon stages={stages}" + (f", bits {bits}" if p_drop else "")
@@ -649,7 +654,7 @@ def main():
         fn = lambda: atomic_bwd(do, q, k, v, lse, delta, *g, scale, BLOCK_M=bm, BLOCK_N=bn,
                                 num_warps=warps)
         fn()
-        err = max(H.rel_err(a, r) for a, r in zip(g, grads))
+        err = max(rel_err(a, r) for a, r in zip(g, grads))
         report(f"atomic dQ {bm}x{bn} warps={warps}", bench(fn), 2.5, err)
 
 
