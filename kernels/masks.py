@@ -1,6 +1,6 @@
 """What a block pair masks: a small description the kernels evaluate per tile.
 
-One mechanism for every mask (DESIGN.md, Masks). Key j of a pair is visible to query i iff
+One mechanism for every mask (docs/design.md, Masks). Key j of a pair is visible to query i iff
 
     band_lo <= j - i <= band_hi          (local indices; None = unbounded on that side;
                                           with band_on_positions, global positions)
@@ -33,7 +33,7 @@ import torch
 
 # An unbounded band side, as the kernels see it: far past any sequence length.
 BAND_INF = 1 << 30
-# The side of a block-mask block, in tokens (DESIGN.md: B). Kernel tiles divide it.
+# The side of a block-mask block, in tokens (docs/design.md, Masks: B). Kernel tiles divide it.
 BLOCK = 128
 
 

@@ -28,7 +28,7 @@ def eager(*tensors: Optional[torch.Tensor]) -> bool:
     functorch transform active, on plain tensors. The custom ops' dispatch (schema
     checks, the autograd wrapper, dynamo's guard around the implementation) costs the
     host ~0.2 ms a forward+backward on a 2-core CPU and 0.2-0.6 ms on the GPU machines'
-    hosts (benchmarks/NOTES.md, "The host's time of a call")."""
+    hosts (docs/notes/host-time.md, "The host's time of a call")."""
     return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
             and not torch._C._are_functorch_transforms_active()
             and all(t is None or type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors))

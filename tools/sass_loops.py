@@ -65,14 +65,27 @@ class _Hopper:
         return 0
 
 
+def _launcher_source(kernel) -> str:
+    """The C source of the CUDA launcher Triton builds for ``kernel`` at its first launch
+    (the steps of triton's CudaLauncher that need no GPU): a kernel that compiles may still
+    take arguments its launcher cannot (triton 3.6: a tensor descriptor inside a tuple)."""
+    from triton.backends.nvidia.driver import make_launcher
+    src = kernel.src
+    constants = {((src.fn.arg_names.index(i),) if isinstance(i, str) else i): value
+                 for i, value in getattr(src, "constants", {}).items()}
+    return make_launcher(constants, dict(src.signature), getattr(kernel.metadata, "tensordesc_meta", None))
+
+
 @contextlib.contextmanager
 def compiling():
-    """Inside, every Triton launch compiles for sm_90 instead of running; yields the list of
-    (kernel function name, compiled kernel) the launches made, in order."""
+    """Inside, every Triton launch compiles for sm_90 instead of running (and builds its
+    launcher's source); yields the list of (kernel function name, compiled kernel) the
+    launches made, in order."""
     made, run, active = [], JITFunction.run, driver._active
 
     def compile_only(self, *args, grid, warmup, **kwargs):
         kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        _launcher_source(kernel)
         made.append((self.fn.__name__, kernel))
         return kernel
 

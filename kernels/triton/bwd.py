@@ -5,278 +5,243 @@ without atomics) and dQ (query tiles outer), each recomputing P from the saved l
     dq_i = scale sum_j ds_ij k_j,  dk_j = scale sum_i ds_ij q_i,  dv_j = sum_i p_ij do_i.
 
 The dK/dV kernel masks all of its tiles (measured faster there than splitting off the
-unmasked ones); the dQ kernel splits them as the forward does. Both read through pointers.
+unmasked ones); the dQ kernel splits them as the forward does. Both read through pointers:
+TMA descriptors measured slower here (docs/notes/kernel.md). The argument records are
+those of kernels/triton/tiles.py.
 """
 
 import triton
 import triton.language as tl
 
 from .tiles import (SPARSE_BLOCK, _column, _keep, _listed_range, _load_block, _load_stats,
-                    _program, _query_loop, _query_tile, _row_bounds, _store_grad, _tile_positions,
-                    _tile_range, _unpadded, _visible)
+                    _offsets, _program, _query_loop, _query_tile, _row_bounds, _stats_row, _store_grad,
+                    _tile_positions, _tile_range, _unpadded, _visible, _with_ptr)
+
 
 @triton.jit
-def _delta_kernel(O, DO, DELTA, seqlen, H, stride_ob, stride_os, stride_oh, stride_dob, stride_dos,
-                  stride_doh, stride_db, stride_dh, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+def _delta_kernel(o, do, delta, seqlen, heads, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_S: tl.constexpr):
-    off_b = tl.program_id(1) // H
-    off_h = tl.program_id(1) % H
+    """delta (``Stats``) = rowsum(do * o) in fp32 for BLOCK_S rows of one (batch, head)."""
+    off_b = tl.program_id(1) // heads
+    off_h = tl.program_id(1) % heads
     rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     cols = tl.arange(0, BLOCK_D)
     ok = (rows[:, None] < seqlen) & (cols[None, :] < HEAD_DIM)
-    o = tl.load(O + off_b * stride_ob + off_h * stride_oh + rows[:, None] * stride_os + cols[None, :],
-                mask=ok, other=0.0)
-    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + rows[:, None] * stride_dos + cols[None, :],
-                 mask=ok, other=0.0)
-    tl.store(DELTA + off_b * stride_db + off_h * stride_dh + rows,
-             tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=rows < seqlen)
-
-
+    o_tile = tl.load(o.ptr + off_b * o.stride_b + off_h * o.stride_h + rows[:, None] * o.stride_s
+                     + cols[None, :], mask=ok, other=0.0)
+    do_tile = tl.load(do.ptr + off_b * do.stride_b + off_h * do.stride_h + rows[:, None] * do.stride_s
+                      + cols[None, :], mask=ok, other=0.0)
+    tl.store(_stats_row(delta, off_b, off_h) + rows,
+             tl.sum(o_tile.to(tl.float32) * do_tile.to(tl.float32), 1), mask=rows < seqlen)
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, off_b, off_h, stride_qb, stride_qs, stride_qh,
-               stride_dob, stride_dos, stride_doh, start_m, cols, first, stop, band_lo, band_hi,
-               seqlen_q,
-               qk_scale, seed, threshold, drop_scale, q_pos0, kpos_start, kpos, pos_stride, pos_jump,
-               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_D: tl.constexpr, MASKED: tl.constexpr, SEGMENTS: tl.constexpr,
-               DROPOUT: tl.constexpr, GROUPED: tl.constexpr, PRECISION: tl.constexpr,
-               POSITIONAL: tl.constexpr, QUERY_MAJOR: tl.constexpr):
-    """One query tile into a key tile's dK, dV. MASKED: the keys' intervals of queries
-    apply. Padding queries need no test here: they saw nothing (lse -inf), so their
-    probabilities are 0 whatever the tile."""
-    rows = start_m + tl.arange(0, BLOCK_M)
-    q = _load_block(Q, off_b, off_h, start_m, stride_qb, stride_qs, stride_qh, seqlen_q,
-                    BLOCK_M, BLOCK_D, HEAD_DIM, True, False)
-    do = _load_block(DO, off_b, off_h, start_m, stride_dob, stride_dos, stride_doh, seqlen_q,
-                     BLOCK_M, BLOCK_D, HEAD_DIM, True, False)
-    lse, delta = _load_stats(LSE, DELTA, rows, seqlen_q)
-    if DROPOUT:  # drawn before the products, in the layout of the scores
-        _, qpos = _tile_positions(q_pos0, start_m, BLOCK_M, pos_stride, pos_jump)
-        keep = _keep(seed, threshold, off_b, off_h, qpos, kpos_start, kpos, BLOCK_M, BLOCK_N,
-                     GROUPED, not QUERY_MAJOR)
-    if QUERY_MAJOR:  # scores queries by keys, as in the forward; P and dS reach dV, dK transposed
-        pT = tl.trans(tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-                                   - lse[:, None]))
-        dpT = tl.trans(tl.dot(do, tl.trans(v), input_precision=PRECISION))
-    else:  # scores keys by queries: P and dS feed dV and dK from the accumulator's registers
-        pT = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse[None, :])
-        dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-    if MASKED:
-        pT = _visible(pT, cols, rows, first, stop, band_lo, band_hi, 0.0, SEGMENTS or POSITIONAL, True)
-    if DROPOUT:  # dV takes the dropped probabilities, dP the dropped gradient (D unchanged)
-        scaleT = tl.trans(tl.where(keep, drop_scale, 0.0))
-        dv = tl.dot((pT * scaleT).to(do.dtype), do, dv, input_precision=PRECISION)
-        dpT = dpT * scaleT
-    else:
-        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)
-    dsT = pT * (dpT - delta[None, :])
-    dk = tl.dot(dsT.to(q.dtype), q, dk, input_precision=PRECISION)
+def _dkdv_loop(dk, dv, k, v, q, do, lse_row, delta_row, start, end, keys, off_b, off_h, seqlen_q,
+               qk_scale, band, drop, pos, lists, row, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+               HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, PER_ROW: tl.constexpr,
+               STAGES: tl.constexpr, PRECISION: tl.constexpr, QUERY_MAJOR: tl.constexpr):
+    """The query tiles at loop positions [start, end) (rows, or virtual rows of the key
+    block's lists) into one key tile's dK, dV (fp32 accumulators; k, v its tiles).
+
+    keys = (cols, first, stop, kpos_start, kpos): the key tile's rows, their intervals of
+    query rows (``_row_bounds``, transposed) and global positions. lse_row, delta_row:
+    pointers to this (batch, head)'s rows of lse and delta. MASKED: the keys' intervals of
+    queries apply (PER_ROW: as intervals; else the band alone, ``_visible``). Padding
+    queries need no test here: they saw nothing (lse -inf), so their probabilities are 0
+    whatever the tile. QUERY_MAJOR: the scores are computed queries by keys, as in the
+    forward, and P and dS reach dV and dK transposed (config.bwd_config says when)."""
+    cols, first, stop, kpos_start, kpos = keys
+    BLOCK_N: tl.constexpr = cols.shape[0]
+    for loop_pos in tl.range(start, end, BLOCK_M, num_stages=STAGES):
+        start_m = _column(loop_pos, lists, row)
+        rows = start_m + tl.arange(0, BLOCK_M)
+        q_tile = _load_block(q.ptr, q, off_b, off_h, start_m, seqlen_q,
+                             BLOCK_M, BLOCK_D, HEAD_DIM, True, False)
+        do_tile = _load_block(do.ptr, do, off_b, off_h, start_m, seqlen_q,
+                              BLOCK_M, BLOCK_D, HEAD_DIM, True, False)
+        lse, delta = _load_stats(lse_row, delta_row, rows, seqlen_q)
+        if drop.ON:  # drawn before the products, in the layout of the scores
+            _, qpos = _tile_positions(pos.q0, start_m, BLOCK_M, pos)
+            keep = _keep(drop, off_b, off_h, qpos, kpos_start, kpos, BLOCK_M, BLOCK_N, not QUERY_MAJOR)
+        if QUERY_MAJOR:  # scores queries by keys, as in the forward; P and dS reach dV, dK transposed
+            pT = tl.trans(tl.math.exp2(tl.dot(q_tile, tl.trans(k), input_precision=PRECISION) * qk_scale
+                                       - lse[:, None]))
+            dpT = tl.trans(tl.dot(do_tile, tl.trans(v), input_precision=PRECISION))
+        else:  # scores keys by queries: P and dS feed dV and dK from the accumulator's registers
+            pT = tl.math.exp2(tl.dot(k, tl.trans(q_tile), input_precision=PRECISION) * qk_scale
+                              - lse[None, :])
+            dpT = tl.dot(v, tl.trans(do_tile), input_precision=PRECISION)
+        if MASKED:
+            pT = _visible(pT, cols, rows, first, stop, band, 0.0, PER_ROW, True)
+        if drop.ON:  # dV takes the dropped probabilities, dP the dropped gradient (D unchanged)
+            scaleT = tl.trans(tl.where(keep, drop.scale, 0.0))
+            dv = tl.dot((pT * scaleT).to(do_tile.dtype), do_tile, dv, input_precision=PRECISION)
+            dpT = dpT * scaleT
+        else:
+            dv = tl.dot(pT.to(do_tile.dtype), do_tile, dv, input_precision=PRECISION)
+        dsT = pT * (dpT - delta[None, :])
+        dk = tl.dot(dsT.to(q_tile.dtype), q_tile, dk, input_precision=PRECISION)
     return dk, dv
 
 
-
-
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DK_IN, DV_IN, RANGES, COUNTS, INDEX, ORDER,
-                 stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
-                 stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
-                 stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-                 stride_lb, stride_lh, stride_deltab, stride_deltah, stride_rp, stride_rb,
-                 HKV, GROUP, seqlen_q, seqlen_k, qk_scale, sm_scale, band_lo, band_hi,
-                 seed, threshold, drop_scale, q_pos0, k_pos0, pos_stride, pos_jump,
-                 stride_cp, stride_sh, n_col_blocks, Q2, DO2, split,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
-                 DROPOUT: tl.constexpr, GROUPED: tl.constexpr, SPARSE: tl.constexpr,
-                 LIST_STAGES: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
-                 POSITIONAL: tl.constexpr, QUERY_MAJOR: tl.constexpr = False,
-                 PARTS: tl.constexpr = 1):
-    """One key tile of one kv head; loops over the query heads of its group and over
-    the query tiles that see it, so dK and dV are written once, without atomics. PARTS = 2:
-    the queries' rows from ``split`` on are Q2, DO2, listed apart (as in ``_dq_kernel``)."""
-    tl.static_assert(PARTS == 1 or SPARSE, "queries in two parts need block lists")
-    tile, bh = _program(ORDER, SPARSE)
+def _dkdv_kernel(q, k, v, do, lse, delta, dk, dv, dk_in, dv_in, shape, qk_scale, sm_scale, band, pos,
+                 segments, drop, lists, tail, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACCUMULATE: tl.constexpr,
+                 PRECISION: tl.constexpr, QUERY_MAJOR: tl.constexpr = False):
+    """One key tile of one kv head; loops over the query heads of its group and over the
+    query tiles that see it, so dK and dV are written once, without atomics (plus dk_in,
+    dv_in with ACCUMULATE: dk, dv themselves or running sums with their strides).
+    tail.PARTS = 2: the queries' rows from tail.split on are tail.x, tail.y (Q, dO),
+    listed apart (as in ``_dq_kernel``)."""
+    tl.static_assert(tail.PARTS == 1 or lists.ON, "queries in two parts need block lists")
+    kv_heads, group, seqlen_q, seqlen_k = shape
+    tile, bh = _program(lists)
     start_n = tile * BLOCK_N
-    off_b = bh // HKV
-    off_hk = bh % HKV
+    off_b = bh // kv_heads
+    off_hk = bh % kv_heads
     cols = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
-    k = _load_block(K, off_b, off_hk, start_n, stride_kb, stride_ks, stride_kh, seqlen_k,
-                    BLOCK_N, BLOCK_D, HEAD_DIM, True, False)
-    v = _load_block(V, off_b, off_hk, start_n, stride_vb, stride_vs, stride_vh, seqlen_k,
-                    BLOCK_N, BLOCK_D, HEAD_DIM, True, False)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    k_tile = _load_block(k.ptr, k, off_b, off_hk, start_n, seqlen_k, BLOCK_N, BLOCK_D, HEAD_DIM, True, False)
+    v_tile = _load_block(v.ptr, v, off_b, off_hk, start_n, seqlen_k, BLOCK_N, BLOCK_D, HEAD_DIM, True, False)
+    dk_acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv_acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     kpos_start, kpos = start_n, cols
-    if DROPOUT:  # global positions
-        kpos_start, kpos = _tile_positions(k_pos0, start_n, BLOCK_N, pos_stride, pos_jump)
+    if drop.ON:  # global positions
+        kpos_start, kpos = _tile_positions(pos.k0, start_n, BLOCK_N, pos)
 
-    # Only the query tiles that see this key tile (the band read transposed), in
-    # one loop that masks every tile: splitting off the unmasked tiles, as the forward does,
-    # measured 17% slower here without segments and 44% slower with them (benchmarks/NOTES.md),
-    # the mask being cheap beside four matmuls. Block-sparse: the index lists of the key
-    # block, per query head (rows are key blocks there).
-    positions = (k_pos0, q_pos0, pos_stride, pos_jump)  # rows are keys here
-    first, stop, run_stop, _ = _row_bounds(cols, seqlen_k, seqlen_q, band_lo, band_hi, RANGES,
-                                           off_b, stride_rp, stride_rb, positions, BAND, SEGMENTS,
-                                           POSITIONAL, True)
-    begin, full_start, full_end, end = _tile_range(start_n, seqlen_k, seqlen_q, band_lo, band_hi, first,
-                                                   stop, run_stop, positions, BLOCK_N, BLOCK_M, BAND,
-                                                   SEGMENTS, POSITIONAL, True)
+    # Only the query tiles that see this key tile (the band read transposed), in one loop
+    # that masks every tile: splitting off the unmasked tiles, as the forward does, measured
+    # 17% slower here without segments and 44% slower with them (docs/notes/kernel.md and
+    # documents.md), the mask being cheap beside four matmuls. Block-sparse: the index
+    # lists of the key block, per query head (rows are key blocks there).
+    first, stop, run_stop, _ = _row_bounds(cols, seqlen_k, seqlen_q, band, pos, segments, off_b, True)
+    begin, full_start, full_end, end = _tile_range(start_n, seqlen_k, seqlen_q, band, pos, segments, first,
+                                                   stop, run_stop, BLOCK_N, BLOCK_M, True)
     full_start = end
     full_end = end
+    keys = (cols, first, stop, kpos_start, kpos)
+    masked = band.ON or segments.ON
+    per_row = segments.ON or band.POSITIONAL
     row = 0
-    for g in range(0, GROUP):
-        off_h = off_hk * GROUP + g
-        lse_base = LSE + off_b * stride_lb + off_h * stride_lh
-        delta_base = DELTA + off_b * stride_deltab + off_h * stride_deltah
-        if SPARSE:
-            row = off_h * stride_sh + start_n // SPARSE_BLOCK
-            begin, full_start, full_end, end = _listed_range(COUNTS, stride_cp, row)
-        for part in range(PARTS):
-            Qp, DOp = Q, DO
-            if part == 1:  # row r of the queries is row r - split of Q2, DO2
-                Qp, DOp = Q2 - split.to(tl.int64) * stride_qs, DO2 - split.to(tl.int64) * stride_dos
-                begin, full_start, full_end, end = _listed_range(COUNTS, stride_cp, row, part)
-            for pos in range(begin, full_start, BLOCK_M):
-                start_m = _column(pos, INDEX, row, n_col_blocks, SPARSE)
-                dk, dv = _dkdv_tile(dk, dv, k, v, Qp, DOp, lse_base, delta_base, off_b, off_h,
-                                    stride_qb, stride_qs, stride_qh, stride_dob, stride_dos,
-                                    stride_doh, start_m, cols, first, stop, band_lo, band_hi, seqlen_q, qk_scale, seed, threshold, drop_scale, q_pos0,
-                                    kpos_start, kpos, pos_stride, pos_jump, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                    BLOCK_D, BAND or SEGMENTS, SEGMENTS, DROPOUT,
-                                    GROUPED, PRECISION, POSITIONAL, QUERY_MAJOR)
-            for pos in tl.range(full_start, full_end, BLOCK_M, num_stages=LIST_STAGES):
-                start_m = _column(pos, INDEX, row, n_col_blocks, SPARSE)
-                dk, dv = _dkdv_tile(dk, dv, k, v, Qp, DOp, lse_base, delta_base, off_b, off_h,
-                                    stride_qb, stride_qs, stride_qh, stride_dob, stride_dos,
-                                    stride_doh, start_m, cols, first, stop, band_lo, band_hi, seqlen_q, qk_scale, seed, threshold, drop_scale, q_pos0,
-                                    kpos_start, kpos, pos_stride, pos_jump, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                    BLOCK_D, SEGMENTS and SPARSE, SEGMENTS, DROPOUT,
-                                    GROUPED, PRECISION, POSITIONAL, QUERY_MAJOR)
-            for pos in range(full_end, end, BLOCK_M):
-                start_m = _column(pos, INDEX, row, n_col_blocks, SPARSE)
-                dk, dv = _dkdv_tile(dk, dv, k, v, Qp, DOp, lse_base, delta_base, off_b, off_h,
-                                    stride_qb, stride_qs, stride_qh, stride_dob, stride_dos,
-                                    stride_doh, start_m, cols, first, stop, band_lo, band_hi, seqlen_q, qk_scale, seed, threshold, drop_scale, q_pos0,
-                                    kpos_start, kpos, pos_stride, pos_jump, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                    BLOCK_D, BAND or SEGMENTS, SEGMENTS, DROPOUT,
-                                    GROUPED, PRECISION, POSITIONAL, QUERY_MAJOR)
+    for g in range(0, group):
+        off_h = off_hk * group + g
+        lse_row = _stats_row(lse, off_b, off_h)
+        delta_row = _stats_row(delta, off_b, off_h)
+        if lists.ON:
+            row = off_h * lists.stride_head + start_n // SPARSE_BLOCK
+            begin, full_start, full_end, end = _listed_range(lists, row)
+        for part in range(tail.PARTS):
+            q_part, do_part = q, do
+            if part == 1:  # row r of the queries is row r - split of tail.x, tail.y
+                q_part = _with_ptr(q, tail.x - tail.split.to(tl.int64) * q.stride_s)
+                do_part = _with_ptr(do, tail.y - tail.split.to(tl.int64) * do.stride_s)
+                begin, full_start, full_end, end = _listed_range(lists, row, part)
+            dk_acc, dv_acc = _dkdv_loop(dk_acc, dv_acc, k_tile, v_tile, q_part, do_part, lse_row, delta_row,
+                                        begin, full_start, keys, off_b, off_h, seqlen_q, qk_scale, band,
+                                        drop, pos, lists, row, BLOCK_M, BLOCK_D, HEAD_DIM, masked, per_row,
+                                        None, PRECISION, QUERY_MAJOR)
+            dk_acc, dv_acc = _dkdv_loop(dk_acc, dv_acc, k_tile, v_tile, q_part, do_part, lse_row, delta_row,
+                                        full_start, full_end, keys, off_b, off_h, seqlen_q, qk_scale, band,
+                                        drop, pos, lists, row, BLOCK_M, BLOCK_D, HEAD_DIM,
+                                        segments.ON and lists.ON, per_row, lists.STAGES, PRECISION,
+                                        QUERY_MAJOR)
+            dk_acc, dv_acc = _dkdv_loop(dk_acc, dv_acc, k_tile, v_tile, q_part, do_part, lse_row, delta_row,
+                                        full_end, end, keys, off_b, off_h, seqlen_q, qk_scale, band,
+                                        drop, pos, lists, row, BLOCK_M, BLOCK_D, HEAD_DIM, masked, per_row,
+                                        None, PRECISION, QUERY_MAJOR)
 
     mask = (cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
-    dk_offsets = off_b * stride_dkb + off_hk * stride_dkh + cols[:, None] * stride_dks + offs_d[None, :]
-    dv_offsets = off_b * stride_dvb + off_hk * stride_dvh + cols[:, None] * stride_dvs + offs_d[None, :]
-    _store_grad(DK, DK_IN, dk_offsets, mask, dk * sm_scale, ACCUMULATE)
-    _store_grad(DV, DV_IN, dv_offsets, mask, dv, ACCUMULATE)
+    dk_offsets = _offsets(dk, off_b, off_hk, cols, offs_d)
+    dv_offsets = _offsets(dv, off_b, off_hk, cols, offs_d)
+    _store_grad(dk.ptr, dk_in, dk_offsets, mask, dk_acc * sm_scale, ACCUMULATE)
+    _store_grad(dv.ptr, dv_in, dv_offsets, mask, dv_acc, ACCUMULATE)
 
 
 @triton.jit
-def _dq_tile(dq, q, do, lse, delta, K, V, KSEG, off_b, off_h, off_hk, stride_kb, stride_ks,
-             stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n, rows, first, stop,
-             holes, seqlen_k, qk_scale, band_lo, band_hi, seed, threshold, drop_scale, qpos, k_pos0,
-             pos_stride, pos_jump,
-             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_D: tl.constexpr, MASKED: tl.constexpr, BAND: tl.constexpr,
-             SEGMENTS: tl.constexpr, DROPOUT: tl.constexpr, GROUPED: tl.constexpr,
-             PRECISION: tl.constexpr, POSITIONAL: tl.constexpr):
-    """One key tile into a query tile's dQ; MASKED and SEGMENTS as in ``_fwd_tile``.
-    Keys past seqlen_k load as zeros, so they add nothing to dq: only the loads are bounded."""
-    k = _load_block(K, off_b, off_hk, start_n, stride_kb, stride_ks, stride_kh, seqlen_k,
-                    BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, False)
-    v = _load_block(V, off_b, off_hk, start_n, stride_vb, stride_vs, stride_vh, seqlen_k,
-                    BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, False)
-    p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse[:, None])
-    if (MASKED and BAND) or SEGMENTS:
-        cols = start_n + tl.arange(0, BLOCK_N)
-        p = _visible(p, rows, cols, first, stop, band_lo, band_hi, 0.0, SEGMENTS or POSITIONAL)
-        if SEGMENTS:
-            p = _unpadded(p, cols, KSEG, off_b, stride_ksegb, seqlen_k, holes, 0.0)
-    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-    if DROPOUT:
-        kpos_start, kpos = _tile_positions(k_pos0, start_n, BLOCK_N, pos_stride, pos_jump)
-        keep = _keep(seed, threshold, off_b, off_h, qpos, kpos_start, kpos, BLOCK_M, BLOCK_N, GROUPED)
-        dp = dp * tl.where(keep, drop_scale, 0.0)
-    ds = p * (dp - delta[:, None])
-    return tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+def _dq_loop(dq, q, do, lse, delta, k, v, start, end, tile, head, seqlen_k, qk_scale, band, segments,
+             drop, pos, lists, row, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+             MASKED: tl.constexpr, SEGMENTS: tl.constexpr, STAGES: tl.constexpr, PRECISION: tl.constexpr):
+    """The key tiles at loop positions [start, end) into one query tile's dQ (fp32; q, do its
+    tiles, lse and delta its rows' statistics); tile = (rows, first, stop, holes, qpos) and
+    head = (off_b, off_h, off_hk) as in ``fwd._fwd_loop``, and MASKED, SEGMENTS too (a
+    band mask applies only to MASKED tiles). Keys past seqlen_k load as zeros, so they add
+    nothing to dq: only the loads are bounded."""
+    rows, first, stop, holes, qpos = tile
+    off_b, off_h, off_hk = head
+    BLOCK_M: tl.constexpr = rows.shape[0]
+    for loop_pos in tl.range(start, end, BLOCK_N, num_stages=STAGES):
+        start_n = _column(loop_pos, lists, row)
+        k_tile = _load_block(k.ptr, k, off_b, off_hk, start_n, seqlen_k,
+                             BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, False)
+        v_tile = _load_block(v.ptr, v, off_b, off_hk, start_n, seqlen_k,
+                             BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, False)
+        p = tl.math.exp2(tl.dot(q, tl.trans(k_tile), input_precision=PRECISION) * qk_scale - lse[:, None])
+        if (MASKED and band.ON) or SEGMENTS:
+            cols = start_n + tl.arange(0, BLOCK_N)
+            p = _visible(p, rows, cols, first, stop, band, 0.0, SEGMENTS or band.POSITIONAL)
+            if SEGMENTS:
+                p = _unpadded(p, cols, segments, off_b, seqlen_k, holes, 0.0)
+        dp = tl.dot(do, tl.trans(v_tile), input_precision=PRECISION)
+        if drop.ON:
+            kpos_start, kpos = _tile_positions(pos.k0, start_n, BLOCK_N, pos)
+            keep = _keep(drop, off_b, off_h, qpos, kpos_start, kpos, BLOCK_M, BLOCK_N)
+            dp = dp * tl.where(keep, drop.scale, 0.0)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k_tile.dtype), k_tile, dq, input_precision=PRECISION)
+    return dq
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DQ_IN, KSEG, RANGES, COUNTS, INDEX, ORDER,
-               stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
-               stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
-               stride_dqb, stride_dqs, stride_dqh,
-               stride_lb, stride_lh, stride_deltab, stride_deltah, stride_ksegb, stride_rp,
-               stride_rb,
-               H, GROUP, seqlen_q, seqlen_k, qk_scale, sm_scale, band_lo, band_hi,
-               seed, threshold, drop_scale, q_pos0, k_pos0, pos_stride, pos_jump,
-               stride_cp, stride_sh, n_col_blocks, K2, V2, split,
-               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
-               DROPOUT: tl.constexpr, GROUPED: tl.constexpr, SPARSE: tl.constexpr,
-               LIST_STAGES: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr,
-               POSITIONAL: tl.constexpr, PARTS: tl.constexpr = 1):
-    """One query tile's dQ over the keys its band or lists give. PARTS = 2: the keys' rows
-    from ``split`` on are K2, V2 (``pair.Joined``); their blocks are listed apart, so
-    each part's loops read through one base (a base chosen per tile costs the loop ~10%
-    more instructions). The parts are a loop around the tile loops, not unrolled: unrolled,
-    a joined launch ran 2-4% behind one over a single tensor (benchmarks/NOTES.md)."""
-    tl.static_assert(PARTS == 1 or SPARSE, "keys in two parts need block lists")
-    start_m, bh = _query_tile(ORDER, BLOCK_M, BAND, SPARSE)
-    off_b = bh // H
-    off_h = bh % H
-    off_hk = off_h // GROUP
+def _dq_kernel(q, k, v, do, lse, delta, dq, dq_in, shape, qk_scale, sm_scale, band, pos, segments, drop,
+               lists, tail, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ACCUMULATE: tl.constexpr,
+               PRECISION: tl.constexpr):
+    """One query tile's dQ over the keys its band or lists give (plus dq_in with ACCUMULATE).
+    tail.PARTS = 2: the keys' rows from tail.split on are tail.x, tail.y (``pair.Joined``);
+    their blocks are listed apart, so each part's loops read through one base (a base
+    chosen per tile costs the loop ~10% more instructions). The parts are a loop around
+    the tile loops, not unrolled: unrolled, a joined launch ran 2-4% behind one over a
+    single tensor (docs/notes/ring-of-two.md)."""
+    tl.static_assert(tail.PARTS == 1 or lists.ON, "keys in two parts need block lists")
+    heads, group, seqlen_q, seqlen_k = shape
+    start_m, bh = _query_tile(lists, band, BLOCK_M)
+    off_b = bh // heads
+    off_h = bh % heads
+    off_hk = off_h // group
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
 
-    q = _load_block(Q, off_b, off_h, start_m, stride_qb, stride_qs, stride_qh, seqlen_q,
-                    BLOCK_M, BLOCK_D, HEAD_DIM, True, False)
-    do = _load_block(DO, off_b, off_h, start_m, stride_dob, stride_dos, stride_doh, seqlen_q,
-                     BLOCK_M, BLOCK_D, HEAD_DIM, True, False)
-    lse, delta = _load_stats(LSE + off_b * stride_lb + off_h * stride_lh,
-                             DELTA + off_b * stride_deltab + off_h * stride_deltah, rows, seqlen_q)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    q_tile = _load_block(q.ptr, q, off_b, off_h, start_m, seqlen_q, BLOCK_M, BLOCK_D, HEAD_DIM, True, False)
+    do_tile = _load_block(do.ptr, do, off_b, off_h, start_m, seqlen_q,
+                          BLOCK_M, BLOCK_D, HEAD_DIM, True, False)
+    row_lse, row_delta = _load_stats(_stats_row(lse, off_b, off_h), _stats_row(delta, off_b, off_h), rows,
+                                     seqlen_q)
+    dq_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     qpos = rows
-    if DROPOUT:  # global positions
-        _, qpos = _tile_positions(q_pos0, start_m, BLOCK_M, pos_stride, pos_jump)
+    if drop.ON:  # global positions
+        _, qpos = _tile_positions(pos.q0, start_m, BLOCK_M, pos)
 
     first, stop, holes, row, start, full_start, full_end, end = _query_loop(
-        start_m, rows, seqlen_q, seqlen_k, band_lo, band_hi, RANGES, off_b, off_h, stride_rp,
-        stride_rb, COUNTS, stride_cp, stride_sh, (q_pos0, k_pos0, pos_stride, pos_jump), BLOCK_M,
-        BLOCK_N, BAND, SEGMENTS, SPARSE, POSITIONAL)
-    for part in range(PARTS):
-        Kp, Vp = K, V
-        if part == 1:  # row r of the keys is row r - split of K2, V2
-            Kp, Vp = K2 - split.to(tl.int64) * stride_ks, V2 - split.to(tl.int64) * stride_vs
-            start, full_start, full_end, end = _listed_range(COUNTS, stride_cp, row, part)
-        for pos in range(start, full_start, BLOCK_N):
-            start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
-            dq = _dq_tile(dq, q, do, lse, delta, Kp, Vp, KSEG, off_b, off_h, off_hk, stride_kb,
-                          stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n,
-                          rows, first, stop, holes, seqlen_k, qk_scale, band_lo, band_hi, seed,
-                          threshold, drop_scale, qpos, k_pos0, pos_stride, pos_jump,
-                          HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, BAND,
-                          SEGMENTS, DROPOUT, GROUPED, PRECISION, POSITIONAL)
-        for pos in tl.range(full_start, full_end, BLOCK_N, num_stages=LIST_STAGES):
-            start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
-            dq = _dq_tile(dq, q, do, lse, delta, Kp, Vp, KSEG, off_b, off_h, off_hk, stride_kb,
-                          stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n,
-                          rows, first, stop, holes, seqlen_k, qk_scale, band_lo, band_hi, seed,
-                          threshold, drop_scale, qpos, k_pos0, pos_stride, pos_jump,
-                          HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, False, BAND,
-                          SEGMENTS and SPARSE, DROPOUT, GROUPED, PRECISION, POSITIONAL)
-        for pos in range(full_end, end, BLOCK_N):
-            start_n = _column(pos, INDEX, row, n_col_blocks, SPARSE)
-            dq = _dq_tile(dq, q, do, lse, delta, Kp, Vp, KSEG, off_b, off_h, off_hk, stride_kb,
-                          stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksegb, start_n,
-                          rows, first, stop, holes, seqlen_k, qk_scale, band_lo, band_hi, seed,
-                          threshold, drop_scale, qpos, k_pos0, pos_stride, pos_jump,
-                          HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_D, True, BAND,
-                          SEGMENTS, DROPOUT, GROUPED, PRECISION, POSITIONAL)
+        start_m, rows, seqlen_q, seqlen_k, band, pos, segments, lists, off_b, off_h, BLOCK_M, BLOCK_N)
+    tile, head = (rows, first, stop, holes, qpos), (off_b, off_h, off_hk)
+    for part in range(tail.PARTS):
+        k_part, v_part = k, v
+        if part == 1:  # row r of the keys is row r - split of tail.x, tail.y
+            k_part = _with_ptr(k, tail.x - tail.split.to(tl.int64) * k.stride_s)
+            v_part = _with_ptr(v, tail.y - tail.split.to(tl.int64) * v.stride_s)
+            start, full_start, full_end, end = _listed_range(lists, row, part)
+        dq_acc = _dq_loop(dq_acc, q_tile, do_tile, row_lse, row_delta, k_part, v_part, start, full_start,
+                          tile, head, seqlen_k, qk_scale, band, segments, drop, pos, lists, row, BLOCK_N,
+                          BLOCK_D, HEAD_DIM, True, segments.ON, None, PRECISION)
+        dq_acc = _dq_loop(dq_acc, q_tile, do_tile, row_lse, row_delta, k_part, v_part, full_start, full_end,
+                          tile, head, seqlen_k, qk_scale, band, segments, drop, pos, lists, row, BLOCK_N,
+                          BLOCK_D, HEAD_DIM, False, segments.ON and lists.ON, lists.STAGES, PRECISION)
+        dq_acc = _dq_loop(dq_acc, q_tile, do_tile, row_lse, row_delta, k_part, v_part, full_end, end,
+                          tile, head, seqlen_k, qk_scale, band, segments, drop, pos, lists, row, BLOCK_N,
+                          BLOCK_D, HEAD_DIM, True, segments.ON, None, PRECISION)
 
     mask = (rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
-    dq_offsets = off_b * stride_dqb + off_h * stride_dqh + rows[:, None] * stride_dqs + offs_d[None, :]
-    _store_grad(DQ, DQ_IN, dq_offsets, mask, dq * sm_scale, ACCUMULATE)
-
+    dq_offsets = _offsets(dq, off_b, off_h, rows, offs_d)
+    _store_grad(dq.ptr, dq_in, dq_offsets, mask, dq_acc * sm_scale, ACCUMULATE)

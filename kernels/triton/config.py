@@ -19,8 +19,8 @@ def block_d(head_dim: int) -> int:
 
 
 def fwd_config(head_dim: int, dtype: torch.dtype) -> dict:
-    """Tile shape and launch parameters of the forward kernel, from benchmarks/tune_kernel.py
-    on an H200 (bf16, 32 heads, TMA loads; see benchmarks/NOTES.md). fp32 tiles take twice
+    """Tile shape and launch parameters of the forward kernel, from tools/tune_kernel.py
+    on an H200 (bf16, 32 heads, TMA loads; docs/notes/kernel.md). fp32 tiles take twice
     the shared memory, so fp32 runs small unpipelined tiles: it is the exact path, not the
     fast one."""
     if interpreting():
@@ -40,11 +40,11 @@ def bwd_config(head_dim: int, dtype: torch.dtype, sparse: bool = False,
     BLOCK_N key rows in each, tuned apart. Same provenance as fwd_config. Under a block
     mask (sparse) dK/dV takes 128 keys a program: the listed query blocks sit apart in
     memory and each load of one then serves twice the keys (-2-8% dK/dV time at 128k,
-    densities 0.05-0.5; benchmarks/NOTES.md, "Block-sparse, second round"). Under dropout
+    densities 0.05-0.5; docs/notes/block-sparse.md, "Block-sparse, second round"). Under dropout
     with no other mask (dropout_only) the dK/dV kernel computes its scores queries by keys
     (QUERY_MAJOR), the layout the dropout bits are drawn in without redundant Philox calls,
     and passes P and dS to its products transposed: at head_dim 128, 16k, dK/dV 21.6 ->
-    18.6 ms; no gain under a causal band, and 3% slower without dropout (benchmarks/NOTES.md,
+    18.6 ms; no gain under a causal band, and 3% slower without dropout (docs/notes/dropout.md,
     "Dropout, fourth round"). The results are the same either way."""
     if interpreting():
         cfg = dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)

@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 import triton
+import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import dropout
@@ -21,17 +22,30 @@ from . import config
 from .bwd import _delta_kernel, _dkdv_kernel, _dq_kernel
 from .fwd import _fwd_kernel
 from .segments import _ranges
+from .tiles import QKV, Band, Dropout, Lists, Positions, Rows, Segments, Shape, Stats, Strides, Tail, Wait
 
 LOG2E = math.log2(math.e)
 
 
+def _rows(t: torch.Tensor) -> Rows:
+    """A (B, S, H, D) tensor as the kernels read it through a pointer, with its strides."""
+    return Rows(t, t.stride(0), t.stride(1), t.stride(2))
+
+
+def _stats(t: torch.Tensor) -> Stats:
+    return Stats(t, t.stride(0), t.stride(1))
+
+
+def _strides(t: torch.Tensor) -> Strides:
+    return Strides(t.stride(0), t.stride(1), t.stride(2))
+
+
 def _source(t: torch.Tensor, block_rows: int, head_dim_block: int, tma: bool):
-    """What the kernels read a (B, S, H, D) tensor through: a descriptor of
+    """What the forward reads a (B, S, H, D) tensor through: a descriptor of
     (1, block_rows, 1, head_dim_block) boxes, or the tensor itself (a pointer)."""
     if not tma:
         return t
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, block_rows, 1, head_dim_block])
-
 
 
 def _or(partial, dest):
@@ -46,94 +60,98 @@ def _stand_in(device: torch.device) -> torch.Tensor:
     """A one-element int32 tensor for the pointer arguments of a feature a launch leaves
     off (segment ids, block lists): never read, so one per device is made and kept. A
     fresh one per launch cost an allocation and a fill kernel each, six to twelve in a
-    ring of two's forward+backward (benchmarks/NOTES.md, "The ring of two at 32k": the
-    launches' host time 1.62 -> 1.35-1.44 ms a call)."""
+    ring of two's forward+backward (docs/notes/ring-of-two.md, "The ring of two at 32k: the
+    trace, what a split launch costs, the host's time": the launches' host time 1.62 ->
+    1.35-1.44 ms a call)."""
     if device not in _STAND_INS:
         _STAND_INS[device] = torch.zeros(1, dtype=torch.int32, device=device)
     return _STAND_INS[device]
 
 
-def _mask_args(mask, device: torch.device):
-    """Kernel arguments of a PairMask: (band_lo, band_hi, qseg, kseg, BAND, SEGMENTS) and the
-    dropout arguments (seed, threshold, scale, q_pos0, k_pos0, stride, jump, DROPOUT, GROUPED),
-    whose positions a band on positions reads too. Without segments, the segment pointers
-    are a one-element stand-in."""
-    band = mask.band_lo is not None or mask.band_hi is not None
+def _band(mask) -> Band:
     lo = -BAND_INF if mask.band_lo is None else mask.band_lo
     hi = BAND_INF if mask.band_hi is None else mask.band_hi
-    positions = mask.pos if mask.dropout_p > 0 or mask.band_on_positions else (0, 0, 1, 0)
-    if mask.dropout_p > 0:
-        q_pos0, k_pos0, stride, jump = positions
-        grouped = stride == 1 and q_pos0 % 16 == 0 and k_pos0 % 32 == 0 and jump % 32 == 0
-        drop = (mask.seed, dropout.threshold(mask.dropout_p), dropout.keep_scale(mask.dropout_p),
-                *positions, True, grouped)
-    else:
-        drop = (0, 0, 1.0, *positions, False, False)
+    on = mask.band_lo is not None or mask.band_hi is not None
+    return Band(lo, hi, tl.constexpr(on), tl.constexpr(mask.band_on_positions))
+
+
+def _positions(mask) -> Positions:
+    """The pair's global positions, read by dropout and by a band on positions."""
+    return Positions(*(mask.pos if mask.dropout_p > 0 or mask.band_on_positions else (0, 0, 1, 0)))
+
+
+def _dropout(mask, pos: Positions) -> Dropout:
+    if mask.dropout_p == 0:
+        return Dropout(0, 0, 1.0, tl.constexpr(False), tl.constexpr(False))
+    grouped = pos.stride == 1 and pos.q0 % 16 == 0 and pos.k0 % 32 == 0 and pos.jump % 32 == 0
+    return Dropout(mask.seed, dropout.threshold(mask.dropout_p), dropout.keep_scale(mask.dropout_p),
+                   tl.constexpr(True), tl.constexpr(grouped))
+
+
+def _segment_ids(mask, device: torch.device):
+    """(query ids, key ids), one-element stand-ins without segments."""
     if mask.q_segments is None:
-        return (lo, hi, _stand_in(device), _stand_in(device), band, False), drop
-    return (lo, hi, mask.q_segments, mask.k_segments, band, True), drop
+        return _stand_in(device), _stand_in(device)
+    return mask.q_segments, mask.k_segments
 
 
-def _sparse_args(mask, lo: int, hi: int, n_rows: int, n_cols: int, transpose: bool, device,
-                 grid: tuple[int, int, int, int], reverse: bool = False, split: Optional[int] = None,
-                 chunk: int = 0):
-    """Kernel arguments of a block mask for one kernel: (counts, indices, program order,
-    counts' plane stride, head stride of the lists, index row length) and SPARSE. Rows are
-    queries (forward, dQ) or, with transpose, keys (dK/dV, band negated). ``grid`` is the
-    launch's (tile rows, batch, heads, list heads a program loops over), ``reverse`` its
-    tiles' natural order reversed, ``chunk`` the heads of a chunk the programs run in
-    order of (``masks.program_order``); ``split``: the column where the columns' second
-    part starts (lists split there), or None."""
+def _segments(rows_seg: torch.Tensor, cols_seg: torch.Tensor, on: bool) -> Segments:
+    """The ``Segments`` of a kernel whose rows carry ``rows_seg`` and columns ``cols_seg``."""
+    ranges = _ranges(rows_seg, cols_seg, on)
+    return Segments(cols_seg, cols_seg.stride(0), ranges, ranges.stride(0), ranges.stride(1), tl.constexpr(on))
+
+
+def _lists(mask, band: Band, n_rows: int, n_cols: int, transpose: bool, device, grid: tuple[int, int, int, int],
+           stages, reverse: bool = False, split: Optional[int] = None, chunk: int = 0) -> Lists:
+    """A block mask's ``Lists`` for one kernel (stand-ins without one). Rows are queries
+    (forward, dQ) or, with transpose, keys (dK/dV, band negated). ``grid`` is the launch's
+    (tile rows, batch, heads, list heads a program loops over), ``reverse`` its tiles'
+    natural order reversed, ``chunk`` the heads of a chunk the programs run in order of
+    (``masks.program_order``); ``split``: the column where the columns' second part starts
+    (lists split there), or None; ``stages``: the full blocks' loop's pipeline stages."""
     if mask.blocks is None:
-        return (_stand_in(device), _stand_in(device), _stand_in(device), 0, 0, 0), False
+        return Lists(_stand_in(device), _stand_in(device), _stand_in(device), 0, 0, 0, tl.constexpr(False),
+                     tl.constexpr(None))
     if mask.band_on_positions:
         raise ValueError("a block mask cannot be combined with a band on positions")
-    counts, index = mask.blocks.lists(lo, hi, n_rows, n_cols, transpose, split)
-    order = mask.blocks.order(lo, hi, n_rows, n_cols, transpose, *grid, reverse, chunk)
+    counts, index = mask.blocks.lists(band.lo, band.hi, n_rows, n_cols, transpose, split)
+    order = mask.blocks.order(band.lo, band.hi, n_rows, n_cols, transpose, *grid, reverse, chunk)
     heads, n_row_blocks, n_col_blocks = index.shape
-    return (counts, index, order, counts.stride(0), n_row_blocks if heads > 1 else 0,
-            n_col_blocks), True
-
+    return Lists(counts, index, order, counts.stride(0), n_row_blocks if heads > 1 else 0, n_col_blocks,
+                 tl.constexpr(True), tl.constexpr(stages))
 
 
 def fwd(q, k, v, out, lse, *, softmax_scale: float, mask, accumulate: bool, out_partial=None,
         tail=None, arrival=None):
     """``tail``: the keys' and values' rows that follow k and v when held apart
-    (``pair.Joined``, under a block mask), or None; ``arrival``: with a tail, an
+    (``pair.Joined``, under a block mask), or None; ``arrival``: with a tail, a
     ``pair.Arrival`` (which part runs last, and whether the kernel waits for it)."""
     b, sq, h, d = q.shape
     split, hkv = k.shape[1], k.shape[2]
     sk = split + (0 if tail is None else tail[0].shape[1])
-    k2, v2 = tail or (k, v)  # stand-ins if whole
     cfg = config.fwd_config(d, q.dtype)
     bd = config.block_d(d)
-    tma = config.use_tma(q, k, v, k2, v2)
-    (lo, hi, qseg, kseg, band, segments), drop = _mask_args(mask, q.device)
-    ranges = _ranges(qseg, kseg, segments)
-    wait = arrival is not None and arrival.flags is not None
-    chunk = arrival.heads if wait else hkv
-    (counts, index, order, *sparse_strides), sparse = _sparse_args(
-        mask, lo, hi, sq, sk, False, q.device, (cfg["BLOCK_M"], b, h, 1), band,
-        split=None if tail is None else split, chunk=chunk * (h // hkv) if wait else 0)
-    grid = (triton.cdiv(sq, cfg["BLOCK_M"]), b * h)
-    _fwd_kernel[grid](
-        _source(q, cfg["BLOCK_M"], bd, tma), _source(k, cfg["BLOCK_N"], bd, tma),
-        _source(v, cfg["BLOCK_N"], bd, tma), out, _or(out_partial, out), lse, kseg, ranges, counts,
-        index, order,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1), kseg.stride(0), ranges.stride(0), ranges.stride(1),
-        h, h // hkv, sq, sk, softmax_scale * LOG2E, lo, hi, *drop[:7], *sparse_strides,
-        _source(k2, cfg["BLOCK_N"], bd, tma), _source(v2, cfg["BLOCK_N"], bd, tma), split,
-        arrival.flags if wait else _stand_in(q.device), arrival.epoch if wait else 0, chunk,
-        HEAD_DIM=d, BLOCK_D=bd, BAND=band, SEGMENTS=segments, DROPOUT=drop[7], GROUPED=drop[8],
-        SPARSE=sparse, LIST_STAGES=config.list_stages(cfg, sparse, segments), ACCUMULATE=accumulate,
-        PRECISION=config.dot_precision(q.dtype), TMA=tma, POSITIONAL=mask.band_on_positions,
-        PARTS=1 if tail is None else 2, LAST=1 if arrival is None else arrival.last, WAIT=wait,
-        **cfg)
+    tma = config.use_tma(q, k, v, *(tail or ()))
+    band, pos = _band(mask), _positions(mask)
+    qseg, kseg = _segment_ids(mask, q.device)
+    segments = _segments(qseg, kseg, mask.q_segments is not None)
+    waits = arrival is not None and arrival.flags is not None
+    chunk = arrival.heads if waits else hkv
+    lists = _lists(mask, band, sq, sk, False, q.device, (cfg["BLOCK_M"], b, h, 1),
+                   config.list_stages(cfg, mask.blocks is not None, segments.ON), band.ON,
+                   split=None if tail is None else split, chunk=chunk * (h // hkv) if waits else 0)
+    keys_tail = Tail(None, None, split, tl.constexpr(1 if tail is None else 2),
+                     tl.constexpr(1 if arrival is None else arrival.last))
+    wait = (Wait(arrival.flags, arrival.epoch, chunk, tl.constexpr(True)) if waits
+            else Wait(_stand_in(q.device), 0, chunk, tl.constexpr(False)))
+    keys = [_source(t, cfg["BLOCK_N"], bd, tma) for t in (k, v, *(tail or ()))]
+    _fwd_kernel[(triton.cdiv(sq, cfg["BLOCK_M"]), b * h)](
+        Q=_source(q, cfg["BLOCK_M"], bd, tma), K=keys[0], V=keys[1], K2=keys[-2], V2=keys[-1],
+        strides=QKV(_strides(q), _strides(k), _strides(v)), o=_rows(out), o_in=_or(out_partial, out),
+        lse=_stats(lse), shape=Shape(h, h // hkv, sq, sk), qk_scale=softmax_scale * LOG2E, band=band, pos=pos,
+        segments=segments, drop=_dropout(mask, pos), lists=lists, tail=keys_tail, wait=wait, HEAD_DIM=d,
+        BLOCK_D=bd, ACCUMULATE=accumulate, PRECISION=config.dot_precision(q.dtype), TMA=tma, **cfg)
     return out, lse
-
-
 
 
 def delta(out: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
@@ -143,57 +161,48 @@ def delta(out: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
     res = torch.empty((b, h, s), device=out.device, dtype=torch.float32)
     block_s = 16 if config.interpreting() else 64
     _delta_kernel[(triton.cdiv(s, block_s), b * h)](
-        out, do, res, s, h, out.stride(0), out.stride(1), out.stride(2), do.stride(0), do.stride(1),
-        do.stride(2), res.stride(0), res.stride(1), HEAD_DIM=d, BLOCK_D=config.block_d(d), BLOCK_S=block_s)
+        o=_rows(out), do=_rows(do), delta=_stats(res), seqlen=s, heads=h, HEAD_DIM=d, BLOCK_D=config.block_d(d),
+        BLOCK_S=block_s)
     return res
-
 
 
 def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask, accumulate: bool,
         partials=(None, None, None), tails=(None, None)):
     """dq (skipped when None) and dk, dv (skipped when None): two kernels, so a caller can
     run them apart. The backward reads through pointers: TMA descriptors measured slower
-    here (benchmarks/NOTES.md). ``tails``: the rows that follow (q, do) and (k, v) when
+    here (docs/notes/kernel.md). ``tails``: the rows that follow (q, do) and (k, v) when
     held apart (``pair.Joined``: same strides, under a block mask), or None; the
     kernels read both parts where they are."""
     b, h, d = q.shape[0], q.shape[2], q.shape[3]
     hkv = k.shape[2]
     (q_split, sq), (k_split, sk) = ((t.shape[1], t.shape[1] + (0 if tail is None else tail[0].shape[1]))
                                     for t, tail in zip((q, k), tails))
-    q_tails, k_tails = (tail or t for t, tail in zip(((q, do), (k, v)), tails))  # stand-ins if whole
-    (lo, hi, qseg, kseg, band, segments), drop = _mask_args(mask, q.device)
-    sparse = mask.blocks is not None
-    dkdv_cfg, dq_cfg = config.bwd_config(d, q.dtype, sparse, drop[7] and not (band or segments or sparse))
-    common = dict(HEAD_DIM=d, BLOCK_D=config.block_d(d), BAND=band, SEGMENTS=segments, DROPOUT=drop[7],
-                  GROUPED=drop[8], SPARSE=sparse, ACCUMULATE=accumulate,
-                  PRECISION=config.dot_precision(q.dtype), POSITIONAL=mask.band_on_positions)
-    scalars = (h // hkv, sq, sk, softmax_scale * LOG2E, softmax_scale, lo, hi, *drop[:7])
-    qkv_strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                   v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2))
-    stat_strides = (lse.stride(0), lse.stride(1), delta.stride(0), delta.stride(1))
+    band, pos = _band(mask), _positions(mask)
+    drop = _dropout(mask, pos)
+    qseg, kseg = _segment_ids(mask, q.device)
+    has_segments, sparse = mask.q_segments is not None, mask.blocks is not None
+    dkdv_cfg, dq_cfg = config.bwd_config(d, q.dtype, sparse, drop.ON and not (band.ON or has_segments or sparse))
+    inputs = dict(q=_rows(q), k=_rows(k), v=_rows(v), do=_rows(do), lse=_stats(lse), delta=_stats(delta),
+                  qk_scale=softmax_scale * LOG2E, sm_scale=softmax_scale, band=band,
+                  pos=pos, drop=drop, HEAD_DIM=d, BLOCK_D=config.block_d(d), ACCUMULATE=accumulate,
+                  PRECISION=config.dot_precision(q.dtype))
+
+    def parts(tail, whole: tuple, split: int) -> Tail:  # the whole tensors stand in for no tail
+        return Tail(*(tail or whole), split, tl.constexpr(1 if tail is None else 2), tl.constexpr(1))
+
     if dk is not None:  # key tiles outer: q and do are read in BLOCK_M rows, k and v once
-        ranges = _ranges(kseg, qseg, segments)
-        (counts, index, order, *sparse_strides), _ = _sparse_args(
-            mask, lo, hi, sk, sq, True, q.device, (dkdv_cfg["BLOCK_N"], b, hkv, h // hkv),
-            split=None if tails[0] is None else q_split)
+        lists = _lists(mask, band, sk, sq, True, q.device, (dkdv_cfg["BLOCK_N"], b, hkv, h // hkv),
+                       config.list_stages(dkdv_cfg, sparse), split=None if tails[0] is None else q_split)
         _dkdv_kernel[(triton.cdiv(sk, dkdv_cfg["BLOCK_N"]), b * hkv)](
-            q, k, v, do, lse, delta, dk, dv, _or(partials[1], dk), _or(partials[2], dv), ranges,
-            counts, index, order, *qkv_strides,
-            dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-            *stat_strides, ranges.stride(0), ranges.stride(1), hkv, *scalars, *sparse_strides,
-            *q_tails, q_split, LIST_STAGES=config.list_stages(dkdv_cfg, common["SPARSE"]),
-            PARTS=1 if tails[0] is None else 2, **common, **dkdv_cfg)
+            dk=_rows(dk), dv=_rows(dv), dk_in=_or(partials[1], dk), dv_in=_or(partials[2], dv),
+            shape=Shape(hkv, h // hkv, sq, sk), segments=_segments(kseg, qseg, has_segments), lists=lists,
+            tail=parts(tails[0], (q, do), q_split), **inputs, **dkdv_cfg)
     if dq is not None:  # query tiles outer: k and v are read in BLOCK_N rows
-        ranges = _ranges(qseg, kseg, segments)
-        (counts, index, order, *sparse_strides), _ = _sparse_args(
-            mask, lo, hi, sq, sk, False, q.device, (dq_cfg["BLOCK_M"], b, h, 1), band,
-            split=None if tails[1] is None else k_split)
+        lists = _lists(mask, band, sq, sk, False, q.device, (dq_cfg["BLOCK_M"], b, h, 1),
+                       config.list_stages(dq_cfg, sparse, has_segments), band.ON,
+                       split=None if tails[1] is None else k_split)
         _dq_kernel[(triton.cdiv(sq, dq_cfg["BLOCK_M"]), b * h)](
-            q, k, v, do, lse, delta, dq, _or(partials[0], dq), kseg, ranges, counts, index, order,
-            *qkv_strides,
-            dq.stride(0), dq.stride(1), dq.stride(2), *stat_strides, kseg.stride(0),
-            ranges.stride(0), ranges.stride(1), h,
-            *scalars, *sparse_strides, *k_tails, k_split,
-            LIST_STAGES=config.list_stages(dq_cfg, common["SPARSE"], segments),
-            PARTS=1 if tails[1] is None else 2, **common, **dq_cfg)
+            dq=_rows(dq), dq_in=_or(partials[0], dq), shape=Shape(h, h // hkv, sq, sk),
+            segments=_segments(qseg, kseg, has_segments), lists=lists, tail=parts(tails[1], (k, v), k_split),
+            **inputs, **dq_cfg)
     return dq, dk, dv

@@ -1,31 +1,38 @@
-"""Shared @triton.jit helpers of the attention kernels: tile loads, program order, masks as
-column intervals per row, loop bounds (band, segments, block lists) and dropout bits.
+"""Shared @triton.jit helpers of the attention kernels, and the records their arguments
+travel in: tile loads, program order, masks as column intervals per row, loop bounds
+(band, segments, block lists) and dropout bits.
 
 Masks are a description (kernels/masks.py, ``PairMask``), evaluated per tile from local
 indices and segment ids, never an N x N tensor:
 
-    band      key j visible to query i only if band_lo <= j - i <= band_hi (``BAND``; an
-              unbounded side is a sentinel). Causal with diagonal offset o is band_hi = o;
-              a sliding window on global positions becomes a band of the pair's local rows.
-              With POSITIONAL the band is on the rows' global positions instead (the
+    band      key j visible to query i only if band.lo <= j - i <= band.hi (``Band``; an
+              unbounded side is a sentinel). Causal with diagonal offset o is hi = o; a
+              sliding window on global positions becomes a band of the pair's local rows.
+              With band.POSITIONAL the band is on the rows' global positions instead (the
               block_stripe layout, whose rows jump: masks.PairMask.band_on_positions).
-    segments  only if qseg_i == kseg_j >= 0 (``SEGMENTS``: packed documents, padding = -1).
+    segments  only if qseg_i == kseg_j >= 0 (``Segments``: packed documents, padding -1).
               Each query row carries the hull of the key rows its id occupies (and each key
               row that of the query rows), since a pair's non-padding ids never decrease.
 
-Both become one interval of columns per row, [first, stop) (``row_bounds``): the whole
+Both become one interval of columns per row, [first, stop) (``_row_bounds``): the whole
 predicate is two comparisons an element, plus a test of the columns' ids only where
 padding sits inside a document's hull. Per (query tile, key tile) a kernel classifies
 from its rows' intervals: outside them all (empty, never loaded), inside every row's
 (no mask arithmetic), or partial (the intervals applied).
 
-    blocks    block-sparse (``SPARSE``): a tile's row block iterates over index lists of
-              the column blocks it computes, built once per launch (masks.block_lists):
-              partial blocks with the predicate, then full ones without. Blocks not
-              listed are never loaded, so the work follows the mask's nonzero blocks.
-              The programs whose rows list far more blocks than the rest run first
+    blocks    block-sparse (``Lists``): a tile's row block iterates over index lists of the
+              column blocks it computes, built once per launch (masks.block_lists): partial
+              blocks with the predicate, then full ones without. Blocks not listed are
+              never loaded, so the work follows the mask's nonzero blocks. The programs
+              whose rows list far more blocks than the rest run first
               (masks.program_order), so that no long row ends a launch alone.
+
+The records are NamedTuples: a launch passes them as single arguments (Triton flattens a
+tuple into its fields, each specialized as a loose argument would be), the kernels read
+their fields by name, and a field that holds a ``tl.constexpr`` is a compile-time switch.
 """
+
+from typing import NamedTuple
 
 import triton
 import triton.language as tl
@@ -34,19 +41,152 @@ from .. import dropout
 from ..masks import BLOCK
 
 SPARSE_BLOCK = tl.constexpr(BLOCK)
+_PHILOX_ROUNDS = tl.constexpr(dropout.ROUNDS)
+
+
+class Rows(NamedTuple):
+    """A (B, S, H, D) operand: a pointer and its strides over batch, rows and heads (the last
+    dimension is contiguous)."""
+
+    ptr: object
+    stride_b: int
+    stride_s: int
+    stride_h: int
+
+
+class Strides(NamedTuple):
+    """The strides of a (B, S, H, D) operand read through a TMA descriptor or a pointer
+    passed apart: Triton 3.6's launcher takes tensor descriptors only as arguments of
+    their own, not as fields of a record."""
+
+    stride_b: int
+    stride_s: int
+    stride_h: int
+
+
+class QKV(NamedTuple):
+    """The ``Strides`` of the forward's q, k and v (K2, V2 share k's and v's)."""
+
+    q: Strides
+    k: Strides
+    v: Strides
+
+
+class Shape(NamedTuple):
+    """The launch's sizes: ``heads`` its grid runs over (query heads in the forward and dQ
+    kernels, K/V heads in dK/dV), ``group`` query heads per K/V head, and the rows of the
+    queries and of the keys."""
+
+    heads: int
+    group: int
+    seqlen_q: int
+    seqlen_k: int
+
+
+class Stats(NamedTuple):
+    """lse or delta, (B, H, S) fp32: a pointer and its batch and head strides."""
+
+    ptr: object
+    stride_b: int
+    stride_h: int
+
+
+class Band(NamedTuple):
+    """band.lo <= j - i <= band.hi (local rows; ``POSITIONAL``: global positions); ``ON``:
+    some side is bounded (an unbounded side is -+masks.BAND_INF)."""
+
+    lo: int
+    hi: int
+    ON: tl.constexpr
+    POSITIONAL: tl.constexpr
+
+
+class Positions(NamedTuple):
+    """Global positions of the pair's rows (PairMask.pos): query row i at q0 + i * stride +
+    (i // BLOCK) * jump, key row j at k0 + j * stride + (j // BLOCK) * jump."""
+
+    q0: int
+    k0: int
+    stride: int
+    jump: int
+
+
+class Segments(NamedTuple):
+    """Segment ids: the columns' ids (B, S_cols) int32 and the rows' ranges (3, B, S_rows)
+    int32 (masks.segment_ranges), with their strides; ``ON``: ids are in play."""
+
+    cols: object
+    stride_cols: int
+    ranges: object
+    stride_plane: int
+    stride_b: int
+    ON: tl.constexpr
+
+
+class Dropout(NamedTuple):
+    """Philox seed, the 8-bit drop threshold and the kept probabilities' scale (kernels/
+    dropout.py); ``ON``; ``GROUPED``: positions in aligned runs, so calls are shared."""
+
+    seed: int
+    threshold: int
+    scale: float
+    ON: tl.constexpr
+    GROUPED: tl.constexpr
+
+
+class Lists(NamedTuple):
+    """A block mask's index lists (masks.block_lists): counts (2 or 4, Hm, R) and indices
+    (Hm, R, C) int32, the program order (masks.program_order), the counts' plane stride,
+    the lists' head stride (0 for a mask shared by the heads) and C; ``ON``: a block mask;
+    ``STAGES``: the pipeline stages of the loop over full blocks (config.list_stages)."""
+
+    counts: object
+    index: object
+    order: object
+    stride_plane: int
+    stride_head: int
+    n_cols: int
+    ON: tl.constexpr
+    STAGES: tl.constexpr
+
+
+class Tail(NamedTuple):
+    """The rows from ``split`` on of two operands (K and V, or Q and dO) when held in
+    tensors of their own (pair.Joined), with the first parts' strides; ``PARTS``: 2 if so,
+    else 1 (x, y are then stand-ins); ``LAST``: the part whose loops run second. The
+    forward's x, y are None: its second parts are K2, V2, which may be descriptors."""
+
+    x: object
+    y: object
+    split: int
+    PARTS: tl.constexpr
+    LAST: tl.constexpr
+
+
+class Wait(NamedTuple):
+    """A part still arriving (pair.Arrival): chunk c of ``chunk_heads`` K/V heads is in once
+    flags[c] >= epoch; ``ON``: wait for it inside the kernel."""
+
+    flags: object
+    epoch: int
+    chunk_heads: int
+    ON: tl.constexpr
+
 
 @triton.jit
-def _load_block(src, off_b, off_h, start, stride_b, stride_s, stride_h, n_rows,
-                BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                BOUNDED: tl.constexpr, TMA: tl.constexpr):
+def _load_block(src, strides, off_b, off_h, start, n_rows, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+                HEAD_DIM: tl.constexpr, BOUNDED: tl.constexpr, TMA: tl.constexpr):
     """Rows [start, start + BLOCK_ROWS) of head off_h of batch off_b, a (BLOCK_ROWS, BLOCK_D)
-    tile; rows past n_rows (checked only when BOUNDED) and columns past HEAD_DIM read 0."""
+    tile of ``src``: a TMA descriptor (TMA), or a pointer read with ``strides`` (a ``Rows``
+    or ``Strides``). Rows past n_rows (checked only when BOUNDED) and columns past HEAD_DIM
+    read 0."""
     if TMA:
         tile = src.load([off_b, start, off_h, 0]).reshape(BLOCK_ROWS, BLOCK_D)
     else:
         rows = start + tl.arange(0, BLOCK_ROWS)
         cols = tl.arange(0, BLOCK_D)
-        ptrs = src + off_b * stride_b + off_h * stride_h + rows[:, None] * stride_s + cols[None, :]
+        ptrs = (src + off_b * strides.stride_b + off_h * strides.stride_h + rows[:, None] * strides.stride_s
+                + cols[None, :])
         if BOUNDED:
             tile = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM), other=0.0)
         elif BLOCK_D != HEAD_DIM:
@@ -57,73 +197,78 @@ def _load_block(src, off_b, off_h, start, stride_b, stride_s, stride_h, n_rows,
 
 
 @triton.jit
-def _program(ORDER, SPARSE: tl.constexpr):
+def _with_ptr(rows, ptr):
+    """``rows`` read through another pointer (or descriptor) with the same strides."""
+    return Rows(ptr=ptr, stride_b=rows.stride_b, stride_s=rows.stride_s, stride_h=rows.stride_h)
+
+
+@triton.jit
+def _offsets(dst, off_b, off_h, rows, cols):
+    """Element offsets of rows x cols of head off_h of batch off_b of ``dst`` (``Rows``)."""
+    return off_b * dst.stride_b + off_h * dst.stride_h + rows[:, None] * dst.stride_s + cols[None, :]
+
+
+@triton.jit
+def _program(lists):
     """(tile, batch * heads index) of this program: program_id(0) and (1), or under a block
-    mask the program ORDER names for this launch position (``masks.program_order``: the
-    programs whose rows list many more blocks than the rest run first)."""
-    if SPARSE:
+    mask the program lists.order names for this launch position (``masks.program_order``:
+    the programs whose rows list many more blocks than the rest run first)."""
+    if lists.ON:
         n_tiles = tl.num_programs(0)
-        program = tl.load(ORDER + tl.program_id(1) * n_tiles + tl.program_id(0))
+        program = tl.load(lists.order + tl.program_id(1) * n_tiles + tl.program_id(0))
         return program % n_tiles, program // n_tiles
     return tl.program_id(0), tl.program_id(1)
 
 
 @triton.jit
-def _query_tile(ORDER, BLOCK_M: tl.constexpr, BAND: tl.constexpr, SPARSE: tl.constexpr):
+def _query_tile(lists, band, BLOCK_M: tl.constexpr):
     """(first row of this program's query tile, batch * heads index). Banded grids run last
     tile first: under a causal band it sees the most keys, and a launch that ends on short
-    tiles has a short tail (+1-9% on the causal forward, benchmarks/NOTES.md); under a
-    block mask ORDER has that order built in."""
-    tile, bh = _program(ORDER, SPARSE)
-    if BAND and not SPARSE:
+    tiles has a short tail (+1-9% on the causal forward, docs/notes/); under a
+    block mask the program order has that order built in."""
+    tile, bh = _program(lists)
+    if band.ON and not lists.ON:
         tile = tl.num_programs(0) - 1 - tile
     return tile * BLOCK_M, bh
 
 
 @triton.jit
-def _visible(s, rows, cols, first, stop, band_lo, band_hi, fill, PER_ROW: tl.constexpr,
+def _visible(s, rows, cols, first, stop, band, fill, PER_ROW: tl.constexpr,
              KEYS_MAJOR: tl.constexpr = False):
     """s with ``fill`` where a column is hidden from a row (s is (rows, cols): queries by keys
     in the forward and dQ kernels, keys by queries in dK/dV, KEYS_MAJOR). PER_ROW: outside
     the row's [first, stop) (``_row_bounds``); otherwise outside the band alone,
-    band_lo <= key - query <= band_hi: a function of the diagonal, which a thread's
+    band.lo <= key - query <= band.hi: a function of the diagonal, which a thread's
     elements share in pairs, so that form compiles shorter where it is the whole
     predicate (dQ, dK/dV: -50 instructions a tile)."""
     if PER_ROW:
         ok = (cols[None, :] >= first[:, None]) & (cols[None, :] < stop[:, None])
     else:
         diff = rows[:, None] - cols[None, :] if KEYS_MAJOR else cols[None, :] - rows[:, None]
-        ok = (diff >= band_lo) & (diff <= band_hi)
+        ok = (diff >= band.lo) & (diff <= band.hi)
     return tl.where(ok, s, fill)
 
 
 @triton.jit
-def _unpadded(s, cols, SEG, off_b, stride_b, n, holes, fill):
-    """s with ``fill`` in the padding columns (segment id -1), read only when ``holes`` (some
-    row's segment hull holds padding between its own columns; ``_row_bounds``)."""
+def _unpadded(s, cols, segments, off_b, n, holes, fill):
+    """s with ``fill`` in the padding columns (segment id -1, or past n), read only when
+    ``holes`` (some row's segment hull holds padding between its own columns;
+    ``_row_bounds``)."""
     if holes:
-        s = tl.where(_segment_ids(SEG, off_b, stride_b, cols, n)[None, :] >= 0, s, fill)
+        ids = tl.load(segments.cols + off_b * segments.stride_cols + cols, mask=cols < n, other=-1)
+        s = tl.where(ids[None, :] >= 0, s, fill)
     return s
 
 
 @triton.jit
-def _segment_ids(SEG, off_b, stride_b, idx, n):
-    """Segment ids of rows idx (-1 past n: padding sees nothing and is never seen)."""
-    return tl.load(SEG + off_b * stride_b + idx, mask=idx < n, other=-1)
-
-
-_PHILOX_ROUNDS = tl.constexpr(dropout.ROUNDS)
-
-
-@triton.jit
-def _tile_positions(pos0, start, BLOCK: tl.constexpr, stride, jump):
+def _tile_positions(pos0, start, BLOCK: tl.constexpr, pos):
     """(global position of local row ``start``, global positions of rows [start, start +
-    BLOCK)) for dropout. Local row i is at pos0 + i * stride + (i // SPARSE_BLOCK) * jump
-    (PairMask.pos; jump is 0 but for the block_stripe layout); a tile never straddles two
-    blocks (tiles divide SPARSE_BLOCK), so inside one the positions are evenly spaced."""
+    BLOCK)) for rows whose row 0 is at pos0, spaced as ``pos`` (``Positions``) says; a tile
+    never straddles two blocks (tiles divide SPARSE_BLOCK), so inside one the positions
+    are evenly spaced."""
     tl.static_assert(SPARSE_BLOCK % BLOCK == 0, "dropout positions need tiles that divide a block")
-    first = pos0 + start * stride + (start // SPARSE_BLOCK) * jump
-    return first, first + tl.arange(0, BLOCK) * stride
+    first = pos0 + start * pos.stride + (start // SPARSE_BLOCK) * pos.jump
+    return first, first + tl.arange(0, BLOCK) * pos.stride
 
 
 @triton.jit
@@ -141,23 +286,25 @@ def _word_keep(word, t24):
 
 
 @triton.jit
-def _keep(seed, threshold, off_b, off_h, qpos, kpos_start, kpos, BLOCK_M: tl.constexpr,
-          BLOCK_N: tl.constexpr, GROUPED: tl.constexpr, KEYS_MAJOR: tl.constexpr = False):
-    """(BLOCK_M, BLOCK_N) dropout keep decisions of queries at global positions qpos and keys
-    at kpos (kernels/dropout.py has the definition and its PyTorch twin).
+def _keep(drop, off_b, off_h, qpos, kpos_start, kpos, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          KEYS_MAJOR: tl.constexpr = False):
+    """(BLOCK_M, BLOCK_N) dropout keep decisions (``drop``: ``Dropout``) of queries at global
+    positions qpos and keys at kpos (kernels/dropout.py has the definition and its PyTorch
+    twin).
 
-    GROUPED: qpos is one run of consecutive positions starting at a multiple of 16, and
-    kpos one starting at kpos_start, a multiple of 32. Then a Philox call's 16 elements
+    drop.GROUPED: qpos is one run of consecutive positions starting at a multiple of 16,
+    and kpos one starting at kpos_start, a multiple of 32. Then a Philox call's 16 elements
     (query bit 3; key bits 0, 3, 4) lie in registers of one thread of the query-by-key MMA
     layout (forward, dQ): each call runs once and its bytes are joined into place. In the
     key-by-query layout of the dK/dV kernel (KEYS_MAJOR) only query bit 3 and key bit 3 do,
     so each thread runs the calls of its own elements (4 threads share each) and takes
     one byte of each word. Otherwise every element runs its own call. Counter parts that
     vary along one axis stay unbroadcast, so Philox's first two rounds cost next to nothing."""
+    seed = drop.seed
     head = off_h.to(tl.uint32)
     batch = off_b.to(tl.uint32)
-    t24 = threshold.to(tl.uint32) << 24
-    if GROUPED and BLOCK_M >= 16 and BLOCK_N >= 32:
+    t24 = drop.threshold.to(tl.uint32) << 24
+    if drop.GROUPED and BLOCK_M >= 16 and BLOCK_N >= 32:
         q = tl.split(tl.permute(qpos.to(tl.uint32).reshape(BLOCK_M // 16, 2, 8), (0, 2, 1)))[0]
         qc = ((q >> 4) << 3) | (q & 7)  # (query bits 4.., query bits 0-2)
         if KEYS_MAJOR:
@@ -204,54 +351,53 @@ def _first_at_or_after(t, pos0, stride, jump):
 
 
 @triton.jit
-def _band_interval(rows, lo, hi, positions, POSITIONAL: tl.constexpr, TRANSPOSED: tl.constexpr):
+def _band_interval(rows, band, pos, TRANSPOSED: tl.constexpr):
     """[first, stop) of the columns the band leaves each of ``rows`` (a tensor or a scalar):
-    query rows i see keys c with lo <= c - i <= hi, or with POSITIONAL lo <= kpos(c) -
-    qpos(i) <= hi on global positions: positions = (row_pos0, col_pos0, stride, jump), rows
-    and columns at row_pos0 / col_pos0 + index * stride + (index // BLOCK) * jump (with
-    TRANSPOSED the rows' are the keys'). TRANSPOSED: rows are keys and columns queries (the
-    dK/dV kernel), the same band read the other way. Non-decreasing in the row either way."""
+    query rows i see keys c with lo <= c - i <= hi, or with band.POSITIONAL lo <= kpos(c)
+    - qpos(i) <= hi on the global positions ``pos`` gives. TRANSPOSED: rows are keys and
+    columns queries (the dK/dV kernel), the same band read the other way. Non-decreasing
+    in the row either way."""
+    lo, hi = band.lo, band.hi
     if TRANSPOSED:
         lo, hi = -hi, -lo
-    if POSITIONAL:
-        row_pos0, col_pos0, stride, jump = positions
-        at = row_pos0 + rows * stride + rows // SPARSE_BLOCK * jump
-        first = _first_at_or_after(at + lo, col_pos0, stride, jump)
-        stop = _first_at_or_after(at + hi + 1, col_pos0, stride, jump)
+    if band.POSITIONAL:
+        row_pos0, col_pos0 = (pos.k0, pos.q0) if TRANSPOSED else (pos.q0, pos.k0)
+        at = row_pos0 + rows * pos.stride + rows // SPARSE_BLOCK * pos.jump
+        first = _first_at_or_after(at + lo, col_pos0, pos.stride, pos.jump)
+        stop = _first_at_or_after(at + hi + 1, col_pos0, pos.stride, pos.jump)
     else:
         first, stop = rows + lo, rows + hi + 1
     return first, stop
 
 
 @triton.jit
-def _row_bounds(rows, n_rows, n_cols, lo, hi, RANGES, off_b, stride_plane, stride_b, positions,
-                BAND: tl.constexpr, SEGMENTS: tl.constexpr, POSITIONAL: tl.constexpr,
-                TRANSPOSED: tl.constexpr):
+def _row_bounds(rows, n_rows, n_cols, band, pos, segments, off_b, TRANSPOSED: tl.constexpr):
     """What each row of a tile may see, as column intervals: (first, stop, run_stop, holes).
 
-    Row r sees at most the columns [first[r], stop[r]): those the band leaves it (BAND,
-    ``_band_interval``), within [0, n_cols), and (SEGMENTS) within the hull of the columns
-    carrying its segment id; rows past n_rows see none. The columns [first[r],
-    run_stop[r]) carry its id, every one (= stop without segments). ``holes``: some row's hull holds padding columns
-    between its own, which only the per-column id test (``_unpadded``) masks; otherwise
-    the intervals are the whole predicate, two comparisons an element.
+    Row r sees at most the columns [first[r], stop[r]): those the band leaves it
+    (``_band_interval``), within [0, n_cols), and (segments.ON) within the hull of the
+    columns carrying its segment id; rows past n_rows see none. The columns [first[r],
+    run_stop[r]) carry its id, every one (= stop without segments). ``holes``: some row's
+    hull holds padding columns between its own, which only the per-column id test
+    (``_unpadded``) masks; otherwise the intervals are the whole predicate, two
+    comparisons an element.
 
-    RANGES (3, B, n_rows) int32, per row: hull [lo, hi) and run end (masks.segment_ranges).
-    Rows are queries and columns keys in the forward and dQ kernels; the reverse
-    (TRANSPOSED) in dK/dV."""
+    segments.ranges (3, B, n_rows) int32, per row: hull [lo, hi) and run end
+    (masks.segment_ranges). Rows are queries and columns keys in the forward and dQ
+    kernels; the reverse (TRANSPOSED) in dK/dV."""
     ok = rows < n_rows
     first = tl.zeros_like(rows)
     stop = tl.where(ok, n_cols, 0)
-    if BAND:
-        band_first, band_stop = _band_interval(rows, lo, hi, positions, POSITIONAL, TRANSPOSED)
+    if band.ON:
+        band_first, band_stop = _band_interval(rows, band, pos, TRANSPOSED)
         first = tl.maximum(first, band_first)
         stop = tl.minimum(stop, band_stop)
     run_stop = stop
     holes = False
-    if SEGMENTS:
-        base = RANGES + off_b * stride_b + rows
-        hull_stop = tl.load(base + stride_plane, mask=ok, other=0)
-        run_end = tl.load(base + 2 * stride_plane, mask=ok, other=0)
+    if segments.ON:
+        base = segments.ranges + off_b * segments.stride_b + rows
+        hull_stop = tl.load(base + segments.stride_plane, mask=ok, other=0)
+        run_end = tl.load(base + 2 * segments.stride_plane, mask=ok, other=0)
         first = tl.maximum(first, tl.load(base, mask=ok, other=n_cols))
         stop = tl.minimum(stop, hull_stop)
         run_stop = tl.minimum(stop, run_end)
@@ -260,9 +406,8 @@ def _row_bounds(rows, n_rows, n_cols, lo, hi, RANGES, off_b, stride_plane, strid
 
 
 @triton.jit
-def _tile_range(start_r, n_rows, n_cols, lo, hi, first, stop, run_stop, positions,
-                BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, BAND: tl.constexpr,
-                SEGMENTS: tl.constexpr, POSITIONAL: tl.constexpr, TRANSPOSED: tl.constexpr):
+def _tile_range(start_r, n_rows, n_cols, band, pos, segments, first, stop, run_stop,
+                BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, TRANSPOSED: tl.constexpr):
     """Loop bounds over the column tiles of the row tile [start_r, start_r + BLOCK_ROWS),
     (start, full_start, full_end, end), from its rows' ``_row_bounds`` (with segments; the
     band alone gives them from the tile's first and last rows). Columns outside
@@ -270,7 +415,7 @@ def _tile_range(start_r, n_rows, n_cols, lo, hi, first, stop, run_stop, position
     [full_start, full_end) are visible to every row (no mask arithmetic), the others in
     [start, end) partly."""
     last = tl.minimum(start_r + BLOCK_ROWS, n_rows) - 1
-    if SEGMENTS:
+    if segments.ON:
         ok = start_r + tl.arange(0, BLOCK_ROWS) < n_rows
         begin = tl.min(tl.where(ok, first, n_cols), 0)
         stop_all = tl.max(stop, 0)
@@ -281,10 +426,9 @@ def _tile_range(start_r, n_rows, n_cols, lo, hi, first, stop, run_stop, position
         stop_all = n_cols
         full_begin = 0
         full_stop = n_cols
-        if BAND:  # the tile's first and last rows bound the others' intervals
-            first_of_first, stop_of_first = _band_interval(start_r, lo, hi, positions, POSITIONAL,
-                                                           TRANSPOSED)
-            first_of_last, stop_of_last = _band_interval(last, lo, hi, positions, POSITIONAL, TRANSPOSED)
+        if band.ON:  # the tile's first and last rows bound the others' intervals
+            first_of_first, stop_of_first = _band_interval(start_r, band, pos, TRANSPOSED)
+            first_of_last, stop_of_last = _band_interval(last, band, pos, TRANSPOSED)
             begin = tl.maximum(first_of_first, 0)
             stop_all = tl.minimum(stop_of_last, n_cols)
             full_begin = first_of_last
@@ -297,68 +441,70 @@ def _tile_range(start_r, n_rows, n_cols, lo, hi, first, stop, run_stop, position
 
 
 @triton.jit
-def _listed_range(COUNTS, stride_plane, row, PART=0):
+def _listed_range(lists, row, PART=0):
     """Block-sparse loop bounds (start, full_start, full_end, end), in virtual columns: the
     blocks listed for row block ``row`` laid end to end, its partial blocks in
     [start, full_start) and its full ones in [full_start, end). ``_column`` maps them back.
     PART: of the columns' second part (lists split where the columns are held in two
     tensors, ``masks.block_lists``), listed after the first's."""
+    counts, plane = lists.counts, lists.stride_plane
     start = 0
     if PART == 1:
-        start = (tl.load(COUNTS + row) + tl.load(COUNTS + stride_plane + row)) * SPARSE_BLOCK
-    full_start = start + tl.load(COUNTS + 2 * PART * stride_plane + row) * SPARSE_BLOCK
-    end = full_start + tl.load(COUNTS + (2 * PART + 1) * stride_plane + row) * SPARSE_BLOCK
+        start = (tl.load(counts + row) + tl.load(counts + plane + row)) * SPARSE_BLOCK
+    full_start = start + tl.load(counts + 2 * PART * plane + row) * SPARSE_BLOCK
+    end = full_start + tl.load(counts + (2 * PART + 1) * plane + row) * SPARSE_BLOCK
     return start, full_start, end, end
 
 
 @triton.jit
-def _query_loop(start_m, rows, seqlen_q, seqlen_k, band_lo, band_hi, RANGES, off_b, off_h,
-                stride_rp, stride_rb, COUNTS, stride_cp, stride_sh, positions, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BAND: tl.constexpr, SEGMENTS: tl.constexpr,
-                SPARSE: tl.constexpr, POSITIONAL: tl.constexpr):
+def _query_loop(start_m, rows, seqlen_q, seqlen_k, band, pos, segments, lists, off_b, off_h,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The key loop of a query tile (forward, dQ): its rows' ``_row_bounds`` (first, stop,
-    holes), its block-mask list row (0 without SPARSE) and its loop bounds (start,
+    holes), its block-mask list row (0 without lists) and its loop bounds (start,
     full_start, full_end, end), from the rows' intervals or the query block's lists."""
-    first, stop, run_stop, holes = _row_bounds(rows, seqlen_q, seqlen_k, band_lo, band_hi, RANGES,
-                                               off_b, stride_rp, stride_rb, positions, BAND,
-                                               SEGMENTS, POSITIONAL, False)
+    first, stop, run_stop, holes = _row_bounds(rows, seqlen_q, seqlen_k, band, pos, segments, off_b,
+                                               False)
     row = 0
-    if SPARSE:  # the query block's index lists
-        row = off_h * stride_sh + start_m // SPARSE_BLOCK
-        start, full_start, full_end, end = _listed_range(COUNTS, stride_cp, row)
+    if lists.ON:  # the query block's index lists
+        row = off_h * lists.stride_head + start_m // SPARSE_BLOCK
+        start, full_start, full_end, end = _listed_range(lists, row)
     else:
-        start, full_start, full_end, end = _tile_range(start_m, seqlen_q, seqlen_k, band_lo, band_hi, first,
-                                                       stop, run_stop, positions, BLOCK_M, BLOCK_N, BAND,
-                                                       SEGMENTS, POSITIONAL, False)
+        start, full_start, full_end, end = _tile_range(start_m, seqlen_q, seqlen_k, band, pos, segments,
+                                                       first, stop, run_stop, BLOCK_M, BLOCK_N, False)
     return first, stop, holes, row, start, full_start, full_end, end
 
 
 @triton.jit
-def _column(v, INDEX, row, n_col_blocks, SPARSE: tl.constexpr):
-    """The column of loop position v: v itself, or with SPARSE the column of virtual column
-    v in the blocks INDEX lists for row block ``row``."""
-    if SPARSE:
+def _column(v, lists, row):
+    """The column of loop position v: v itself, or under a block mask the column of virtual
+    column v in the blocks listed for row block ``row``."""
+    if lists.ON:
         block = v // SPARSE_BLOCK
-        return tl.load(INDEX + row * n_col_blocks + block) * SPARSE_BLOCK + (v - block * SPARSE_BLOCK)
+        return tl.load(lists.index + row * lists.n_cols + block) * SPARSE_BLOCK + (v - block * SPARSE_BLOCK)
     else:
         return v
 
 
 @triton.jit
-def _load_stats(LSE, DELTA, rows, seqlen_q):
-    """lse in base 2 (a row that saw no key gets +inf, so its p is 0) and delta."""
+def _load_stats(lse, delta, rows, seqlen_q):
+    """lse in base 2 (a row that saw no key gets +inf, so its p is 0) and delta of rows,
+    from pointers to one (batch, head)'s rows of each."""
     ok = rows < seqlen_q
-    lse = tl.load(LSE + rows, mask=ok, other=float("inf"))
-    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
-    return lse, tl.load(DELTA + rows, mask=ok, other=0.0)
+    row_lse = tl.load(lse + rows, mask=ok, other=float("inf"))
+    row_lse = tl.where(row_lse == float("-inf"), float("inf"), row_lse) * 1.4426950408889634
+    return row_lse, tl.load(delta + rows, mask=ok, other=0.0)
 
 
 @triton.jit
-def _store_grad(OUT, IN, offsets, mask, grad, ACCUMULATE: tl.constexpr):
-    """OUT[offsets] = grad, plus IN[offsets] when accumulating (IN: OUT itself, or a running
-    sum with OUT's strides, which the ring's last pass reads in fp32 to write k's dtype)."""
+def _stats_row(stats, off_b, off_h):
+    """Pointer to the rows of batch off_b, head off_h of ``stats`` (``Stats``)."""
+    return stats.ptr + off_b * stats.stride_b + off_h * stats.stride_h
+
+
+@triton.jit
+def _store_grad(dst, src, offsets, mask, grad, ACCUMULATE: tl.constexpr):
+    """dst[offsets] = grad, plus src[offsets] when accumulating (src: dst itself, or a running
+    sum with dst's strides, which the ring's last pass reads in fp32 to write k's dtype)."""
     if ACCUMULATE:
-        grad += tl.load(IN + offsets, mask=mask, other=0.0).to(tl.float32)
-    tl.store(OUT + offsets, grad.to(OUT.dtype.element_ty), mask=mask)
-
-
+        grad += tl.load(src + offsets, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst + offsets, grad.to(dst.dtype.element_ty), mask=mask)
