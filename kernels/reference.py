@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 import torch
+from einops import rearrange
 
 from . import dropout
 from .masks import PairMask, pair_positions, visible
@@ -65,8 +66,8 @@ def _dropped(p, mask: PairMask, start: int, end: int, kv_heads: int):
 
 
 def _grouped(q, kv_heads):
-    b, s, h, d = q.shape
-    return q.view(b, s, kv_heads, h // kv_heads, d)
+    """(B, S, H, D) as (B, S, Hkv, G, D): query head h is in group h // G of kv head h // G."""
+    return rearrange(q, "b s (h g) d -> b s h g d", h=kv_heads)
 
 
 # The twin computes in fp32 whatever autocast says, as the Triton kernels ignore it: under

@@ -17,15 +17,17 @@ import torch
 
 from .exchange import TRANSPORTS, Ring
 from .kernels import SUPPORTED_DTYPES
-from .kernels.masks import tensor_memo
-from .layouts import LAYOUTS
+from .kernels.masks import BAND_INF, tensor_memo
+from .layouts import LAYOUTS, layout_of
 
 ENABLED = os.environ.get("RINGFLASH_RANK_CHECK", "1") != "0"
 
-_SIGNATURE_FIELDS = ("batch", "seqlen_local", "heads", "head_dim", "kv_heads", "dtype", "causal",
-                     "layout", "softmax_scale", "requires_grad", "transport", "window_left",
-                     "window_right", "segment_ids given", "dropout_p", "seed",
-                     "block_mask's nonzero blocks", "block_mask's checksum")
+# The band's fields name what it is made of (causal, window_size): ranks that disagree on
+# either disagree on the band, (lo, hi) of key - query positions (None: unbounded).
+BAND_FIELDS = ("band_lo (from causal, window_size)", "band_hi (from causal, window_size)")
+_SIGNATURE_FIELDS = ("batch", "seqlen_local", "heads", "head_dim", "kv_heads", "dtype", *BAND_FIELDS,
+                     "layout", "softmax_scale", "requires_grad", "transport", "segment_ids given",
+                     "dropout_p", "seed", "block_mask's nonzero blocks", "block_mask's checksum")
 
 
 def _float_bits(x: float) -> int:
@@ -46,13 +48,13 @@ def _block_digest(blocks) -> list[int]:
     return tensor_memo(blocks, ("digest",), digest)
 
 
-def signature(q, k, causal, layout, scale, needs_grad, kind, window, segments, dropout,
-              blocks=None) -> list[int]:
+def signature(q, k, band, layout, scale, needs_grad, kind, segments, dropout, blocks=None) -> list[int]:
     """A few integers that every rank of the ring must agree on."""
-    return [*q.shape, k.shape[2], SUPPORTED_DTYPES.index(q.dtype), int(causal),
-            LAYOUTS.index(layout), _float_bits(scale), int(needs_grad), TRANSPORTS.index(kind),
-            *window, int(segments is not None), _float_bits(dropout[0]), dropout[1],
-            *_block_digest(blocks)]
+    lo, hi = band
+    return [*q.shape, k.shape[2], SUPPORTED_DTYPES.index(q.dtype), -BAND_INF if lo is None else lo,
+            BAND_INF if hi is None else hi, LAYOUTS.index(layout_of(layout).name), _float_bits(scale),
+            int(needs_grad), TRANSPORTS.index(kind), int(segments is not None), _float_bits(dropout[0]),
+            dropout[1], *_block_digest(blocks)]
 
 
 def _shown(field: str, values) -> list:
@@ -64,6 +66,8 @@ def _shown(field: str, values) -> list:
         return [LAYOUTS[x] for x in values]
     if field == "transport":
         return [TRANSPORTS[x] for x in values]
+    if field in BAND_FIELDS:
+        return [None if abs(x) == BAND_INF else x for x in values]
     return list(values)
 
 
@@ -72,7 +76,7 @@ def check_ranks_agree(ring: Ring, signature: list[int] | None, error: Exception 
 
     ``signature`` is None on a rank whose own checks failed with ``error``: it still joins
     the all-gather, so the other ranks learn of it instead of waiting in the ring.
-    Costs one all-gather of 19 int64 per call on the host (``exchange.host_group``: gloo),
+    Costs one all-gather of 18 int64 per call on the host (``exchange.host_group``: gloo),
     which waits for the other ranks' hosts but not for the GPU (a block mask's checksum
     is reduced on its device the first time the mask is seen). It runs on every call
     rather than once per signature: a rank that skipped it because its own

@@ -13,37 +13,34 @@ from .groups import resolve_group
 from .kernels import (band_of_window, check_block_mask, check_causal, check_deterministic,
                       check_dropout, check_qkv, check_segment_ids, check_window, resolve_scale)
 from .kernels.masks import BLOCK
-from .layouts import DEFAULT_LAYOUT, check_block_layout, check_layout, global_positions
+from .layouts import DEFAULT_LAYOUT, check_layout, global_positions, layout_of
 from .ops import ring_attn
 
 
 def _check_local(q, k, v, causal, layout, softmax_scale, window_size, segment_ids, dropout_p, seed,
                  block_mask, deterministic, world):
+    """The call's arguments, checked: (band, layout, scale, segments, dropout, blocks), the
+    band being (lo, hi) of key - query positions (``kernels.band_of_window``)."""
     check_qkv(q, k, v)
     check_deterministic(deterministic)
     causal = check_causal(causal)
     layout = check_layout(layout)
     scale = resolve_scale(softmax_scale, q.shape[-1])
     window = check_window(window_size)
+    band = band_of_window(causal, window)
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"q and k must hold the same number of local tokens, got {q.shape[1]} and {k.shape[1]}")
-    if layout == "zigzag" and q.shape[1] % 2:
-        raise ValueError(f"layout 'zigzag' needs an even seqlen_local (two chunks a rank), got {q.shape[1]}")
+    rules = layout_of(layout)
+    rules.check_local(q.shape[1])
     segments = check_segment_ids(segment_ids, q.shape[0], q.shape[1], q.device)
     seqlen = q.shape[1] * world
-    if layout == "block_stripe" and q.shape[1] % BLOCK:
-        raise ValueError(f"layout 'block_stripe' needs seqlen_local a multiple of {BLOCK} (whole "
-                         f"blocks a rank), got {q.shape[1]}")
     blocks = check_block_mask(block_mask, q.shape[2], seqlen, seqlen, q.device,
                               "global seqlen (W x seqlen_local), global seqlen")
     if blocks is not None:
-        check_block_layout(layout, world, q.shape[1], BLOCK)
-        if layout == "block_stripe" and band_of_window(causal, window) not in ((None, None), (None, 0)):
-            raise ValueError(f"block_mask with layout 'block_stripe' takes causal or full attention, "
-                             f"not window_size {window}: a window cuts the shards' blocks (layouts "
-                             "'contiguous' and 'zigzag' take both)")
+        rules.block_chunk(world, q.shape[1], BLOCK)
+    rules.check_masks(band, window, blocks is not None)
     dropout = check_dropout(dropout_p, seed)
-    return causal, layout, scale, window, segments, dropout, blocks
+    return band, layout, scale, segments, dropout, blocks
 
 
 def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
@@ -121,9 +118,9 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
         checked = _check_local(*args, Ring(group).world)
     else:
         checked = _check_local_on_every_rank(*args, group=group)
-    causal, layout, scale, window, segments, dropout, blocks = checked
-    out, lse = ring_attn(q, k, v, segments, softmax_scale=scale, causal=causal, layout=layout,
-                         window=window, dropout=dropout, blocks=blocks, group=group)
+    band, layout, scale, segments, dropout, blocks = checked
+    out, lse = ring_attn(q, k, v, segments, softmax_scale=scale, band=band, layout=layout, dropout=dropout,
+                         blocks=blocks, group=group)
     return (out, lse) if return_lse else out
 
 

@@ -104,8 +104,8 @@ def host_group(group):
     for NCCL, a gloo group over the same ranks with the same timeout, made on the first
     call (by every member: ring calls run in lockstep) and kept. An NCCL all-gather of a
     few ints makes the host wait for every kernel queued before it, and the GPU then idles
-    while the host launches what comes next (0.5-1.9 ms a fwd+bwd on 2 x H200,
-    benchmarks/NOTES.md)."""
+    while the host launches what comes next (0.5-1.9 ms a fwd+bwd on 2 x H200;
+    docs/notes/documents.md, "Documents, fourth round")."""
     if not _is_nccl(group):
         return group
     name = group.group_name

@@ -1,8 +1,11 @@
 """Sequence layouts: which global tokens each rank holds, and what each ring step computes.
 
-A layout is data. For a rank holding queries and a visiting K/V shard that started on
-rank ``src``, ``step_pairs`` lists the (query rows, key rows, mask) pairs to compute;
-the one schedule engine in ``ring.py`` runs those lists for every layout.
+A layout is data: one ``Layout`` record per layout holds its rules (which positions a
+rank holds, what lengths it splits, which masks it serves) and, for a rank holding queries
+and a visiting K/V shard that started on rank ``src``, the (query rows, key rows, mask)
+pairs a ring step computes (``step_pairs``); the one schedule engine in ``ring/`` runs
+those lists for every layout, and no code compares layout names. Every function that
+takes a layout takes its name or the record (``layout_of``).
 
 World size W, global length N, n = N / W tokens per rank:
 
@@ -15,7 +18,7 @@ World size W, global length N, n = N / W tokens per rank:
 - block_stripe: the sequence is cut into blocks of BLOCK = 128 tokens (the kernels' tile
   and block-mask block); rank r holds the blocks b with b mod W == r, in order. Balanced
   like stripe, for causal attention and for packed documents alike (busiest rank within
-  2% of the mean at 128k on 2 and 4 ranks, benchmarks/NOTES.md), and each local block of
+  2% of the mean at 128k on 2 and 4 ranks, docs/notes/documents.md), and each local block of
   128 rows is 128 consecutive tokens, so a document keeps the tiles it has on one device.
   A pair's positions jump by W * BLOCK every BLOCK rows, so its band (causal, window) is
   kept on global positions (``Pair.on_positions``); the own shard under causal alone is
@@ -33,6 +36,7 @@ import functools
 from typing import NamedTuple, Optional
 
 import torch
+from einops import reduce
 
 from .kernels.masks import BLOCK, PairMask, band_interval
 
@@ -43,7 +47,7 @@ LAYOUTS = ("contiguous", "zigzag", "stripe", "block_stripe")
 # whole block pairs empty. It needs the global length divisible by 2W.
 DEFAULT_LAYOUT = "zigzag"
 # The layout for packed documents (segment_ids): balanced whatever the document lengths,
-# on the tiles one device would compute (README, "Which layout").
+# on the tiles one device would compute (docs/masks-and-layouts.md, "Which layout").
 DOCUMENTS_LAYOUT = "block_stripe"
 _ALL = slice(None)
 
@@ -77,22 +81,6 @@ class _Chunk(NamedTuple):
     length: int
     gpos: int
     stride: int
-
-
-def check_layout(layout) -> str:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    return layout
-
-
-def _chunks(layout: str, rank: int, world: int, n: int) -> list[_Chunk]:
-    """A rank's n local tokens as runs of evenly spaced global positions."""
-    if layout == "contiguous":
-        return [_Chunk(0, n, rank * n, 1)]
-    if layout == "stripe":
-        return [_Chunk(0, n, rank, world)]
-    c = n // 2
-    return [_Chunk(0, c, rank * c, 1), _Chunk(c, c, (2 * world - 1 - rank) * c, 1)]
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -158,52 +146,16 @@ def _merged(pairs: list[Pair], n: int) -> list[Pair]:
     return sorted(pairs, key=lambda p: (span(p.q), span(p.k)))
 
 
-def _block_stripe_pair(rank: int, src: int, world: int, local_len: int, band: Band,
-                       occupied: Optional[frozenset]) -> Optional[Pair]:
-    """The one pair of a block_stripe step (None where the band or a block mask leaves it
-    empty). Query row i of rank r is at global position r BLOCK + i + (i // BLOCK) (W - 1)
-    BLOCK, key row j of shard s likewise: the band stays on positions, and each row still
-    sees one interval of key rows (``masks.band_interval``), which also tells an empty pair
-    or a full one. The own shard keeps the global order, so causal alone is j <= i there."""
-    if occupied is not None and (rank, src) not in occupied:
-        return None
-    pos = (rank * BLOCK, src * BLOCK, 1, (world - 1) * BLOCK)
-    if src == rank and band == (None, 0):
-        return Pair(_ALL, _ALL, None, 0, pos)
-    if band == NO_BAND:
-        return Pair(_ALL, _ALL, pos=pos)
-    pair = Pair(_ALL, _ALL, *band, pos, True)
-    area = pair_area(pair, local_len)
-    if area == 0:
-        return None
-    return Pair(_ALL, _ALL, pos=pos) if area == local_len * local_len else pair
-
-
 @functools.lru_cache(maxsize=4096)
-def step_pairs(layout: str, rank: int, src: int, world: int, local_len: int,
+def step_pairs(layout, rank: int, src: int, world: int, local_len: int,
                band: Band = NO_BAND, merge: bool = True,
                occupied: Optional[frozenset] = None) -> tuple[Pair, ...]:
     """The block pairs rank ``rank`` computes against the K/V shard of rank ``src``, for
     keys visible iff band[0] <= kp - qp <= band[1] on global positions (``NO_BAND``: all)
-    and, with ``occupied`` (a block mask's ``occupied_chunks``), only chunk pairs in it.
-
-    Every pair of (query chunk, key chunk) is classified from its positions: empty
-    (dropped), full (no band) or partial (a band of local indices). With ``merge``, full
-    pairs side by side become one call (positions then no longer matter). The own shard
-    under a causal band is one pair over every row whatever the layout: positions increase
-    with the local index, so kp <= qp is j <= i.
-    """
-    if layout == "block_stripe":
-        pair = _block_stripe_pair(rank, src, world, local_len, band, occupied)
-        return () if pair is None else (pair,)
-    pairs = [p for qc in _chunks(layout, rank, world, local_len)
-             for kc in _chunks(layout, src, world, local_len)
-             if (p := _local_pair(qc, kc, band, local_len, occupied)) is not None]
-    if not merge:
-        return tuple(pairs)
-    if src == rank and band in (NO_BAND, (None, 0)) and len(pairs) > 1:
-        return (Pair(_ALL, _ALL, None, band[1]),)
-    return tuple(_merged(pairs, local_len))
+    and, with ``occupied`` (a block mask's ``occupied_chunks``), only chunk pairs in it;
+    ``layout``: a name or a ``Layout`` (``Layout.pairs``). With ``merge``, full pairs side
+    by side become one call (positions then no longer matter)."""
+    return layout_of(layout).pairs(rank, src, world, local_len, band, merge, occupied)
 
 
 def gathered_pair(rows: range, local_len: int, band: Band = NO_BAND, keys: bool = True) -> Optional[Pair]:
@@ -245,7 +197,7 @@ def _keys_within(pair: Pair, start: int, stop: int, n: int) -> Optional[Pair]:
 
 
 @functools.lru_cache(maxsize=4096)
-def step_pieces(layout: str, rank: int, src: int, world: int, local_len: int,
+def step_pieces(layout, rank: int, src: int, world: int, local_len: int,
                 band: Band = NO_BAND, merge: bool = True, occupied: Optional[frozenset] = None,
                 cuts: tuple[int, ...] = ()) -> tuple[tuple[Pair, ...], ...]:
     """``step_pairs`` cut along the visiting shard's key rows at ``cuts`` (increasing): for
@@ -260,7 +212,7 @@ def step_pieces(layout: str, rank: int, src: int, world: int, local_len: int,
                  for lo, hi in zip(bounds, bounds[1:]))
 
 
-def active_steps(layout: str, world: int, local_len: int, band: Band = NO_BAND,
+def active_steps(layout, world: int, local_len: int, band: Band = NO_BAND,
                  occupied: Optional[frozenset] = None) -> int:
     """Ring steps that compute anything on some rank: the steps after them are empty on
     every rank, so K/V stop travelling there (a sliding window shorter than the sequence
@@ -280,7 +232,7 @@ def pair_area(pair: Pair, n: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def remote_share(layout: str, world: int, local_len: int, band: Band = NO_BAND) -> float:
+def remote_share(layout, world: int, local_len: int, band: Band = NO_BAND) -> float:
     """Over every rank, the least ratio of the elements its step 1 computes (the first
     remote shard) to those of its own step, counted from the bands (segment ids aside;
     under a block mask the ring counts its blocks instead). The ring's backward asks it to
@@ -293,75 +245,255 @@ def remote_share(layout: str, world: int, local_len: int, band: Band = NO_BAND) 
     return min(ratios)
 
 
-def check_block_layout(layout: str, world: int, local_len: int, block: int) -> int:
-    """The layout's chunk length, if a block mask of ``block``-token blocks can be cut along
-    it (ValueError otherwise): stripe shards interleave the tokens of every block, and the
-    chunks of the others must hold whole blocks (block_stripe's are its blocks)."""
-    if layout == "stripe":
-        raise ValueError("block_mask needs layout 'contiguous', 'zigzag' or 'block_stripe': "
-                         "stripe shards interleave the tokens of every block")
-    if layout == "block_stripe":  # its pieces are the blocks themselves
-        if local_len % block:
-            raise ValueError(f"block_mask with layout 'block_stripe' needs seqlen_local a multiple "
-                             f"of the block size {block}, got {local_len}")
-        return block
-    chunk = world * local_len // split_factor(layout, world)
-    if chunk % block:
-        raise ValueError(f"block_mask needs the layout's chunks ({chunk} tokens: seqlen_local "
-                         f"{local_len}{' / 2' if layout == 'zigzag' else ''}) to be a multiple of "
-                         f"the block size {block}")
-    return chunk
-
-
-def occupied_chunks(block_mask: torch.Tensor, layout: str, world: int, local_len: int,
-                    block: int) -> frozenset:
-    """The (query chunk, key chunk) pairs of GLOBAL chunks in which ``block_mask`` (heads or
-    1, N / block, N / block) has a nonzero block: chunks are the layout's pieces (W for
-    contiguous, 2W for zigzag), numbered along the sequence; for block_stripe, chunk r is
-    every block of rank r. One host synchronization."""
-    per = check_block_layout(layout, world, local_len, block) // block
-    any_head = block_mask.any(0)
-    if layout == "block_stripe":  # global block a W + r is rank r's a-th block
-        a = local_len // block
-        grid = any_head.view(a, world, a, world).any(2).any(0).cpu()
-    else:
-        parts = split_factor(layout, world)
-        grid = any_head.view(parts, per, parts, per).any(3).any(1).cpu()
-    return frozenset((int(a), int(c)) for a, c in grid.nonzero().tolist())
-
-
 def writes_first(pairs) -> bool:
     """Whether the own-shard step is one pair over every row (the ring's first step then
     writes its results instead of adding into zeroed buffers)."""
     return len(pairs) == 1 and pairs[0].q == pairs[0].k == _ALL
 
 
-def split_factor(layout: str, world: int) -> int:
-    """How many equal pieces the global sequence is cut into (block_stripe: W, each a
-    multiple of BLOCK)."""
-    return 2 * world if layout == "zigzag" else world
+def check_layout(layout):
+    """``layout`` (a name or a ``Layout``), once it names a layout; ValueError otherwise."""
+    layout_of(layout)
+    return layout
 
 
-def check_seqlen(seqlen: int, layout: str, world: int) -> None:
-    parts = BLOCK * world if layout == "block_stripe" else split_factor(layout, world)
-    if seqlen % parts:
-        what = {"zigzag": f"2 x world size = {parts}",
-                "block_stripe": f"{BLOCK} x world size = {parts}"}.get(layout, f"the world size {world}")
-        raise ValueError(
-            f"seqlen {seqlen} cannot be split by layout {layout!r} over {world} ranks: "
-            f"it must be a multiple of {what}")
+def layout_of(layout) -> "Layout":
+    """The ``Layout`` record of a layout name (or the record itself)."""
+    if isinstance(layout, Layout):
+        return layout
+    if isinstance(layout, str) and layout in _BY_NAME:
+        return _BY_NAME[layout]
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
 
-def global_positions(seqlen: int, layout: str, rank: int, world: int) -> torch.Tensor:
+def global_positions(seqlen: int, layout, rank: int, world: int) -> torch.Tensor:
     """Global token ids held by ``rank``, in local order (int64, CPU)."""
-    check_seqlen(seqlen, layout, world)
-    n = seqlen // world
-    if layout == "contiguous":
+    layout = layout_of(layout)
+    layout.check_seqlen(seqlen, world)
+    return layout.positions(seqlen, rank, world)
+
+
+def check_block_layout(layout, world: int, local_len: int, block: int) -> int:
+    """The layout's chunk length, if a block mask of ``block``-token blocks can be cut along
+    it (ValueError otherwise; ``Layout.block_chunk``)."""
+    return layout_of(layout).block_chunk(world, local_len, block)
+
+
+def occupied_chunks(block_mask: torch.Tensor, layout, world: int, local_len: int,
+                    block: int) -> frozenset:
+    """The (query chunk, key chunk) pairs of GLOBAL chunks in which ``block_mask`` (heads or
+    1, N / block, N / block) has a nonzero block: chunks are the layout's pieces (W for
+    contiguous, 2W for zigzag), numbered along the sequence; for block_stripe, chunk r is
+    every block of rank r. One host synchronization."""
+    layout = layout_of(layout)
+    per = layout.block_chunk(world, local_len, block) // block
+    return layout.occupied(block_mask.any(0), world, local_len, block, per)
+
+
+# ----------------------------------------------------------------------------- the layouts
+
+
+class Layout:
+    """How a sequence of N tokens is split over W ranks (n = N / W tokens each), and the
+    rules that follow from it: one instance per layout (``layout_of`` finds it by name).
+
+    ``local_multiple``: n must be a multiple of it. ``keeps_kv``: a ring of two over it may
+    hold the whole sequence's K/V in global order (its shards are the two halves: the
+    ring's gathered schedule, ``ring.keeps_kv``)."""
+
+    name = ""
+    local_multiple = 1
+    keeps_kv = False
+
+    def __repr__(self) -> str:
+        return f"Layout({self.name!r})"
+
+    def pieces(self, world: int) -> int:
+        """How many equal pieces of consecutive positions the sequence is cut into."""
+        return world
+
+    def seqlen_multiple(self, world: int) -> int:
+        return self.pieces(world)
+
+    def check_seqlen(self, seqlen: int, world: int) -> None:
+        parts = self.seqlen_multiple(world)
+        if seqlen % parts:
+            raise ValueError(f"seqlen {seqlen} cannot be split by layout {self.name!r} over {world} ranks: "
+                             f"it must be a multiple of {self._multiple_words(world, parts)}")
+
+    def _multiple_words(self, world: int, parts: int) -> str:
+        return f"the world size {world}"
+
+    def check_local(self, local_len: int) -> None:
+        """ValueError if a rank's n tokens cannot be this layout's shard."""
+
+    def check_masks(self, band: Band, window: tuple[int, int], block_mask: bool) -> None:
+        """ValueError if the layout does not serve this combination of masks."""
+
+    def positions(self, seqlen: int, rank: int, world: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def block_chunk(self, world: int, local_len: int, block: int) -> int:
+        """The chunk length a block mask of ``block``-token blocks is cut along (ValueError
+        where the chunks do not hold whole blocks)."""
+        chunk = world * local_len // self.pieces(world)
+        if chunk % block:
+            raise ValueError(f"block_mask needs the layout's chunks ({chunk} tokens: seqlen_local "
+                             f"{local_len}{self._chunk_words}) to be a multiple of the block size {block}")
+        return chunk
+
+    _chunk_words = ""
+
+    def occupied(self, any_head: torch.Tensor, world: int, local_len: int, block: int, per: int) -> frozenset:
+        """``occupied_chunks`` from the mask's blocks over every head, ``per`` blocks a chunk."""
+        parts = self.pieces(world)
+        grid = reduce(any_head, "(qc qb) (kc kb) -> qc kc", "any", qc=parts, kc=parts).cpu()
+        return frozenset((int(a), int(c)) for a, c in grid.nonzero().tolist())
+
+    def pairs(self, rank: int, src: int, world: int, local_len: int, band: Band, merge: bool,
+              occupied: Optional[frozenset]) -> tuple[Pair, ...]:
+        raise NotImplementedError
+
+
+class _Runs(Layout):
+    """A layout whose shards are a few runs of evenly spaced global positions (``runs``).
+
+    Every pair of (query run, key run) of a step is classified from its positions: empty
+    (dropped), full (no band) or partial (a band of local indices). The own shard under a
+    causal band is one pair over every row: positions increase with the local index, so
+    kp <= qp is j <= i."""
+
+    def runs(self, rank: int, world: int, n: int) -> list[_Chunk]:
+        raise NotImplementedError
+
+    def pairs(self, rank, src, world, local_len, band, merge, occupied):
+        pairs = [p for qc in self.runs(rank, world, local_len)
+                 for kc in self.runs(src, world, local_len)
+                 if (p := _local_pair(qc, kc, band, local_len, occupied)) is not None]
+        if not merge:
+            return tuple(pairs)
+        if src == rank and band in (NO_BAND, (None, 0)) and len(pairs) > 1:
+            return (Pair(_ALL, _ALL, None, band[1]),)
+        return tuple(_merged(pairs, local_len))
+
+
+class Contiguous(_Runs):
+    """Rank r holds [r n, (r + 1) n). Causal work is lopsided: rank r computes r + 1 of the
+    W steps; a sliding window reaches about window / n ranks back."""
+
+    name = "contiguous"
+    keeps_kv = True
+
+    def runs(self, rank, world, n):
+        return [_Chunk(0, n, rank * n, 1)]
+
+    def positions(self, seqlen, rank, world):
+        n = seqlen // world
         return torch.arange(rank * n, (rank + 1) * n)
-    if layout == "stripe":
+
+
+class Zigzag(_Runs):
+    """The sequence cut into 2W chunks of c = n / 2; rank r holds chunks r and 2W - 1 - r.
+    Every causal step costs half a full block pair, on every rank."""
+
+    name = "zigzag"
+    local_multiple = 2
+    _chunk_words = " / 2"
+
+    def pieces(self, world):
+        return 2 * world
+
+    def _multiple_words(self, world, parts):
+        return f"2 x world size = {parts}"
+
+    def check_local(self, local_len):
+        if local_len % 2:
+            raise ValueError(f"layout 'zigzag' needs an even seqlen_local (two chunks a rank), got {local_len}")
+
+    def runs(self, rank, world, n):
+        c = n // 2
+        return [_Chunk(0, c, rank * c, 1), _Chunk(c, c, (2 * world - 1 - rank) * c, 1)]
+
+    def positions(self, seqlen, rank, world):
+        c = seqlen // world // 2
+        first, second = rank * c, (2 * world - 1 - rank) * c
+        return torch.cat([torch.arange(first, first + c), torch.arange(second, second + c)])
+
+
+class Stripe(_Runs):
+    """Rank r holds the tokens t with t mod W = r: every causal step is one block pair with a
+    diagonal offset of 0 or -1. A block mask cannot be cut along it."""
+
+    name = "stripe"
+
+    def runs(self, rank, world, n):
+        return [_Chunk(0, n, rank, world)]
+
+    def positions(self, seqlen, rank, world):
         return torch.arange(rank, seqlen, world)
-    if layout == "block_stripe":
+
+    def block_chunk(self, world, local_len, block):
+        raise ValueError("block_mask needs layout 'contiguous', 'zigzag' or 'block_stripe': "
+                         "stripe shards interleave the tokens of every block")
+
+
+class BlockStripe(Layout):
+    """Blocks of BLOCK tokens dealt round-robin: rank r holds the blocks b with b mod W = r,
+    in order. Its rows jump by W BLOCK positions every BLOCK rows, so a band (causal,
+    window) stays on global positions (``Pair.on_positions``)."""
+
+    name = "block_stripe"
+    local_multiple = BLOCK
+
+    def seqlen_multiple(self, world):
+        return BLOCK * world
+
+    def _multiple_words(self, world, parts):
+        return f"{BLOCK} x world size = {parts}"
+
+    def check_local(self, local_len):
+        if local_len % BLOCK:
+            raise ValueError(f"layout 'block_stripe' needs seqlen_local a multiple of {BLOCK} (whole "
+                             f"blocks a rank), got {local_len}")
+
+    def check_masks(self, band, window, block_mask):
+        if block_mask and band not in ((None, None), (None, 0)):
+            raise ValueError(f"block_mask with layout 'block_stripe' takes causal or full attention, "
+                             f"not window_size {window}: a window cuts the shards' blocks (layouts "
+                             "'contiguous' and 'zigzag' take both)")
+
+    def positions(self, seqlen, rank, world):
         return torch.arange(seqlen).view(-1, BLOCK)[rank::world].reshape(-1)
-    c = n // 2
-    first, second = rank * c, (2 * world - 1 - rank) * c
-    return torch.cat([torch.arange(first, first + c), torch.arange(second, second + c)])
+
+    def block_chunk(self, world, local_len, block):  # its pieces are the blocks themselves
+        if local_len % block:
+            raise ValueError(f"block_mask with layout 'block_stripe' needs seqlen_local a multiple "
+                             f"of the block size {block}, got {local_len}")
+        return block
+
+    def occupied(self, any_head, world, local_len, block, per):  # global block a W + r: rank r's a-th
+        grid = reduce(any_head, "(qa qr) (ka kr) -> qr kr", "any", qr=world, kr=world).cpu()
+        return frozenset((int(a), int(c)) for a, c in grid.nonzero().tolist())
+
+    def pairs(self, rank, src, world, local_len, band, merge, occupied):
+        """The one pair of a step (none where the band or a block mask leaves it empty).
+        Query row i of rank r is at global position r BLOCK + i + (i // BLOCK) (W - 1) BLOCK,
+        key row j of shard s likewise: the band stays on positions, and each row still sees
+        one interval of key rows (``masks.band_interval``), which also tells an empty pair or
+        a full one. The own shard keeps the global order, so causal alone is j <= i there."""
+        if occupied is not None and (rank, src) not in occupied:
+            return ()
+        pos = (rank * BLOCK, src * BLOCK, 1, (world - 1) * BLOCK)
+        if src == rank and band == (None, 0):
+            return (Pair(_ALL, _ALL, None, 0, pos),)
+        if band == NO_BAND:
+            return (Pair(_ALL, _ALL, pos=pos),)
+        pair = Pair(_ALL, _ALL, *band, pos, True)
+        area = pair_area(pair, local_len)
+        if area == 0:
+            return ()
+        return (Pair(_ALL, _ALL, pos=pos),) if area == local_len * local_len else (pair,)
+
+
+_BY_NAME = {layout.name: layout for layout in (Contiguous(), Zigzag(), Stripe(), BlockStripe())}
+assert tuple(_BY_NAME) == LAYOUTS

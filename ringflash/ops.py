@@ -12,15 +12,16 @@ one graph, forward and backward, with any backend.
 
 Op arguments are what a schema can carry: tensors and scalars. The process group travels
 by name (``group.group_name``, "" for a ring of one without a process group) and is
-looked up again inside the op; the masks as segment ids and the global block mask
-(optional tensors) and the window's two ints, dropout as its rate and seed (a Python int: under torch.compile each
-new seed value is a new specialization, so pass a fixed seed, or None outside compiled
-regions).
+looked up again inside the op, the layout by name; the masks as segment ids and the
+global block mask (optional tensors) and the band of causal and window_size (its two
+optional ints, as the kernels' op takes it), dropout as its rate and seed (a Python int:
+under torch.compile each new seed value is a new specialization, so pass a fixed seed, or
+None outside compiled regions).
 
 The ops are functional (they return new tensors) and tagged ``cudagraph_unsafe``:
 inductor's CUDA-graph mode (mode="reduce-overhead") runs them outside its graphs, since
-the agreement check is a host-side collective that a graph cannot replay (see README,
-"CUDA graphs").
+the agreement check is a host-side collective that a graph cannot replay
+(docs/integrations.md, "CUDA graphs").
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 from . import agreement
 from .exchange import PeerRing, Ring, transport
 from .groups import group_name as name_of
-from .kernels import band_of_window, eager, eager_function, no_double_backward
+from .kernels import eager, eager_function, no_double_backward
 from .ring import keeps_kv, ring_backward, ring_forward
 
 # Older torch has neither the tag nor custom_op's tags argument.
@@ -61,11 +62,11 @@ def _capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def _agreed_ring(q, k, segments, blocks, causal, layout, softmax_scale, window, dropout,
-                 requires_grad, group_name) -> Ring:
+def _agreed_ring(q, k, segments, blocks, band, layout, softmax_scale, dropout, requires_grad,
+                 group_name) -> Ring:
     """The ring this call runs on, with its transport, once every rank agrees on the call.
 
-    The agreement check (``agreement.check_ranks_agree``: one all-gather of 19 int64 on the
+    The agreement check (``agreement.check_ranks_agree``: one all-gather of 18 int64 on the
     host, never waiting for the GPU) runs here, inside the op, on every call of a ring of
     more than one rank unless RINGFLASH_RANK_CHECK=0, and except while a CUDA graph is
     being captured: a graph replays GPU work only, and the eager warm-up iterations that
@@ -80,8 +81,8 @@ def _agreed_ring(q, k, segments, blocks, causal, layout, softmax_scale, window, 
             raise
         agreement.check_ranks_agree(ring, None, error)
     if check:
-        signature = agreement.signature(q, k, causal, layout, softmax_scale, requires_grad, kind, window,
-                                   segments, dropout, blocks)
+        signature = agreement.signature(q, k, band, layout, softmax_scale, requires_grad, kind, segments,
+                                        dropout, blocks)
         agreement.check_ranks_agree(ring, signature, None)
     if kind == "peer" and ring.world > 1:
         ring = PeerRing(ring.group)
@@ -93,20 +94,19 @@ def _agreed_ring(q, k, segments, blocks, causal, layout, softmax_scale, window, 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              segments: Optional[torch.Tensor], blocks: Optional[torch.Tensor],
-             softmax_scale: float, causal: bool,
-             layout: str, group_name: str, window_left: int = -1, window_right: int = -1,
-             dropout_p: float = 0.0, seed: int = 0, requires_grad: bool = False
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+             softmax_scale: float, band_lo: Optional[int], band_hi: Optional[int],
+             layout: str, group_name: str, dropout_p: float = 0.0, seed: int = 0,
+             requires_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """out (B, S, H, D) in q's dtype and lse (B, H, S) fp32 of this rank's queries against
     every rank's keys, and what the backward keeps (``_kept_shapes``; empty tensors when
     nothing). ``requires_grad`` (will a backward follow?) also enters the agreement check:
     a rank that skips the backward would leave the others waiting."""
-    window, dropout = (window_left, window_right), (dropout_p, seed)
-    ring = _agreed_ring(q, k, segments, blocks, causal, layout, softmax_scale, window, dropout,
-                        requires_grad, group_name)
+    band, dropout = (band_lo, band_hi), (dropout_p, seed)
+    ring = _agreed_ring(q, k, segments, blocks, band, layout, softmax_scale, dropout, requires_grad,
+                        group_name)
     keep = keeps_kv(layout, ring.world, requires_grad, blocks is not None)
     out, lse, kept = ring_forward(q, k, v, segments, softmax_scale=softmax_scale,
-                                  band=band_of_window(causal, window), dropout=dropout, layout=layout,
+                                  band=band, dropout=dropout, layout=layout,
                                   ring=ring, blocks=blocks, keep=keep)
     # Nothing kept though asked for (a ring whose shards never travel) still returns the
     # shapes the fake gives, uninitialized.
@@ -129,8 +129,8 @@ ring_attn_forward = torch.library.custom_op("ringflash::ring_attn_forward", muta
 
 
 @ring_attn_forward.register_fake
-def _(q, k, v, segments, blocks, softmax_scale, causal, layout, group_name, window_left=-1, window_right=-1,
-      dropout_p=0.0, seed=0, requires_grad=False):
+def _(q, k, v, segments, blocks, softmax_scale, band_lo, band_hi, layout, group_name, dropout_p=0.0, seed=0,
+      requires_grad=False):
     b, n, h, _ = q.shape
     keep = keeps_kv(layout, ring_of(group_name).world, requires_grad, blocks is not None)
     kv, seg = _kept_shapes(k, segments, keep)
@@ -145,9 +145,8 @@ def _backward_grads(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                     out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
                     segments: Optional[torch.Tensor], blocks: Optional[torch.Tensor],
                     kept_kv: torch.Tensor, kept_segments: torch.Tensor,
-                    softmax_scale: float, causal: bool,
-                    layout: str, group_name: str, window_left: int = -1, window_right: int = -1,
-                    dropout_p: float = 0.0, seed: int = 0
+                    softmax_scale: float, band_lo: Optional[int], band_hi: Optional[int],
+                    layout: str, group_name: str, dropout_p: float = 0.0, seed: int = 0
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """dq (like q) and dK/dV packed as one (2, *k.shape) tensor: an op may not return two
     views of one buffer, which is what the ring's last hop delivers. kept_kv, kept_segments:
@@ -156,10 +155,9 @@ def _backward_grads(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     ring = ring_of(group_name)
     if ring.world > 1 and transport(ring.group) == "peer":
         ring = PeerRing(ring.group)
-    window = (window_left, window_right)
     kept = (kept_kv, kept_segments if kept_segments.numel() else None) if kept_kv.numel() else None
     return ring_backward(dout.contiguous(), q, k, v, out, lse, dlse, segments,
-                         softmax_scale=softmax_scale, band=band_of_window(causal, window),
+                         softmax_scale=softmax_scale, band=(band_lo, band_hi),
                          dropout=(dropout_p, seed), layout=layout, ring=ring, blocks=blocks, kept=kept)
 
 
@@ -168,8 +166,8 @@ ring_attn_backward = torch.library.custom_op("ringflash::ring_attn_backward", mu
 
 
 @ring_attn_backward.register_fake
-def _(dout, q, k, v, out, lse, dlse, segments, blocks, kept_kv, kept_segments, softmax_scale, causal,
-      layout, group_name, window_left=-1, window_right=-1, dropout_p=0.0, seed=0):
+def _(dout, q, k, v, out, lse, dlse, segments, blocks, kept_kv, kept_segments, softmax_scale, band_lo, band_hi,
+      layout, group_name, dropout_p=0.0, seed=0):
     return q.new_empty(q.shape), k.new_empty((2, *k.shape))
 
 
@@ -181,7 +179,7 @@ def _setup_context(ctx, inputs, output):
     out, lse, kept_kv, kept_segments = output
     ctx.save_for_backward(q, k, v, out, lse, segments, blocks, kept_kv, kept_segments)
     ctx.mark_non_differentiable(kept_kv, kept_segments)
-    ctx.args = args  # softmax_scale, causal, layout, group_name, window, dropout
+    ctx.args = args  # softmax_scale, band, layout, group_name, dropout
     ctx.set_materialize_grads(False)  # an unused lse's gradient stays None, not zeros
 
 
@@ -191,21 +189,21 @@ def _backward(ctx, dout, dlse, _dkv=None, _dseg=None):
     dout = torch.zeros_like(out) if dout is None else dout  # only lse was used
     grads = _backward_grads if eager(dout, q) else ring_attn_backward
     dq, dkv = grads(dout, q, k, v, out, lse, dlse, segments, blocks, kept_kv, kept_segments, *ctx.args)
-    return (dq, dkv[0], dkv[1]) + (None,) * 11
+    return (dq, dkv[0], dkv[1]) + (None,) * 10
 
 
 ring_attn_forward.register_autograd(_backward, setup_context=_setup_context)
 _RingAttn = eager_function("_RingAttn", _forward, _setup_context, _backward)
 
 
-def ring_attn(q, k, v, segments=None, *, softmax_scale: float, causal: bool, layout: str,
-              window=(-1, -1), dropout=(0.0, 0), blocks=None, group=None):
+def ring_attn(q, k, v, segments=None, *, softmax_scale: float, band=(None, None), layout: str,
+              dropout=(0.0, 0), blocks=None, group=None):
     """Differentiable (out, lse) over the ring of ``group`` (already resolved); arguments
     already checked. What ``ring_flash_attn`` calls once its checks passed."""
     requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     forward = _RingAttn.apply if eager(q, k, v) else ring_attn_forward
-    out, lse, *_kept = forward(q, k, v, segments, blocks, softmax_scale, causal, layout, name_of(group),
-                               *window, *dropout, requires_grad)
+    out, lse, *_kept = forward(q, k, v, segments, blocks, softmax_scale, *band, layout, name_of(group),
+                               *dropout, requires_grad)
     return out, lse
 
 

@@ -1,0 +1,168 @@
+"""What a call's ring runs: the number of active steps and each step's block pairs (from the
+layout), and a global block mask as the ring uses it (which chunk pairs it occupies, each
+pair's blocks of it, and what the ring of two decides from them); the kernel's mask of one
+pair (``pair_mask``)."""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+from ..exchange import Ring
+from ..kernels import PairMask
+from ..kernels.masks import BAND_INF, BLOCK, Blocks, block_work, computed_blocks, pair_positions, tensor_memo
+from ..layouts import Band, active_steps, occupied_chunks, remote_share, step_pairs, step_pieces, writes_first
+from .rows import uncovered
+
+
+# What one block costs the kernels, ms per 4096 programs (docs/notes/ring-of-two.md, "The ring
+# of two at 32k on 2 × H200: the GPU's time, launch by launch"): a query block's forward and
+# dQ, a key block's dK/dV.
+_ROW_COST, _KEY_COST = 0.061 + 0.084, 0.126
+
+
+class SparsePlan:
+    """A global block mask as the ring uses it: the (query chunk, key chunk) pairs it
+    occupies, and each block pair's blocks of it as ``Blocks`` (a copy, whose index lists
+    are built on first use and then kept). Holds no reference to the mask itself."""
+
+    def __init__(self, blocks: torch.Tensor, layout: str, world: int, n: int):
+        self.layout, self.world, self.n = layout, world, n
+        self.occupied = occupied_chunks(blocks, layout, world, n, BLOCK)
+        self._pairs: dict = {}
+        self._decided: dict = {}  # per band: remote_share, and ("cut", band): key_cut
+
+    def _rows(self, part: slice) -> int:  # slices past n: a gathered pair's keys (2 n rows)
+        return len(range(self.n if part.stop is None else part.stop)[part])
+
+    def _blocks(self, pair, blocks: torch.Tensor) -> torch.Tensor:
+        """The pair's blocks of the mask: the global blocks its rows and columns hold (by
+        their positions), with a band on positions folded in (block_stripe: causal between
+        two shards leaves every block pair wholly visible or wholly hidden, so it is itself
+        a block mask, and ``pair_mask`` drops it)."""
+        a, c = torch.arange(self._rows(pair.q) // BLOCK), torch.arange(self._rows(pair.k) // BLOCK)
+        rows, cols = (p // BLOCK for p in pair_positions(pair.pos, a * BLOCK, c * BLOCK))
+        mine = blocks[:, rows.to(blocks.device)][:, :, cols.to(blocks.device)]
+        if pair.on_positions:  # key block c of a query block: kp - qp spans diff +- (BLOCK - 1)
+            diff = (cols[None, :] - rows[:, None]) * BLOCK
+            lo = -BAND_INF if pair.band_lo is None else pair.band_lo
+            hi = BAND_INF if pair.band_hi is None else pair.band_hi
+            whole = (diff - BLOCK + 1 >= lo) & (diff + BLOCK - 1 <= hi)
+            none = (diff + BLOCK - 1 < lo) | (diff - BLOCK + 1 > hi)
+            assert bool((whole | none).all()), "a band that cuts blocks (api refuses windows here)"
+            mine = mine & whole.to(mine.device)
+        return mine
+
+    def of(self, pair, blocks: torch.Tensor) -> Blocks:
+        """The pair's ``Blocks`` (``_blocks``), made once and kept."""
+        key = (pair.pos, self._rows(pair.q), self._rows(pair.k), pair.band_lo, pair.band_hi,
+               pair.on_positions)
+        if key not in self._pairs:
+            self._pairs[key] = Blocks(self._blocks(pair, blocks))
+        return self._pairs[key]
+
+    def remote_share(self, band: Band, blocks: torch.Tensor) -> float:
+        """``layouts.remote_share`` counted in the blocks the mask computes (every head; a
+        block the band crosses counts whole): a mask can leave a remote step a sliver
+        where the band alone would not (a local band over contiguous shards). Every rank
+        computes every rank's counts from the global mask, so all take one decision (one
+        host synchronization per mask and band)."""
+        if band not in self._decided:
+            def work(rank: int, step: int) -> torch.Tensor:
+                total = torch.zeros((), dtype=torch.int64, device=blocks.device)
+                for pair in step_pairs(self.layout, rank, (rank - step) % self.world, self.world,
+                                       self.n, band, False, self.occupied):
+                    lo, hi = (None, None) if pair.on_positions else (pair.band_lo, pair.band_hi)
+                    total = total + computed_blocks(
+                        self._blocks(pair, blocks), -BAND_INF if lo is None else lo,
+                        BAND_INF if hi is None else hi, self._rows(pair.q), self._rows(pair.k))
+                return total
+            counts = torch.stack([torch.stack([work(r, 0), work(r, 1)]) for r in range(self.world)]).tolist()
+            self._decided[band] = min(remote / max(own, 1) for own, remote in counts)
+        return self._decided[band]
+
+    def key_cut(self, band: Band, blocks: torch.Tensor) -> int:
+        """A ring of two that kept the other rank's K/V (``gathered_backward``): the global key row
+        where its dK/dV launches divide the keys, rank 0 taking those below it. Chosen from
+        the mask's blocks so that each rank's forward, dQ and dK/dV work, weighed by what a
+        block costs each kernel, is as even as the cut allows (a multiple of BLOCK; n, the
+        own keys, when the ranks' work is even): local + global gives rank 0 its global rows
+        and the global keys. Every rank computes it from the global mask (one host
+        synchronization per mask and band)."""
+        key = ("cut", band)
+        if key not in self._decided:
+            lo, hi = (-BAND_INF if band[0] is None else band[0]), (BAND_INF if band[1] is None else band[1])
+            rows, cols = (t.tolist() for t in block_work(blocks, lo, hi, 2 * self.n, 2 * self.n))
+            half = self.n // BLOCK
+            fixed = [_ROW_COST * sum(rows[:half]), _ROW_COST * sum(rows[half:])]
+            below = [0]
+            for work in cols:
+                below.append(below[-1] + work)
+            slower = [max(fixed[0] + _KEY_COST * k, fixed[1] + _KEY_COST * (below[-1] - k)) for k in below]
+            cut = min(range(len(slower)), key=slower.__getitem__)
+            # moving keys costs a launch and a trip: not for less than 2% of the slower rank's work
+            self._decided[key] = (cut if slower[cut] < 0.98 * slower[half] else half) * BLOCK
+        return self._decided[key]
+
+
+class Schedule(NamedTuple):
+    """What a call's ring runs: the number of active steps, each step's pairs, whether step
+    0 writes its results (one pair over every row), the block mask's plan or None,
+    ``pieces(step, cuts)``: the step's pairs cut along key rows (``layouts.step_pieces``),
+    and, for two active steps, whether on EVERY rank the own step's pairs keep to disjoint
+    key rows (a choice of schedule that depends on it must be the same on every rank: the
+    ranks' messages pair up; False for other step counts)."""
+
+    steps: int
+    pairs: list
+    first_writes: bool
+    plan: Optional[SparsePlan]
+    pieces: Callable[[int, tuple[int, ...]], tuple]
+    own_apart: bool
+
+
+def schedule_of(ring: Ring, layout: str, local_len: int, band: Band, dropout: tuple[float, int],
+                blocks: Optional[torch.Tensor]) -> Schedule:
+    """The call's ``Schedule``. With dropout or a block mask, pairs keep their global
+    positions (no merging across chunks)."""
+    plan = None if blocks is None else tensor_memo(
+        blocks, ("plan", layout, ring.world, local_len),
+        lambda: SparsePlan(blocks, layout, ring.world, local_len))
+    occupied = None if plan is None else plan.occupied
+    steps = active_steps(layout, ring.world, local_len, band, occupied) if ring.world > 1 else 1
+    merge = dropout[0] == 0 and blocks is None
+
+    def of(rank: int, s: int) -> tuple:
+        return (layout, rank, (rank - s) % ring.world, ring.world, local_len, band, merge, occupied)
+
+    pairs = [step_pairs(*of(ring.rank, s)) for s in range(steps)]
+    own_apart = steps == 2 and all(  # read by a ring of two only
+        uncovered([pair.k for pair in step_pairs(*of(rank, 0))], local_len) is not None
+        for rank in range(ring.world))
+    return Schedule(steps, pairs, writes_first(pairs[0]), plan,
+                    lambda s, cuts: step_pieces(*of(ring.rank, s), cuts), own_apart)
+
+
+def _own_ids(ids: torch.Tensor, part: slice) -> torch.Tensor:
+    """The rank's own ids of a pair's rows, one tensor per slice while the ids stay
+    unmodified: the own shard's pair then hands its kernels one tensor on both sides, and
+    they compute its segment ranges once for the forward and both backward passes. (Not
+    for the ring's buffers: a receive rewrites them without bumping their version.)"""
+    return tensor_memo(ids, ("pair_ids", part.start, part.stop, part.step),
+                       lambda: ids[:, part].clone(memory_format=torch.contiguous_format))
+
+
+def pair_mask(pair, q_segments, k_segments, dropout: tuple[float, int], plan, blocks) -> PairMask:
+    """The kernel's mask of one pair: its band, its rows' segment ids (q_segments: the
+    rank's own; k_segments: the visiting shard's, the same tensor on the own step), dropout
+    keyed by its positions, and its rectangle of the global block mask."""
+    if q_segments is not None:
+        own = k_segments is q_segments
+        q_segments = _own_ids(q_segments, pair.q)
+        k_segments = _own_ids(k_segments, pair.k) if own else k_segments[:, pair.k].contiguous()
+    lo, hi, on_positions = pair.band_lo, pair.band_hi, pair.on_positions
+    pair_blocks = None if plan is None else plan.of(pair, blocks)
+    if pair_blocks is not None and on_positions:  # a band of whole blocks, folded into them
+        lo, hi, on_positions = None, None, False
+    return PairMask(lo, hi, q_segments, k_segments, *dropout, pair.pos, pair_blocks, on_positions)

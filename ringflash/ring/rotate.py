@@ -1,0 +1,267 @@
+"""The rotation: K/V shards travel around the ring while every rank computes its step's
+block pairs; the backward sends the dK/dV sums after them (the package docstring has the
+schedule)."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .. import kernels
+from ..exchange import Ring
+from ..kernels import attn_delta
+from ..layouts import Band, remote_share
+from .gathered import gathered_backward, gathered_forward
+from .plan import pair_mask, schedule_of
+from .rows import Aside, copy_rows, home_cuts, key_rows, uncovered
+
+
+def kv_slots(k: torch.Tensor, segments: Optional[torch.Tensor], ring: Ring, steps: int) -> list:
+    """The buffers visiting shards arrive in, (K/V packed as (2, *k.shape), segment ids or
+    None) each: none for a ring that passes nothing, one when only the own shard travels
+    (two steps), two taking turns when received shards are passed on."""
+    if steps == 1:
+        return []
+    slots = 1 if steps == 2 else 2
+    kv = ring.buffer("kv", (slots, 2, *k.shape), k.dtype, k.device)
+    seg = None if segments is None else ring.buffer("segments", (slots, *segments.shape),
+                                                     torch.int32, k.device)
+    return [(kv[i], None if seg is None else seg[i]) for i in range(slots)]
+
+
+def pass_on(ring: Ring, cur, nxt) -> list:
+    """Send this step's K/V (and segment ids) on, receive the next shard's into ``nxt``.
+    The own shard leaves from k and v themselves (two messages), a received one from its
+    slot (one)."""
+    (kv, seg), (kv_next, seg_next) = cur, nxt
+    if isinstance(kv, tuple):
+        pairs = [(kv[0].contiguous(), kv_next[0]), (kv[1].contiguous(), kv_next[1])]
+    else:
+        pairs = [(kv, kv_next)]
+    if seg is not None:
+        pairs.append((seg, seg_next))
+    return ring.exchange(*pairs)
+
+
+def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout: tuple[float, int],
+                 layout: str, ring: Ring, blocks: Optional[torch.Tensor] = None, keep: bool = False):
+    """Returns out (in q's dtype), lse (fp32, (B, H, S)) of q against every rank's k, v, and
+    what the backward keeps: None, or with ``keep`` (``keeps_kv``) and two active steps,
+    (kv, segment ids): the other rank's K/V, (2, B, S, Hkv, D), and both ranks' (B, 2 S)
+    int32 segment ids in global order, or None.
+    segments: this rank's (B, S) int32 segment ids, or None. dropout: (p, seed).
+    blocks: the GLOBAL block mask (heads or 1, N / BLOCK, N / BLOCK) bool, or None.
+
+    The running out stays fp32 until the last step, whose pairs write the result in q's
+    dtype straight from it where their query rows do not overlap (no separate cast of
+    the rows they cover). The kept copy runs on a side stream, under the kernels."""
+    b, n, h, d = q.shape
+    steps, schedule, first_writes, plan, *_ = schedule_of(ring, layout, n, band, dropout, blocks)
+    slots = kv_slots(k, segments, ring, steps)
+    keep = keep and steps == 2
+    if keep and segments is None and (ring.streams_chunks or not q.is_cuda):
+        return gathered_forward(q, k, v, slots[0][0], softmax_scale=softmax_scale, band=band,
+                                dropout=dropout, ring=ring, plan=plan, blocks=blocks)
+    out = torch.empty((b, n, h, d), device=q.device, dtype=torch.float32)
+    lse = torch.empty((b, h, n), device=q.device, dtype=torch.float32)
+    if not first_writes:  # several pairs share the first step: every pair merges into these
+        out.zero_()
+        lse.fill_(-math.inf)
+    result = out if q.dtype == torch.float32 else torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    gaps = None if result is out else uncovered([pair.q for pair in schedule[-1]], n)
+    kept, aside = None, Aside(q.device)
+    if keep:
+        kept = (torch.empty((2, *k.shape), device=k.device, dtype=k.dtype),
+                None if segments is None else torch.empty((b, 2 * n), device=k.device, dtype=torch.int32))
+        if segments is not None:
+            kept[1][:, ring.rank * n:(ring.rank + 1) * n] = segments
+    cur = ((k, v), segments)
+    for step, pairs in enumerate(schedule):
+        nxt = slots[step % len(slots)] if step + 1 < steps else None
+        pending = pass_on(ring, cur, nxt) if nxt is not None else []
+        (kv, seg) = cur
+        final = step == steps - 1 and gaps is not None
+        merge = not (first_writes and step == 0)
+        for pair in pairs:
+            kernels.flash_attn_fwd(q[:, pair.q], kv[0][:, pair.k], kv[1][:, pair.k], softmax_scale=softmax_scale,
+                                   mask=pair_mask(pair, segments, seg, dropout, plan, blocks),
+                                   out=(result if final else out)[:, pair.q], lse=lse[:, :, pair.q],
+                                   accumulate=merge, out_partial=out[:, pair.q] if final and merge else None)
+        ring.wait(pending)
+        cur = nxt
+        if kept is not None and step == 0:  # out of the ring's buffer, which the next call reuses
+            aside.copy(kept[0], cur[0])
+            if cur[1] is not None:
+                aside.copy(kept[1][:, (1 - ring.rank) * n:(2 - ring.rank) * n], cur[1])
+    if result is not out:
+        for rows in [slice(None)] if gaps is None else gaps:
+            copy_rows(result, out, rows, 1)
+    aside.join()
+    return result, lse, kept
+
+
+class _Grads:
+    """A backward's block-pair passes and the fp32 dQ sums they add into (``dq``; the last
+    step's pairs write ``dq_out``, in q's dtype, straight from them)."""
+
+    def __init__(self, dout, q, lse, delta, segments, *, softmax_scale: float, dropout, plan, blocks,
+                 first_writes: bool):
+        self.dout, self.q, self.lse, self.delta, self.segments = dout, q, lse, delta, segments
+        self.softmax_scale, self.dropout, self.plan, self.blocks = softmax_scale, dropout, plan, blocks
+        self.n = q.shape[1]
+        self.dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+        if not first_writes:
+            self.dq.zero_()
+        self.dq_out = self.dq if q.dtype == torch.float32 else torch.empty(q.shape, device=q.device,
+                                                                            dtype=q.dtype)
+
+    def pair(self, pair, kv, seg, write: bool, dq=None, dkv=None, partial=None) -> None:
+        """One block pair's dQ pass (into dq) or dK/dV pass (into packed dkv), adding to
+        ``partial`` (fp32 sums laid out like the destination) instead of the destination."""
+        dk, dv = (None, None) if dkv is None else (dkv[0][:, pair.k], dkv[1][:, pair.k])
+        if partial is None:
+            partials = {}
+        elif dq is not None:
+            partials = dict(dq_partial=partial[:, pair.q])
+        else:
+            partials = dict(dk_partial=partial[0][:, pair.k], dv_partial=partial[1][:, pair.k])
+        kernels.flash_attn_bwd(self.dout[:, pair.q], self.q[:, pair.q], kv[0][:, pair.k], kv[1][:, pair.k],
+                               self.lse[:, :, pair.q], self.delta[:, :, pair.q],
+                               None if dq is None else dq[:, pair.q], dk, dv, softmax_scale=self.softmax_scale,
+                               mask=pair_mask(pair, self.segments, seg, self.dropout, self.plan, self.blocks),
+                               accumulate=not write, **partials)
+
+    def dq_pass(self, pairs, kv, seg, write: bool, last: bool) -> None:
+        """A step's dQ passes into the fp32 dq. The last step's pairs write dq in q's dtype
+        (dq_out) straight from those sums where their query rows do not overlap."""
+        dq, dq_out = self.dq, self.dq_out
+        gaps = uncovered([pair.q for pair in pairs], self.n) if last and dq_out is not dq else None
+        for pair in pairs:
+            if gaps is None:
+                self.pair(pair, kv, seg, write, dq=dq)
+            else:
+                self.pair(pair, kv, seg, write, dq=dq_out, partial=None if write else dq)
+        if last and dq_out is not dq:
+            for rows in [slice(None)] if gaps is None else gaps:
+                copy_rows(dq_out, dq, rows, 1)
+
+    def dkv_pass(self, pairs, kv, seg, dest, base=None, keys: Optional[range] = None) -> None:
+        """A step's dK/dV passes into packed ``dest``, for the key rows ``keys`` (None: all n;
+        the pairs' keys lie inside them). The sums start there (base None) or at ``base``,
+        fp32 sums laid out like dest (then the pairs' key rows must not overlap). A dK/dV
+        pass writes every key row of its pair, so pairs over disjoint key rows write theirs
+        and only the rows no pair covers are zeroed or copied from base (-0.5 ms at 64k
+        tokens a rank, 32 heads); overlapping pairs add into zeros."""
+        gaps = uncovered([pair.k for pair in pairs], self.n, keys)
+        if gaps is None and keys is None:
+            dest.zero_()
+        elif gaps is None:
+            copy_rows(dest, None, slice(keys.start, keys.stop), 2)
+        for rows in gaps or ():
+            copy_rows(dest, base, rows, 2)
+        for pair in pairs:
+            self.pair(pair, kv, seg, gaps is not None and base is None, dkv=dest, partial=base)
+
+
+def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: float, band: Band,
+                  dropout: tuple[float, int], layout: str, ring: Ring,
+                  blocks: Optional[torch.Tensor] = None, kept=None):
+    """Returns dq (like q) and dk, dv of this rank's shards packed as one (2, *k.shape)
+    tensor in k's dtype. kept: what ``ring_forward`` kept, or None."""
+    n = q.shape[1]
+    steps, schedule, first_writes, plan, pieces, own_apart = schedule_of(ring, layout, n, band, dropout,
+                                                                         blocks)
+    delta = attn_delta(out, dout, dlse)
+    if kept is not None and steps == 2:
+        return gathered_backward(dout, q, k, v, lse, delta, segments, kept, softmax_scale=softmax_scale,
+                                 band=band, dropout=dropout, ring=ring, plan=plan, blocks=blocks)
+    grads = _Grads(dout, q, lse, delta, segments, softmax_scale=softmax_scale, dropout=dropout, plan=plan,
+                   blocks=blocks, first_writes=first_writes)
+    own = ((k, v), segments)
+    slots = kv_slots(k, segments, ring, steps)
+    # The own shard's dQ first: it needs nothing in flight, so it hides the first K/V trip.
+    kv_pending = pass_on(ring, own, slots[0]) if steps > 1 else []
+    grads.dq_pass(schedule[0], *own, first_writes, steps == 1)
+    ring.wait(kv_pending)
+    if steps == 1:  # pairs adding into one key row add in fp32, then round once
+        overlapping = uncovered([pair.k for pair in schedule[0]], n) is None
+        sums = torch.empty((2, *k.shape), device=k.device, dtype=torch.float32 if overlapping else k.dtype)
+        grads.dkv_pass(schedule[0], *own, sums)
+        return grads.dq_out, sums.to(k.dtype)
+    # Two active steps (a ring of two) take ``_home_first`` where no rank's own pairs overlap
+    # in key rows and every rank's remote step is at least half its own step (a sliding
+    # window's sliver of a remote step would not hide the trip; the own dK/dV pass of
+    # ``_rotate`` does).
+    if steps == 2 and own_apart and (
+            remote_share(layout, ring.world, n, band) if plan is None
+            else plan.remote_share(band, blocks)) >= 0.5:
+        return grads.dq_out, _home_first(grads, ring, k, own, slots[0], schedule, pieces)
+    return grads.dq_out, _rotate(grads, ring, k, own, slots, schedule, steps)
+
+
+def _home_first(grads: _Grads, ring: Ring, k, own, cur, schedule, pieces) -> torch.Tensor:
+    """dK/dV of a ring of two whose one remote sum starts at the last step, so that step
+    runs its dK/dV pass first, its dQ pass hiding the trip home, and the own dK/dV pass adds
+    the arrived sum as it writes the gradients in k's dtype (no final add, no buffer for
+    the own part). Both dK/dV passes run in two pieces of key rows (``home_cuts``): the
+    first piece's sums go home while the second's are computed, and the own pass adds the
+    first before the second has arrived, so only the dQ pass need cover the last half of
+    the trip."""
+    n = grads.n
+    dkv = torch.empty((2, *k.shape), device=k.device, dtype=k.dtype)
+    (kv, seg), cuts = cur, home_cuts(n)
+    running, arrived = ring.buffer("grads", (2, 2, *k.shape), torch.float32, k.device)
+    bounds = (0, *cuts, n)
+    keys = [range(lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+    home = []
+    for rows, pairs in zip(keys, pieces(1, cuts)):
+        grads.dkv_pass(pairs, kv, seg, running, keys=rows)
+        home.append(ring.exchange(*key_rows(running, arrived, rows), shift=-1))
+    grads.dq_pass(schedule[1], kv, seg, False, True)
+    for rows, pairs, pending in zip(keys, pieces(0, cuts), home):
+        ring.wait(pending)
+        grads.dkv_pass(pairs, *own, dkv, base=arrived, keys=rows)
+    return dkv
+
+
+def _rotate(grads: _Grads, ring: Ring, k, own, slots, schedule, steps: int) -> torch.Tensor:
+    """dK/dV of the rotation: each visiting shard's running fp32 sum travels one step behind
+    its K/V, and arrives home while the own shard's dK/dV pass runs."""
+    dkv = torch.empty((2, *k.shape), device=k.device, dtype=k.dtype)
+    cur = slots[0]
+    # Packed (dk, dv) sums in fp32: `running` belongs to the shard this step computes and
+    # arrives from r-1 during the step (the shard of step 1 starts its sum here); `sending`
+    # belongs to the shard of the step before and leaves for r+1; `mine` is the own
+    # shard's part.
+    running, sending, mine = ring.buffer("grads", (3, 2, *k.shape), torch.float32, k.device)
+    for step in range(1, steps):
+        pairs = schedule[step]
+        (kv, seg) = cur
+        # Two messages, the one needed first posted first: the running dK/dV (which the
+        # dK/dV pass adds into) and the next K/V (needed by the next step only).
+        grads_pending = [] if step == 1 else ring.exchange((sending, running))
+        nxt = slots[step % 2] if step + 1 < steps else None
+        kv_pending = pass_on(ring, cur, nxt) if nxt is not None else []
+        # dQ needs nothing in flight, so it runs while the running dK/dV arrives; dK/dV
+        # then add straight into it, only in the key rows this step touches.
+        grads.dq_pass(pairs, kv, seg, False, step == steps - 1)
+        ring.wait(grads_pending)
+        if step == 1:
+            grads.dkv_pass(pairs, kv, seg, running)
+        else:
+            for pair in pairs:
+                grads.pair(pair, kv, seg, False, dkv=running)
+        ring.wait(kv_pending)
+        cur = nxt
+        running, sending = sending, running
+    # The own shard's dK/dV last, into a buffer of its own, while the last remote sum goes
+    # home (steps - 1 ranks back; the next rank when the ring is whole) and this shard's sum
+    # arrives: no trip after the last pass, and the own-shard step, often the largest
+    # (local masks, packed documents), hides the one fp32 trip.
+    home_pending = ring.exchange((sending, running), shift=1 - steps)
+    grads.dkv_pass(schedule[0], *own, mine)
+    ring.wait(home_pending)
+    torch.add(mine, running, out=dkv)  # one pass: the fp32 sum rounded once, on the way out
+    return dkv
