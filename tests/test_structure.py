@@ -65,4 +65,4 @@ def test_kernels_take_their_arguments_grouped():
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel"):
                 n = len(node.args.args)
-                assert n <= 26, f"{path.name}: {node.name} takes {n} arguments"
+                assert n <= 25, f"{path.name}: {node.name} takes {n} arguments"

@@ -25,7 +25,7 @@ from .tiles import (_column, _keep, _listed_range, _load_block, _offsets, _query
 def _fwd_loop(acc, l_i, m_i, q, keys, start, end, tile, head, seqlen_k, qk_scale, segments, drop, pos,
               lists, row, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
               MASKED: tl.constexpr, SEGMENTS: tl.constexpr, STAGES: tl.constexpr, PRECISION: tl.constexpr,
-              TMA: tl.constexpr):
+              TMA: tl.constexpr, VARIANT: tl.constexpr):
     """The online softmax of one query tile over the key tiles at loop positions [start, end)
     (columns, or under a block mask virtual columns of the tile's lists: ``_column``).
 
@@ -43,15 +43,15 @@ def _fwd_loop(acc, l_i, m_i, q, keys, start, end, tile, head, seqlen_k, qk_scale
     K, V, k_strides, v_strides, shift = keys
     BLOCK_M: tl.constexpr = offs_m.shape[0]
     for loop_pos in tl.range(start, end, BLOCK_N, num_stages=STAGES):
-        start_n = _column(loop_pos, lists, row)
+        start_n = _column(loop_pos, lists, row, VARIANT.SPARSE)
         k_tile = _load_block(K, k_strides, off_b, off_hk, start_n - shift, seqlen_k - shift, BLOCK_N,
                              BLOCK_D, HEAD_DIM, MASKED, TMA)
         v_tile = _load_block(V, v_strides, off_b, off_hk, start_n - shift, seqlen_k - shift, BLOCK_N,
                              BLOCK_D, HEAD_DIM, MASKED, TMA)
         qk = tl.dot(q, tl.trans(k_tile), input_precision=PRECISION)  # unscaled; scale > 0 commutes with max
-        if drop.ON:  # drawn before the softmax: 886 instructions a tile loop against 950 after it
+        if VARIANT.DROPOUT:  # drawn before the softmax: 886 instructions a tile loop against 950 after it
             kpos_start, kpos = _tile_positions(pos.k0, start_n, BLOCK_N, pos)
-            keep = _keep(drop, off_b, off_h, qpos, kpos_start, kpos, BLOCK_M, BLOCK_N)
+            keep = _keep(drop, off_b, off_h, qpos, kpos_start, kpos, BLOCK_M, BLOCK_N, VARIANT.GROUPED)
         if MASKED or SEGMENTS:
             cols = start_n + tl.arange(0, BLOCK_N)
             qk = _visible(qk, offs_m, cols, first, stop, None, float("-inf"), True)  # bounds too
@@ -65,7 +65,7 @@ def _fwd_loop(acc, l_i, m_i, q, keys, start, end, tile, head, seqlen_k, qk_scale
         p = tl.math.exp2(qk * qk_scale - m_new_safe[:, None])
         alpha = tl.math.exp2(m_i - m_new_safe)
         l_i = l_i * alpha + tl.sum(p, 1)  # the softmax statistics are of the undropped scores
-        if drop.ON:
+        if VARIANT.DROPOUT:
             p = p * tl.where(keep, drop.scale, 0.0)  # a multiply, not a select of packed bf16 halves
         acc = tl.dot(p.to(v_tile.dtype), v_tile, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
@@ -74,17 +74,17 @@ def _fwd_loop(acc, l_i, m_i, q, keys, start, end, tile, head, seqlen_k, qk_scale
 
 @triton.jit
 def _fwd_kernel(Q, K, V, K2, V2, strides, o, o_in, lse, shape, qk_scale, band, pos, segments, drop, lists,
-                tail, wait, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
+                tail, wait, VARIANT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr):
     """One query tile's attention over the keys its band or lists give, written to o (``Rows``)
-    and lse (``Stats``); with ACCUMULATE merged with the running (o_in, lse) first (o_in:
+    and lse (``Stats``); with VARIANT.ACCUMULATE merged with the running (o_in, lse) first (o_in:
     o itself, or a buffer with its strides). Q, K, V: TMA descriptors (TMA) or pointers
-    read with ``strides`` (``QKV``); shape: ``Shape``. tail.PARTS = 2: the keys' rows from
-    tail.split on are K2, V2 (``pair.Joined``; their blocks listed apart), and part
-    tail.LAST runs second. wait.ON: part tail.LAST is still arriving, so the tile waits
-    for its head's chunk before that part's loops (``pair.Arrival``)."""
+    read with ``strides`` (``QKV``); shape: ``Shape``; VARIANT: ``Variant``. PARTS = 2: the
+    keys' rows from tail.split on are K2, V2 (``pair.Joined``; their blocks listed apart),
+    and part LAST runs second. WAIT: part LAST is still arriving, so the tile waits for its
+    head's chunk before that part's loops (``pair.Arrival``)."""
     heads, group, seqlen_q, seqlen_k = shape
-    start_m, bh = _query_tile(lists, band, BLOCK_M)
+    start_m, bh = _query_tile(lists, BLOCK_M, VARIANT)
     off_b = bh // heads
     off_h = bh % heads
     off_hk = off_h // group
@@ -97,37 +97,39 @@ def _fwd_kernel(Q, K, V, K2, V2, strides, o, o_in, lse, shape, qk_scale, band, p
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     qpos = offs_m
-    if drop.ON:  # global positions
+    if VARIANT.DROPOUT:  # global positions
         _, qpos = _tile_positions(pos.q0, start_m, BLOCK_M, pos)
 
     first, stop, holes, row, start, full_start, full_end, end = _query_loop(
-        start_m, offs_m, seqlen_q, seqlen_k, band, pos, segments, lists, off_b, off_h, BLOCK_M, BLOCK_N)
+        start_m, offs_m, seqlen_q, seqlen_k, band, pos, segments, lists, off_b, off_h, BLOCK_M, BLOCK_N, VARIANT)
     tile, head = (offs_m, first, stop, holes, qpos), (off_b, off_h, off_hk)
-    for p in tl.static_range(tail.PARTS):
-        part = p if tail.LAST == 1 else tail.PARTS - 1 - p
+    PARTS: tl.constexpr = VARIANT.PARTS  # attributes of a constexpr record read as plain values
+    for p in tl.static_range(PARTS):
+        part = p if VARIANT.LAST == 1 else PARTS - 1 - p
         keys = (K, V, strides.k, strides.v, 0)
         if part == 1:  # row r of the keys is row r - split of K2, V2
             keys = (K2, V2, strides.k, strides.v, tail.split)
-        if tail.PARTS == 2:
+        if VARIANT.PARTS == 2:
             start, full_start, full_end, end = _listed_range(lists, row, part)
-        if wait.ON and part == tail.LAST:  # this head's chunk of the visiting part has arrived
+        if VARIANT.WAIT and part == VARIANT.LAST:  # this head's chunk of the visiting part has arrived
             arrived = wait.flags + off_hk // wait.chunk_heads
             while tl.load(arrived, volatile=True) < wait.epoch:
                 pass
         acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q_tile, keys, start, full_start, tile, head, seqlen_k,
                                   qk_scale, segments, drop, pos, lists, row, BLOCK_N, BLOCK_D, HEAD_DIM, True,
-                                  segments.ON, None, PRECISION, TMA)
+                                  VARIANT.SEGMENTS, None, PRECISION, TMA, VARIANT)
         acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q_tile, keys, full_start, full_end, tile, head, seqlen_k,
                                   qk_scale, segments, drop, pos, lists, row, BLOCK_N, BLOCK_D, HEAD_DIM, False,
-                                  segments.ON and lists.ON, lists.STAGES, PRECISION, TMA)
+                                  VARIANT.SEGMENTS and VARIANT.SPARSE, VARIANT.LIST_STAGES, PRECISION, TMA,
+                                  VARIANT)
         acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q_tile, keys, full_end, end, tile, head, seqlen_k,
                                   qk_scale, segments, drop, pos, lists, row, BLOCK_N, BLOCK_D, HEAD_DIM, True,
-                                  segments.ON, None, PRECISION, TMA)
+                                  VARIANT.SEGMENTS, None, PRECISION, TMA, VARIANT)
 
     o_offsets = _offsets(o, off_b, off_h, offs_m, offs_d)
     o_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     lse_ptrs = lse.ptr + off_b * lse.stride_b + off_h * lse.stride_h + offs_m
-    if ACCUMULATE:  # merge with a previous partial (o, lse), read only now: resuming from it
+    if VARIANT.ACCUMULATE:  # merge with a previous partial (o, lse), read only now: resuming from it
         # held its addresses through the tile loops (255 registers and 13-17% slower under
         # dropout, docs/notes/dropout.md). o_in is o itself, or a buffer with o's strides (the
         # ring's last step reads its fp32 sums and writes q's dtype).

@@ -13,7 +13,6 @@ from typing import Optional
 
 import torch
 import triton
-import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import dropout
@@ -22,7 +21,7 @@ from . import config
 from .bwd import _delta_kernel, _dkdv_kernel, _dq_kernel
 from .fwd import _fwd_kernel
 from .segments import _ranges
-from .tiles import QKV, Band, Dropout, Lists, Positions, Rows, Segments, Shape, Stats, Strides, Tail, Wait
+from .tiles import QKV, Band, Dropout, Lists, Positions, Rows, Segments, Shape, Stats, Strides, Tail, Variant, Wait
 
 LOG2E = math.log2(math.e)
 
@@ -69,10 +68,7 @@ def _stand_in(device: torch.device) -> torch.Tensor:
 
 
 def _band(mask) -> Band:
-    lo = -BAND_INF if mask.band_lo is None else mask.band_lo
-    hi = BAND_INF if mask.band_hi is None else mask.band_hi
-    on = mask.band_lo is not None or mask.band_hi is not None
-    return Band(lo, hi, tl.constexpr(on), tl.constexpr(mask.band_on_positions))
+    return Band(-BAND_INF if mask.band_lo is None else mask.band_lo, BAND_INF if mask.band_hi is None else mask.band_hi)
 
 
 def _positions(mask) -> Positions:
@@ -80,12 +76,20 @@ def _positions(mask) -> Positions:
     return Positions(*(mask.pos if mask.dropout_p > 0 or mask.band_on_positions else (0, 0, 1, 0)))
 
 
-def _dropout(mask, pos: Positions) -> Dropout:
+def _dropout(mask) -> Dropout:
     if mask.dropout_p == 0:
-        return Dropout(0, 0, 1.0, tl.constexpr(False), tl.constexpr(False))
+        return Dropout(0, 0, 1.0)
+    return Dropout(mask.seed, dropout.threshold(mask.dropout_p), dropout.keep_scale(mask.dropout_p))
+
+
+def _variant(mask, pos: Positions, accumulate: bool, list_stages=None, parts: int = 1, last: int = 1,
+             wait: bool = False) -> Variant:
+    """What a launch over ``mask`` compiles for (``tiles.Variant``)."""
     grouped = pos.stride == 1 and pos.q0 % 16 == 0 and pos.k0 % 32 == 0 and pos.jump % 32 == 0
-    return Dropout(mask.seed, dropout.threshold(mask.dropout_p), dropout.keep_scale(mask.dropout_p),
-                   tl.constexpr(True), tl.constexpr(grouped))
+    return Variant(BAND=mask.band_lo is not None or mask.band_hi is not None, POSITIONAL=mask.band_on_positions,
+                   SEGMENTS=mask.q_segments is not None, DROPOUT=mask.dropout_p > 0,
+                   GROUPED=mask.dropout_p > 0 and grouped, SPARSE=mask.blocks is not None,
+                   LIST_STAGES=list_stages, PARTS=parts, LAST=last, WAIT=wait, ACCUMULATE=accumulate)
 
 
 def _segment_ids(mask, device: torch.device):
@@ -98,27 +102,25 @@ def _segment_ids(mask, device: torch.device):
 def _segments(rows_seg: torch.Tensor, cols_seg: torch.Tensor, on: bool) -> Segments:
     """The ``Segments`` of a kernel whose rows carry ``rows_seg`` and columns ``cols_seg``."""
     ranges = _ranges(rows_seg, cols_seg, on)
-    return Segments(cols_seg, cols_seg.stride(0), ranges, ranges.stride(0), ranges.stride(1), tl.constexpr(on))
+    return Segments(cols_seg, cols_seg.stride(0), ranges, ranges.stride(0), ranges.stride(1))
 
 
 def _lists(mask, band: Band, n_rows: int, n_cols: int, transpose: bool, device, grid: tuple[int, int, int, int],
-           stages, reverse: bool = False, split: Optional[int] = None, chunk: int = 0) -> Lists:
+           reverse: bool = False, split: Optional[int] = None, chunk: int = 0) -> Lists:
     """A block mask's ``Lists`` for one kernel (stand-ins without one). Rows are queries
     (forward, dQ) or, with transpose, keys (dK/dV, band negated). ``grid`` is the launch's
     (tile rows, batch, heads, list heads a program loops over), ``reverse`` its tiles'
     natural order reversed, ``chunk`` the heads of a chunk the programs run in order of
     (``masks.program_order``); ``split``: the column where the columns' second part starts
-    (lists split there), or None; ``stages``: the full blocks' loop's pipeline stages."""
+    (lists split there), or None."""
     if mask.blocks is None:
-        return Lists(_stand_in(device), _stand_in(device), _stand_in(device), 0, 0, 0, tl.constexpr(False),
-                     tl.constexpr(None))
+        return Lists(_stand_in(device), _stand_in(device), _stand_in(device), 0, 0, 0)
     if mask.band_on_positions:
         raise ValueError("a block mask cannot be combined with a band on positions")
     counts, index = mask.blocks.lists(band.lo, band.hi, n_rows, n_cols, transpose, split)
     order = mask.blocks.order(band.lo, band.hi, n_rows, n_cols, transpose, *grid, reverse, chunk)
     heads, n_row_blocks, n_col_blocks = index.shape
-    return Lists(counts, index, order, counts.stride(0), n_row_blocks if heads > 1 else 0, n_col_blocks,
-                 tl.constexpr(True), tl.constexpr(stages))
+    return Lists(counts, index, order, counts.stride(0), n_row_blocks if heads > 1 else 0, n_col_blocks)
 
 
 def fwd(q, k, v, out, lse, *, softmax_scale: float, mask, accumulate: bool, out_partial=None,
@@ -137,20 +139,19 @@ def fwd(q, k, v, out, lse, *, softmax_scale: float, mask, accumulate: bool, out_
     segments = _segments(qseg, kseg, mask.q_segments is not None)
     waits = arrival is not None and arrival.flags is not None
     chunk = arrival.heads if waits else hkv
-    lists = _lists(mask, band, sq, sk, False, q.device, (cfg["BLOCK_M"], b, h, 1),
-                   config.list_stages(cfg, mask.blocks is not None, segments.ON), band.ON,
+    variant = _variant(mask, pos, accumulate,
+                       config.list_stages(cfg, mask.blocks is not None, mask.q_segments is not None),
+                       1 if tail is None else 2, 1 if arrival is None else arrival.last, waits)
+    lists = _lists(mask, band, sq, sk, False, q.device, (cfg["BLOCK_M"], b, h, 1), variant.BAND,
                    split=None if tail is None else split, chunk=chunk * (h // hkv) if waits else 0)
-    keys_tail = Tail(None, None, split, tl.constexpr(1 if tail is None else 2),
-                     tl.constexpr(1 if arrival is None else arrival.last))
-    wait = (Wait(arrival.flags, arrival.epoch, chunk, tl.constexpr(True)) if waits
-            else Wait(_stand_in(q.device), 0, chunk, tl.constexpr(False)))
+    wait = Wait(arrival.flags, arrival.epoch, chunk) if waits else Wait(_stand_in(q.device), 0, chunk)
     keys = [_source(t, cfg["BLOCK_N"], bd, tma) for t in (k, v, *(tail or ()))]
     _fwd_kernel[(triton.cdiv(sq, cfg["BLOCK_M"]), b * h)](
         Q=_source(q, cfg["BLOCK_M"], bd, tma), K=keys[0], V=keys[1], K2=keys[-2], V2=keys[-1],
         strides=QKV(_strides(q), _strides(k), _strides(v)), o=_rows(out), o_in=_or(out_partial, out),
         lse=_stats(lse), shape=Shape(h, h // hkv, sq, sk), qk_scale=softmax_scale * LOG2E, band=band, pos=pos,
-        segments=segments, drop=_dropout(mask, pos), lists=lists, tail=keys_tail, wait=wait, HEAD_DIM=d,
-        BLOCK_D=bd, ACCUMULATE=accumulate, PRECISION=config.dot_precision(q.dtype), TMA=tma, **cfg)
+        segments=segments, drop=_dropout(mask), lists=lists, tail=Tail(None, None, split), wait=wait,
+        VARIANT=variant, HEAD_DIM=d, BLOCK_D=bd, PRECISION=config.dot_precision(q.dtype), TMA=tma, **cfg)
     return out, lse
 
 
@@ -178,31 +179,35 @@ def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask, accu
     (q_split, sq), (k_split, sk) = ((t.shape[1], t.shape[1] + (0 if tail is None else tail[0].shape[1]))
                                     for t, tail in zip((q, k), tails))
     band, pos = _band(mask), _positions(mask)
-    drop = _dropout(mask, pos)
     qseg, kseg = _segment_ids(mask, q.device)
     has_segments, sparse = mask.q_segments is not None, mask.blocks is not None
-    dkdv_cfg, dq_cfg = config.bwd_config(d, q.dtype, sparse, drop.ON and not (band.ON or has_segments or sparse))
+    plain = _variant(mask, pos, accumulate)
+    dkdv_cfg, dq_cfg = config.bwd_config(d, q.dtype, sparse, plain.DROPOUT and not (plain.BAND or has_segments or sparse))
     inputs = dict(q=_rows(q), k=_rows(k), v=_rows(v), do=_rows(do), lse=_stats(lse), delta=_stats(delta),
-                  qk_scale=softmax_scale * LOG2E, sm_scale=softmax_scale, band=band,
-                  pos=pos, drop=drop, HEAD_DIM=d, BLOCK_D=config.block_d(d), ACCUMULATE=accumulate,
-                  PRECISION=config.dot_precision(q.dtype))
+                  qk_scale=softmax_scale * LOG2E, sm_scale=softmax_scale, band=band, pos=pos, drop=_dropout(mask),
+                  HEAD_DIM=d, BLOCK_D=config.block_d(d), PRECISION=config.dot_precision(q.dtype))
 
     def parts(tail, whole: tuple, split: int) -> Tail:  # the whole tensors stand in for no tail
-        return Tail(*(tail or whole), split, tl.constexpr(1 if tail is None else 2), tl.constexpr(1))
+        return Tail(*(tail or whole), split)
 
     if dk is not None:  # key tiles outer: q and do are read in BLOCK_M rows, k and v once
         lists = _lists(mask, band, sk, sq, True, q.device, (dkdv_cfg["BLOCK_N"], b, hkv, h // hkv),
-                       config.list_stages(dkdv_cfg, sparse), split=None if tails[0] is None else q_split)
+                       split=None if tails[0] is None else q_split)
+        variant = plain._replace(LIST_STAGES=config.list_stages(dkdv_cfg, sparse),
+                                 PARTS=1 if tails[0] is None else 2,
+                                 QUERY_MAJOR=dkdv_cfg.get("QUERY_MAJOR", False))
+        tiles = {name: value for name, value in dkdv_cfg.items() if name != "QUERY_MAJOR"}
         _dkdv_kernel[(triton.cdiv(sk, dkdv_cfg["BLOCK_N"]), b * hkv)](
             dk=_rows(dk), dv=_rows(dv), dk_in=_or(partials[1], dk), dv_in=_or(partials[2], dv),
             shape=Shape(hkv, h // hkv, sq, sk), segments=_segments(kseg, qseg, has_segments), lists=lists,
-            tail=parts(tails[0], (q, do), q_split), **inputs, **dkdv_cfg)
+            tail=parts(tails[0], (q, do), q_split), VARIANT=variant, **inputs, **tiles)
     if dq is not None:  # query tiles outer: k and v are read in BLOCK_N rows
-        lists = _lists(mask, band, sq, sk, False, q.device, (dq_cfg["BLOCK_M"], b, h, 1),
-                       config.list_stages(dq_cfg, sparse, has_segments), band.ON,
+        lists = _lists(mask, band, sq, sk, False, q.device, (dq_cfg["BLOCK_M"], b, h, 1), plain.BAND,
                        split=None if tails[1] is None else k_split)
+        variant = plain._replace(LIST_STAGES=config.list_stages(dq_cfg, sparse, has_segments),
+                                 PARTS=1 if tails[1] is None else 2)
         _dq_kernel[(triton.cdiv(sq, dq_cfg["BLOCK_M"]), b * h)](
             dq=_rows(dq), dq_in=_or(partials[0], dq), shape=Shape(h, h // hkv, sq, sk),
             segments=_segments(qseg, kseg, has_segments), lists=lists, tail=parts(tails[1], (k, v), k_split),
-            **inputs, **dq_cfg)
+            VARIANT=variant, **inputs, **dq_cfg)
     return dq, dk, dv

@@ -8,7 +8,7 @@ indices and segment ids, never an N x N tensor:
     band      key j visible to query i only if band.lo <= j - i <= band.hi (``Band``; an
               unbounded side is a sentinel). Causal with diagonal offset o is hi = o; a
               sliding window on global positions becomes a band of the pair's local rows.
-              With band.POSITIONAL the band is on the rows' global positions instead (the
+              With VARIANT.POSITIONAL the band is on the rows' global positions instead (the
               block_stripe layout, whose rows jump: masks.PairMask.band_on_positions).
     segments  only if qseg_i == kseg_j >= 0 (``Segments``: packed documents, padding -1).
               Each query row carries the hull of the key rows its id occupies (and each key
@@ -28,8 +28,14 @@ from its rows' intervals: outside them all (empty, never loaded), inside every r
               (masks.program_order), so that no long row ends a launch alone.
 
 The records are NamedTuples: a launch passes them as single arguments (Triton flattens a
-tuple into its fields, each specialized as a loose argument would be), the kernels read
-their fields by name, and a field that holds a ``tl.constexpr`` is a compile-time switch.
+tuple into its fields, each specialized as a loose argument would be) and the kernels read
+their fields by name. What a launch compiles for (which masks, block lists, a sequence in
+two parts) is one record of plain values, ``Variant``, passed as the kernels' one
+``VARIANT: tl.constexpr`` argument: Triton compiles a kernel per value, and looks the
+value up (a tuple of bools and ints) as fast as it can hash it. Switches inside the other
+records (``tl.constexpr`` fields) cost the host ~50 us a forward+backward in Triton's
+argument binding, and a record built inside a jit function loses them on the way to the
+next function.
 """
 
 from typing import NamedTuple
@@ -91,14 +97,36 @@ class Stats(NamedTuple):
     stride_h: int
 
 
+class Variant(NamedTuple):
+    """What a launch compiles for. BAND: a band bounds the keys; POSITIONAL: on global
+    positions; SEGMENTS: segment ids; DROPOUT; GROUPED: dropout positions in aligned runs
+    (Philox calls shared); SPARSE: block-mask index lists, LIST_STAGES the pipeline stages
+    of their loop over full blocks (config.list_stages); PARTS: 2 where the keys (forward,
+    dQ) or queries (dK/dV) are held in two tensors (pair.Joined), LAST the part whose loops
+    run second; WAIT: that part is still arriving (pair.Arrival); ACCUMULATE: merge into
+    running sums (out and lse; the gradients); QUERY_MAJOR: the dK/dV kernel's scores queries
+    by keys (config.bwd_config says when)."""
+
+    BAND: bool = False
+    POSITIONAL: bool = False
+    SEGMENTS: bool = False
+    DROPOUT: bool = False
+    GROUPED: bool = False
+    SPARSE: bool = False
+    LIST_STAGES: object = None
+    PARTS: int = 1
+    LAST: int = 1
+    WAIT: bool = False
+    ACCUMULATE: bool = False
+    QUERY_MAJOR: bool = False
+
+
 class Band(NamedTuple):
-    """band.lo <= j - i <= band.hi (local rows; ``POSITIONAL``: global positions); ``ON``:
-    some side is bounded (an unbounded side is -+masks.BAND_INF)."""
+    """band.lo <= j - i <= band.hi (local rows; VARIANT.POSITIONAL: global positions), an
+    unbounded side -+masks.BAND_INF."""
 
     lo: int
     hi: int
-    ON: tl.constexpr
-    POSITIONAL: tl.constexpr
 
 
 class Positions(NamedTuple):
@@ -113,32 +141,28 @@ class Positions(NamedTuple):
 
 class Segments(NamedTuple):
     """Segment ids: the columns' ids (B, S_cols) int32 and the rows' ranges (3, B, S_rows)
-    int32 (masks.segment_ranges), with their strides; ``ON``: ids are in play."""
+    int32 (masks.segment_ranges), with their strides."""
 
     cols: object
     stride_cols: int
     ranges: object
     stride_plane: int
     stride_b: int
-    ON: tl.constexpr
 
 
 class Dropout(NamedTuple):
     """Philox seed, the 8-bit drop threshold and the kept probabilities' scale (kernels/
-    dropout.py); ``ON``; ``GROUPED``: positions in aligned runs, so calls are shared."""
+    dropout.py)."""
 
     seed: int
     threshold: int
     scale: float
-    ON: tl.constexpr
-    GROUPED: tl.constexpr
 
 
 class Lists(NamedTuple):
     """A block mask's index lists (masks.block_lists): counts (2 or 4, Hm, R) and indices
     (Hm, R, C) int32, the program order (masks.program_order), the counts' plane stride,
-    the lists' head stride (0 for a mask shared by the heads) and C; ``ON``: a block mask;
-    ``STAGES``: the pipeline stages of the loop over full blocks (config.list_stages)."""
+    the lists' head stride (0 for a mask shared by the heads) and C."""
 
     counts: object
     index: object
@@ -146,31 +170,26 @@ class Lists(NamedTuple):
     stride_plane: int
     stride_head: int
     n_cols: int
-    ON: tl.constexpr
-    STAGES: tl.constexpr
 
 
 class Tail(NamedTuple):
     """The rows from ``split`` on of two operands (K and V, or Q and dO) when held in
-    tensors of their own (pair.Joined), with the first parts' strides; ``PARTS``: 2 if so,
-    else 1 (x, y are then stand-ins); ``LAST``: the part whose loops run second. The
-    forward's x, y are None: its second parts are K2, V2, which may be descriptors."""
+    tensors of their own (pair.Joined, VARIANT.PARTS = 2), with the first parts' strides
+    (else x, y are stand-ins). The forward's x, y are None: its second parts are K2, V2,
+    which may be descriptors."""
 
     x: object
     y: object
     split: int
-    PARTS: tl.constexpr
-    LAST: tl.constexpr
 
 
 class Wait(NamedTuple):
-    """A part still arriving (pair.Arrival): chunk c of ``chunk_heads`` K/V heads is in once
-    flags[c] >= epoch; ``ON``: wait for it inside the kernel."""
+    """A part still arriving (pair.Arrival, VARIANT.WAIT): chunk c of ``chunk_heads`` K/V
+    heads is in once flags[c] >= epoch."""
 
     flags: object
     epoch: int
     chunk_heads: int
-    ON: tl.constexpr
 
 
 @triton.jit
@@ -209,11 +228,11 @@ def _offsets(dst, off_b, off_h, rows, cols):
 
 
 @triton.jit
-def _program(lists):
+def _program(lists, SPARSE: tl.constexpr):
     """(tile, batch * heads index) of this program: program_id(0) and (1), or under a block
     mask the program lists.order names for this launch position (``masks.program_order``:
     the programs whose rows list many more blocks than the rest run first)."""
-    if lists.ON:
+    if SPARSE:
         n_tiles = tl.num_programs(0)
         program = tl.load(lists.order + tl.program_id(1) * n_tiles + tl.program_id(0))
         return program % n_tiles, program // n_tiles
@@ -221,13 +240,13 @@ def _program(lists):
 
 
 @triton.jit
-def _query_tile(lists, band, BLOCK_M: tl.constexpr):
+def _query_tile(lists, BLOCK_M: tl.constexpr, VARIANT: tl.constexpr):
     """(first row of this program's query tile, batch * heads index). Banded grids run last
     tile first: under a causal band it sees the most keys, and a launch that ends on short
     tiles has a short tail (+1-9% on the causal forward, docs/notes/); under a
     block mask the program order has that order built in."""
-    tile, bh = _program(lists)
-    if band.ON and not lists.ON:
+    tile, bh = _program(lists, VARIANT.SPARSE)
+    if VARIANT.BAND and not VARIANT.SPARSE:
         tile = tl.num_programs(0) - 1 - tile
     return tile * BLOCK_M, bh
 
@@ -287,12 +306,12 @@ def _word_keep(word, t24):
 
 @triton.jit
 def _keep(drop, off_b, off_h, qpos, kpos_start, kpos, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-          KEYS_MAJOR: tl.constexpr = False):
+          GROUPED: tl.constexpr, KEYS_MAJOR: tl.constexpr = False):
     """(BLOCK_M, BLOCK_N) dropout keep decisions (``drop``: ``Dropout``) of queries at global
     positions qpos and keys at kpos (kernels/dropout.py has the definition and its PyTorch
     twin).
 
-    drop.GROUPED: qpos is one run of consecutive positions starting at a multiple of 16,
+    GROUPED: qpos is one run of consecutive positions starting at a multiple of 16,
     and kpos one starting at kpos_start, a multiple of 32. Then a Philox call's 16 elements
     (query bit 3; key bits 0, 3, 4) lie in registers of one thread of the query-by-key MMA
     layout (forward, dQ): each call runs once and its bytes are joined into place. In the
@@ -304,7 +323,7 @@ def _keep(drop, off_b, off_h, qpos, kpos_start, kpos, BLOCK_M: tl.constexpr, BLO
     head = off_h.to(tl.uint32)
     batch = off_b.to(tl.uint32)
     t24 = drop.threshold.to(tl.uint32) << 24
-    if drop.GROUPED and BLOCK_M >= 16 and BLOCK_N >= 32:
+    if GROUPED and BLOCK_M >= 16 and BLOCK_N >= 32:
         q = tl.split(tl.permute(qpos.to(tl.uint32).reshape(BLOCK_M // 16, 2, 8), (0, 2, 1)))[0]
         qc = ((q >> 4) << 3) | (q & 7)  # (query bits 4.., query bits 0-2)
         if KEYS_MAJOR:
@@ -351,16 +370,16 @@ def _first_at_or_after(t, pos0, stride, jump):
 
 
 @triton.jit
-def _band_interval(rows, band, pos, TRANSPOSED: tl.constexpr):
+def _band_interval(rows, band, pos, POSITIONAL: tl.constexpr, TRANSPOSED: tl.constexpr):
     """[first, stop) of the columns the band leaves each of ``rows`` (a tensor or a scalar):
-    query rows i see keys c with lo <= c - i <= hi, or with band.POSITIONAL lo <= kpos(c)
+    query rows i see keys c with lo <= c - i <= hi, or with POSITIONAL lo <= kpos(c)
     - qpos(i) <= hi on the global positions ``pos`` gives. TRANSPOSED: rows are keys and
     columns queries (the dK/dV kernel), the same band read the other way. Non-decreasing
     in the row either way."""
     lo, hi = band.lo, band.hi
     if TRANSPOSED:
         lo, hi = -hi, -lo
-    if band.POSITIONAL:
+    if POSITIONAL:
         row_pos0, col_pos0 = (pos.k0, pos.q0) if TRANSPOSED else (pos.q0, pos.k0)
         at = row_pos0 + rows * pos.stride + rows // SPARSE_BLOCK * pos.jump
         first = _first_at_or_after(at + lo, col_pos0, pos.stride, pos.jump)
@@ -371,11 +390,12 @@ def _band_interval(rows, band, pos, TRANSPOSED: tl.constexpr):
 
 
 @triton.jit
-def _row_bounds(rows, n_rows, n_cols, band, pos, segments, off_b, TRANSPOSED: tl.constexpr):
+def _row_bounds(rows, n_rows, n_cols, band, pos, segments, off_b, VARIANT: tl.constexpr,
+                TRANSPOSED: tl.constexpr):
     """What each row of a tile may see, as column intervals: (first, stop, run_stop, holes).
 
     Row r sees at most the columns [first[r], stop[r]): those the band leaves it
-    (``_band_interval``), within [0, n_cols), and (segments.ON) within the hull of the
+    (``_band_interval``), within [0, n_cols), and (VARIANT.SEGMENTS) within the hull of the
     columns carrying its segment id; rows past n_rows see none. The columns [first[r],
     run_stop[r]) carry its id, every one (= stop without segments). ``holes``: some row's
     hull holds padding columns between its own, which only the per-column id test
@@ -388,13 +408,13 @@ def _row_bounds(rows, n_rows, n_cols, band, pos, segments, off_b, TRANSPOSED: tl
     ok = rows < n_rows
     first = tl.zeros_like(rows)
     stop = tl.where(ok, n_cols, 0)
-    if band.ON:
-        band_first, band_stop = _band_interval(rows, band, pos, TRANSPOSED)
+    if VARIANT.BAND:
+        band_first, band_stop = _band_interval(rows, band, pos, VARIANT.POSITIONAL, TRANSPOSED)
         first = tl.maximum(first, band_first)
         stop = tl.minimum(stop, band_stop)
     run_stop = stop
     holes = False
-    if segments.ON:
+    if VARIANT.SEGMENTS:
         base = segments.ranges + off_b * segments.stride_b + rows
         hull_stop = tl.load(base + segments.stride_plane, mask=ok, other=0)
         run_end = tl.load(base + 2 * segments.stride_plane, mask=ok, other=0)
@@ -406,8 +426,8 @@ def _row_bounds(rows, n_rows, n_cols, band, pos, segments, off_b, TRANSPOSED: tl
 
 
 @triton.jit
-def _tile_range(start_r, n_rows, n_cols, band, pos, segments, first, stop, run_stop,
-                BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, TRANSPOSED: tl.constexpr):
+def _tile_range(start_r, n_rows, n_cols, band, pos, first, stop, run_stop, BLOCK_ROWS: tl.constexpr,
+                BLOCK_COLS: tl.constexpr, VARIANT: tl.constexpr, TRANSPOSED: tl.constexpr):
     """Loop bounds over the column tiles of the row tile [start_r, start_r + BLOCK_ROWS),
     (start, full_start, full_end, end), from its rows' ``_row_bounds`` (with segments; the
     band alone gives them from the tile's first and last rows). Columns outside
@@ -415,7 +435,7 @@ def _tile_range(start_r, n_rows, n_cols, band, pos, segments, first, stop, run_s
     [full_start, full_end) are visible to every row (no mask arithmetic), the others in
     [start, end) partly."""
     last = tl.minimum(start_r + BLOCK_ROWS, n_rows) - 1
-    if segments.ON:
+    if VARIANT.SEGMENTS:
         ok = start_r + tl.arange(0, BLOCK_ROWS) < n_rows
         begin = tl.min(tl.where(ok, first, n_cols), 0)
         stop_all = tl.max(stop, 0)
@@ -426,9 +446,9 @@ def _tile_range(start_r, n_rows, n_cols, band, pos, segments, first, stop, run_s
         stop_all = n_cols
         full_begin = 0
         full_stop = n_cols
-        if band.ON:  # the tile's first and last rows bound the others' intervals
-            first_of_first, stop_of_first = _band_interval(start_r, band, pos, TRANSPOSED)
-            first_of_last, stop_of_last = _band_interval(last, band, pos, TRANSPOSED)
+        if VARIANT.BAND:  # the tile's first and last rows bound the others' intervals
+            first_of_first, stop_of_first = _band_interval(start_r, band, pos, VARIANT.POSITIONAL, TRANSPOSED)
+            first_of_last, stop_of_last = _band_interval(last, band, pos, VARIANT.POSITIONAL, TRANSPOSED)
             begin = tl.maximum(first_of_first, 0)
             stop_all = tl.minimum(stop_of_last, n_cols)
             full_begin = first_of_last
@@ -458,27 +478,27 @@ def _listed_range(lists, row, PART=0):
 
 @triton.jit
 def _query_loop(start_m, rows, seqlen_q, seqlen_k, band, pos, segments, lists, off_b, off_h,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARIANT: tl.constexpr):
     """The key loop of a query tile (forward, dQ): its rows' ``_row_bounds`` (first, stop,
     holes), its block-mask list row (0 without lists) and its loop bounds (start,
     full_start, full_end, end), from the rows' intervals or the query block's lists."""
     first, stop, run_stop, holes = _row_bounds(rows, seqlen_q, seqlen_k, band, pos, segments, off_b,
-                                               False)
+                                               VARIANT, False)
     row = 0
-    if lists.ON:  # the query block's index lists
+    if VARIANT.SPARSE:  # the query block's index lists
         row = off_h * lists.stride_head + start_m // SPARSE_BLOCK
         start, full_start, full_end, end = _listed_range(lists, row)
     else:
-        start, full_start, full_end, end = _tile_range(start_m, seqlen_q, seqlen_k, band, pos, segments,
-                                                       first, stop, run_stop, BLOCK_M, BLOCK_N, False)
+        start, full_start, full_end, end = _tile_range(start_m, seqlen_q, seqlen_k, band, pos, first, stop,
+                                                       run_stop, BLOCK_M, BLOCK_N, VARIANT, False)
     return first, stop, holes, row, start, full_start, full_end, end
 
 
 @triton.jit
-def _column(v, lists, row):
+def _column(v, lists, row, SPARSE: tl.constexpr):
     """The column of loop position v: v itself, or under a block mask the column of virtual
     column v in the blocks listed for row block ``row``."""
-    if lists.ON:
+    if SPARSE:
         block = v // SPARSE_BLOCK
         return tl.load(lists.index + row * lists.n_cols + block) * SPARSE_BLOCK + (v - block * SPARSE_BLOCK)
     else:
