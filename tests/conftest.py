@@ -1,4 +1,5 @@
-"""Test session setup: Triton's interpreter on CPU-only machines, `gpu` tests skipped there.
+"""Test session setup: Triton's interpreter on CPU-only machines, `gpu` tests skipped there,
+and the tests of a module that run in spawned gloo worlds grouped by world size.
 
 Triton chooses between compiling and interpreting when a kernel is decorated, i.e. when
 ringflash.kernels is first imported (triton's knobs read the environment lazily), so
@@ -26,7 +27,29 @@ def pytest_configure(config):
         "filterwarnings", "ignore:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
 
 
+def world_size_of(item) -> int:
+    """The size of the spawned world a test runs in: its ``world(n)`` marker or its
+    ``world_size`` parameter; 0 for a test that uses no ``worlds`` fixture."""
+    marker = item.get_closest_marker("world")
+    if marker is not None:
+        return marker.args[0]
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if "world_size" in params:
+        return params["world_size"]
+    if "worlds" in getattr(item, "fixturenames", ()):
+        raise pytest.UsageError(f"{item.nodeid} uses the worlds fixture: give it a world_size "
+                                "parameter or a @pytest.mark.world(n) marker")
+    return 0
+
+
 def pytest_collection_modifyitems(config, items):
+    # Within each module, tests that need no world first, then those of world size 1, 2, ...
+    # (a stable sort: file order otherwise), so that the module-scoped ``worlds`` fixture
+    # spawns each size once instead of whenever consecutive tests change sizes.
+    modules: dict = {}
+    for item in items:
+        modules.setdefault(getattr(item, "module", None), []).append(item)
+    items[:] = [item for group in modules.values() for item in sorted(group, key=world_size_of)]
     if HAS_CUDA:
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
@@ -45,7 +68,9 @@ def seed():
 @pytest.fixture(scope="module")
 def worlds():
     """Spawned gloo worlds (dist_utils.Worlds): one world size at a time, reused while
-    consecutive tests of a module ask for the same size, closed at the module's end."""
+    consecutive tests of a module ask for the same size, closed at the module's end.
+    A test that uses it declares its size (a ``world_size`` parameter or
+    ``@pytest.mark.world(n)``), by which its module's tests are grouped."""
     from dist_utils import Worlds
     cache = Worlds()
     yield cache

@@ -29,7 +29,7 @@ def visible_mask(seqlen_q: int, seqlen_k: int, causal_offset: int | None, device
 
 def global_mask(seqlen: int, causal: bool = False, window_size=(-1, -1), segment_ids=None):
     """(Sq, Sk) or, with segment ids (B, S), (B, S, S) bool over GLOBAL positions, written
-    from DESIGN.md's definitions (not from the kernels' band form); None if nothing is masked."""
+    from docs/design.md's definitions (not from the kernels' band form); None if nothing is masked."""
     i = torch.arange(seqlen)[:, None]
     j = torch.arange(seqlen)[None, :]
     mask = torch.ones(seqlen, seqlen, dtype=torch.bool)

@@ -3,7 +3,7 @@ interpreted on CPUs), through the ring over gloo (world sizes 1-4, the layouts t
 serve it), the index lists the kernels iterate over, the pattern helpers, and bad input.
 
 The oracle expands the block mask to elements with repeat_interleave (oracle.block_elements)
-and combines it with the mask written from DESIGN.md's definitions (oracle.global_mask).
+and combines it with the mask written from docs/design.md's definitions (oracle.global_mask).
 """
 
 from __future__ import annotations
@@ -50,11 +50,15 @@ CASES = [  # (name, block mask kind, causal, window, documents)
 ]
 
 
-@pytest.mark.parametrize("impl", ["twin", "triton"])
-@pytest.mark.parametrize("name, kind, causal, window, docs", CASES, ids=[c[0] for c in CASES])
+# The interpreter skips "random": a mask without a band is test_long_rows_first_matches_oracle's.
+@pytest.mark.parametrize("impl, name, kind, causal, window, docs", [
+    pytest.param(impl, *case, id=f"{case[0]}-{impl}") for case in CASES for impl in ("twin", "triton")
+    if impl == "twin" or case[0] != "random"])
 def test_block_mask_matches_oracle(impl, name, kind, causal, window, docs, monkeypatch):
     device = _impl(impl, monkeypatch)
-    h, hkv = 2, 1
+    # The interpreter: two heads for the per-head mask; a mask shared by grouped heads is
+    # test_long_rows_first_matches_oracle's.
+    h, hkv = (2, 1) if impl == "twin" or kind == "per-head" else (1, 1)
     dtype = F32
     q, k, v, dout = _inputs(1, SEQLEN, h, hkv, 16, dtype, device, seed=7)
     bm = _mask_of(kind, h)
@@ -78,10 +82,12 @@ def test_block_mask_matches_oracle(impl, name, kind, causal, window, docs, monke
 def test_all_ones_is_dense(impl, monkeypatch):
     """An all-True block mask computes what no block mask computes (up to summation order)."""
     device = _impl(impl, monkeypatch)
-    q, k, v, dout = _inputs(1, SEQLEN, 2, 1, 16, F32, device, seed=8)
-    for causal in (False, True) if impl == "twin" else (True,):  # the interpreter is slow
+    # The interpreter is slow: two blocks, the last ragged, one head.
+    s, h = (SEQLEN, 2) if impl == "twin" else (200, 1)
+    q, k, v, dout = _inputs(1, s, h, 1, 16, F32, device, seed=8)
+    for causal in (False, True) if impl == "twin" else (True,):
         dense = _run_flash_attn(q, k, v, dout, causal=causal)
-        ones = _run_flash_attn(q, k, v, dout, causal=causal, block_mask=_mask_of("ones", 2).to(device))
+        ones = _run_flash_attn(q, k, v, dout, causal=causal, block_mask=_mask_of("ones", h, s).to(device))
         for a, b in zip(dense, ones):
             assert rel_err(a, b) <= 1e-6
 
@@ -141,14 +147,26 @@ def test_program_order_runs_long_rows_first():
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_long_rows_first_matches_oracle(causal, monkeypatch):
-    """The Triton kernels (interpreted) with programs out of their natural order: a global
-    row and column among short band rows, six blocks."""
+    """The Triton kernels (interpreted) with programs out of their natural order, four
+    blocks (the last one 20 rows). Without a band: query block 0 sees every block, the
+    others their own, so the forward's and dQ's programs of block 0's rows run first, head
+    1's before head 0's short ones (two query heads, one kv head). Causal: local + global
+    attention, whose key block 0 every row sees, so the dK/dV programs of its key rows run
+    first, kv head 1's before kv head 0's short ones."""
+    from ringflash.kernels.masks import Blocks
     device = _impl("triton", monkeypatch)
-    s, h, hkv = 6 * BLOCK - 20, 2, 1
+    s, n = 3 * BLOCK + 20, 4
+    h, hkv = (2, 2) if causal else (2, 1)
     q, k, v, dout = _inputs(1, s, h, hkv, 16, F32, device, seed=11)
-    bm = block_sparse.local_global_block_mask(s, local_blocks=1, global_blocks=1)
-    counts, _ = block_lists(bm, -BAND_INF, BAND_INF, s, s)
-    assert program_order(counts, 6, BLOCK, 1, h).tolist()[:2] == [0, 6]  # reordered
+    if causal:
+        bm = block_sparse.local_global_block_mask(s, local_blocks=1, global_blocks=1)
+    else:
+        bm = torch.eye(n, dtype=torch.bool)[None]
+        bm[:, 0] = True
+    # The launch order with one program a block (the kernels' tiles are smaller): over query
+    # rows without a band, over key rows (dK/dV) under the causal one.
+    order = Blocks(bm).order(-BAND_INF, 0 if causal else BAND_INF, s, s, causal, BLOCK, 1, hkv if causal else h)
+    assert order.tolist()[:2] == [0, n]  # reordered
     got = _run_flash_attn(q, k, v, dout, causal=causal, block_mask=bm.to(device))
     want = oracle_results(q, k, v, dout, with_blocks(global_mask(s, causal), bm, s))
     for key, a in zip(want, got):
@@ -292,7 +310,7 @@ def check_block_sparse_ring(rank, world, layout, seed=0, device="cpu", chunk=BLO
         ("documents", block_sparse.strided_block_mask(seqlen, stride=2), True, (-1, -1),
          [[seqlen // 3, 5, seqlen - seqlen // 3 - 5]], 2, 1, 0.0),
         ("dropout-causal", block_sparse.random_block_mask(seqlen, 0.6, seed=seed + 5), True, (-1, -1),
-         None, 2, 1, 0.25),
+         None, 1, 1, 0.25),  # one head: the twin's Philox is slow (grouped heads: test_ring_masks)
     ]
     for i, (name, bm, causal, window, docs, h, hkv, p) in enumerate(configs):
         gen = torch.Generator().manual_seed(seed + 10 + i)
@@ -338,15 +356,17 @@ def test_block_sparse_ring_matches_oracle(worlds, world_size, layout):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.world(2)
 def test_block_sparse_ring_of_two_cuts_its_keys(worlds):
     """Contiguous shards of 2 blocks: the ring of two cuts its dK/dV passes and the trip
-    home between them (ring._home_cuts), so each piece's rectangle of the block mask is
+    home between them (ring.rows.home_cuts), so each piece's rectangle of the block mask is
     checked too."""
     per_rank = worlds(2).run(check_block_sparse_ring, "contiguous", 0, "cpu", 2 * BLOCK, timeout=300)
     failures = [f for fs in per_rank for f in fs]
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.world(2)
 def test_ranks_must_agree_on_the_block_mask(worlds):
     per_rank = worlds(2).run(_disagree, timeout=120)
     assert all("block_mask" in msg for msg in per_rank), per_rank
@@ -397,14 +417,22 @@ def test_layer_takes_a_block_mask():
 
 @pytest.mark.parametrize("impl", ["twin", "triton"])
 def test_block_mask_with_dropout(impl, monkeypatch):
-    """Dropout inside the computed blocks: the same keep bits as without a block mask."""
+    """Dropout inside the computed blocks: the same keep bits as without a block mask.
+    (The interpreter: one head and a shared mask; dropout under a per-head mask is
+    test_kernels' test_backward_reads_a_sequence_joined_from_two_tensors.)"""
     device = _impl(impl, monkeypatch)
-    q, k, v, dout = _inputs(1, SEQLEN, 2, 1, 16, F32, device, seed=13)
-    bm, p, seed = _mask_of("per-head", 2), 0.2, 77
+    h = 2 if impl == "twin" else 1
+    q, k, v, dout = _inputs(1, SEQLEN, h, 1, 16, F32, device, seed=13)
+    if impl == "twin":
+        bm = _mask_of("per-head", h)
+    else:  # the diagonal and one block below it (the last block's 44 rows)
+        bm = torch.eye(3, dtype=torch.bool)[None]
+        bm[:, 2, 0] = True
+    p, seed = 0.2, 77
     out, _, dq, dk, dv = _run_flash_attn(q, k, v, dout, causal=True, block_mask=bm.to(device),
                                          dropout_p=p, seed=seed)
     mask = with_blocks(global_mask(SEQLEN, True), bm, SEQLEN).to(device)
-    want = oracle_results(q, k, v, dout, mask, dropped(ringflash.dropout_keep_mask(seed, p, 1, 2, SEQLEN), p))
+    want = oracle_results(q, k, v, dout, mask, dropped(ringflash.dropout_keep_mask(seed, p, 1, h, SEQLEN), p))
     for key, a in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv)):
         err = rel_err(a, want[key])
         assert err <= TOL[F32], f"{impl}: {key} rel err {err:.3g}"

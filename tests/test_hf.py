@@ -122,6 +122,7 @@ def example_run(rank, world, argv, reference=False):
 
 
 
+@pytest.mark.world(2)
 def test_example_trains_like_unsharded(worlds):
     """launch/hf_finetune.py, 4 steps at W=2 (zigzag) against --reference (transformers'
     sdpa on whole sequences): the same losses and final parameters."""
@@ -177,6 +178,7 @@ def padded_or_packed_errors(rank, world):
     return errors
 
 
+@pytest.mark.world(1)
 def test_padded_or_packed_batch_is_not_ignored(worlds):
     """A padded or packed batch gets its mask (in a spawned process: running the model in
     pytest's own has crashed later eager custom-op calls there, torch 2.13 CPU)."""
@@ -219,6 +221,7 @@ def sliding_window_matches_unsharded(rank, world, layout):
     return ring_errors(reference, model, sp, *_batch(seqlen=128 * world))[0]
 
 
+@pytest.mark.world(2)
 @pytest.mark.parametrize("layout", ["zigzag", "block_stripe"])
 def test_sliding_window_layers_match_unsharded(worlds, layout):
     """Sliding-window layers (transformers' key j > i - window) run as window_size
@@ -250,6 +253,7 @@ def compiles_in_one_graph(rank, world):
             max(rel_err(p.grad, g) for p, g in zip(model.parameters(), want_grads)))
 
 
+@pytest.mark.world(1)
 def test_llama_with_ring_attention_compiles_in_one_graph(worlds):
     """One graph, the eager loss and gradients, at a world of 1. In a spawned process: in
     pytest's own, compiled state left behind has crashed later eager calls of the kernels'

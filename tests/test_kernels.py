@@ -160,6 +160,23 @@ GPU_TILE_CASES = [  # a few tiles of each GPU config: head_dim <= 64, <= 128, 25
 ]
 
 
+# The interpreter takes seconds a case: fp16 there (its casts, and the 2x-torch rule) on the
+# cases whose masks differ (GQA causal, empty rows, queries after their keys, the largest
+# head_dim, batch 2); every mask and shape runs in fp32, and the twin runs all in every dtype.
+def _block_cases(*ids):
+    cases = {c.id: c for c in BLOCK_CASES}
+    return [cases[i] for i in ids]
+
+
+INTERPRETER_F16_CASES = _block_cases(
+    "b1-q1-k77-h2kv1-d64-causal+76", "b1-q77-k77-h4kv2-d32-causal+0", "b1-q37-k100-h2kv1-d128-causal+40",
+    "b1-q100-k37-h2kv1-d96-causal-20", "b1-q48-k48-h2kv1-d256-causal+0", "b2-q33-k47-h2kv1-d64-causal+5-scale1")
+# Masked pointer loads instead of TMA descriptors: rows and head_dim past the tensors' ends
+# (a single row, head_dim 96 of a 128-wide tile, 256, ragged batch 2).
+POINTER_CASES = _block_cases("b1-q1-k77-h2kv1-d64-causal+76", "b1-q100-k37-h2kv1-d96-causal-20",
+                             "b1-q48-k48-h2kv1-d256-causal+0", "b2-q33-k47-h2kv1-d64-causal+5-scale1")
+
+
 def block_params():
     """Which implementation runs which cases, in which dtypes. "triton-gpu-tiles" interprets
     the kernels with the tile shapes they use on a GPU (fp32 only: it is about tile logic)."""
@@ -169,8 +186,8 @@ def block_params():
         combos += [("triton", BLOCK_CASES + LARGE_CASES + GPU_TILE_CASES, (F32, F16)),
                    ("triton-pointers", BLOCK_CASES + GPU_TILE_CASES, (F16,))]
     else:
-        combos += [("triton", BLOCK_CASES, (F32, F16)), ("triton-pointers", BLOCK_CASES, (F16,)),
-                   ("triton-gpu-tiles", GPU_TILE_CASES, (F32,))]
+        combos += [("triton", BLOCK_CASES, (F32,)), ("triton", INTERPRETER_F16_CASES, (F16,)),
+                   ("triton-pointers", POINTER_CASES, (F16,)), ("triton-gpu-tiles", GPU_TILE_CASES, (F32,))]
     return [pytest.param(kernel, dtype, c, id=f"{kernel}-{DTYPE_ID[dtype]}-{c.id}")
             for kernel, cases, dtypes in combos for dtype in dtypes for c in cases]
 
@@ -197,10 +214,12 @@ SPLIT_CASES = [  # (case, first key of the second part)
 @pytest.mark.parametrize("order", ["ascending", "descending"])
 @pytest.mark.parametrize("case,split", SPLIT_CASES, ids=[f"{c.id}-split{s}" for c, s in SPLIT_CASES])
 @pytest.mark.parametrize("kernel,dtype", [pytest.param(k, d, id=f"{k}-{DTYPE_ID[d]}")
-                                          for k in ("twin", "triton") for d in (F32, F16)])
+                                          for k, d in (("twin", F32), ("twin", F16), ("triton", F32))])
 def test_split_keys_accumulate(kernel, dtype, case, split, order, monkeypatch):
     """The ring's use: merge partials over key ranges into a running (out, lse) that starts
-    at (0, -inf), then add each range's gradients into buffers that already hold some."""
+    at (0, -inf), then add each range's gradients into buffers that already hold some.
+    (The running sums are fp32 whatever the inputs: Triton's fp16 inputs are checked
+    without accumulating, test_block_matches_oracle.)"""
     mod, device = kernel_module(kernel, monkeypatch)
     q, k, v, dout = make_inputs(case, dtype, device)
     parts = [(0, split), (split, case.sk)]
@@ -262,19 +281,22 @@ def test_backward_passes_run_apart(kernel, monkeypatch):
 def test_backward_reads_a_sequence_joined_from_two_tensors(kernel, mask, monkeypatch):
     """k and v (dQ pass), q and dout (dK/dV pass) given as ``Joined``, each part a separate
     tensor, under a per-head block mask, with dropout or a causal band (partial blocks in
-    both parts): the same bits as the whole tensors. Without a block mask it raises."""
+    both parts): the same bits as the whole tensors. Without a block mask it raises.
+    (The interpreter is slow: a batch of two under the block mask alone, where the parts'
+    batch strides are read; grouped query heads with their own masks under the band.)"""
     from ringflash.kernels import Joined
     from ringflash.kernels.block_sparse import random_block_mask
     from ringflash.kernels.masks import Blocks
     device = use_backend("twin" if kernel == "twin" else "triton", monkeypatch)
-    case = Case(2, 256, 256, 4, 2, 16, None)
+    heads = 2 if mask == "causal" else 1
+    case = Case(2 if mask == "blocks" else 1, 256, 256, heads, 1, 16, None)
     q, k, v, dout = make_inputs(case, F32, device)
-    blocks = Blocks(random_block_mask(256, 0.5, heads=4, seed=2, device=device))
+    blocks = Blocks(random_block_mask(256, 0.5, heads=heads, seed=2, device=device))
     pair = {"blocks": PairMask(blocks=blocks),
             "dropout": PairMask(dropout_p=0.3, seed=5, pos=(0, 0, 1, 0), blocks=blocks),
             "causal": PairMask(band_hi=0, blocks=blocks)}[mask]
-    lse = torch.rand((2, 4, 256), device=device) + 4
-    delta = torch.randn((2, 4, 256), device=device)
+    lse = torch.rand((case.b, heads, 256), device=device) + 4
+    delta = torch.randn((case.b, heads, 256), device=device)
     whole = [torch.full(t.shape, NAN, device=device) for t in (q, k, v)]
     flash_attn_bwd(dout, q, k, v, lse, delta, *whole, softmax_scale=0.3, mask=pair)
 
@@ -296,16 +318,16 @@ def test_backward_reads_a_sequence_joined_from_two_tensors(kernel, mask, monkeyp
         flash_attn_bwd(one[3], one[0], *(Joined(t[:, :128], u) for t, u in zip(one[1:3], apart)),
                        lse[:1], delta[:1], got, None, None, softmax_scale=0.3, mask=pair)
         assert torch.equal(got, want)
+        with pytest.raises(ValueError, match="share strides"):  # batch rows of unequal length
+            flash_attn_bwd(dout, q, Joined(k[:, :128].clone(), k[:, 128:192].clone()),
+                           Joined(v[:, :128].clone(), v[:, 128:192].clone()), lse, delta, dq, None, None,
+                           softmax_scale=0.3, mask=pair)
     with pytest.raises(ValueError, match="needs a block mask"):
         flash_attn_bwd(dout, q, joined(k), joined(v), lse, delta, dq, None, None, softmax_scale=0.3)
     with pytest.raises(ValueError, match="dq=None"):
         flash_attn_bwd(joined(dout), joined(q), k, v, lse, delta, dq, dk, dv, softmax_scale=0.3, mask=pair)
     with pytest.raises(ValueError, match="both be Joined"):
         flash_attn_bwd(dout, q, joined(k), v, lse, delta, dq, None, None, softmax_scale=0.3, mask=pair)
-    with pytest.raises(ValueError, match="share strides"):  # batch rows of unequal length
-        flash_attn_bwd(dout, q, Joined(k[:, :128].clone(), k[:, 128:192].clone()),
-                       Joined(v[:, :128].clone(), v[:, 128:192].clone()), lse, delta, dq, None, None,
-                       softmax_scale=0.3, mask=pair)
     with pytest.raises(ValueError, match="multiple of 128"):
         flash_attn_bwd(dout, q, Joined(k[:1, :100], k[:1, 100:200]), Joined(v[:1, :100], v[:1, 100:200]),
                        lse, delta, dq, None, None, softmax_scale=0.3, mask=pair)
@@ -322,8 +344,11 @@ def test_forward_reads_a_sequence_joined_from_two_tensors(kernel, mask, monkeypa
     from ringflash.kernels.block_sparse import random_block_mask
     from ringflash.kernels.masks import Blocks
     device = use_backend("twin" if kernel == "twin" else "triton", monkeypatch)
-    q, k, v, _ = make_inputs(Case(2, 128, 256, 4, 2, 16, None), F32, device)
-    blocks = Blocks(random_block_mask(256, 0.5, heads=4, seed=3, device=device)[:, :1])
+    # A batch of two under the block mask alone (the parts' batch strides); grouped query
+    # heads with their own masks under the band.
+    heads = 2 if mask == "causal" else 1
+    q, k, v, _ = make_inputs(Case(2 if mask == "blocks" else 1, 128, 256, heads, 1, 16, None), F32, device)
+    blocks = Blocks(random_block_mask(256, 0.5, heads=heads, seed=3, device=device)[:, :1])
     pair = {"blocks": PairMask(blocks=blocks),
             "dropout": PairMask(dropout_p=0.3, seed=5, pos=(0, 0, 1, 0), blocks=blocks),
             "causal": PairMask(band_hi=128, blocks=blocks)}[mask]
@@ -429,14 +454,12 @@ def test_launches_share_one_stand_in_for_unused_pointers():
     """A launch without segment ids or a block mask passes one kept stand-in for their
     pointers (no allocation and fill kernel per launch), and a launch with them passes theirs."""
     device = torch.device(TRITON_DEVICE)
-    (_, _, qseg, kseg, _, segments), _ = launch._mask_args(PairMask(), device)
-    (counts, index, order, *_), sparse = launch._sparse_args(PairMask(), 0, 0, 8, 8, False,
-                                                                    device, (16, 1, 1, 1))
-    assert not segments and not sparse
-    assert qseg is kseg is counts is index is order is launch._stand_in(device)
+    qseg, kseg = launch._segment_ids(PairMask(), device)
+    lists = launch._lists(PairMask(), launch._band(PairMask()), 8, 8, False, device, (16, 1, 1, 1))
+    assert qseg is kseg is lists.counts is lists.index is lists.order is launch._stand_in(device)
     ids = torch.zeros(1, 8, dtype=torch.int32, device=device)
-    (_, _, qseg, _, _, segments), _ = launch._mask_args(PairMask(q_segments=ids, k_segments=ids), device)
-    assert segments and qseg is ids
+    qseg, _ = launch._segment_ids(PairMask(q_segments=ids, k_segments=ids), device)
+    assert qseg is ids
 
 
 @pytest.mark.parametrize("kernel", ["twin", "triton"])
@@ -730,3 +753,20 @@ BAD_INPUTS = [  # id, (q, k, v), kwargs, exception, the argument the message mus
 def test_bad_input_raises_naming_the_argument(make, kwargs, exc, name):
     with pytest.raises(exc, match=name):
         flash_attn(*make(), **kwargs)
+
+
+def test_tensors_past_2_31_elements_raise():
+    """The Triton kernels' offsets are 32-bit: a launch whose tensor spans 2**31 elements
+    or more raises instead of reading other memory (meta tensors: no memory is taken)."""
+    big = torch.empty(80, 8192, 32, 128, device="meta", dtype=F16)  # 2.7e9 elements
+    fits = torch.empty(64, 8192, 32, 128, device="meta", dtype=F16)  # 2**31 exactly: last offset 2**31 - 1
+    launch._check_spans(q=fits, k=fits[:, :1024])
+    lse = torch.empty(80, 32, 8192, device="meta")
+    with pytest.raises(ValueError, match=r"\bq spans .*2\*\*31"):
+        triton_kernels.fwd(big, fits[:, :64], fits[:, :64], torch.empty_like(big), lse,
+                           softmax_scale=0.1, mask=PairMask(), accumulate=False)
+    with pytest.raises(ValueError, match=r"\bdout spans"):
+        launch.delta(fits[:1], big)
+    # a strided view spans past its elements: its last offset counts, not numel
+    with pytest.raises(ValueError, match=r"\bk spans"):
+        launch._check_spans(k=big[:, :, :1])

@@ -189,6 +189,7 @@ def world2_results(worlds):
     return worlds(2).run(check_layer_cases, CASES, timeout=120)[0]
 
 
+@pytest.mark.world(2)
 @pytest.mark.parametrize("layout, causal", CASES,
                          ids=[f"{l}-{'causal' if c else 'full'}" for l, c in CASES])
 def test_layer_matches_reference_world2(world2_results, layout, causal):
@@ -198,6 +199,7 @@ def test_layer_matches_reference_world2(world2_results, layout, causal):
     assert not bad, f"relative errors above {TOL}: {bad}"
 
 
+@pytest.mark.world(4)
 def test_layer_on_subgroup_world4(worlds):
     """A ring on ranks [1, 3] of a world of 4 (the group argument is honoured)."""
     cases = [("zigzag", True), ("stripe", True)]
@@ -243,6 +245,7 @@ def check_ddp_recipe(rank, world, seqlen_local=12, batch=2):
     return errs
 
 
+@pytest.mark.world(4)
 def test_ddp_over_data_parallel_group_world4(worlds):
     errs = worlds(4).run(check_ddp_recipe, timeout=120)[0]
     assert errs.pop("rank_spread") == 0.0

@@ -177,11 +177,13 @@ def ddp_over_the_world(rank, world):
 
 
 
+@pytest.mark.world(4)
 def test_device_mesh_and_sequence_parallel_helpers(worlds):
     failures = [f for fs in worlds(4).run(mesh_and_helpers, timeout=120) for f in fs]
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.world(4)
 def test_ddp_over_every_rank_with_loss_times_world(worlds):
     failures = [f for fs in worlds(4).run(ddp_over_the_world, timeout=120) for f in fs]
     assert not failures, "\n".join(failures)

@@ -2,8 +2,8 @@
 
 Each world size gets ONE spawned gloo world (the module-scoped ``worlds`` fixture) and
 every case runs inside it, so the few seconds of process start-up are paid once per
-world size. Tests are ordered by world size (1, 2, 3, 4, then everything else at 4) for
-that reason. test_ring_matches_oracle is one test item per (world size, configuration),
+world size: tests/conftest.py runs the module's tests grouped by the world size each one
+declares (a ``world_size`` parameter or ``@pytest.mark.world(n)``). test_ring_matches_oracle is one test item per (world size, configuration),
 e.g. ``test_ring_matches_oracle[W2-zigzag-causal-n26-h4kv2-d8-b2-lse-fp32-strided]``,
 selectable with ``-k``. Every rank computes the ring; the full-sequence comparison of
 configuration i is done by rank i mod W only, which spreads the float64 oracle over the
@@ -193,6 +193,7 @@ def test_ring_matches_oracle(worlds, world_size, index):
                                                first_index=index, timeout=120))
 
 
+@pytest.mark.world(4)
 def test_ring_on_subgroup(worlds):
     """A ring over ranks 1 and 3 of a world of 4 (ranks 0 and 2 stay out of it)."""
     configs = [RingCase(layout, causal, tokens_per_rank(layout, 26), 4, 2, use_lse=True)
@@ -200,6 +201,7 @@ def test_ring_on_subgroup(worlds):
     _assert_no_failures(worlds(4).run(check_configs, configs, seed=7, group_ranks=[1, 3]))
 
 
+@pytest.mark.world(4)
 def test_ring_on_two_subgroups_at_once(worlds):
     configs = [RingCase("zigzag", True, 26, 4, 1, use_lse=True), RingCase("stripe", True, 13, 2, 2)]
     _assert_no_failures(worlds(4).run(check_concurrent_subgroups, configs))
@@ -229,8 +231,8 @@ def _early_tail(n: int) -> list:
     """The events that end a ring of two's backward whose remote dK/dV pass runs first: per
     piece of key rows its dK/dV pass and that piece's trip home, the remote dQ pass, then
     per piece the wait for its sums and the own dK/dV pass adding them."""
-    from ringflash import ring as ring_mod
-    parts = len(ring_mod._home_cuts(n)) + 1
+    from ringflash.ring.rows import home_cuts
+    parts = len(home_cuts(n)) + 1
     return [("dkv",), ("post", -1)] * parts + [("dq",)] + [("wait",), ("dkv",)] * parts
 
 
@@ -244,18 +246,18 @@ def test_backward_ends_on_the_own_shard_under_the_last_trip(monkeypatch, world, 
     (full attention; not a window of 2), the remote dQ pass, the own dK/dV pass then
     adding the arrived sum as it writes. No transfer waits behind the last kernel pass
     but one."""
-    from ringflash.layouts import remote_share
-    from ringflash import ring as ring_mod
+    from ringflash.layouts import active_steps, remote_share
+    from ringflash.ring import ring_backward
     fake = _RecordingRing(world)
-    monkeypatch.setattr(ring_mod, "flash_attn_bwd", lambda *args, **kw: fake.events.append(
+    monkeypatch.setattr(ringflash.kernels, "flash_attn_bwd", lambda *args, **kw: fake.events.append(
         ("dq" if args[6] is not None else "dkv",)))  # (dout, q, k, v, lse, delta, dq, dk, dv)
     n = tokens_per_rank(layout, 4 * world)
     q, k, v, out, dout = (torch.randn(1, n, 2, 8) for _ in range(5))
     lse = torch.randn(1, 2, n)
-    ring_mod.ring_backward(dout, q, k, v, out, lse, None, None, softmax_scale=0.3,
+    ring_backward(dout, q, k, v, out, lse, None, None, softmax_scale=0.3,
                            band=band, dropout=(0.0, 0), layout=layout, ring=fake)
     ev = fake.events
-    steps = ring_mod.active_steps(layout, world, n, band)
+    steps = active_steps(layout, world, n, band)
     last_post = max(i for i, e in enumerate(ev) if e[0] == "post")
     assert ev[last_post] == ("post", 1 - steps), ev
     assert ev.count(("wait",)) == sum(e[0] == "post" for e in ev), ev
@@ -274,17 +276,17 @@ def test_ring_of_two_weighs_its_steps_by_the_mask(monkeypatch, mask, early):
     local band on contiguous shards leaves the remote step a sliver (1 block against 4),
     too little to hide the trip home behind its dQ pass, so the own dK/dV pass does;
     an all-ones mask keeps the early order the band alone would choose."""
-    from ringflash import ring as ring_mod
+    from ringflash.ring import ring_backward
     from ringflash.kernels import block_sparse
     from ringflash.kernels.masks import BLOCK
     fake = _RecordingRing(2)
-    monkeypatch.setattr(ring_mod, "flash_attn_bwd", lambda *args, **kw: fake.events.append(
+    monkeypatch.setattr(ringflash.kernels, "flash_attn_bwd", lambda *args, **kw: fake.events.append(
         ("dq" if args[6] is not None else "dkv",)))
     n = 2 * BLOCK
     bm = (torch.ones(1, 4, 4, dtype=torch.bool) if mask == "ones"
           else block_sparse.local_global_block_mask(2 * n, local_blocks=2))
     q, k, v, out, dout = (torch.randn(1, n, 2, 8) for _ in range(5))
-    ring_mod.ring_backward(dout, q, k, v, out, torch.randn(1, 2, n), None, None, softmax_scale=0.3,
+    ring_backward(dout, q, k, v, out, torch.randn(1, 2, n), None, None, softmax_scale=0.3,
                            band=(None, None), dropout=(0.0, 0), layout="contiguous", ring=fake,
                            blocks=bm)
     ev = fake.events
@@ -301,10 +303,10 @@ def test_ring_of_two_that_kept_its_kv_swaps_queries_under_its_dq_pass(monkeypatc
     (``keeps_kv``): its backward moves no K/V and no gradient. The ranks' Q, dO, lse and
     delta travel (three messages) under the dQ pass over every key, its own and the kept
     ones joined in global order; then one dK/dV pass over every query, joined the same way."""
-    from ringflash import ring as ring_mod
+    from ringflash.ring import ring_backward
     calls = []
     fake = _RecordingRing(2)
-    monkeypatch.setattr(ring_mod, "flash_attn_bwd", lambda *args, **kw: (
+    monkeypatch.setattr(ringflash.kernels, "flash_attn_bwd", lambda *args, **kw: (
         fake.events.append(("dq" if args[6] is not None else "dkv",)), calls.append(args)))
     n, batch = 16, 2
     q, k, v, out, dout = (torch.randn(batch, n, 2, 8) for _ in range(5))
@@ -313,7 +315,7 @@ def test_ring_of_two_that_kept_its_kv_swaps_queries_under_its_dq_pass(monkeypatc
         fake.events.clear()
         fake.messages.clear()
         calls.clear()
-        ring_mod.ring_backward(dout, q, k, v, out, torch.randn(batch, 2, n), None, None, softmax_scale=0.3,
+        ring_backward(dout, q, k, v, out, torch.randn(batch, 2, n), None, None, softmax_scale=0.3,
                                band=band, dropout=(0.0, 0), layout="contiguous", ring=fake, kept=kept)
         assert fake.events == [("post", 1), ("dq",), ("wait",), ("dkv",)], (band, fake.events)
         assert len(fake.messages) == 3, fake.messages
@@ -345,21 +347,21 @@ def test_running_dkv_rows_are_written_or_zeroed(monkeypatch, world, layout, caus
     """A step's first dK/dV passes write the key rows of their pairs and only the rows no
     pair covers are zeroed: every row of the result is finite, and a pass that writes never
     meets a row another pass of its step wrote."""
-    from ringflash import ring as ring_mod
+    from ringflash.ring import ring_backward
 
     def bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, accumulate, dq_partial=None, dk_partial=None,
             dv_partial=None, **kw):
         for g, partial in ((dq, dq_partial), (dk, dk_partial), (dv, dv_partial)):
             if g is not None:
                 g.copy_((g if partial is None else partial) + 1 if accumulate else torch.ones_like(g))
-    monkeypatch.setattr(ring_mod, "flash_attn_bwd", bwd)
+    monkeypatch.setattr(ringflash.kernels, "flash_attn_bwd", bwd)
     n = tokens_per_rank(layout, 4 * world)
     q, k, v, out, dout = (torch.randn(1, n, 2, 8) for _ in range(5))
     lse = torch.randn(1, 2, n)
     for rank in range(world):
         fake = _NaNRing(world)
         fake.rank = rank
-        dq, dkv = ring_mod.ring_backward(dout, q, k, v, out, lse, None, None, softmax_scale=0.3,
+        dq, dkv = ring_backward(dout, q, k, v, out, lse, None, None, softmax_scale=0.3,
                                          band=(None, 0) if causal else (None, None),
                                          dropout=(0.0, 0), layout=layout, ring=fake)
         assert torch.isfinite(dkv).all() and torch.isfinite(dq).all(), rank
@@ -378,23 +380,23 @@ class _FlaggingRing(_RecordingRing):
 
 @pytest.mark.parametrize("fails", [False, True], ids=["runs", "launch-raises"])
 def test_one_launch_forward_lowers_its_arrival_flags(monkeypatch, fails):
-    """The one-launch forward of a ring of two (``_gathered_forward``) waits for the whole
+    """The one-launch forward of a ring of two (``gathered.gathered_forward``) waits for the whole
     trip and lowers the flags that said its chunks had landed, also when the launch
     raised (out of memory, say, caught by the caller): flags left up would let the next
     call's tiles read a shard still in flight."""
-    from ringflash import ring as ring_mod
+    from ringflash.ring import gathered
     launches = []
 
     def fwd(q, k, v, *, out, lse, arrival, **kw):
         launches.append(arrival)
         if fails:
             raise torch.OutOfMemoryError("simulated")
-    monkeypatch.setattr(ring_mod, "flash_attn_fwd", fwd)
-    monkeypatch.setattr(ring_mod, "_mask", lambda *args: None)
+    monkeypatch.setattr(ringflash.kernels, "flash_attn_fwd", fwd)
+    monkeypatch.setattr(gathered, "pair_mask", lambda *args: None)
     fake = _FlaggingRing(2)
     q, k, v = (torch.randn(1, 256, 4, 64) for _ in range(3))
     recv = torch.zeros(2, *k.shape)
-    call = lambda: ring_mod._gathered_forward(q, k, v, recv, softmax_scale=0.125, band=(None, None),
+    call = lambda: gathered.gathered_forward(q, k, v, recv, softmax_scale=0.125, band=(None, None),
                                               dropout=(0.0, 0), ring=fake, plan=None, blocks=None)
     if fails:
         with pytest.raises(torch.OutOfMemoryError):
@@ -452,7 +454,7 @@ DISAGREEMENTS = {
     "head_dim": dict(shape=dict(head_dim=8)),
     "batch": dict(shape=dict(batch=2)),
     "dtype": dict(shape=dict(dtype=torch.float16)),
-    "causal": dict(kwargs=dict(causal=False)),
+    "band_hi (from causal, window_size)": dict(kwargs=dict(causal=False)),
     "layout": dict(kwargs=dict(layout="stripe")),
     "softmax_scale": dict(kwargs=dict(softmax_scale=0.125)),
     "requires_grad": dict(requires_grad=False),
@@ -545,6 +547,7 @@ LOCAL_CASES = {  # case -> (exception types allowed, words the message must cont
 }
 
 
+@pytest.mark.world(4)
 @pytest.mark.parametrize("field", list(DISAGREEMENTS))
 def test_ranks_disagree_every_rank_raises(worlds, field):
     """Rank 1 alone differs; every rank gets the same ValueError naming the field, within
@@ -570,7 +573,7 @@ def check_on_a_host_group(rank, world):
         return real_gather(tensors, tensor, group=group, **kw)
     exchange._is_nccl, dist.all_gather = (lambda group: True), all_gather
     try:
-        calls = [disagreeing_call(rank, world, "causal") for _ in range(2)]
+        calls = [disagreeing_call(rank, world, "band_hi (from causal, window_size)") for _ in range(2)]
     finally:
         exchange._is_nccl, dist.all_gather = real_is_nccl, real_gather
     host = exchange._HOST_GROUPS.pop(dist.group.WORLD.group_name, None)
@@ -579,6 +582,7 @@ def check_on_a_host_group(rank, world):
         [g is host for g in gathered_on]
 
 
+@pytest.mark.world(2)
 def test_rank_check_of_an_nccl_group_gathers_on_a_host_group(worlds):
     """An NCCL group's agreement check is a host all-gather over a gloo twin of the group
     (no GPU synchronization), made once and reused; disagreements still raise everywhere
@@ -587,12 +591,13 @@ def test_rank_check_of_an_nccl_group_gathers_on_a_host_group(worlds):
                                                                                 timeout=60)):
         for caught, after in calls:
             assert caught is not None and caught[0] == "ValueError", (rank, caught)
-            assert "disagree on causal:" in caught[1], (rank, caught)
+            assert "disagree on band_hi (from causal, window_size):" in caught[1], (rank, caught)
             assert after is None, after
         assert own_group and backend == "gloo", (rank, own_group, backend)
         assert len(on_host) == 4 and all(on_host), (rank, on_host)  # 2 disagreeing + 2 valid calls
 
 
+@pytest.mark.world(4)
 @pytest.mark.parametrize("case", list(LOCAL_CASES))
 def test_bad_local_input_every_rank_raises(worlds, case):
     per_rank = worlds(4).run(local_bad_call, case, timeout=30)
@@ -606,6 +611,7 @@ def test_bad_local_input_every_rank_raises(worlds, case):
         assert after is None, after
 
 
+@pytest.mark.world(4)
 @pytest.mark.parametrize("case", ["qkv_dtypes", "unknown_layout", "zigzag_odd_seqlen_local"])
 def test_bad_input_on_one_rank_every_rank_raises(worlds, case):
     """Rank 1 alone fails its local checks: it raises its own error, and the ranks whose
@@ -634,6 +640,7 @@ def transport_on_one_rank_call(rank, world, value):
     return caught, _ring_still_works(rank, world)
 
 
+@pytest.mark.world(4)
 @pytest.mark.parametrize("value", ["peer", "pigeon"])
 def test_bad_transport_on_one_rank_every_rank_raises(worlds, value):
     """gloo has no peer transport, and "pigeon" none at all: rank 1 says so, and the others
@@ -685,6 +692,7 @@ def roundtrip(rank, world) -> list[str]:
     return failures
 
 
+@pytest.mark.world(4)
 def test_shard_unshard_roundtrip_on_group(worlds):
     _assert_no_failures(worlds(4).run(roundtrip))
 
@@ -696,16 +704,15 @@ def kept_kv(rank, world):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ringflash import ops
-    from ringflash import ring as ring_mod
     from ringflash.kernels.block_sparse import random_block_mask
     passes = []
-    bwd = ring_mod.flash_attn_bwd
+    bwd = ringflash.kernels.flash_attn_bwd
 
     def counting(*args, **kwargs):
         passes.append(1)
         return bwd(*args, **kwargs)
 
-    ring_mod.flash_attn_bwd = counting
+    ringflash.kernels.flash_attn_bwd = counting
     failures, report = [], {}
     n = 512  # blocks of 128 tokens: zigzag's chunks hold one each
     full = _small(n=n, heads=2, kv_heads=1, head_dim=8, seed=7)
@@ -715,7 +722,7 @@ def kept_kv(rank, world):
             q, k, v = (ringflash.shard(t, 1, layout) for t in full)
             for blocks in (None, mask):
                 for grad in (False, True):
-                    args = (0.25, False, layout, dist.group.WORLD.group_name)
+                    args = (0.25, None, None, layout, dist.group.WORLD.group_name)  # scale, band, layout, group
                     real = ops._forward(q, k, v, None, blocks, *args, requires_grad=grad)
                     with FakeTensorMode() as mode:  # what torch.compile traces with
                         fake = ops.ring_attn_forward(
@@ -740,10 +747,11 @@ def kept_kv(rank, world):
                 if not err <= TOL[torch.float32]:
                     failures.append(f"{layout} {name} rel err {err:.3g}")
     finally:
-        ring_mod.flash_attn_bwd = bwd
+        ringflash.kernels.flash_attn_bwd = bwd
     return failures, report
 
 
+@pytest.mark.world(2)
 def test_ring_of_two_keeps_its_kv_for_the_backward(worlds):
     """Only a ring of two over the contiguous layout under a block mask keeps K/V, and only
     when a backward follows: (2, B, n, Hkv, D), the other rank's K/V. Its backward
@@ -765,19 +773,19 @@ def kept_kv_moves_keys(rank, world):
     gradients are from flash_attn's on the whole sequence with the same arguments."""
     from test_masks import segments as documents
 
-    from ringflash import ring as ring_mod
+    from ringflash.ring.plan import SparsePlan
     from ringflash.kernels.block_sparse import local_global_block_mask
-    n = 1024
+    n = 512  # four blocks: rank 0 holds the global row block and key block
     full = _small(n=n, heads=2, kv_heads=1, head_dim=8, batch=2, seed=11)
     lg = local_global_block_mask(n, local_blocks=1, global_blocks=1)
-    docs = documents([[300, 724], [n]], n)
+    docs = documents([[150, 362], [n]], n)
     results = []
     for name, mask, causal, extra in (("lg", lg, False, {}), ("flipped-causal", lg.flip(1).flip(2), True, {}),
                                       ("lg-dropout", lg, False, dict(dropout_p=0.2, seed=5)),
                                       ("lg-docs-dropout", lg, False,
                                        dict(segment_ids=docs, dropout_p=0.2, seed=5))):
         band = (None, 0) if causal else (None, None)
-        cut = ring_mod._SparsePlan(mask, "contiguous", 2, n // 2).key_cut(band, mask)
+        cut = SparsePlan(mask, "contiguous", 2, n // 2).key_cut(band, mask)
         kw = dict(causal=causal, block_mask=mask, **extra)
         local = dict(kw, segment_ids=ringflash.shard(docs, 1, "contiguous")) if "segment_ids" in extra else kw
         qq, kk, vv = (ringflash.shard(t, 1, "contiguous").requires_grad_() for t in full)
@@ -794,13 +802,14 @@ def kept_kv_moves_keys(rank, world):
     return results
 
 
+@pytest.mark.world(2)
 def test_ring_of_two_that_kept_its_kv_evens_out_its_dkv_work(worlds):
     """Where the mask gives one rank more work, the busier rank leaves the other some of
     its keys' dK/dV (rank 0 under local + global: the cut below n; rank 1 when flipped:
     above), and the gradients that come home equal flash_attn's on the whole sequence."""
     for results in worlds(2).run(kept_kv_moves_keys, timeout=120):
         cuts = {name: cut for name, cut, _ in results}
-        assert cuts["lg"] < 512 < cuts["flipped-causal"] and cuts["lg-docs-dropout"] < 512, cuts
+        assert cuts["lg"] < 256 < cuts["flipped-causal"] and cuts["lg-docs-dropout"] < 256, cuts
         for name, cut, err in results:
             assert err <= 1e-5, (name, err)
 
@@ -843,6 +852,7 @@ def eager_and_op_paths(rank, world, uses):
             if not torch.equal(a, b)]
 
 
+@pytest.mark.world(4)
 @pytest.mark.parametrize("uses", ["out", "lse", "both"])
 def test_eager_ring_skips_the_custom_ops_and_agrees_with_them(worlds, uses):
     """Outside torch.compile the ring runs as a plain autograd.Function over the ops'

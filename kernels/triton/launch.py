@@ -26,6 +26,19 @@ from .tiles import QKV, Band, Dropout, Lists, Positions, Rows, Segments, Shape, 
 LOG2E = math.log2(math.e)
 
 
+_MAX_SPAN = 2 ** 31
+
+
+def _check_spans(**tensors) -> None:
+    """The kernels' element offsets are 32-bit: every tensor they read or write must span at
+    most 2**31 elements (its last element's offset below 2**31). Past that they would read
+    and write other memory, so a launch raises instead."""
+    for name, t in tensors.items():
+        if t is not None and sum((n - 1) * st for n, st in zip(t.shape, t.stride())) >= _MAX_SPAN:
+            raise ValueError(f"{name} spans {t.numel():.3g} elements (shape {tuple(t.shape)}): the Triton kernels' "
+                             f"offsets are 32-bit, at most 2**31 elements a tensor; split the batch or heads")
+
+
 def _rows(t: torch.Tensor) -> Rows:
     """A (B, S, H, D) tensor as the kernels read it through a pointer, with its strides."""
     return Rows(t, t.stride(0), t.stride(1), t.stride(2))
@@ -128,6 +141,7 @@ def fwd(q, k, v, out, lse, *, softmax_scale: float, mask, accumulate: bool, out_
     """``tail``: the keys' and values' rows that follow k and v when held apart
     (``pair.Joined``, under a block mask), or None; ``arrival``: with a tail, a
     ``pair.Arrival`` (which part runs last, and whether the kernel waits for it)."""
+    _check_spans(q=q, k=k, v=v, out=out, lse=lse, out_partial=out_partial)
     b, sq, h, d = q.shape
     split, hkv = k.shape[1], k.shape[2]
     sk = split + (0 if tail is None else tail[0].shape[1])
@@ -158,6 +172,7 @@ def fwd(q, k, v, out, lse, *, softmax_scale: float, mask, accumulate: bool, out_
 def delta(out: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
     """rowsum(do * out) in fp32, (B, H, S), in one pass over the two (B, S, H, D) tensors
     (last dimension contiguous); the twin's fp32 products take three more."""
+    _check_spans(out=out, dout=do)
     b, s, h, d = out.shape
     res = torch.empty((b, h, s), device=out.device, dtype=torch.float32)
     block_s = 16 if config.interpreting() else 64
@@ -174,6 +189,7 @@ def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask, accu
     here (docs/notes/kernel.md). ``tails``: the rows that follow (q, do) and (k, v) when
     held apart (``pair.Joined``: same strides, under a block mask), or None; the
     kernels read both parts where they are."""
+    _check_spans(dout=do, q=q, k=k, v=v, dq=dq, dk=dk, dv=dv, lse=lse, delta=delta)
     b, h, d = q.shape[0], q.shape[2], q.shape[3]
     hkv = k.shape[2]
     (q_split, sq), (k_split, sk) = ((t.shape[1], t.shape[1] + (0 if tail is None else tail[0].shape[1]))
