@@ -150,6 +150,9 @@ def train(args) -> dict:
 def main(argv=None) -> None:
     args = parse_args(argv)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if under_torchrun and args.reference and int(os.environ["WORLD_SIZE"]) > 1:
+        raise SystemExit("--reference trains the unsharded model in one process: run it with "
+                         "python, not under torchrun (every rank would train its own copy)")
     if under_torchrun and not args.reference:
         cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
         kwargs = {"timeout": timedelta(minutes=10)}

@@ -2,12 +2,15 @@
 
 - A random-init LlamaForCausalLM with attn_implementation="ring_attn" on a prepared batch
   equals the same model with transformers' eager attention on the whole batch, at W=2
-  and W=4: logits (gathered), loss (summed over ranks), every parameter gradient (summed).
+  and W=4: logits (gathered), loss (summed over ranks), every parameter gradient (summed);
+  padded batches labelled the HF way (left, right, mixed; Llama, Qwen2, Phi3), packed
+  batches, sliding windows, a moved copy of the batch, inputs_embeds, evaluation.
 - launch/hf_finetune.py at W=2 trains exactly like the unsharded model (--reference).
 - The whole model with ring attention compiles with fullgraph=True into one graph.
+- Generation runs inside ringflash.hf.unsharded (the same greedy tokens).
 - Misuse raises instead of running silently wrong: a forward without the prepared
   position_ids or without the prepared batch at all, an attention mask handed to the
-  model, a padded or packed batch (until ring_flash_attn takes segment_ids), a name
+  model, ranks given different batches, generate outside unsharded, softcapping, a name
   containing "flash".
 """
 
@@ -262,3 +265,150 @@ def test_llama_with_ring_attention_compiles_in_one_graph(worlds):
     assert frames == 1
     assert loss_err <= 1e-6
     assert grad_err <= 1e-5
+
+
+# ----------------------------------------------------------------------------- around the numbers
+
+
+FAMILIES = {  # name: (config class, model class), tiny and with every layer's attention the ring's
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+}
+
+
+def family_models(family):
+    config_cls, model_cls = (getattr(transformers, name) for name in FAMILIES[family])
+    config = config_cls(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                        pad_token_id=0)
+    return tiny_models(config=config, model_cls=model_cls)
+
+
+PADDINGS = {  # rows of 16 tokens: 1 real, 0 padding
+    "left": [[0] * 5 + [1] * 11, [0] * 2 + [1] * 14],
+    "right": [[1] * 11 + [0] * 5, [1] * 16],
+    "mixed": [[0] * 3 + [1] * 13, [1] * 9 + [0] * 7],
+}
+
+
+def padded_batches_match_unsharded(rank, world, family):
+    """Per padding: errors of the ring model (loss, gradients, logits at real tokens)
+    against the unsharded eager model given padded_labels(labels, mask), with the labels
+    of HF's collators (-100 at padded tokens only)."""
+    reference, model = family_models(family)
+    sp = ringflash.SequenceParallel()
+    ids, _ = _batch(seqlen=16)
+    out = {}
+    for name, rows in PADDINGS.items():
+        mask = torch.tensor(rows)
+        labels = ids.masked_fill(mask == 0, -100)  # DataCollatorWithPadding's convention
+        reference.zero_grad()
+        model.zero_grad()
+        want = reference(input_ids=ids, attention_mask=mask,
+                         labels=ringflash.hf.padded_labels(labels, mask))
+        want.loss.backward()
+        got = model(**ringflash.hf.prepare_batch(sp, ids, labels=labels, attention_mask=mask))
+        got.loss.backward()
+        sp.reduce_gradients(model.parameters())
+        keep = mask.bool()
+        errs = {"loss": rel_err(sp.reduce_loss(got.loss), want.loss),
+                "logits": rel_err(sp.unshard(got.logits.detach())[keep], want.logits[keep])}
+        ref_params = dict(reference.named_parameters())
+        errs["grads"] = max(rel_err(p.grad, ref_params[n].grad) for n, p in model.named_parameters())
+        out[name] = errs
+    return out
+
+
+@pytest.mark.world(2)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_padded_batches_labelled_the_hf_way_match_unsharded(worlds, family):
+    """Left, right and mixed padding with HF's labels: prepare_batch leaves padded queries
+    and targets unscored, so loss and gradients are the unsharded model's with the same
+    labels (padded_labels); before, a left-padded row's last padding query was scored."""
+    per_rank = worlds(2).run(padded_batches_match_unsharded, family, timeout=180)
+    failures = [f"rank {rank} {padding}: {what} rel err {err:.3g}" for rank, errs in enumerate(per_rank)
+                for padding, by in errs.items() for what, err in by.items() if not err <= TOL]
+    assert not failures, "\n".join(failures)
+
+
+def test_padded_labels_leave_padded_queries_and_targets_unscored():
+    labels = torch.arange(1, 7).expand(2, 6)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    got = ringflash.hf.padded_labels(labels, mask)
+    # row 0: padding at 0, 1; token 2 follows padding (its query, 1, is padding)
+    # row 1: padding at 4, 5 (token 5 also follows padding)
+    assert got.tolist() == [[-100, -100, -100, 4, 5, 6], [1, 2, 3, 4, -100, -100]]
+
+
+def moved_evaluated_and_generated(rank, world):
+    """What a framework does with the prepared batch: (errors, what misuse raised)."""
+    reference, model = tiny_models()
+    sp = ringflash.SequenceParallel()
+    ids, labels = _batch(seqlen=8 * world)
+    batch = ringflash.hf.prepare_batch(sp, ids, labels=labels)
+    # a copy of every tensor, as batch.to(device) or the Trainer's _prepare_inputs make
+    moved = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    want = reference(input_ids=ids, labels=labels)
+    errs = {"moved loss": rel_err(sp.reduce_loss(model(**moved).loss), want.loss)}
+    model.eval()
+    reference.eval()
+    with torch.no_grad():
+        errs["eval loss"] = rel_err(sp.reduce_loss(model(**batch).loss), reference(input_ids=ids, labels=labels).loss)
+        embeds = model.get_input_embeddings()(ids)
+        by_embeds = ringflash.hf.prepare_batch(sp, inputs_embeds=embeds, labels=labels)
+        errs["inputs_embeds loss"] = rel_err(sp.reduce_loss(model(**by_embeds).loss), want.loss)
+        prompt = ids[:1, :5]
+        with ringflash.hf.unsharded(model):
+            generated = model.generate(prompt, max_new_tokens=4, do_sample=False)
+        errs["generated"] = float((generated != reference.generate(prompt, max_new_tokens=4, do_sample=False)).sum())
+    misuse = {
+        "generate without unsharded": _raises(lambda: model.generate(prompt, max_new_tokens=2, do_sample=False)),
+        "other positions": _raises(lambda: model(**{**moved, "position_ids": moved["position_ids"] + 1})),
+        "different batches": _raises(lambda: ringflash.hf.prepare_batch(sp, ids + rank, labels=labels)),
+        "different labels": _raises(lambda: ringflash.hf.prepare_batch(sp, ids, labels=labels.roll(rank, 1))),
+    }
+    return errs, misuse, model.config._attn_implementation
+
+
+@pytest.mark.world(2)
+def test_moved_batch_evaluation_and_generation(worlds):
+    """A copied batch trains as the prepared one; model.eval() under no_grad, and
+    inputs_embeds, give the unsharded loss; generate runs unsharded inside
+    ringflash.hf.unsharded (greedy tokens equal) and is refused naming it outside; other
+    positions and ranks fed different batches raise on every rank."""
+    per_rank = worlds(2).run(moved_evaluated_and_generated, timeout=180)
+    for rank, (errs, misuse, attn) in enumerate(per_rank):
+        assert errs.pop("generated") == 0, f"rank {rank}"
+        assert all(err <= TOL for err in errs.values()), (rank, errs)
+        assert attn == ringflash.hf.ATTN_IMPLEMENTATION
+        assert "unsharded" in (misuse["generate without unsharded"] or ""), misuse
+        assert "position_ids" in (misuse["other positions"] or ""), misuse
+        assert "different input_ids" in (misuse["different batches"] or ""), misuse
+        assert "different labels" in (misuse["different labels"] or ""), misuse
+
+
+def softcapped_model_error(rank, world):
+    config = transformers.Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                       head_dim=8, max_position_embeddings=128)
+    _, model = tiny_models(config=config, model_cls=transformers.Gemma2ForCausalLM)
+    ids, _ = _batch(seqlen=16)
+    return _raises(lambda: model(**ringflash.hf.prepare_batch(ringflash.SequenceParallel(), ids)))
+
+
+@pytest.mark.world(1)
+def test_softcapping_error_names_the_config_field(worlds):
+    error = worlds(1).run(softcapped_model_error, timeout=180)[0]
+    assert error is not None and "attn_logit_softcapping" in error, error
+
+
+def test_reference_refuses_torchrun(monkeypatch):
+    """hf_finetune.py --reference under torchrun would train one unsharded copy a rank."""
+    spec = importlib.util.spec_from_file_location("ringflash_hf_finetune_main", ROOT / "launch" / "hf_finetune.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit, match="not under torchrun"):
+        module.main(["--reference"])
