@@ -28,6 +28,9 @@ BAND_FIELDS = ("band_lo (from causal, window_size)", "band_hi (from causal, wind
 _SIGNATURE_FIELDS = ("batch", "seqlen_local", "heads", "head_dim", "kv_heads", "dtype", *BAND_FIELDS,
                      "layout", "softmax_scale", "requires_grad", "transport", "segment_ids given",
                      "dropout_p", "seed", "block_mask's nonzero blocks", "block_mask's checksum")
+# What the ranks of a heads x ring grid compare before their all-to-all (ringflash.heads):
+# the same, transport aside (the ring compares it in its own check).
+GRID_FIELDS = _SIGNATURE_FIELDS
 
 
 def _float_bits(x: float) -> int:
@@ -49,11 +52,12 @@ def _block_digest(blocks) -> list[int]:
 
 
 def signature(q, k, band, layout, scale, needs_grad, kind, segments, dropout, blocks=None) -> list[int]:
-    """A few integers that every rank of the ring must agree on."""
+    """A few integers that every rank of the ring must agree on (``kind``: the transport,
+    None where it is not chosen yet)."""
     lo, hi = band
     return [*q.shape, k.shape[2], SUPPORTED_DTYPES.index(q.dtype), -BAND_INF if lo is None else lo,
             BAND_INF if hi is None else hi, LAYOUTS.index(layout_of(layout).name), _float_bits(scale),
-            int(needs_grad), TRANSPORTS.index(kind), int(segments is not None), _float_bits(dropout[0]),
+            int(needs_grad), -1 if kind is None else TRANSPORTS.index(kind), int(segments is not None), _float_bits(dropout[0]),
             dropout[1], *_block_digest(blocks)]
 
 

@@ -7,9 +7,9 @@ import operator
 import torch
 import torch.distributed as dist
 
-from . import agreement
+from . import agreement, heads
 from .exchange import Ring, transport  # noqa: F401 - transport: part of this module's API
-from .groups import resolve_group
+from .groups import Grid, resolve_grid
 from .kernels import (band_of_window, check_block_mask, check_causal, check_deterministic,
                       check_dropout, check_qkv, check_segment_ids, check_window, resolve_scale)
 from .kernels.masks import BLOCK
@@ -18,9 +18,11 @@ from .ops import ring_attn
 
 
 def _check_local(q, k, v, causal, layout, softmax_scale, window_size, segment_ids, dropout_p, seed,
-                 block_mask, deterministic, world):
+                 block_mask, deterministic, world, heads_world=1):
     """The call's arguments, checked: (band, layout, scale, segments, dropout, blocks), the
-    band being (lo, hi) of key - query positions (``kernels.band_of_window``)."""
+    band being (lo, hi) of key - query positions (``kernels.band_of_window``). ``world``:
+    the ring's ranks; ``heads_world``: U of a heads x ring grid (the ring then runs on
+    U x seqlen_local tokens a rank)."""
     check_qkv(q, k, v)
     check_deterministic(deterministic)
     causal = check_causal(causal)
@@ -31,15 +33,23 @@ def _check_local(q, k, v, causal, layout, softmax_scale, window_size, segment_id
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"q and k must hold the same number of local tokens, got {q.shape[1]} and {k.shape[1]}")
     rules = layout_of(layout)
-    rules.check_local(q.shape[1])
+    ring_local = q.shape[1] * heads_world
+    rules.check_local(ring_local)
     segments = check_segment_ids(segment_ids, q.shape[0], q.shape[1], q.device)
-    seqlen = q.shape[1] * world
+    seqlen = ring_local * world
     blocks = check_block_mask(block_mask, q.shape[2], seqlen, seqlen, q.device,
                               "global seqlen (W x seqlen_local), global seqlen")
     if blocks is not None:
-        rules.block_chunk(world, q.shape[1], BLOCK)
+        rules.block_chunk(world, ring_local, BLOCK)
     rules.check_masks(band, window, blocks is not None)
     dropout = check_dropout(dropout_p, seed)
+    if heads_world > 1:
+        if q.shape[2] % heads_world:
+            raise ValueError(f"heads ({q.shape[2]}) must be a multiple of the grid's heads dimension "
+                             f"U = {heads_world} (each of its ranks takes heads / U of them)")
+        if dropout[0] > 0:
+            raise ValueError("dropout_p: dropout on a heads x ring grid is not served yet (its bits are "
+                             "keyed by the global head); use a 1-D group or dropout_p=0")
     return band, layout, scale, segments, dropout, blocks
 
 
@@ -58,7 +68,10 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
         softmax_scale: a positive float; defaults to head_dim ** -0.5.
         group: the process group forming the ring (default: the world; without an
             initialized process group, a ring of one), or a DeviceMesh: 1-D, or
-            ``(mesh, dim)`` (see ``ringflash.groups``).
+            ``(mesh, dim)`` (see ``ringflash.groups``). Or a heads x ring grid (a 2-D
+            DeviceMesh or ``(head_group, ring_group)``): the local shards are then the
+            heads ranks' pieces of each ring shard (``shard`` with the same grid), and an
+            all-to-all trades tokens for heads around the ring (``ringflash.heads``).
         layout: how the global sequence is split ("zigzag", the default, "contiguous",
             "stripe", "block_stripe"; see ``shard``); the same as the inputs were sharded
             with. Every mask is on GLOBAL positions, so the result does not depend on it;
@@ -111,9 +124,13 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
     this function without a graph break. Under torch.compile a rank whose own arguments
     are invalid raises while tracing, without telling the others.
     """
-    group = resolve_group(group)
+    grid = resolve_grid(group)
     args = (q, k, v, causal, layout, softmax_scale, window_size, segment_ids, dropout_p, seed,
             block_mask, deterministic)
+    if grid.heads_world > 1:
+        out, lse = _over_grid(args, grid)
+        return (out, lse) if return_lse else out
+    group = grid.ring
     if torch.compiler.is_compiling():
         checked = _check_local(*args, Ring(group).world)
     else:
@@ -122,6 +139,28 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
     out, lse = ring_attn(q, k, v, segments, softmax_scale=scale, band=band, layout=layout, dropout=dropout,
                          blocks=blocks, group=group)
     return (out, lse) if return_lse else out
+
+
+def _over_grid(args, grid: Grid):
+    """ring_flash_attn on a heads x ring grid (``ringflash.heads``): (out, lse)."""
+    q, k = args[0], args[1]
+    compiling = torch.compiler.is_compiling()
+    try:
+        band, layout, scale, segments, dropout, blocks = _check_local(
+            *args, grid.ring_world, grid.heads_world)
+        mine = agreement.signature(q, k, band, layout, scale, torch.is_grad_enabled() and any(
+            t.requires_grad for t in args[:3]), None, segments, dropout, blocks)
+    except (TypeError, ValueError) as error:
+        if not compiling and agreement.ENABLED:
+            heads.agree(grid, None, error)
+        raise
+    if not compiling and agreement.ENABLED:
+        heads.agree(grid, mine, None)
+
+    def attend(q2, k2, v2, segments2, blocks2):
+        return ring_attn(q2, k2, v2, segments2, softmax_scale=scale, band=band, layout=layout,
+                         dropout=dropout, blocks=blocks2, group=grid.ring)
+    return heads.ring_over_heads(q, k, args[2], grid, segments, blocks, attend)
 
 
 def _check_local_on_every_rank(*args, group):
@@ -163,24 +202,35 @@ def _check_dim(x: torch.Tensor, dim: int, name: str = "x") -> int:
     return dim % x.dim()
 
 
+def _token_index(seqlen: int, layout, grid: Grid) -> torch.Tensor:
+    """Global positions of this rank's tokens: the layout's shard of the ring rank, and of
+    it, on a heads x ring grid, the heads rank's piece (``groups.Grid``)."""
+    ring_shard = global_positions(seqlen, layout, grid.ring_rank, grid.ring_world)
+    pieces = grid.heads_world
+    if ring_shard.numel() % pieces:
+        raise ValueError(f"seqlen {seqlen}: a ring shard of {ring_shard.numel()} tokens does not split "
+                         f"over the grid's {pieces} heads ranks")
+    n = ring_shard.numel() // pieces
+    return ring_shard[grid.heads_rank * n:(grid.heads_rank + 1) * n]
+
+
 def positions(seqlen: int, layout: str = DEFAULT_LAYOUT, group=None, *, device=None) -> torch.Tensor:
     """Global token ids of this rank's tokens, in local order (int64, (seqlen // W,)).
 
     For rotary embeddings, labels and masks. ``seqlen`` is the GLOBAL length; it must
-    be a multiple of W (2W for zigzag, 128 W for block_stripe).
+    be a multiple of W (2W for zigzag, 128 W for block_stripe; on a heads x ring grid W
+    is R and each ring shard splits over U).
     """
     seqlen = _positive_int(seqlen, "seqlen")
     layout = check_layout(layout)
-    ring = Ring(group)
-    return global_positions(seqlen, layout, ring.rank, ring.world).to(device)
+    return _token_index(seqlen, layout, resolve_grid(group)).to(device)
 
 
 def shard(x: torch.Tensor, dim: int = 1, layout: str = DEFAULT_LAYOUT, group=None) -> torch.Tensor:
     """This rank's part of the full-sequence tensor ``x`` along ``dim`` (a new tensor)."""
     dim = _check_dim(x, dim)
     layout = check_layout(layout)
-    ring = Ring(group)
-    index = global_positions(x.shape[dim], layout, ring.rank, ring.world).to(x.device)
+    index = _token_index(x.shape[dim], layout, resolve_grid(group)).to(x.device)
     return x.index_select(dim, index)
 
 
@@ -212,10 +262,15 @@ class _Unshard(torch.autograd.Function):
 
 
 def _gather(x_local: torch.Tensor, dim: int, layout: str, group) -> torch.Tensor:
-    ring = Ring(group)
-    if ring.world == 1:
-        return x_local.clone()
+    grid = resolve_grid(group)
     local = x_local.contiguous()
+    if grid.heads_world > 1:  # the heads ranks' pieces, in order: the ring shard
+        pieces = [torch.empty_like(local) for _ in range(grid.heads_world)]
+        dist.all_gather(pieces, local, group=grid.heads)
+        local = torch.cat(pieces, dim=dim)
+    ring = Ring(grid.ring)
+    if ring.world == 1:
+        return local.clone() if local is x_local else local
     parts = [torch.empty_like(local) for _ in range(ring.world)]
     dist.all_gather(parts, local, group=ring.group)
     n = local.shape[dim]

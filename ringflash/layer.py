@@ -47,7 +47,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from . import api
 from .exchange import Ring
-from .groups import resolve_group
+from .groups import resolve_grid
 from .kernels import check_causal, check_deterministic, check_dropout, check_window
 from .layouts import DEFAULT_LAYOUT, check_layout
 
@@ -147,7 +147,7 @@ class RingSelfAttention(nn.Module):
         self.window_size = check_window(window_size)
         self.dropout_p, _ = check_dropout(dropout_p, 0)
         check_deterministic(deterministic)
-        self.group = resolve_group(group)
+        self.group = resolve_grid(group)
         self.rope_base = float(rope_base)
         factory = dict(device=device, dtype=dtype)
         # One matmul for q, k and v: columns [q heads | k heads | v heads].
@@ -164,8 +164,7 @@ class RingSelfAttention(nn.Module):
 
     def local_positions(self, seqlen_local: int, device=None) -> torch.Tensor:
         """Global positions of this rank's ``seqlen_local`` tokens under the layer's layout."""
-        world = Ring(self.group).world
-        return api.positions(seqlen_local * world, layout=self.layout, group=self.group,
+        return api.positions(seqlen_local * self.group.world, layout=self.layout, group=self.group,
                              device=device)
 
     def _rotary(self, seqlen_local: int, positions: Optional[torch.Tensor], device):
@@ -174,7 +173,7 @@ class RingSelfAttention(nn.Module):
                 raise ValueError(f"positions must have shape ({seqlen_local},), "
                                  f"got {tuple(positions.shape)}")
             return rotary_cos_sin(positions.to(device), self.head_dim, self.rope_base)
-        key = (seqlen_local, Ring(self.group).world, str(device))
+        key = (seqlen_local, self.group.world, str(device))
         if self._rotary_cache[0] != key:
             pos = self.local_positions(seqlen_local, device)
             self._rotary_cache = (key, *rotary_cos_sin(pos, self.head_dim, self.rope_base))
@@ -209,7 +208,14 @@ class RingSelfAttention(nn.Module):
 
 def broadcast_parameters(module: nn.Module, group=None, src: int = 0) -> None:
     """Copy the parameters and buffers of ``group``'s rank ``src`` to every rank of it."""
-    group = resolve_group(group)
+    grid = resolve_grid(group)
+    if grid.heads_world > 1:  # from rank 0 of the heads group, then of the ring: (0, 0)'s
+        if src != 0:
+            raise ValueError(f"src: a heads x ring grid broadcasts from its rank 0, got {src}")
+        for g in grid.groups():
+            broadcast_parameters(module, g, 0)
+        return
+    group = grid.ring
     world = Ring(group).world
     if world == 1:
         return
@@ -226,16 +232,14 @@ def all_reduce_gradients(parameters: Iterable[torch.Tensor], group=None) -> None
     gradient of the global loss on every rank. A parameter without a gradient on some
     rank must be without one on all (None is skipped).
     """
-    group = resolve_group(group)
-    world = Ring(group).world
-    if world == 1:
+    grid = resolve_grid(group)
+    if grid.world == 1:
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in parameters:
         if p.grad is not None:
             by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
     for grads in by_dtype.values():
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        flat = grid.all_reduce(_flatten_dense_tensors(grads))
         for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
             g.copy_(synced)

@@ -25,12 +25,11 @@ rank's last token is the first token of another rank's shard.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import api
 from .exchange import Ring
-from .groups import resolve_group
+from .groups import resolve_grid
 from .layer import RingSelfAttention, all_reduce_gradients
 from .layouts import DEFAULT_LAYOUT, check_layout
 
@@ -43,7 +42,9 @@ class SequenceParallel:
     Args:
         group: None (the world; a ring of one without an initialized process group), a
             ProcessGroup, a 1-D DeviceMesh, or ``(mesh, dim)`` with a dimension name or
-            index of an n-D mesh.
+            index of an n-D mesh: the ring. Or two dimensions, a 2-D DeviceMesh or a pair
+            ``(head_group, ring_group)``: an all-to-all over heads (U ranks) x the ring (R
+            ranks), the sequence split over U x R (``ringflash.heads``).
         layout: "zigzag" (the default of every ringflash function), "contiguous",
             "stripe" or "block_stripe" (packed documents); see ``ringflash.shard``.
 
@@ -52,20 +53,25 @@ class SequenceParallel:
     """
 
     def __init__(self, group=None, layout: str = DEFAULT_LAYOUT):
-        self.group = resolve_group(group)
+        self.grid = resolve_grid(group)
+        self.group = self.grid if self.grid.heads_world > 1 else self.grid.ring
         self.layout = check_layout(layout)
-        Ring(self.group)  # a rank outside the group is told now
+        for g in (self.grid.heads, self.grid.ring):
+            if g is not None:
+                Ring(g)  # a rank outside the group is told now
 
     def __repr__(self) -> str:
         return f"SequenceParallel(world={self.world}, rank={self.rank}, layout={self.layout!r})"
 
     @property
     def rank(self) -> int:
-        return Ring(self.group).rank
+        """This rank's place in the order of the sequence's shards."""
+        return self.grid.rank
 
     @property
     def world(self) -> int:
-        return Ring(self.group).world
+        """The ranks the sequence is split over (U x R on a heads x ring grid)."""
+        return self.grid.world
 
     # ------------------------------------------------------------------------- sharding
 
@@ -119,9 +125,7 @@ class SequenceParallel:
         """The number of labelled tokens on every rank together (an all-reduce; int64
         tensor on the labels' device)."""
         count = (labels_local != ignore_index).sum().to(torch.int64)
-        if self.world > 1:
-            dist.all_reduce(count, op=dist.ReduceOp.SUM, group=self.group)
-        return count
+        return self.grid.all_reduce(count)
 
     def loss(self, logits: torch.Tensor, labels_local: torch.Tensor, *, num_tokens=None,
              ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
@@ -137,10 +141,7 @@ class SequenceParallel:
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The SUM over the group of each rank's ``loss`` (detached): the global loss."""
-        total = loss.detach().clone()
-        if self.world > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.group)
-        return total
+        return self.grid.all_reduce(loss.detach().clone())
 
     def reduce_gradients(self, parameters) -> None:
         """SUM every parameter's .grad over the group (``all_reduce_gradients``)."""

@@ -36,6 +36,8 @@ class SimulatedRing:
         self.world, self.rank, self.gathered = world, 0, None
         monkeypatch.setattr(api, "Ring", lambda group=None: SimpleNamespace(
             group=None, rank=self.rank, world=self.world))
+        monkeypatch.setattr(api, "resolve_grid", lambda group=None: SimpleNamespace(
+            heads=None, ring=None, heads_world=1, heads_rank=0, ring_rank=self.rank, ring_world=self.world))
         monkeypatch.setattr(api, "dist", SimpleNamespace(all_gather=self._all_gather))
 
     def _all_gather(self, parts, local, group=None):

@@ -76,11 +76,14 @@ def mesh_and_helpers(rank, world):
         check(torch.equal(ringflash.unshard(ringflash.shard(x, group=group), group=group), x), f"unshard {group}")
         check(torch.equal(ringflash.positions(16, group=group), ringflash.positions(16, group=pg)),
               f"positions {group}")
+    grid = ringflash.groups.resolve_grid(mesh)  # a 2-D mesh whole: heads (dim 0) x ring (dim 1)
+    check(grid.heads_world == 2 and grid.ring_world == 2, "a 2-D mesh is a heads x ring grid")
     try:
-        ringflash.shard(x, group=mesh)
-        failures.append(f"rank {rank}: a 2-D mesh was accepted as a group")
+        ringflash.RingSelfAttention(16, 2, group=mesh).local_positions(4)
+        ringflash.broadcast_parameters(torch.nn.Linear(2, 2), group=mesh, src=1)
+        failures.append(f"rank {rank}: a grid broadcast from its rank 1")
     except ValueError as error:
-        check("(mesh, dim)" in str(error), f"2-D mesh error: {error}")
+        check("src" in str(error), f"grid broadcast error: {error}")
 
     # ring_flash_attn and the layer on the mesh dimension equal those on the ProcessGroup.
     q, k, v = (torch.randn(1, 16, 2, 8, generator=gen) for _ in range(3))
@@ -90,7 +93,7 @@ def mesh_and_helpers(rank, world):
     check(torch.equal(a, b), "ring_flash_attn on (mesh, 'sp')")
     torch.manual_seed(0)
     layer = ringflash.RingSelfAttention(16, 2, group=mesh["sp"])
-    check(layer.group is pg, "RingSelfAttention resolves the mesh to its group")
+    check(layer.group.ring is pg and layer.group.heads is None, "RingSelfAttention resolves the mesh to its group")
 
     # Loss helpers: the unsharded mean cross-entropy and its gradient, by SUM over the ring.
     vocab, n = 11, 16

@@ -15,8 +15,10 @@ from dist_utils import run_command
 ROOT = Path(__file__).resolve().parents[1]
 SEQLEN_LINE = "seqlen = 2048 * world"
 # rank, world, out's shape, max error: the line every rank prints.
-LINE = re.compile(r"^rank (\d+) of (\d+): out \((\d+), (\d+), (\d+), (\d+)\), "
-                  r"max error vs one device (\S+)$", flags=re.M)
+# Not anchored to lines: the ranks print at once, and one rank's line may start where
+# another's has not ended.
+LINE = re.compile(r"rank (\d+) of (\d+): out \((\d+), (\d+), (\d+), (\d+)\), "
+                  r"max error vs one device ([0-9.]+e[-+]\d+)")
 
 
 def readme() -> str:

@@ -16,7 +16,7 @@ import imports  # noqa: E402
 sys.path.remove(str(ROOT / "tools"))
 
 # docs/design.md, "Layout of the repository": each may import those after it, never before.
-FLOORS = ("hf", "parallel", "layer", "api", "ops", "ring", "exchange", "layouts")
+FLOORS = ("hf", "parallel", "layer", "api", "heads", "ops", "ring", "exchange", "layouts")
 
 
 def _floor(module: str) -> int | None:

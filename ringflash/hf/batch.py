@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from ..exchange import Ring
+from ..heads import gather_rows
 from ..parallel import IGNORE_INDEX, SequenceParallel
 
 # The keyword that carries the RingContext through the model's forward(**kwargs) down to
@@ -115,16 +115,16 @@ def _fingerprint(t: Optional[torch.Tensor]) -> torch.Tensor:
 
 
 def _check_same_batch(sp: SequenceParallel, tensors: dict) -> None:
-    """Raise on every rank of ``sp`` unless every rank passed equal tensors: one
-    all-gather of five integers a tensor over the group's host (gloo) group."""
-    ring = Ring(sp.group)
-    if ring.world == 1:
+    """Raise on every rank of ``sp`` unless every rank passed equal tensors: all-gathers of
+    five integers a tensor over the group's host (gloo) groups."""
+    if sp.world == 1:
         return
-    mine = torch.cat([_fingerprint(t) for t in tensors.values()])
-    everyone = torch.tensor(ring.all_gather_ints(mine.tolist())).view(ring.world, len(tensors), 5)
-    differ = [name for i, name in enumerate(tensors) if not (everyone[:, i] == everyone[0, i]).all()]
-    if differ:
-        raise ValueError(f"the ranks of the sequence-parallel group passed different {', '.join(differ)} "
+    mine = torch.cat([_fingerprint(t) for t in tensors.values()]).tolist()
+    same, rows = gather_rows(sp.grid, mine)
+    if not same:
+        everyone = torch.tensor(rows).view(len(rows), len(tensors), 5)
+        differ = [name for i, name in enumerate(tensors) if not (everyone[:, i] == everyone[0, i]).all()]
+        raise ValueError(f"the ranks of the sequence-parallel group passed different {', '.join(differ) or 'batches'} "
                          "to prepare_batch; every rank of the group must pass the SAME full batch "
                          "(shard the data over the data-parallel ranks only: docs/integrations.md)")
 

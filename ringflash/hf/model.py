@@ -8,8 +8,7 @@ from typing import Optional
 
 import torch
 
-from .. import agreement
-from ..exchange import Ring
+from ..heads import raise_on_every_rank
 from .batch import CONTEXT_KEY, RingContext
 
 # The name under which ``register`` installs the attention function. It must not contain
@@ -84,13 +83,8 @@ _UNSUPPORTED = {"softcap": "logit softcapping (the config's attn_logit_softcappi
 
 
 def _raise_on_every_rank(context: RingContext, error: Exception):
-    """Raise ``error`` here, and make the ranks of the ring that are already inside
-    ``ring_flash_attn`` raise too (this rank joins their agreement check as a rank that
-    rejected its arguments) instead of waiting for it."""
-    ring = Ring(context.sp.group)
-    if ring.world > 1 and agreement.ENABLED and not torch.compiler.is_compiling():
-        agreement.check_ranks_agree(ring, None, error)
-    raise error
+    """Raise ``error`` on every rank of the model's group (``heads.raise_on_every_rank``)."""
+    raise_on_every_rank(context.sp.grid, error)
 
 
 def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from ..exchange import Ring
 from ..parallel import SequenceParallel
 from .batch import prepare_batch
 
@@ -39,7 +40,9 @@ def _replicas(sp: SequenceParallel) -> tuple[list[int], int]:
     sp groups, numbered by their lowest rank (one all-gather of an int)."""
     if not (dist.is_available() and dist.is_initialized()):
         return [0], 0
-    lowest = min(dist.get_process_group_ranks(sp.group)) if sp.world > 1 else dist.get_rank()
+    lowest = dist.get_rank()
+    for group in sp.grid.groups():  # over the heads group, then the ring group: the grid's lowest
+        lowest = min(row[0] for row in Ring(group).all_gather_ints([lowest]))
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, lowest)
     groups = sorted(set(everyone))

@@ -1,0 +1,233 @@
+"""Two-dimensional sequence parallelism (ringflash.heads): an all-to-all over a heads group
+of U ranks x the ring over R ranks, on CPU over gloo, against the float64 oracle on the
+full sequence: out, lse and the three gradients of every rank's shard, for (U, R) in
+(2, 1), (1, 2), (2, 2), (4, 1), (3, 1), (1, 4), every layout, causal and not, GQA with
+kv_heads < U, MQA, segment ids, windows and block masks; the layer, SequenceParallel and
+a Hugging Face model on a 2 x 2 DeviceMesh; bad input raising on every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from oracle import LAYOUTS, TOL, global_mask, oracle_grads, oracle_results, rel_err, with_blocks
+
+import ringflash
+from ringflash.groups import Grid
+from ringflash.heads import kv_index
+
+F32 = torch.float32
+BLOCK = 128
+
+
+def _grid(rank, world, heads, how="pair"):
+    """The grid of this rank for U = heads: a 2-D DeviceMesh (U, R), or a pair of groups
+    (every rank makes every group, as torch.distributed requires)."""
+    ring = world // heads
+    if how == "mesh":
+        from torch.distributed.device_mesh import init_device_mesh
+        return init_device_mesh("cpu", (heads, ring), mesh_dim_names=("heads", "ring"))
+    import torch.distributed as dist
+    # ranks g = r * U + u: heads groups are consecutive ranks
+    head_groups = [dist.new_group([r * heads + u for u in range(heads)]) for r in range(ring)]
+    ring_groups = [dist.new_group([r * heads + u for r in range(ring)]) for u in range(heads)]
+    return (head_groups[rank // heads], ring_groups[rank % heads])
+
+
+CASES = [  # name, heads, kv_heads, causal, window, documents, block mask kind
+    ("mha-causal", 4, 4, True, (-1, -1), None, None),
+    ("gqa-full", 4, 2, False, (-1, -1), None, None),
+    ("mqa-causal", 4, 1, True, (-1, -1), None, None),
+    ("gqa-docs", 4, 2, True, (-1, -1), [100, 300, 112], None),
+    ("window", 4, 2, True, (150, 0), None, None),
+    ("blocks", 4, 2, True, (-1, -1), None, "per-head"),
+]
+
+
+def check_grid(rank, world, heads_world, layouts, how="pair", seqlen=512, cases=CASES, head_count=None):
+    """Failures (str) of every case and layout on this rank."""
+    group = _grid(rank, world, heads_world, how)
+    grid = ringflash.groups.resolve_grid(group)
+    failures = []
+    for i, (name, h, hkv, causal, window, docs, blocks) in enumerate(cases):
+        h = head_count or h
+        gen = torch.Generator().manual_seed(i)
+        q, k, v, dout = (torch.randn(1, seqlen, n, 16, generator=gen) for n in (h, hkv, hkv, h))
+        dlse = torch.randn(1, h, seqlen, generator=gen)
+        seg = None
+        if docs is not None:
+            seg = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs))[None].to(torch.int32)
+        bm = None
+        if blocks is not None:
+            nb = seqlen // BLOCK
+            bm = torch.rand(h, nb, nb, generator=gen) < 0.6
+            bm |= torch.eye(nb, dtype=torch.bool)
+        mask = global_mask(seqlen, causal, window, seg)
+        if bm is not None:
+            mask = with_blocks(mask, bm, seqlen)
+        want = oracle_results(q, k, v, dout, mask)
+        want["dq"], want["dk"], want["dv"] = oracle_grads(q, k, v, dout, dlse=dlse, mask=mask)
+        for layout in layouts:
+            ring_local = seqlen // grid.ring_world
+            chunk = {"contiguous": ring_local, "zigzag": ring_local // 2, "block_stripe": BLOCK}.get(layout, 1)
+            if bm is not None and chunk % BLOCK:  # block masks need whole blocks a chunk
+                continue
+            sh = lambda t, dim=1: ringflash.shard(t, dim, layout, group)  # noqa: E731
+            ql, kl, vl = (sh(t).requires_grad_() for t in (q, k, v))
+            out, lse = ringflash.ring_flash_attn(
+                ql, kl, vl, causal=causal, window_size=window, layout=layout, group=group, return_lse=True,
+                segment_ids=None if seg is None else sh(seg), block_mask=bm)
+            (out * sh(dout)).sum().add((lse * sh(dlse, 2)).sum()).backward()
+            got = {"out": out, "lse": lse, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
+            for key, value in got.items():
+                err = rel_err(value, sh(want[key], 2 if key == "lse" else 1))
+                if not err <= TOL[F32]:
+                    failures.append(f"rank {rank} {grid.heads_world}x{grid.ring_world} {name} {layout}: "
+                                    f"{key} rel err {err:.3g}")
+    return failures
+
+
+@pytest.mark.parametrize("world_size,heads_world", [(2, 2), (2, 1), (4, 2), (4, 4), (4, 1)],
+                         ids=["U2xR1", "U1xR2", "U2xR2", "U4xR1", "U1xR4"])
+def test_grid_matches_oracle(worlds, world_size, heads_world):
+    layouts = ("contiguous",) if world_size // heads_world == 1 else LAYOUTS
+    per_rank = worlds(world_size).run(check_grid, heads_world, layouts, timeout=600)
+    failures = [f for fs in per_rank for f in fs]
+    assert not failures, "\n".join(failures[:20])
+
+
+@pytest.mark.world(3)
+def test_grid_of_three_heads_ranks(worlds):
+    """U = 3 (heads 6, kv_heads 3: a rank's heads read two kv heads unevenly, run as MHA)."""
+    cases = [("u3-gqa", 6, 3, True, (-1, -1), None, None), ("u3-mqa", 6, 1, False, (-1, -1), None, None)]
+    per_rank = worlds(3).run(check_grid, 3, ("contiguous",), "pair", 384, cases, timeout=300)
+    failures = [f for fs in per_rank for f in fs]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.world(4)
+def test_grid_from_a_2d_device_mesh(worlds):
+    per_rank = worlds(4).run(check_grid, 2, ("zigzag",), "mesh", 512, CASES[:2], timeout=300)
+    failures = [f for fs in per_rank for f in fs]
+    assert not failures, "\n".join(failures)
+
+
+def test_kv_index_reads_each_query_heads_kv_head():
+    assert kv_index(8, 8, 2).tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert kv_index(8, 2, 4).tolist() == [[0], [0], [1], [1]]  # kv_heads < U: replicated in transit
+    assert kv_index(8, 1, 2).tolist() == [[0], [0]]  # MQA
+    assert kv_index(6, 3, 2).tolist() == [[0, 0, 1], [1, 2, 2]]  # uneven: one a query head
+    for h, hkv, u in [(8, 8, 2), (8, 2, 4), (8, 4, 2), (16, 4, 8), (6, 3, 2), (8, 1, 8)]:
+        index = kv_index(h, hkv, u)
+        per_rank, n = h // u, index.shape[1]
+        for rank in range(u):
+            for j in range(per_rank):  # the kernel's grouping: query head j reads entry j // (per_rank / n)
+                assert index[rank, j // (per_rank // n)] == (rank * per_rank + j) // (h // hkv)
+
+
+def grid_training_step(rank, world):
+    """A RingSelfAttention step on a 2 x 2 grid through SequenceParallel against the same
+    layer on the whole sequence (a ring of one: a group of this rank alone): errors of
+    the loss and of the summed gradients, and what positions and rank say."""
+    import torch.distributed as dist
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    sp = ringflash.SequenceParallel(_grid(rank, world, 2), layout="zigzag")
+    torch.manual_seed(0)
+    layer = sp.self_attention(32, 4, 2, causal=True)
+    reference = ringflash.RingSelfAttention(32, 4, 2, causal=True, group=alone)
+    reference.load_state_dict(layer.state_dict())
+    x = torch.randn(2, 64, 32, generator=torch.Generator().manual_seed(1))
+    target = torch.randn(2, 64, 32, generator=torch.Generator().manual_seed(2))
+    want = ((reference(x) - target) ** 2).sum()
+    want.backward()
+    loss = ((layer(sp.shard(x)) - sp.shard(target)) ** 2).sum()
+    loss.backward()
+    sp.reduce_gradients(layer.parameters())
+    ranks = [None] * world
+    dist.all_gather_object(ranks, sp.rank)
+    ref_params = dict(reference.named_parameters())
+    return {"loss": rel_err(sp.reduce_loss(loss), want),
+            "grads": max(rel_err(p.grad, ref_params[n].grad) for n, p in layer.named_parameters()),
+            "positions": float((sp.unshard(sp.positions(64)[None]) != torch.arange(64)).sum()),
+            "world": sp.world, "ranks": sorted(ranks)}
+
+
+@pytest.mark.world(4)
+def test_layer_training_step_on_a_grid(worlds):
+    per_rank = worlds(4).run(grid_training_step, timeout=300)
+    for rank, errs in enumerate(per_rank):
+        assert errs["world"] == 4 and errs["ranks"] == [0, 1, 2, 3], errs
+        assert errs["positions"] == 0, errs
+        assert errs["loss"] <= TOL[F32] and errs["grads"] <= TOL[F32], (rank, errs)
+
+
+def grid_bad_calls(rank, world):
+    """What each bad call raised on this rank (None: nothing)."""
+    group = _grid(rank, world, 2)
+
+    def call(q_heads=4, kv_heads=2, dropout_p=0.0, seqlen_local=64, causal=True):
+        q = torch.randn(1, seqlen_local, q_heads, 16)
+        k = torch.randn(1, seqlen_local, kv_heads, 16)
+        try:
+            ringflash.ring_flash_attn(q, k, k, causal=causal, group=group, dropout_p=dropout_p, seed=0)
+        except Exception as e:  # noqa: BLE001
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    from torch.distributed.device_mesh import init_device_mesh
+    cube = init_device_mesh("cpu", (1, 2, 2))
+
+    def raised(fn):
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    return {
+        "3-D mesh": raised(lambda: ringflash.SequenceParallel(cube)),
+        "seqlen not splitting": raised(lambda: ringflash.shard(torch.zeros(1, 6), 1, "contiguous", group)),
+        "heads not divisible": call(q_heads=3, kv_heads=1),
+        "dropout": call(dropout_p=0.1),
+        "one rank's heads": call(q_heads=8 if rank == 3 else 4),
+        "one rank's causal": call(causal=rank != 1),
+        "still works": call(),
+    }
+
+
+@pytest.mark.world(4)
+def test_bad_input_on_a_grid_raises_on_every_rank(worlds):
+    per_rank = worlds(4).run(grid_bad_calls, timeout=300)
+    for rank, got in enumerate(per_rank):
+        assert "3 dimensions" in (got["3-D mesh"] or ""), (rank, got)
+        assert "does not split" in (got["seqlen not splitting"] or ""), (rank, got)
+        assert "multiple of the grid's heads" in (got["heads not divisible"] or ""), (rank, got)
+        assert "dropout_p" in (got["dropout"] or ""), (rank, got)
+        assert got["one rank's heads"] is not None, (rank, got)
+        assert got["one rank's causal"] is not None, (rank, got)
+        assert got["still works"] is None, (rank, got)
+    # the ranks that see the differing rank's row name the field
+    assert "band_hi" in per_rank[1]["one rank's causal"] and "band_hi" in per_rank[0]["one rank's causal"]
+
+
+def test_grids_of_one_dimension_and_too_many():
+    grid = ringflash.groups.resolve_grid(None)
+    assert isinstance(grid, Grid) and grid.heads is None and grid.world == 1 and grid.rank == 0
+    assert ringflash.groups.resolve_grid(grid) is grid
+
+
+def hf_on_a_grid(rank, world):
+    """A tiny Llama through prepare_batch on a 2 x 2 DeviceMesh (heads x ring): errors of
+    logits, loss and summed gradients against the unsharded eager model."""
+    from test_hf import _batch, ring_errors, tiny_models
+    reference, model = tiny_models()
+    sp = ringflash.SequenceParallel(_grid(rank, world, 2, "mesh"), layout="zigzag")
+    return ring_errors(reference, model, sp, *_batch(seqlen=32))[0]
+
+
+@pytest.mark.world(4)
+def test_hf_model_on_a_2x2_mesh_matches_unsharded(worlds):
+    pytest.importorskip("transformers")
+    per_rank = worlds(4).run(hf_on_a_grid, timeout=300)
+    failures = [f"rank {rank}: {what} rel err {err:.3g}" for rank, errs in enumerate(per_rank)
+                for what, err in errs.items() if not err <= 1e-5]
+    assert not failures, "\n".join(failures)
