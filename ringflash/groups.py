@@ -66,9 +66,14 @@ def group_name(group) -> str:
 
 
 def _size_rank(group) -> tuple[int, int]:
+    """(size, this process's rank) of a resolved group (None: the world, or a ring of one
+    without an initialized process group)."""
     if not (dist.is_available() and dist.is_initialized()):
         return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("group: this process is not a member of the given process group")
+    return dist.get_world_size(group), rank
 
 
 @dataclass(frozen=True)

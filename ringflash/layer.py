@@ -95,7 +95,8 @@ class RingSelfAttention(nn.Module):
             or build the layer with ``SequenceParallel.self_attention``, which cannot differ).
         group: the sequence-parallel process group (None: the world; without an
             initialized process group the layer is plain single-device attention), or a
-            DeviceMesh: 1-D, or ``(mesh, dim)``.
+            DeviceMesh: 1-D, or ``(mesh, dim)``; or a heads x ring grid (a 2-D DeviceMesh
+            or ``(head_group, ring_group)``, ``ringflash.heads``).
         rope_base: rotary base (theta); raise it for very long contexts.
         bias: biases on the projections.
         window_size: (left, right) sliding window on global positions, -1 = unbounded

@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 
 from . import api
-from .exchange import Ring
 from .groups import resolve_grid
 from .layer import RingSelfAttention, all_reduce_gradients
 from .layouts import DEFAULT_LAYOUT, check_layout
@@ -56,9 +55,7 @@ class SequenceParallel:
         self.grid = resolve_grid(group)
         self.group = self.grid if self.grid.heads_world > 1 else self.grid.ring
         self.layout = check_layout(layout)
-        for g in (self.grid.heads, self.grid.ring):
-            if g is not None:
-                Ring(g)  # a rank outside the group is told now
+        self.grid.world  # noqa: B018 - a rank outside the group(s) is told now
 
     def __repr__(self) -> str:
         return f"SequenceParallel(world={self.world}, rank={self.rank}, layout={self.layout!r})"

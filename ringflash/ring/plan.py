@@ -12,7 +12,7 @@ import torch
 from ..exchange import Ring
 from ..kernels import PairMask
 from ..kernels.masks import BAND_INF, BLOCK, Blocks, block_work, computed_blocks, pair_positions, tensor_memo
-from ..layouts import Band, active_steps, occupied_chunks, remote_share, step_pairs, step_pieces, writes_first
+from ..layouts import Band, active_steps, occupied_chunks, step_pairs, step_pieces, writes_first
 from .rows import uncovered
 
 
