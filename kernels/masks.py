@@ -53,6 +53,8 @@ class PairMask(NamedTuple):
         [c * BLOCK, (c + 1) * BLOCK) of the pair; False blocks are never computed.
     band_on_positions: the band compares global positions instead of local indices,
         band_lo <= kpos(j) - qpos(i) <= band_hi (not combined with blocks).
+    dropout_head0: the global index of head 0 (dropout is keyed by the global head: on a
+        heads x ring grid a rank holds heads [dropout_head0, dropout_head0 + H)).
     """
 
     band_lo: Optional[int] = None
@@ -64,6 +66,7 @@ class PairMask(NamedTuple):
     pos: Optional[tuple[int, int, int, int]] = None
     blocks: Optional["Blocks"] = None
     band_on_positions: bool = False
+    dropout_head0: int = 0
 
     @classmethod
     def causal(cls, offset: Optional[int]) -> "PairMask":

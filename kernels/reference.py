@@ -59,7 +59,7 @@ def _dropped(p, mask: PairMask, start: int, end: int, kv_heads: int):
         return p
     b, _, g, sq, _ = p.shape
     qpos, kpos = pair_positions(mask.pos, torch.arange(sq), torch.arange(start, end))
-    heads = torch.arange(kv_heads * g).view(1, kv_heads, g, 1, 1)
+    heads = (torch.arange(kv_heads * g) + mask.dropout_head0).view(1, kv_heads, g, 1, 1)
     keep = dropout.keep(mask.seed, mask.dropout_p, torch.arange(b).view(b, 1, 1, 1, 1), heads,
                         qpos.view(1, 1, 1, sq, 1), kpos.view(1, 1, 1, 1, -1)).to(p.device)
     return torch.where(keep, p * dropout.keep_scale(mask.dropout_p), torch.zeros_like(p))

@@ -47,9 +47,6 @@ def _check_local(q, k, v, causal, layout, softmax_scale, window_size, segment_id
         if q.shape[2] % heads_world:
             raise ValueError(f"heads ({q.shape[2]}) must be a multiple of the grid's heads dimension "
                              f"U = {heads_world} (each of its ranks takes heads / U of them)")
-        if dropout[0] > 0:
-            raise ValueError("dropout_p: dropout on a heads x ring grid is not served yet (its bits are "
-                             "keyed by the global head); use a 1-D group or dropout_p=0")
     return band, layout, scale, segments, dropout, blocks
 
 
@@ -157,9 +154,11 @@ def _over_grid(args, grid: Grid):
     if not compiling and agreement.ENABLED:
         heads.agree(grid, mine, None)
 
+    head0 = grid.heads_rank * (q.shape[2] // grid.heads_world)  # dropout is keyed by the global head
+
     def attend(q2, k2, v2, segments2, blocks2):
         return ring_attn(q2, k2, v2, segments2, softmax_scale=scale, band=band, layout=layout,
-                         dropout=dropout, blocks=blocks2, group=grid.ring)
+                         dropout=(*dropout, head0), blocks=blocks2, group=grid.ring)
     return heads.ring_over_heads(q, k, args[2], grid, segments, blocks, attend)
 
 

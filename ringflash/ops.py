@@ -96,12 +96,13 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              segments: Optional[torch.Tensor], blocks: Optional[torch.Tensor],
              softmax_scale: float, band_lo: Optional[int], band_hi: Optional[int],
              layout: str, group_name: str, dropout_p: float = 0.0, seed: int = 0,
+             dropout_head0: int = 0,
              requires_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """out (B, S, H, D) in q's dtype and lse (B, H, S) fp32 of this rank's queries against
     every rank's keys, and what the backward keeps (``_kept_shapes``; empty tensors when
     nothing). ``requires_grad`` (will a backward follow?) also enters the agreement check:
     a rank that skips the backward would leave the others waiting."""
-    band, dropout = (band_lo, band_hi), (dropout_p, seed)
+    band, dropout = (band_lo, band_hi), (dropout_p, seed, dropout_head0)
     ring = _agreed_ring(q, k, segments, blocks, band, layout, softmax_scale, dropout, requires_grad,
                         group_name)
     keep = keeps_kv(layout, ring.world, requires_grad, blocks is not None)
@@ -130,7 +131,7 @@ ring_attn_forward = torch.library.custom_op("ringflash::ring_attn_forward", muta
 
 @ring_attn_forward.register_fake
 def _(q, k, v, segments, blocks, softmax_scale, band_lo, band_hi, layout, group_name, dropout_p=0.0, seed=0,
-      requires_grad=False):
+      dropout_head0=0, requires_grad=False):
     b, n, h, _ = q.shape
     keep = keeps_kv(layout, ring_of(group_name).world, requires_grad, blocks is not None)
     kv, seg = _kept_shapes(k, segments, keep)
@@ -146,8 +147,8 @@ def _backward_grads(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                     segments: Optional[torch.Tensor], blocks: Optional[torch.Tensor],
                     kept_kv: torch.Tensor, kept_segments: torch.Tensor,
                     softmax_scale: float, band_lo: Optional[int], band_hi: Optional[int],
-                    layout: str, group_name: str, dropout_p: float = 0.0, seed: int = 0
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    layout: str, group_name: str, dropout_p: float = 0.0, seed: int = 0,
+                    dropout_head0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """dq (like q) and dK/dV packed as one (2, *k.shape) tensor: an op may not return two
     views of one buffer, which is what the ring's last hop delivers. kept_kv, kept_segments:
     what the forward kept (empty: nothing). The transport is chosen again here, from the
@@ -158,7 +159,8 @@ def _backward_grads(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     kept = (kept_kv, kept_segments if kept_segments.numel() else None) if kept_kv.numel() else None
     return ring_backward(dout.contiguous(), q, k, v, out, lse, dlse, segments,
                          softmax_scale=softmax_scale, band=(band_lo, band_hi),
-                         dropout=(dropout_p, seed), layout=layout, ring=ring, blocks=blocks, kept=kept)
+                         dropout=(dropout_p, seed, dropout_head0), layout=layout, ring=ring, blocks=blocks,
+                         kept=kept)
 
 
 ring_attn_backward = torch.library.custom_op("ringflash::ring_attn_backward", mutates_args=(),
@@ -167,7 +169,7 @@ ring_attn_backward = torch.library.custom_op("ringflash::ring_attn_backward", mu
 
 @ring_attn_backward.register_fake
 def _(dout, q, k, v, out, lse, dlse, segments, blocks, kept_kv, kept_segments, softmax_scale, band_lo, band_hi,
-      layout, group_name, dropout_p=0.0, seed=0):
+      layout, group_name, dropout_p=0.0, seed=0, dropout_head0=0):
     return q.new_empty(q.shape), k.new_empty((2, *k.shape))
 
 
@@ -179,7 +181,7 @@ def _setup_context(ctx, inputs, output):
     out, lse, kept_kv, kept_segments = output
     ctx.save_for_backward(q, k, v, out, lse, segments, blocks, kept_kv, kept_segments)
     ctx.mark_non_differentiable(kept_kv, kept_segments)
-    ctx.args = args  # softmax_scale, band, layout, group_name, dropout
+    ctx.args = args  # softmax_scale, band, layout, group_name, dropout (p, seed, head 0)
     ctx.set_materialize_grads(False)  # an unused lse's gradient stays None, not zeros
 
 
@@ -189,7 +191,7 @@ def _backward(ctx, dout, dlse, _dkv=None, _dseg=None):
     dout = torch.zeros_like(out) if dout is None else dout  # only lse was used
     grads = _backward_grads if eager(dout, q) else ring_attn_backward
     dq, dkv = grads(dout, q, k, v, out, lse, dlse, segments, blocks, kept_kv, kept_segments, *ctx.args)
-    return (dq, dkv[0], dkv[1]) + (None,) * 10
+    return (dq, dkv[0], dkv[1]) + (None,) * 11
 
 
 ring_attn_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -199,11 +201,13 @@ _RingAttn = eager_function("_RingAttn", _forward, _setup_context, _backward)
 def ring_attn(q, k, v, segments=None, *, softmax_scale: float, band=(None, None), layout: str,
               dropout=(0.0, 0), blocks=None, group=None):
     """Differentiable (out, lse) over the ring of ``group`` (already resolved); arguments
-    already checked. What ``ring_flash_attn`` calls once its checks passed."""
+    already checked. What ``ring_flash_attn`` calls once its checks passed. ``dropout``:
+    (p, seed) or (p, seed, the global index of head 0)."""
     requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     forward = _RingAttn.apply if eager(q, k, v) else ring_attn_forward
+    p, seed, *head0 = dropout
     out, lse, *_kept = forward(q, k, v, segments, blocks, softmax_scale, *band, layout, name_of(group),
-                               *dropout, requires_grad)
+                               p, seed, head0[0] if head0 else 0, requires_grad)
     return out, lse
 
 

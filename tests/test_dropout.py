@@ -237,3 +237,25 @@ def test_dropout_merged_over_key_ranges_is_one_call(impl, monkeypatch):
         flash_attn_fwd(q, k[:, start:end], v[:, start:end], softmax_scale=0.25, mask=mask, out=out, lse=lse,
                        accumulate=True)
     assert rel_err(out.cpu(), want.cpu()) <= 1e-5 and rel_err(lse.cpu(), want_lse.cpu()) <= 1e-6
+
+
+@pytest.mark.parametrize("impl", ["twin", "triton"])
+def test_head_offset_keys_the_global_heads(impl, monkeypatch):
+    """PairMask.dropout_head0 = h0: the pair's heads are global heads h0, h0 + 1, ... (a
+    rank of a heads x ring grid), so heads [2, 4) of a call with h0 = 2 drop what heads
+    [2, 4) of dropout_keep_mask drop, forward and backward; GQA (one kv head)."""
+    device = _impl(impl, monkeypatch)
+    b, s, h, d, p, seed, h0 = 1, 48, 2, 16, 0.3, 11, 2
+    gen = torch.Generator().manual_seed(4)
+    q, k, v, dout = (torch.randn(b, s, n, d, generator=gen) for n in (h, 1, 1, h))
+    mask = PairMask(dropout_p=p, seed=seed, pos=(0, 0, 1, 0), dropout_head0=h0)
+    qd, kd, vd, dod = (t.to(device) for t in (q, k, v, dout))
+    kw = dict(softmax_scale=d ** -0.5, mask=mask)
+    out, lse = flash_attn_fwd(qd, kd, vd, **kw)
+    grads = [torch.zeros(t.shape, device=device) for t in (qd, kd, vd)]
+    flash_attn_bwd(dod, qd, kd, vd, lse, attn_delta(out, dod), *grads, **kw)
+    keep = dropout_keep_mask(seed, p, b, h0 + h, s)[:, h0:]
+    want = oracle_results(q, k, v, dout, None, dropped(keep, p))
+    for name, got in zip(want, (out, lse, *grads)):
+        err = rel_err(got.cpu(), want[name])
+        assert err <= TOL[F32], f"{impl}: {name} rel err {err:.3g}"

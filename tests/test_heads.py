@@ -2,7 +2,8 @@
 of U ranks x the ring over R ranks, on CPU over gloo, against the float64 oracle on the
 full sequence: out, lse and the three gradients of every rank's shard, for (U, R) in
 (2, 1), (1, 2), (2, 2), (4, 1), (3, 1), (1, 4), every layout, causal and not, GQA with
-kv_heads < U, MQA, segment ids, windows and block masks; the layer, SequenceParallel and
+kv_heads < U, MQA, segment ids, windows, block masks and dropout (bits keyed by the global
+head: those of one device); the layer, SequenceParallel and
 a Hugging Face model on a 2 x 2 DeviceMesh; bad input raising on every rank."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from oracle import LAYOUTS, TOL, global_mask, oracle_grads, oracle_results, rel_
 
 import ringflash
 from ringflash.groups import Grid
+from ringflash.kernels import dropout, dropout_keep_mask
 from ringflash.heads import kv_index
 
 F32 = torch.float32
@@ -33,13 +35,14 @@ def _grid(rank, world, heads, how="pair"):
     return (head_groups[rank // heads], ring_groups[rank % heads])
 
 
-CASES = [  # name, heads, kv_heads, causal, window, documents, block mask kind
+CASES = [  # name, heads, kv_heads, causal, window, documents, block mask kind[, dropout p]
     ("mha-causal", 4, 4, True, (-1, -1), None, None),
     ("gqa-full", 4, 2, False, (-1, -1), None, None),
     ("mqa-causal", 4, 1, True, (-1, -1), None, None),
     ("gqa-docs", 4, 2, True, (-1, -1), [100, 300, 112], None),
     ("window", 4, 2, True, (150, 0), None, None),
     ("blocks", 4, 2, True, (-1, -1), None, "per-head"),
+    ("dropout-gqa", 4, 2, True, (-1, -1), None, None, 0.25),  # bits keyed by the global head
 ]
 
 
@@ -48,8 +51,12 @@ def check_grid(rank, world, heads_world, layouts, how="pair", seqlen=512, cases=
     group = _grid(rank, world, heads_world, how)
     grid = ringflash.groups.resolve_grid(group)
     failures = []
-    for i, (name, h, hkv, causal, window, docs, blocks) in enumerate(cases):
+    for i, (name, h, hkv, causal, window, docs, blocks, *rest) in enumerate(cases):
         h = head_count or h
+        p = rest[0] if rest else 0.0
+        dropped = None
+        if p:
+            dropped = (dropout_keep_mask(5, p, 1, h, seqlen), dropout.keep_scale(p))
         gen = torch.Generator().manual_seed(i)
         q, k, v, dout = (torch.randn(1, seqlen, n, 16, generator=gen) for n in (h, hkv, hkv, h))
         dlse = torch.randn(1, h, seqlen, generator=gen)
@@ -64,8 +71,8 @@ def check_grid(rank, world, heads_world, layouts, how="pair", seqlen=512, cases=
         mask = global_mask(seqlen, causal, window, seg)
         if bm is not None:
             mask = with_blocks(mask, bm, seqlen)
-        want = oracle_results(q, k, v, dout, mask)
-        want["dq"], want["dk"], want["dv"] = oracle_grads(q, k, v, dout, dlse=dlse, mask=mask)
+        want = oracle_results(q, k, v, dout, mask, dropped)
+        want["dq"], want["dk"], want["dv"] = oracle_grads(q, k, v, dout, dlse=dlse, mask=mask, dropped=dropped)
         for layout in layouts:
             ring_local = seqlen // grid.ring_world
             chunk = {"contiguous": ring_local, "zigzag": ring_local // 2, "block_stripe": BLOCK}.get(layout, 1)
@@ -75,7 +82,7 @@ def check_grid(rank, world, heads_world, layouts, how="pair", seqlen=512, cases=
             ql, kl, vl = (sh(t).requires_grad_() for t in (q, k, v))
             out, lse = ringflash.ring_flash_attn(
                 ql, kl, vl, causal=causal, window_size=window, layout=layout, group=group, return_lse=True,
-                segment_ids=None if seg is None else sh(seg), block_mask=bm)
+                segment_ids=None if seg is None else sh(seg), block_mask=bm, dropout_p=p, seed=5)
             (out * sh(dout)).sum().add((lse * sh(dlse, 2)).sum()).backward()
             got = {"out": out, "lse": lse, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
             for key, value in got.items():
@@ -187,7 +194,6 @@ def grid_bad_calls(rank, world):
         "3-D mesh": raised(lambda: ringflash.SequenceParallel(cube)),
         "seqlen not splitting": raised(lambda: ringflash.shard(torch.zeros(1, 6), 1, "contiguous", group)),
         "heads not divisible": call(q_heads=3, kv_heads=1),
-        "dropout": call(dropout_p=0.1),
         "one rank's heads": call(q_heads=8 if rank == 3 else 4),
         "one rank's causal": call(causal=rank != 1),
         "still works": call(),
@@ -201,7 +207,6 @@ def test_bad_input_on_a_grid_raises_on_every_rank(worlds):
         assert "3 dimensions" in (got["3-D mesh"] or ""), (rank, got)
         assert "does not split" in (got["seqlen not splitting"] or ""), (rank, got)
         assert "multiple of the grid's heads" in (got["heads not divisible"] or ""), (rank, got)
-        assert "dropout_p" in (got["dropout"] or ""), (rank, got)
         assert got["one rank's heads"] is not None, (rank, got)
         assert got["one rank's causal"] is not None, (rank, got)
         assert got["still works"] is None, (rank, got)

@@ -91,8 +91,9 @@ def _positions(mask) -> Positions:
 
 def _dropout(mask) -> Dropout:
     if mask.dropout_p == 0:
-        return Dropout(0, 0, 1.0)
-    return Dropout(mask.seed, dropout.threshold(mask.dropout_p), dropout.keep_scale(mask.dropout_p))
+        return Dropout(0, 0, 1.0, 0)
+    return Dropout(mask.seed, dropout.threshold(mask.dropout_p), dropout.keep_scale(mask.dropout_p),
+                   mask.dropout_head0)
 
 
 def _variant(mask, pos: Positions, accumulate: bool, list_stages=None, parts: int = 1, last: int = 1,

@@ -151,12 +151,13 @@ class Segments(NamedTuple):
 
 
 class Dropout(NamedTuple):
-    """Philox seed, the 8-bit drop threshold and the kept probabilities' scale (kernels/
-    dropout.py)."""
+    """Philox seed, the 8-bit drop threshold, the kept probabilities' scale (kernels/
+    dropout.py) and the global index of head 0 (``PairMask.dropout_head0``)."""
 
     seed: int
     threshold: int
     scale: float
+    head0: int = 0
 
 
 class Lists(NamedTuple):
@@ -320,7 +321,7 @@ def _keep(drop, off_b, off_h, qpos, kpos_start, kpos, BLOCK_M: tl.constexpr, BLO
     one byte of each word. Otherwise every element runs its own call. Counter parts that
     vary along one axis stay unbroadcast, so Philox's first two rounds cost next to nothing."""
     seed = drop.seed
-    head = off_h.to(tl.uint32)
+    head = (off_h + drop.head0).to(tl.uint32)
     batch = off_b.to(tl.uint32)
     t24 = drop.threshold.to(tl.uint32) << 24
     if GROUPED and BLOCK_M >= 16 and BLOCK_N >= 32:

@@ -37,7 +37,7 @@ def chunk_heads(kv_heads: int, head_dim: int, size: int) -> int:
 
 
 def gathered_forward(q, k, v, recv, *, softmax_scale: float, band: Band,
-                     dropout: tuple[float, int], ring: Ring, plan, blocks):
+                     dropout: tuple, ring: Ring, plan, blocks):
     """``ring_forward`` of a ring of two over contiguous shards that keeps the other rank's
     K/V (``keeps_kv``), without segment ids, where the transport streams the shard in by
     chunks of heads (``Ring.streams_chunks``; or on the CPU, where nothing overlaps): one
@@ -79,7 +79,7 @@ def gathered_forward(q, k, v, recv, *, softmax_scale: float, band: Band,
 
 
 def gathered_backward(dout, q, k, v, lse, delta, segments, kept, *, softmax_scale: float, band: Band,
-                      dropout: tuple[float, int], ring: Ring, plan, blocks):
+                      dropout: tuple, ring: Ring, plan, blocks):
     """``ring_backward`` of a ring of two whose forward kept the other rank's K/V
     (``keeps_kv``): the whole sequence's keys are on this rank, its own and the kept ones
     read where they are, in global order (``Joined``). The ranks swap their queries

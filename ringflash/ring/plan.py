@@ -122,7 +122,7 @@ class Schedule(NamedTuple):
     own_apart: bool
 
 
-def schedule_of(ring: Ring, layout: str, local_len: int, band: Band, dropout: tuple[float, int],
+def schedule_of(ring: Ring, layout: str, local_len: int, band: Band, dropout: tuple,
                 blocks: Optional[torch.Tensor]) -> Schedule:
     """The call's ``Schedule``. With dropout or a block mask, pairs keep their global
     positions (no merging across chunks)."""
@@ -153,7 +153,7 @@ def _own_ids(ids: torch.Tensor, part: slice) -> torch.Tensor:
                        lambda: ids[:, part].clone(memory_format=torch.contiguous_format))
 
 
-def pair_mask(pair, q_segments, k_segments, dropout: tuple[float, int], plan, blocks) -> PairMask:
+def pair_mask(pair, q_segments, k_segments, dropout: tuple, plan, blocks) -> PairMask:
     """The kernel's mask of one pair: its band, its rows' segment ids (q_segments: the
     rank's own; k_segments: the visiting shard's, the same tensor on the own step), dropout
     keyed by its positions, and its rectangle of the global block mask."""
@@ -165,4 +165,6 @@ def pair_mask(pair, q_segments, k_segments, dropout: tuple[float, int], plan, bl
     pair_blocks = None if plan is None else plan.of(pair, blocks)
     if pair_blocks is not None and on_positions:  # a band of whole blocks, folded into them
         lo, hi, on_positions = None, None, False
-    return PairMask(lo, hi, q_segments, k_segments, *dropout, pair.pos, pair_blocks, on_positions)
+    p, seed, *head0 = dropout  # (p, seed[, the global index of head 0])
+    return PairMask(lo, hi, q_segments, k_segments, p, seed, pair.pos, pair_blocks, on_positions,
+                    head0[0] if head0 else 0)

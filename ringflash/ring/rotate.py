@@ -45,13 +45,13 @@ def pass_on(ring: Ring, cur, nxt) -> list:
     return ring.exchange(*pairs)
 
 
-def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout: tuple[float, int],
+def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout: tuple,
                  layout: str, ring: Ring, blocks: Optional[torch.Tensor] = None, keep: bool = False):
     """Returns out (in q's dtype), lse (fp32, (B, H, S)) of q against every rank's k, v, and
     what the backward keeps: None, or with ``keep`` (``keeps_kv``) and two active steps,
     (kv, segment ids): the other rank's K/V, (2, B, S, Hkv, D), and both ranks' (B, 2 S)
     int32 segment ids in global order, or None.
-    segments: this rank's (B, S) int32 segment ids, or None. dropout: (p, seed).
+    segments: this rank's (B, S) int32 segment ids, or None. dropout: (p, seed[, global head 0]).
     blocks: the GLOBAL block mask (heads or 1, N / BLOCK, N / BLOCK) bool, or None.
 
     The running out stays fp32 until the last step, whose pairs write the result in q's
@@ -166,7 +166,7 @@ class _Grads:
 
 
 def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: float, band: Band,
-                  dropout: tuple[float, int], layout: str, ring: Ring,
+                  dropout: tuple, layout: str, ring: Ring,
                   blocks: Optional[torch.Tensor] = None, kept=None):
     """Returns dq (like q) and dk, dv of this rank's shards packed as one (2, *k.shape)
     tensor in k's dtype. kept: what ``ring_forward`` kept, or None."""
