@@ -78,6 +78,8 @@ def check_grid(rank, world, heads_world, layouts, how="pair", seqlen=512, cases=
             chunk = {"contiguous": ring_local, "zigzag": ring_local // 2, "block_stripe": BLOCK}.get(layout, 1)
             if bm is not None and chunk % BLOCK:  # block masks need whole blocks a chunk
                 continue
+            if p and layout != layouts[0]:  # the twin's Philox is slow; dropout's bits are by position
+                continue
             sh = lambda t, dim=1: ringflash.shard(t, dim, layout, group)  # noqa: E731
             ql, kl, vl = (sh(t).requires_grad_() for t in (q, k, v))
             out, lse = ringflash.ring_flash_attn(
@@ -97,7 +99,9 @@ def check_grid(rank, world, heads_world, layouts, how="pair", seqlen=512, cases=
                          ids=["U2xR1", "U1xR2", "U2xR2", "U4xR1", "U1xR4"])
 def test_grid_matches_oracle(worlds, world_size, heads_world):
     layouts = ("contiguous",) if world_size // heads_world == 1 else LAYOUTS
-    per_rank = worlds(world_size).run(check_grid, heads_world, layouts, timeout=600)
+    # U = 1 is the ring alone (test_ring's ground): its path through the grid, two cases
+    cases = CASES if heads_world > 1 else [CASES[0], CASES[-1]]
+    per_rank = worlds(world_size).run(check_grid, heads_world, layouts, "pair", 512, cases, timeout=600)
     failures = [f for fs in per_rank for f in fs]
     assert not failures, "\n".join(failures[:20])
 
