@@ -2,7 +2,7 @@
 Trainer (ringflash.hf.SequenceParallelTrainer with a SequenceParallelCollator) and an
 accelerate loop (a prepared DataLoader with a SequenceParallelSampler), at sp = 2 and
 dp 2 x sp 2, against the unsharded model trained on the same global batches in one
-process: parameters after three steps equal to rounding."""
+process: parameters after three steps (and the Trainer's evaluate() loss) equal to rounding."""
 
 from __future__ import annotations
 
@@ -47,7 +47,8 @@ def _sp(rank, world, sp_size):
 
 def _args(out_dir, batch_size):
     return transformers.TrainingArguments(
-        output_dir=out_dir, per_device_train_batch_size=batch_size, max_steps=STEPS, learning_rate=1e-2,
+        output_dir=out_dir, per_device_train_batch_size=batch_size, per_device_eval_batch_size=batch_size,
+        max_steps=STEPS, learning_rate=1e-2,
         logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, ddp_backend="gloo", seed=0,
         disable_tqdm=True, dataloader_num_workers=0)
 
@@ -71,8 +72,10 @@ def trainer_reference(rank, world, dps):
                                                             dp * BATCH, seed=self.args.seed, world=1)
 
         with tempfile.TemporaryDirectory() as tmp:
-            Reference(model=reference, args=_args(tmp, dp * BATCH), train_dataset=dataset()).train()
-        out[dp] = {n: p.detach().clone() for n, p in reference.named_parameters()}
+            trainer = Reference(model=reference, args=_args(tmp, dp * BATCH), train_dataset=dataset())
+            trainer.train()
+            out[dp] = {n: p.detach().clone() for n, p in reference.named_parameters()}
+            out[dp]["eval_loss"] = torch.tensor(trainer.evaluate(dataset()[:8])["eval_loss"])
     return out
 
 
@@ -85,7 +88,9 @@ def trainer_ring(rank, world, sp_size):
             model=model, args=_args(tmp, BATCH), sp=sp, train_dataset=dataset(),
             data_collator=ringflash.hf.SequenceParallelCollator(sp))
         trainer.train()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        params["eval_loss"] = torch.tensor(trainer.evaluate(dataset()[:8])["eval_loss"])
+    return params
 
 
 def accelerate_loop(rank, world, sp_size):
@@ -134,7 +139,8 @@ def references(worlds):
 @pytest.mark.parametrize("world_size,sp_size", [(2, 2), (4, 2)], ids=["sp2", "dp2xsp2"])
 def test_trainer_trains_like_the_unsharded_trainer(worlds, references, world_size, sp_size):
     """SequenceParallelTrainer at sp and dp x sp: every rank's parameters after three AdamW
-    steps equal those of the plain Trainer on the unsharded model and the whole batches."""
+    steps, and then evaluate()'s loss, equal those of the plain Trainer on the unsharded
+    model and the whole batches."""
     want = references[world_size // sp_size]
     per_rank = worlds(world_size).run(trainer_ring, sp_size, timeout=300)
     failures = [f"rank {rank}: {n} rel err {rel_err(p, want[n]):.3g}" for rank, params in enumerate(per_rank)
