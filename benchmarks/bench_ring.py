@@ -6,6 +6,8 @@ whole sequence, forward and forward+backward, side by side in one run.
     torchrun --nproc-per-node=4 benchmarks/bench_ring.py --add-128k   # and 128k
     torchrun --nproc-per-node=4 benchmarks/bench_ring.py --profile-only --profile trace.json
     torchrun --nproc-per-node=2 benchmarks/bench_ring.py --device cpu   # smoke test, gloo
+    torchrun --nproc-per-node=4 benchmarks/bench_ring.py --heads-parallel 1 2 4 --out-name mesh_h100x4
+                                                   # the heads x ring grid at (U, R) = (1, 4), (2, 2), (4, 1)
 
 Writes <out-dir>/ring_<gpu>x<N>.json (+ .png), e.g. benchmarks/results/ring_h200x4.json, and
 prints a table on rank 0. A smoke run (--device cpu: gloo, small sizes, fp32, ringflash
@@ -67,6 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="torch context parallel K/V rotation")
     p.add_argument("--transports", nargs="+", default=["auto"], choices=("auto", "nccl", "peer"),
                    help="ringflash's ring transport(s) (RINGFLASH_TRANSPORT), each its own row")
+    p.add_argument("--heads-parallel", nargs="+", type=int, default=[1], metavar="U",
+                   help="ringflash on a heads x ring grid of U x (ranks / U) (ringflash.heads), each U its "
+                        "own row; 1 is the ring alone")
     p.add_argument("--no-rank-check", action="store_true",
                    help="set RINGFLASH_RANK_CHECK=0 (skip ringflash's per-call cross-rank argument check)")
     p.add_argument("--quick", action="store_true",
@@ -103,6 +108,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.profile_seqlen = cli.parse_size(args.profile_seqlen)
     except ValueError as exc:
         p.error(str(exc))
+    if any(u < 1 for u in args.heads_parallel):
+        p.error(f"--heads-parallel sizes must be positive, got {args.heads_parallel}")
     if args.profile_only and not args.profile:
         p.error("--profile-only needs --profile PATH")
     if args.gqa_kv_heads >= args.heads:
@@ -123,12 +130,27 @@ class Ctx:
     group: object
     mesh: object = None
     mesh_error: Optional[str] = None
+    grids: dict = None  # U -> the heads x ring grid of U x (world / U), made once
     # torch CP modes found wrong at the checked seqlen, never used unchecked later:
     # (impl, heads, kv_heads, causal) -> {mode, ...}
     cp_wrong_modes: dict = None
 
     def __post_init__(self):
         self.cp_wrong_modes = {}
+        self.grids = {}
+
+    def grid(self, heads_parallel: int):
+        """The group of a ringflash run: the world (U = 1), else a U x (world / U) DeviceMesh,
+        made on every rank the first time (every rank asks for the same U in turn)."""
+        if heads_parallel == 1:
+            return self.group
+        if heads_parallel not in self.grids:
+            from torch.distributed.device_mesh import init_device_mesh
+            if self.world % heads_parallel:
+                raise ValueError(f"--heads-parallel {heads_parallel} does not divide {self.world} ranks")
+            self.grids[heads_parallel] = init_device_mesh(
+                self.device.type, (heads_parallel, self.world // heads_parallel), mesh_dim_names=("heads", "ring"))
+        return self.grids[heads_parallel]
 
     def log(self, *a, **kw):
         if self.rank == 0:
@@ -202,30 +224,35 @@ def ringflash_api():
 
 
 def run_ringflash(cfg: Cfg, layout: str, transport: str, full, ref: Optional[dict], ctx: Ctx,
-                  args) -> dict:
-    """ringflash with RINGFLASH_TRANSPORT=transport for the duration of the run."""
+                  args, heads_parallel: int = 1) -> dict:
+    """ringflash with RINGFLASH_TRANSPORT=transport for the duration of the run, on the
+    grid of ``heads_parallel`` x (world / heads_parallel) ranks (1: the ring alone)."""
     from ringflash import exchange  # imported late, as ringflash_api
+    from ringflash.groups import resolve_grid
 
+    group = ctx.grid(heads_parallel)
+    ring = resolve_grid(group).ring
     with cli.env_var("RINGFLASH_TRANSPORT", transport):
         exchange.release_buffers()  # this run's own peer buffers, counted in its peak memory
-        res = _run_ringflash(cfg, layout, full, ref, ctx, args)
+        res = _run_ringflash(cfg, layout, full, ref, ctx, args, group)
+        res.update(heads_parallel=heads_parallel, ring=ctx.world // heads_parallel)
         # What "auto" resolved to, and what really moved the bytes ("gloo", not "nccl", on a CPU run).
-        res["transport"] = cli.backend_label(ringflash_api().transport(ctx.group), ctx.group)
+        res["transport"] = cli.backend_label(ringflash_api().transport(ring), ring)
         if res.get("peak_bytes") is not None:
             res["peak_bytes"] += exchange.symmetric_bytes()
     return res
 
 
-def _run_ringflash(cfg: Cfg, layout: str, full, ref: Optional[dict], ctx: Ctx, args) -> dict:
+def _run_ringflash(cfg: Cfg, layout: str, full, ref: Optional[dict], ctx: Ctx, args, group) -> dict:
     api = ringflash_api()
     res = {"layout": layout, "note": None}
     try:
-        q, k, v, do = (api.shard(t, dim=1, layout=layout, group=ctx.group) for t in full)
+        q, k, v, do = (api.shard(t, dim=1, layout=layout, group=group) for t in full)
     except Exception as exc:  # noqa: BLE001 - e.g. seqlen not divisible: same on every rank
         return {**res, "error": f"shard: {checks.short_error(exc)}"}
 
     def call(q_, k_, v_):
-        return api.ring_flash_attn(q_, k_, v_, causal=cfg.causal, group=ctx.group, layout=layout)
+        return api.ring_flash_attn(q_, k_, v_, causal=cfg.causal, group=group, layout=layout)
 
     if ref is not None:
         error = None
@@ -235,11 +262,12 @@ def _run_ringflash(cfg: Cfg, layout: str, full, ref: Optional[dict], ctx: Ctx, a
             got, error = None, checks.short_error(exc)
         if not timing.all_ranks_ok(got is not None, ctx.group, ctx.device):
             return {**res, "error": f"check: {error or 'failed on another rank'}"}
-        want = {n: api.shard(t, dim=1, layout=layout, group=ctx.group) for n, t in ref.items()}
+        want = {n: api.shard(t, dim=1, layout=layout, group=group) for n, t in ref.items()}
         errs = checks.sharded_rel_errs({n: (got[n], want[n]) for n in got}, ctx.group, ctx.device)
         bad = checks.failed_checks(errs, args.tol, args.grad_tol)
         if bad:
-            raise checks.WrongResult(f"ringflash ring_flash_attn (layout {layout}) is WRONG at {cfg.tag}: " + "; ".join(bad))
+            raise checks.WrongResult(f"ringflash ring_flash_attn (layout {layout}, group {group}) is WRONG at "
+                                     f"{cfg.tag}: " + "; ".join(bad))
         res["rel_err"] = errs["out"]
         del got, want
     res.update(timing.time_phases(call, (q, k, v), do, device=ctx.device, group=ctx.group,
@@ -290,7 +318,7 @@ def make_record(impl: str, cfg: Cfg, res: dict, ctx: Ctx) -> dict:
         "efficiency": None, "fwd_efficiency": None,
         "gpus": per_gpu, "batch": cfg.batch, "fwd_ms": fwd_ms, "fwdbwd_ms": fwdbwd_ms,
     }
-    for key in ("transport", "rel_err", "note", "error"):
+    for key in ("heads_parallel", "ring", "transport", "rel_err", "note", "error"):
         if res.get(key) is not None:
             rec[key] = res[key]
     return rec
@@ -321,7 +349,8 @@ def progress_line(rec: dict, tag: str, unit: tuple[str, float] = ("TFLOP/s per G
 
     def f(x, spec, factor=1.0):
         return "-" if x is None else format(x * factor, spec)
-    where = [x for x in (rec.get("layout"), rec.get("transport")) if x]
+    grid = f"{rec['heads_parallel']}x{rec['ring']}" if rec.get("heads_parallel", 1) > 1 else None
+    where = [x for x in (rec.get("layout"), rec.get("transport"), grid) if x]
     impl = rec["impl"] + (f"[{','.join(where)}]" if where else "")
     line = (f"  {tag:<32} {impl:<28} fwd {f(rec['fwd_tflops_per_gpu'], '6.1f', scale)}  "
             f"f+b {f(rec['fwdbwd_tflops_per_gpu'], '6.1f', scale)} {label}  "
@@ -370,8 +399,8 @@ def benchmark(args, ctx: Ctx) -> list[dict]:
         for impl in args.impls:
             if impl == "ringflash":
                 layouts = args.causal_layouts if cfg.causal else args.noncausal_layouts
-                runs = [run_ringflash(cfg, layout, transport, full, ref, ctx, args)
-                        for layout in layouts for transport in args.transports]
+                runs = [run_ringflash(cfg, layout, transport, full, ref, ctx, args, u)
+                        for u in args.heads_parallel for layout in layouts for transport in args.transports]
             elif impl == "ringflash_1gpu":
                 runs = [run_ringflash_1gpu(cfg, full, ctx, args)]
             else:

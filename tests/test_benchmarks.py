@@ -102,15 +102,17 @@ def test_bench_kernel_cpu_smoke(tmp_path, results_untouched):
 
 def test_bench_ring_cpu_smoke_under_torchrun(tmp_path, results_untouched):
     # 256 tokens rather than the smoke run's 1k: the same configurations (MHA and GQA,
-    # causal and not, the ring and the 1-process kernel), a sixteenth of the attention work.
+    # causal and not, the ring and the 1-process kernel), a sixteenth of the attention work;
+    # the ring alone and the heads x ring grid of 2 x 1.
     out = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                 "--max-restarts=0", str(BENCH / "bench_ring.py"), "--device", "cpu", "--no-plot",
-                "--seqlens", "256"], tmp_path)
+                "--seqlens", "256", "--heads-parallel", "1", "2"], tmp_path)
     data = _written(tmp_path, "ring_cpux2.json")
     meta = data["meta"]
     assert meta["device"].startswith("cpu") and meta["world_size"] == 2 and meta["backend"] == "gloo"
     ring = [r for r in data["records"] if r["impl"] == "ringflash"]
     assert ring and all(r["transport"] == "gloo" and r["fwdbwd_tflops_per_gpu"] for r in ring)
+    assert {(r["heads_parallel"], r["ring"]) for r in ring} == {(1, 2), (2, 1)}
     assert "nccl" not in out.lower()
     assert "per GPU" not in out and "TF/GPU" not in out and "TFLOP/s/GPU" not in out
 
