@@ -16,6 +16,9 @@ K/V: rank u's query heads [u H/U, (u+1) H/U) read kv heads h // (H / Hkv). When 
 Hkv each rank receives its own Hkv / U; otherwise (MQA, or kv_heads < U) each receives
 the kv heads its query heads need, replicated only in transit: the all-to-all sends a
 head to every rank that reads it, and its gradient comes back summed from all of them.
+
+Dropout is keyed by the global head: rank u's ring runs with ``dropout_head0 = u H / U``,
+so a grid drops exactly what one device drops.
 """
 
 from __future__ import annotations

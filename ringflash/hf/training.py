@@ -71,13 +71,13 @@ class SequenceParallelSampler(Sampler[int]):
                  seed: int = 0, world: Optional[int] = None):
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        if world is not None and (not isinstance(world, int) or world < 1):
+            raise ValueError(f"world must be a positive int or None, got {world!r}")
         self.n = len(data_source)
         self.batch_size, self.shuffle, self.seed, self.epoch = batch_size, shuffle, seed, 0
         replicas, mine = _replicas(sp)
         self.dp = max(replicas) + 1
-        self.dealt = replicas if world is None else [mine] * world
-        if world is not None and world < 1:
-            raise ValueError(f"world must be positive, got {world}")
+        self.dealt = replicas if world is None else [mine] * world  # the replica of each batch in turn
         self.steps = self.n // (self.dp * batch_size)
         if self.steps == 0:
             raise ValueError(f"{self.n} examples make no step of {self.dp} replicas x batch_size {batch_size}")
