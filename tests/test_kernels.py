@@ -755,18 +755,55 @@ def test_bad_input_raises_naming_the_argument(make, kwargs, exc, name):
         flash_attn(*make(), **kwargs)
 
 
-def test_tensors_past_2_31_elements_raise():
-    """The Triton kernels' offsets are 32-bit: a launch whose tensor spans 2**31 elements
-    or more raises instead of reading other memory (meta tensors: no memory is taken)."""
-    big = torch.empty(80, 8192, 32, 128, device="meta", dtype=F16)  # 2.7e9 elements
-    fits = torch.empty(64, 8192, 32, 128, device="meta", dtype=F16)  # 2**31 exactly: last offset 2**31 - 1
-    launch._check_spans(q=fits, k=fits[:, :1024])
-    lse = torch.empty(80, 32, 8192, device="meta")
-    with pytest.raises(ValueError, match=r"\bq spans .*2\*\*31"):
-        triton_kernels.fwd(big, fits[:, :64], fits[:, :64], torch.empty_like(big), lse,
-                           softmax_scale=0.1, mask=PairMask(), accumulate=False)
-    with pytest.raises(ValueError, match=r"\bdout spans"):
-        launch.delta(fits[:1], big)
-    # a strided view spans past its elements: its last offset counts, not numel
-    with pytest.raises(ValueError, match=r"\bk spans"):
-        launch._check_spans(k=big[:, :, :1])
+def _views_past_2_31(batch_stride: int, names_heads: dict, seqlen: int, head_dim: int):
+    """(B = 3, seqlen, heads, head_dim) fp16 views, one per name, inside one storage of
+    3 * batch_stride elements: batch b of every view starts at b * batch_stride, so batch 2
+    lies past element 2**31 while the batch stride itself fits 32 bits (the product
+    overflowed in 32-bit offsets). Only the rows the views cover are ever written, so the
+    6.4 GB storage takes ~no memory (its pages are never touched)."""
+    rows = torch.empty(3 * batch_stride, dtype=F16).view(3, batch_stride)
+    views, at = {}, 0
+    for name, heads in names_heads.items():
+        n = seqlen * heads * head_dim
+        views[name] = rows[:, at:at + n].view(3, seqlen, heads, head_dim)
+        at += n
+    return views
+
+
+@pytest.mark.parametrize("mask", [PairMask(band_hi=0), PairMask()], ids=["causal", "full"])
+def test_tensors_past_2_31_elements(mask):
+    """Offsets past 2**31 elements: the kernels (forward, merging forward, delta, dK/dV, dQ;
+    GQA) read and write a batch that starts past element 2**31 of its tensor's storage, and
+    give bit for bit what they give on compact copies. With 32-bit offsets batch 2's
+    offset wrapped (a crash, or other memory read)."""
+    s, d = 64, 16
+    t = _views_past_2_31(2 ** 30 + 2 ** 20, dict(q=2, k=1, v=1, o=2, do=2, dq=2, dk=1, dv=1, acc=2), s, d)
+    g = torch.Generator().manual_seed(0)
+    for name in ("q", "k", "v", "do", "acc"):
+        t[name].copy_(torch.randn(t[name].shape, generator=g).to(F16))
+    assert t["q"].storage_offset() + 2 * t["q"].stride(0) > 2 ** 31
+    compact = {name: x.clone() for name, x in t.items()}
+    results = []
+    for x in (t, compact):
+        lse = torch.randn(3, 2, s, generator=torch.Generator().manual_seed(1))
+        kw = dict(softmax_scale=0.25, mask=mask)
+        triton_kernels.fwd(x["q"], x["k"], x["v"], x["o"], lse, accumulate=False, **kw)
+        triton_kernels.fwd(x["q"], x["k"], x["v"], x["acc"], lse, accumulate=True, **kw)  # merges into acc
+        delta = launch.delta(x["o"], x["do"])
+        triton_kernels.bwd(x["do"], x["q"], x["k"], x["v"], lse, delta, x["dq"], x["dk"], x["dv"],
+                           accumulate=False, **kw)
+        results.append([lse, delta] + [x[name] for name in ("o", "acc", "dq", "dk", "dv")])
+    for name, big, small in zip(("lse", "delta", "o", "acc", "dq", "dk", "dv"), *results):
+        assert torch.equal(big, small), name
+
+
+def test_offsets_check_on_meta_tensors():
+    """The launcher's offset rule without memory (meta tensors): any size passes (q of
+    (80, 8192, 32, 128), 2.7e9 elements, and a view spanning past 2**31), while a row stride
+    whose 256-row tile would pass 2**31 elements raises, naming the tensor."""
+    big = torch.empty(80, 8192, 32, 128, device="meta", dtype=F16)
+    launch._check_offsets(q=big, k=big[:, :, :1], lse=torch.empty(80, 32, 8192, device="meta"))
+    wide = torch.empty(2, 4, 2 ** 24, device="meta", dtype=F16)[..., :128].view(2, 4, 1, 128)
+    with pytest.raises(ValueError, match=r"^k \(shape .*row stride below 2\*\*23"):
+        launch._check_offsets(k=wide)
+    launch._check_offsets(k=torch.empty(2, 4, 2 ** 31, device="meta", dtype=F16)[..., :128].view(2, 4, 1, 128))

@@ -218,3 +218,51 @@ def test_forward_waits_for_a_part_still_arriving():
                          softmax_scale=0.125, mask=mask, arrival=Arrival(1, flags, 7, 2))
     torch.cuda.synchronize()
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def _past_2_31_masks(b: int, s: int):
+    gen = torch.Generator().manual_seed(2)
+    lengths = torch.randint(1, 3 * s // 8, (b, 16), generator=gen).cumsum(1)
+    ids = (torch.arange(s)[None, None, :] >= lengths[:, :, None]).sum(1).to(torch.int32).cuda()  # (b, s)
+    return {"causal": dict(causal=True), "documents": dict(causal=True, segment_ids=ids),
+            "window": dict(causal=True, window_size=(1024, 0)),
+            "sparse": dict(block_mask=torch.rand(1, s // 128, s // 128, generator=gen).cuda() < 0.3)}
+
+
+@pytest.mark.parametrize("kv_heads,mask", [(32, "causal"), (8, "causal"), (8, "documents"), (8, "window"),
+                                           (8, "sparse")])
+def test_tensors_past_2_31_elements(kv_heads, mask):
+    """q, out, dout, dq of (80, 8192, 32, 128) bf16: 2.7e9 elements each, batches 64-79
+    past element 2**31 (with 32-bit offsets: an illegal memory access). The forward and
+    backward of batches on both sides of the line equal, bit for bit, the kernels run on
+    those batches alone, and the causal ones match torch's SDPA there (bf16 tolerance)."""
+    b, s, h, d = 80, 8192, 32, 128
+    torch.cuda.empty_cache()  # what an earlier case cached
+    free, _ = torch.cuda.mem_get_info()
+    if free < 50 * 2 ** 30:
+        pytest.skip("needs 50 GiB of free GPU memory")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(b, s, h, d, device="cuda", dtype=BF16, generator=gen)
+    k, v = (torch.randn(b, s, kv_heads, d, device="cuda", dtype=BF16, generator=gen) for _ in range(2))
+    dout = torch.randn_like(q)
+    kwargs = _past_2_31_masks(b, s)[mask]
+    q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+    out = flash_attn(q, k, v, **kwargs)
+    out.backward(dout)
+    assert q.numel() > 2 ** 31 and out.numel() > 2 ** 31 and q.grad.numel() > 2 ** 31
+    for i in (0, 63, 64, 79):  # batch 64 starts at element 2**31 exactly
+        one = [t[i:i + 1].detach().clone().requires_grad_() for t in (q, k, v)]
+        part = {name: (x[i:i + 1] if name == "segment_ids" else x) for name, x in kwargs.items()}
+        out_i = flash_attn(*one, **part)
+        out_i.backward(dout[i:i + 1])
+        for name, big, small in zip(("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad),
+                                    (out_i, *(t.grad for t in one))):
+            assert torch.equal(big[i:i + 1], small), f"{name} of batch {i}"
+        if mask == "causal":
+            ref = [t[i:i + 1].detach().transpose(1, 2).float().requires_grad_() for t in (q, k, v)]
+            ref_out = torch.nn.functional.scaled_dot_product_attention(*ref, is_causal=True,
+                                                                       enable_gqa=kv_heads != h)
+            ref_out.backward(dout[i:i + 1].transpose(1, 2).float())
+            for name, got, want in zip(("out", "dq", "dk", "dv"), (out_i, *(t.grad for t in one)),
+                                       (ref_out, *(t.grad for t in ref))):
+                assert rel_err(got, want.transpose(1, 2)) < 2e-2, f"{name} of batch {i} against SDPA"

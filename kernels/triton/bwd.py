@@ -20,18 +20,16 @@ from .tiles import (SPARSE_BLOCK, _column, _keep, _listed_range, _load_block, _l
 
 @triton.jit
 def _delta_kernel(o, do, delta, seqlen, heads, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_S: tl.constexpr):
-    """delta (``Stats``) = rowsum(do * o) in fp32 for BLOCK_S rows of one (batch, head)."""
+                  BLOCK_S: tl.constexpr, LONG: tl.constexpr):
+    """delta (``Stats``) = rowsum(do * o) in fp32 for BLOCK_S rows of one (batch, head)
+    (LONG: 64-bit offsets, ``tiles._tile_ptrs``)."""
     off_b = tl.program_id(1) // heads
     off_h = tl.program_id(1) % heads
-    rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
-    cols = tl.arange(0, BLOCK_D)
-    ok = (rows[:, None] < seqlen) & (cols[None, :] < HEAD_DIM)
-    o_tile = tl.load(o.ptr + off_b * o.stride_b + off_h * o.stride_h + rows[:, None] * o.stride_s
-                     + cols[None, :], mask=ok, other=0.0)
-    do_tile = tl.load(do.ptr + off_b * do.stride_b + off_h * do.stride_h + rows[:, None] * do.stride_s
-                      + cols[None, :], mask=ok, other=0.0)
-    tl.store(_stats_row(delta, off_b, off_h) + rows,
+    start = tl.program_id(0) * BLOCK_S
+    rows = start + tl.arange(0, BLOCK_S)
+    o_tile = _load_block(o.ptr, o, off_b, off_h, start, seqlen, BLOCK_S, BLOCK_D, HEAD_DIM, True, False, LONG)
+    do_tile = _load_block(do.ptr, do, off_b, off_h, start, seqlen, BLOCK_S, BLOCK_D, HEAD_DIM, True, False, LONG)
+    tl.store(_stats_row(delta, off_b, off_h, LONG) + rows,
              tl.sum(o_tile.to(tl.float32) * do_tile.to(tl.float32), 1), mask=rows < seqlen)
 
 
@@ -56,9 +54,9 @@ def _dkdv_loop(dk, dv, k, v, q, do, lse_row, delta_row, start, end, keys, off_b,
         start_m = _column(loop_pos, lists, row, VARIANT.SPARSE)
         rows = start_m + tl.arange(0, BLOCK_M)
         q_tile = _load_block(q.ptr, q, off_b, off_h, start_m, seqlen_q,
-                             BLOCK_M, BLOCK_D, HEAD_DIM, True, False)
+                             BLOCK_M, BLOCK_D, HEAD_DIM, True, False, VARIANT.LONG)
         do_tile = _load_block(do.ptr, do, off_b, off_h, start_m, seqlen_q,
-                              BLOCK_M, BLOCK_D, HEAD_DIM, True, False)
+                              BLOCK_M, BLOCK_D, HEAD_DIM, True, False, VARIANT.LONG)
         lse, delta = _load_stats(lse_row, delta_row, rows, seqlen_q)
         if VARIANT.DROPOUT:  # drawn before the products, in the layout of the scores
             _, qpos = _tile_positions(pos.q0, start_m, BLOCK_M, pos)
@@ -103,8 +101,10 @@ def _dkdv_kernel(q, k, v, do, lse, delta, dk, dv, dk_in, dv_in, shape, qk_scale,
     cols = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
 
-    k_tile = _load_block(k.ptr, k, off_b, off_hk, start_n, seqlen_k, BLOCK_N, BLOCK_D, HEAD_DIM, True, False)
-    v_tile = _load_block(v.ptr, v, off_b, off_hk, start_n, seqlen_k, BLOCK_N, BLOCK_D, HEAD_DIM, True, False)
+    k_tile = _load_block(k.ptr, k, off_b, off_hk, start_n, seqlen_k, BLOCK_N, BLOCK_D, HEAD_DIM, True, False,
+                         VARIANT.LONG)
+    v_tile = _load_block(v.ptr, v, off_b, off_hk, start_n, seqlen_k, BLOCK_N, BLOCK_D, HEAD_DIM, True, False,
+                         VARIANT.LONG)
     dk_acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv_acc = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     kpos_start, kpos = start_n, cols
@@ -127,8 +127,8 @@ def _dkdv_kernel(q, k, v, do, lse, delta, dk, dv, dk_in, dv_in, shape, qk_scale,
     row = 0
     for g in range(0, group):
         off_h = off_hk * group + g
-        lse_row = _stats_row(lse, off_b, off_h)
-        delta_row = _stats_row(delta, off_b, off_h)
+        lse_row = _stats_row(lse, off_b, off_h, VARIANT.LONG)
+        delta_row = _stats_row(delta, off_b, off_h, VARIANT.LONG)
         if VARIANT.SPARSE:
             row = off_h * lists.stride_head + start_n // SPARSE_BLOCK
             begin, full_start, full_end, end = _listed_range(lists, row)
@@ -153,8 +153,8 @@ def _dkdv_kernel(q, k, v, do, lse, delta, dk, dv, dk_in, dv_in, shape, qk_scale,
                                         None, PRECISION, VARIANT)
 
     mask = (cols[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
-    dk_offsets = _offsets(dk, off_b, off_hk, cols, offs_d)
-    dv_offsets = _offsets(dv, off_b, off_hk, cols, offs_d)
+    dk_offsets = _offsets(dk, off_b, off_hk, cols, offs_d, VARIANT.LONG)
+    dv_offsets = _offsets(dv, off_b, off_hk, cols, offs_d, VARIANT.LONG)
     _store_grad(dk.ptr, dk_in, dk_offsets, mask, dk_acc * sm_scale, VARIANT.ACCUMULATE)
     _store_grad(dv.ptr, dv_in, dv_offsets, mask, dv_acc, VARIANT.ACCUMULATE)
 
@@ -175,9 +175,9 @@ def _dq_loop(dq, q, do, lse, delta, k, v, start, end, tile, head, seqlen_k, qk_s
     for loop_pos in tl.range(start, end, BLOCK_N, num_stages=STAGES):
         start_n = _column(loop_pos, lists, row, VARIANT.SPARSE)
         k_tile = _load_block(k.ptr, k, off_b, off_hk, start_n, seqlen_k,
-                             BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, False)
+                             BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, False, VARIANT.LONG)
         v_tile = _load_block(v.ptr, v, off_b, off_hk, start_n, seqlen_k,
-                             BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, False)
+                             BLOCK_N, BLOCK_D, HEAD_DIM, MASKED, False, VARIANT.LONG)
         p = tl.math.exp2(tl.dot(q, tl.trans(k_tile), input_precision=PRECISION) * qk_scale - lse[:, None])
         if (MASKED and VARIANT.BAND) or SEGMENTS:
             cols = start_n + tl.arange(0, BLOCK_N)
@@ -213,11 +213,12 @@ def _dq_kernel(q, k, v, do, lse, delta, dq, dq_in, shape, qk_scale, sm_scale, ba
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
 
-    q_tile = _load_block(q.ptr, q, off_b, off_h, start_m, seqlen_q, BLOCK_M, BLOCK_D, HEAD_DIM, True, False)
+    q_tile = _load_block(q.ptr, q, off_b, off_h, start_m, seqlen_q, BLOCK_M, BLOCK_D, HEAD_DIM, True, False,
+                         VARIANT.LONG)
     do_tile = _load_block(do.ptr, do, off_b, off_h, start_m, seqlen_q,
-                          BLOCK_M, BLOCK_D, HEAD_DIM, True, False)
-    row_lse, row_delta = _load_stats(_stats_row(lse, off_b, off_h), _stats_row(delta, off_b, off_h), rows,
-                                     seqlen_q)
+                          BLOCK_M, BLOCK_D, HEAD_DIM, True, False, VARIANT.LONG)
+    row_lse, row_delta = _load_stats(_stats_row(lse, off_b, off_h, VARIANT.LONG),
+                                     _stats_row(delta, off_b, off_h, VARIANT.LONG), rows, seqlen_q)
     dq_acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     qpos = rows
     if VARIANT.DROPOUT:  # global positions
@@ -244,5 +245,5 @@ def _dq_kernel(q, k, v, do, lse, delta, dq, dq_in, shape, qk_scale, sm_scale, ba
                           BLOCK_D, HEAD_DIM, True, VARIANT.SEGMENTS, None, PRECISION, VARIANT)
 
     mask = (rows[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
-    dq_offsets = _offsets(dq, off_b, off_h, rows, offs_d)
+    dq_offsets = _offsets(dq, off_b, off_h, rows, offs_d, VARIANT.LONG)
     _store_grad(dq.ptr, dq_in, dq_offsets, mask, dq_acc * sm_scale, VARIANT.ACCUMULATE)

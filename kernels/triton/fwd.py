@@ -17,7 +17,7 @@ copy engine zero-fills rows past the end); otherwise through pointer loads.
 import triton
 import triton.language as tl
 
-from .tiles import (_column, _keep, _listed_range, _load_block, _offsets, _query_loop, _query_tile,
+from .tiles import (_column, _keep, _listed_range, _load_block, _offsets, _query_loop, _query_tile, _stats_row,
                     _tile_positions, _unpadded, _visible)
 
 
@@ -45,9 +45,9 @@ def _fwd_loop(acc, l_i, m_i, q, keys, start, end, tile, head, seqlen_k, qk_scale
     for loop_pos in tl.range(start, end, BLOCK_N, num_stages=STAGES):
         start_n = _column(loop_pos, lists, row, VARIANT.SPARSE)
         k_tile = _load_block(K, k_strides, off_b, off_hk, start_n - shift, seqlen_k - shift, BLOCK_N,
-                             BLOCK_D, HEAD_DIM, MASKED, TMA)
+                             BLOCK_D, HEAD_DIM, MASKED, TMA, VARIANT.LONG)
         v_tile = _load_block(V, v_strides, off_b, off_hk, start_n - shift, seqlen_k - shift, BLOCK_N,
-                             BLOCK_D, HEAD_DIM, MASKED, TMA)
+                             BLOCK_D, HEAD_DIM, MASKED, TMA, VARIANT.LONG)
         qk = tl.dot(q, tl.trans(k_tile), input_precision=PRECISION)  # unscaled; scale > 0 commutes with max
         if VARIANT.DROPOUT:  # drawn before the softmax: 886 instructions a tile loop against 950 after it
             kpos_start, kpos = _tile_positions(pos.k0, start_n, BLOCK_N, pos)
@@ -92,7 +92,8 @@ def _fwd_kernel(Q, K, V, K2, V2, strides, o, o_in, lse, shape, qk_scale, band, p
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < seqlen_q
 
-    q_tile = _load_block(Q, strides.q, off_b, off_h, start_m, seqlen_q, BLOCK_M, BLOCK_D, HEAD_DIM, True, TMA)
+    q_tile = _load_block(Q, strides.q, off_b, off_h, start_m, seqlen_q, BLOCK_M, BLOCK_D, HEAD_DIM, True, TMA,
+                         VARIANT.LONG)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -126,9 +127,9 @@ def _fwd_kernel(Q, K, V, K2, V2, strides, o, o_in, lse, shape, qk_scale, band, p
                                   qk_scale, segments, drop, pos, lists, row, BLOCK_N, BLOCK_D, HEAD_DIM, True,
                                   VARIANT.SEGMENTS, None, PRECISION, TMA, VARIANT)
 
-    o_offsets = _offsets(o, off_b, off_h, offs_m, offs_d)
+    o_offsets = _offsets(o, off_b, off_h, offs_m, offs_d, VARIANT.LONG)
     o_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
-    lse_ptrs = lse.ptr + off_b * lse.stride_b + off_h * lse.stride_h + offs_m
+    lse_ptrs = _stats_row(lse, off_b, off_h, VARIANT.LONG) + offs_m
     if VARIANT.ACCUMULATE:  # merge with a previous partial (o, lse), read only now: resuming from it
         # held its addresses through the tile loops (255 registers and 13-17% slower under
         # dropout, docs/notes/dropout.md). o_in is o itself, or a buffer with o's strides (the

@@ -26,17 +26,33 @@ from .tiles import QKV, Band, Dropout, Lists, Positions, Rows, Segments, Shape, 
 LOG2E = math.log2(math.e)
 
 
-_MAX_SPAN = 2 ** 31
+_INT32 = 2 ** 31
+_TILE_ROWS = 256  # the most rows a kernel's tile of a (B, S, H, D) tensor holds (config)
 
 
-def _check_spans(**tensors) -> None:
-    """The kernels' element offsets are 32-bit: every tensor they read or write must span at
-    most 2**31 elements (its last element's offset below 2**31). Past that they would read
-    and write other memory, so a launch raises instead."""
+def _check_offsets(**tensors) -> None:
+    """The kernels address a tile by an offset of its first element (64-bit where a tensor
+    spans 2**31 elements or more: ``_long``) plus 32-bit offsets inside it
+    (``tiles._tile_ptrs``), so a tensor may span any number of elements, but the _TILE_ROWS
+    rows of one tile must span fewer than 2**31 (a row stride below 2**23, which only a
+    strided view with millions of elements between rows reaches; a stride of 2**31 or more
+    is passed 64-bit and fits again). Rows, positions and the offsets of segment ids are
+    32-bit: fewer than 2**31 rows in all the batch. A (B, S, H, D) tensor outside these
+    raises, naming it."""
     for name, t in tensors.items():
-        if t is not None and sum((n - 1) * st for n, st in zip(t.shape, t.stride())) >= _MAX_SPAN:
-            raise ValueError(f"{name} spans {t.numel():.3g} elements (shape {tuple(t.shape)}): the Triton kernels' "
-                             f"offsets are 32-bit, at most 2**31 elements a tensor; split the batch or heads")
+        if t is None or t.dim() != 4:
+            continue
+        if t.shape[0] * t.shape[1] >= _INT32 or _INT32 // _TILE_ROWS <= t.stride(1) < _INT32:
+            raise ValueError(f"{name} (shape {tuple(t.shape)}, strides {t.stride()}): the Triton kernels need "
+                             f"fewer than 2**31 rows in all the batch and a row stride below 2**23 "
+                             f"elements; pass a contiguous tensor")
+
+
+def _long(*tensors) -> bool:
+    """Whether a tensor of the launch spans 2**31 elements or more (its last element's
+    offset): the kernels then compile with 64-bit offsets (``Variant.LONG``)."""
+    return any(t is not None and sum((n - 1) * st for n, st in zip(t.shape, t.stride())) >= _INT32
+               for t in tensors)
 
 
 def _rows(t: torch.Tensor) -> Rows:
@@ -97,13 +113,13 @@ def _dropout(mask) -> Dropout:
 
 
 def _variant(mask, pos: Positions, accumulate: bool, list_stages=None, parts: int = 1, last: int = 1,
-             wait: bool = False) -> Variant:
+             wait: bool = False, long: bool = False) -> Variant:
     """What a launch over ``mask`` compiles for (``tiles.Variant``)."""
     grouped = pos.stride == 1 and pos.q0 % 16 == 0 and pos.k0 % 32 == 0 and pos.jump % 32 == 0
     return Variant(BAND=mask.band_lo is not None or mask.band_hi is not None, POSITIONAL=mask.band_on_positions,
                    SEGMENTS=mask.q_segments is not None, DROPOUT=mask.dropout_p > 0,
                    GROUPED=mask.dropout_p > 0 and grouped, SPARSE=mask.blocks is not None,
-                   LIST_STAGES=list_stages, PARTS=parts, LAST=last, WAIT=wait, ACCUMULATE=accumulate)
+                   LIST_STAGES=list_stages, PARTS=parts, LAST=last, WAIT=wait, ACCUMULATE=accumulate, LONG=long)
 
 
 def _segment_ids(mask, device: torch.device):
@@ -142,7 +158,7 @@ def fwd(q, k, v, out, lse, *, softmax_scale: float, mask, accumulate: bool, out_
     """``tail``: the keys' and values' rows that follow k and v when held apart
     (``pair.Joined``, under a block mask), or None; ``arrival``: with a tail, a
     ``pair.Arrival`` (which part runs last, and whether the kernel waits for it)."""
-    _check_spans(q=q, k=k, v=v, out=out, lse=lse, out_partial=out_partial)
+    _check_offsets(q=q, k=k, v=v, out=out, lse=lse, out_partial=out_partial)
     b, sq, h, d = q.shape
     split, hkv = k.shape[1], k.shape[2]
     sk = split + (0 if tail is None else tail[0].shape[1])
@@ -156,7 +172,8 @@ def fwd(q, k, v, out, lse, *, softmax_scale: float, mask, accumulate: bool, out_
     chunk = arrival.heads if waits else hkv
     variant = _variant(mask, pos, accumulate,
                        config.list_stages(cfg, mask.blocks is not None, mask.q_segments is not None),
-                       1 if tail is None else 2, 1 if arrival is None else arrival.last, waits)
+                       1 if tail is None else 2, 1 if arrival is None else arrival.last, waits,
+                       _long(q, k, v, out, lse, out_partial, *(tail or ())))
     lists = _lists(mask, band, sq, sk, False, q.device, (cfg["BLOCK_M"], b, h, 1), variant.BAND,
                    split=None if tail is None else split, chunk=chunk * (h // hkv) if waits else 0)
     wait = Wait(arrival.flags, arrival.epoch, chunk) if waits else Wait(_stand_in(q.device), 0, chunk)
@@ -173,13 +190,13 @@ def fwd(q, k, v, out, lse, *, softmax_scale: float, mask, accumulate: bool, out_
 def delta(out: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
     """rowsum(do * out) in fp32, (B, H, S), in one pass over the two (B, S, H, D) tensors
     (last dimension contiguous); the twin's fp32 products take three more."""
-    _check_spans(out=out, dout=do)
+    _check_offsets(out=out, dout=do)
     b, s, h, d = out.shape
     res = torch.empty((b, h, s), device=out.device, dtype=torch.float32)
     block_s = 16 if config.interpreting() else 64
     _delta_kernel[(triton.cdiv(s, block_s), b * h)](
         o=_rows(out), do=_rows(do), delta=_stats(res), seqlen=s, heads=h, HEAD_DIM=d, BLOCK_D=config.block_d(d),
-        BLOCK_S=block_s)
+        BLOCK_S=block_s, LONG=_long(out, do, res))
     return res
 
 
@@ -190,7 +207,7 @@ def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask, accu
     here (docs/notes/kernel.md). ``tails``: the rows that follow (q, do) and (k, v) when
     held apart (``pair.Joined``: same strides, under a block mask), or None; the
     kernels read both parts where they are."""
-    _check_spans(dout=do, q=q, k=k, v=v, dq=dq, dk=dk, dv=dv, lse=lse, delta=delta)
+    _check_offsets(dout=do, q=q, k=k, v=v, dq=dq, dk=dk, dv=dv, lse=lse, delta=delta)
     b, h, d = q.shape[0], q.shape[2], q.shape[3]
     hkv = k.shape[2]
     (q_split, sq), (k_split, sk) = ((t.shape[1], t.shape[1] + (0 if tail is None else tail[0].shape[1]))
@@ -198,7 +215,8 @@ def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask, accu
     band, pos = _band(mask), _positions(mask)
     qseg, kseg = _segment_ids(mask, q.device)
     has_segments, sparse = mask.q_segments is not None, mask.blocks is not None
-    plain = _variant(mask, pos, accumulate)
+    held_apart = (t for tail in tails for t in tail or ())
+    plain = _variant(mask, pos, accumulate, long=_long(do, q, k, v, lse, delta, dq, dk, dv, *partials, *held_apart))
     dkdv_cfg, dq_cfg = config.bwd_config(d, q.dtype, sparse, plain.DROPOUT and not (plain.BAND or has_segments or sparse))
     inputs = dict(q=_rows(q), k=_rows(k), v=_rows(v), do=_rows(do), lse=_stats(lse), delta=_stats(delta),
                   qk_scale=softmax_scale * LOG2E, sm_scale=softmax_scale, band=band, pos=pos, drop=_dropout(mask),

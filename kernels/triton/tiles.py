@@ -105,7 +105,8 @@ class Variant(NamedTuple):
     dQ) or queries (dK/dV) are held in two tensors (pair.Joined), LAST the part whose loops
     run second; WAIT: that part is still arriving (pair.Arrival); ACCUMULATE: merge into
     running sums (out and lse; the gradients); QUERY_MAJOR: the dK/dV kernel's scores queries
-    by keys (config.bwd_config says when)."""
+    by keys (config.bwd_config says when); LONG: some tensor spans 2**31 elements or more,
+    so offsets are 64-bit (``_tile_ptrs``)."""
 
     BAND: bool = False
     POSITIONAL: bool = False
@@ -119,6 +120,7 @@ class Variant(NamedTuple):
     WAIT: bool = False
     ACCUMULATE: bool = False
     QUERY_MAJOR: bool = False
+    LONG: bool = False
 
 
 class Band(NamedTuple):
@@ -194,19 +196,41 @@ class Wait(NamedTuple):
 
 
 @triton.jit
+def _tile_ptrs(ptr, strides, off_b, off_h, start, BLOCK_ROWS: tl.constexpr, cols, LONG: tl.constexpr):
+    """Pointers to rows [start, start + BLOCK_ROWS) x ``cols`` of head off_h of batch off_b
+    of a (B, S, H, D) tensor at ``ptr`` read with ``strides`` (a ``Rows`` or ``Strides``).
+
+    LONG (a tensor of the launch spans 2**31 elements or more): the offset of the tile's
+    first element is 64-bit and the offsets inside the tile 32-bit (the launcher checks
+    that BLOCK_ROWS rows span fewer than 2**31 elements: launch._check_offsets). Otherwise
+    every offset fits 32 bits and is computed as it always was: the 64-bit form
+    everywhere cost the backward 8-13% (tools/ab_kernel.py on one H100, 2026-11-26),
+    its tile offsets no longer depending on the loop and so held in registers across
+    it."""
+    if LONG:  # a constexpr: one branch is compiled (a function returns from one place)
+        first = (off_b.to(tl.int64) * strides.stride_b + off_h.to(tl.int64) * strides.stride_h
+                 + start.to(tl.int64) * strides.stride_s)
+        ptrs = ptr + first + (tl.arange(0, BLOCK_ROWS)[:, None] * strides.stride_s + cols[None, :])
+    else:
+        rows = start + tl.arange(0, BLOCK_ROWS)
+        ptrs = (ptr + off_b * strides.stride_b + off_h * strides.stride_h + rows[:, None] * strides.stride_s
+                + cols[None, :])
+    return ptrs
+
+
+@triton.jit
 def _load_block(src, strides, off_b, off_h, start, n_rows, BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
-                HEAD_DIM: tl.constexpr, BOUNDED: tl.constexpr, TMA: tl.constexpr):
+                HEAD_DIM: tl.constexpr, BOUNDED: tl.constexpr, TMA: tl.constexpr, LONG: tl.constexpr):
     """Rows [start, start + BLOCK_ROWS) of head off_h of batch off_b, a (BLOCK_ROWS, BLOCK_D)
     tile of ``src``: a TMA descriptor (TMA), or a pointer read with ``strides`` (a ``Rows``
-    or ``Strides``). Rows past n_rows (checked only when BOUNDED) and columns past HEAD_DIM
-    read 0."""
+    or ``Strides``; LONG as in ``_tile_ptrs``). Rows past n_rows (checked only when BOUNDED)
+    and columns past HEAD_DIM read 0."""
     if TMA:
         tile = src.load([off_b, start, off_h, 0]).reshape(BLOCK_ROWS, BLOCK_D)
     else:
         rows = start + tl.arange(0, BLOCK_ROWS)
         cols = tl.arange(0, BLOCK_D)
-        ptrs = (src + off_b * strides.stride_b + off_h * strides.stride_h + rows[:, None] * strides.stride_s
-                + cols[None, :])
+        ptrs = _tile_ptrs(src, strides, off_b, off_h, start, BLOCK_ROWS, cols, LONG)
         if BOUNDED:
             tile = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (cols[None, :] < HEAD_DIM), other=0.0)
         elif BLOCK_D != HEAD_DIM:
@@ -223,9 +247,15 @@ def _with_ptr(rows, ptr):
 
 
 @triton.jit
-def _offsets(dst, off_b, off_h, rows, cols):
-    """Element offsets of rows x cols of head off_h of batch off_b of ``dst`` (``Rows``)."""
-    return off_b * dst.stride_b + off_h * dst.stride_h + rows[:, None] * dst.stride_s + cols[None, :]
+def _offsets(dst, off_b, off_h, rows, cols, LONG: tl.constexpr):
+    """Element offsets of rows x cols of head off_h of batch off_b of ``dst`` (``Rows``), for
+    a kernel's stores after its loops: 64-bit with LONG (``_tile_ptrs``), 32-bit otherwise."""
+    if LONG:
+        offsets = (off_b.to(tl.int64) * dst.stride_b + off_h.to(tl.int64) * dst.stride_h
+                   + rows.to(tl.int64)[:, None] * dst.stride_s + cols[None, :])
+    else:
+        offsets = off_b * dst.stride_b + off_h * dst.stride_h + rows[:, None] * dst.stride_s + cols[None, :]
+    return offsets
 
 
 @triton.jit
@@ -517,9 +547,14 @@ def _load_stats(lse, delta, rows, seqlen_q):
 
 
 @triton.jit
-def _stats_row(stats, off_b, off_h):
-    """Pointer to the rows of batch off_b, head off_h of ``stats`` (``Stats``)."""
-    return stats.ptr + off_b * stats.stride_b + off_h * stats.stride_h
+def _stats_row(stats, off_b, off_h, LONG: tl.constexpr):
+    """Pointer to the rows of batch off_b, head off_h of ``stats`` (``Stats``; LONG: 64-bit
+    offsets, as in ``_tile_ptrs``)."""
+    if LONG:
+        row = stats.ptr + off_b.to(tl.int64) * stats.stride_b + off_h.to(tl.int64) * stats.stride_h
+    else:
+        row = stats.ptr + off_b * stats.stride_b + off_h * stats.stride_h
+    return row
 
 
 @triton.jit
