@@ -71,6 +71,7 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -771,14 +772,24 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        main()
+    else:
         # A gloo worker thread may still be freeing the last collective's work (the final
-        # barrier) when the interpreter finalizes; freeing its tensor takes the GIL, which a
-        # finalizing interpreter no longer gives out, and the thread's exit ends in
-        # std::terminate (SIGABRT after "done"; 4 of 20 runs on a loaded 2-core machine,
-        # pytorch/pytorch#179291 has the same trace). Everything this job writes is closed
-        # and fsynced by now, and the process group is destroyed: leave without finalizing.
+        # barrier, or the all-reduce before an error) when the interpreter finalizes;
+        # freeing its tensor takes the GIL, which a finalizing interpreter no longer gives
+        # out, and the thread's exit ends in std::terminate (SIGABRT after "done"; 4 of 20
+        # runs on a loaded 2-core machine, pytorch/pytorch#179291 has the same trace).
+        # destroy_process_group does not stop gloo's threads while anything still holds
+        # the group (the model's layers do, and after an error its traceback). Everything
+        # this job writes is closed and fsynced by now, and the process group is
+        # destroyed: leave without finalizing, after an error too (its traceback first).
+        code = 0
+        try:
+            main()
+        except Exception:  # noqa: BLE001 - reported as Python would, with its exit status
+            traceback.print_exc()
+            code = 1
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(code)

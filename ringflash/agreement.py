@@ -1,6 +1,14 @@
 """The cross-rank agreement check: every rank of a ring must call with the same shapes and
 options, or every rank raises (never a hang, never a silent wrong answer).
 
+``ring_flash_attn`` runs it inside its op (``check_ranks_agree``, ops.py), on a heads x
+ring grid before its all-to-all (``agree_on_grid``); every other helper whose collective
+has shapes that depend on its input (``unshard``, ``all_reduce_gradients``,
+``broadcast_parameters``, ``SequenceParallel.reduce_loss``) runs it once before that
+collective (``agree``). A rank whose own checks fail still joins the check, as a rank
+that rejected its arguments, so the others raise too instead of waiting for it
+(``raise_on_every_rank``, for a rank that fails before it reaches ``ring_flash_attn``).
+
 Set RINGFLASH_RANK_CHECK=0 to skip it (read once, at import). Without it nothing compares
 the ranks' arguments: ranks that disagree on a shape fail inside the exchange with the
 backend's error (gloo aborts: "Received data size doesn't match expected size"; NCCL may
@@ -16,6 +24,7 @@ import struct
 import torch
 
 from .exchange import TRANSPORTS, Ring
+from .groups import Grid
 from .kernels import SUPPORTED_DTYPES
 from .kernels.masks import BAND_INF, tensor_memo
 from .layouts import LAYOUTS, layout_of
@@ -61,11 +70,49 @@ def signature(q, k, band, layout, scale, needs_grad, kind, segments, dropout, bl
             dropout[1], *_block_digest(blocks)]
 
 
+# Every dtype torch has, in a fixed order: a tensor's dtype as one integer (``tensor_row``).
+_DTYPES = tuple(sorted({t for t in vars(torch).values() if isinstance(t, torch.dtype)}, key=str))
+_SHAPE_DIMS = 8  # a tensor's sizes compared one by one (``tensor_row``); numel covers the rest
+
+
+def tensor_fields(name: str) -> tuple[str, ...]:
+    """The fields of ``tensor_row`` for the argument ``name``."""
+    return (f"{name}.dtype", f"{name}.dim()", *(f"{name}.shape[{i}]" for i in range(_SHAPE_DIMS)),
+            f"{name}.numel()")
+
+
+def tensor_row(t: torch.Tensor) -> list[int]:
+    """dtype, number of dimensions, sizes (-1 past the last) and numel of ``t``: what a
+    collective over copies of ``t`` needs every rank to agree on."""
+    sizes = list(t.shape[:_SHAPE_DIMS])
+    return [_DTYPES.index(t.dtype), t.dim(), *sizes, *[-1] * (_SHAPE_DIMS - len(sizes)), t.numel()]
+
+
+def tensors_fields(name: str) -> tuple[str, ...]:
+    """The fields of ``tensors_row`` for the tensors ``name``."""
+    return (f"{name}: how many", f"{name}: elements", f"{name}: dtypes and shapes (checksum)")
+
+
+def tensors_row(tensors) -> list[int]:
+    """How many tensors, their elements, and a checksum of their dtypes and shapes in order:
+    what a collective over a list of tensors (flattened together) needs ranks to agree on."""
+    count, elements, digest = 0, 0, 0
+    for t in tensors:
+        for x in (_DTYPES.index(t.dtype), t.dim(), *t.shape):
+            digest = (digest * 1_000_003 + x + 1) % (2 ** 61 - 1)
+        count, elements = count + 1, elements + t.numel()
+    return [count, elements, digest]
+
+
 def _shown(field: str, values) -> list:
     if field in ("softmax_scale", "dropout_p"):
         return [struct.unpack("<d", struct.pack("<q", x))[0] for x in values]
     if field == "dtype":
         return [str(SUPPORTED_DTYPES[x]) for x in values]
+    if field.endswith(".dtype"):
+        return [str(_DTYPES[x]) for x in values]
+    if field.endswith(".dim()") or ".shape[" in field:
+        return [None if x < 0 else x for x in values]
     if field == "layout":
         return [LAYOUTS[x] for x in values]
     if field == "transport":
@@ -75,7 +122,8 @@ def _shown(field: str, values) -> list:
     return list(values)
 
 
-def check_ranks_agree(ring: Ring, signature: list[int] | None, error: Exception | None) -> None:
+def check_ranks_agree(ring: Ring, signature: list[int] | None, error: Exception | None, *,
+                      fields: tuple[str, ...] = _SIGNATURE_FIELDS, call: str = "ring_flash_attn") -> None:
     """Raise on every rank if any rank rejected its arguments or the ranks disagree.
 
     ``signature`` is None on a rank whose own checks failed with ``error``: it still joins
@@ -85,18 +133,89 @@ def check_ranks_agree(ring: Ring, signature: list[int] | None, error: Exception 
     is reduced on its device the first time the mask is seen). It runs on every call
     rather than once per signature: a rank that skipped it because its own
     signature was cached, while another rank's changed, would leave that rank waiting in a
-    collective nobody else joins.
+    collective nobody else joins. ``fields`` name the signature's integers, ``call`` the
+    function the ranks called (other helpers' checks, ``agree``).
     """
-    mine = [1, *signature] if signature is not None else [0] * (1 + len(_SIGNATURE_FIELDS))
+    mine = [1, *signature] if signature is not None else [0] * (1 + len(fields))
     everyone = ring.all_gather_ints(mine)
     rejected = [rank for rank, row in enumerate(everyone) if row[0] == 0]
     if error is not None:
         raise error
     if rejected:
-        raise ValueError(f"rank(s) {rejected} of the ring rejected their arguments to ring_flash_attn "
+        raise ValueError(f"rank(s) {rejected} of the ring rejected their arguments to {call} "
                          "(see the error raised there); every rank must pass valid, matching arguments")
-    for field, values in zip(_SIGNATURE_FIELDS, list(zip(*everyone))[1:]):
+    for field, values in zip(fields, list(zip(*everyone))[1:]):
         if len(set(values)) > 1:
             raise ValueError(f"ranks disagree on {field}: {_shown(field, values)} (rank i's value at "
-                             "index i); every rank must call ring_flash_attn with the same arguments and shapes")
+                             f"index i); every rank must call {call} with the same arguments and shapes")
 
+
+def gather_rows(grid: Grid, mine: list[int]) -> tuple[bool, list[list[int]]]:
+    """(whether every rank of the grid passed the same row, the rows this rank saw): an
+    all-gather over the heads group, then one over the ring group carrying each heads
+    group's verdict (every ring group meets every heads group, so every rank learns)."""
+    same, seen = True, []
+    if grid.heads_world > 1:
+        seen = Ring(grid.heads).all_gather_ints(mine)
+        same = all(row == seen[0] for row in seen)
+    rows = Ring(grid.ring).all_gather_ints([int(same), *mine])
+    seen += [row[1:] for row in rows]
+    return all(row[0] for row in rows) and all(row == seen[0] for row in seen), seen
+
+
+def agree_on_grid(grid: Grid, signature: list[int] | None, error: Exception | None, *,
+                  fields: tuple[str, ...] = GRID_FIELDS, call: str = "ring_flash_attn") -> None:
+    """``check_ranks_agree`` over a heads x ring grid (``gather_rows``: two all-gathers):
+    every rank raises before any rank starts an all-to-all its peers would not join."""
+    same, rows = gather_rows(grid, [1, *signature] if signature is not None else [0] * (1 + len(fields)))
+    if error is not None:
+        raise error
+    if same:
+        return
+    valid = [row for row in rows if row[0] == 1]
+    for i, field in enumerate(fields, start=1):
+        if len(valid) == len(rows) and len({row[i] for row in valid}) > 1:
+            raise ValueError(f"ranks of the heads x ring grid disagree on {field} (values seen here: "
+                             f"{_shown(field, sorted({row[i] for row in valid}))}); every rank must call "
+                             f"{call} with the same arguments and shapes")
+    raise ValueError(f"ranks of the heads x ring grid rejected their arguments to {call} or "
+                     "disagree on them (see the error raised there); every rank must pass valid, "
+                     "matching arguments")
+
+
+def _check(grid: Grid, row: list[int] | None, error: Exception | None, fields, call: str) -> None:
+    """The check over ``grid`` (a 1-D group is the grid with U = 1), where it runs: on more
+    than one rank, with RINGFLASH_RANK_CHECK on, outside torch.compile's tracing."""
+    if ENABLED and not torch.compiler.is_compiling() and grid.world > 1:
+        if grid.heads_world > 1:
+            agree_on_grid(grid, row, error, fields=fields, call=call)
+        else:
+            check_ranks_agree(Ring(grid.ring), row, error, fields=fields, call=call)
+    if error is not None:
+        raise error
+
+
+def agree(grid: Grid, call: str, fields: tuple[str, ...], local_checks):
+    """What ``local_checks()`` returns beside its row, once every rank of ``grid`` agrees.
+
+    ``local_checks()`` runs this rank's own checks of a call to ``call`` and returns (row,
+    result): ``row``, integers named by ``fields``, is what the ranks must agree on before
+    ``call``'s collective. If it raises TypeError/ValueError here, or another rank's does,
+    or two rows differ, every rank raises (a ValueError naming the field and every rank's
+    value where they differ). One all-gather of len(fields) + 1 int64 on the host (two on a
+    heads x ring grid); none on one rank, with RINGFLASH_RANK_CHECK=0 or under torch.compile.
+    """
+    try:
+        row, result = local_checks()
+    except (TypeError, ValueError) as error:
+        _check(grid, None, error, fields, call)
+        raise  # not reached: _check raises ``error``
+    _check(grid, row, None, fields, call)
+    return result
+
+
+def raise_on_every_rank(grid: Grid, error: Exception):
+    """Raise ``error`` here, and make the ranks already inside ``ring_flash_attn`` raise too:
+    this rank joins their check (over the grid, or the ring's own) as one that rejected
+    its arguments, instead of leaving them waiting for it."""
+    _check(grid, None, error, _SIGNATURE_FIELDS, "ring_flash_attn")  # GRID_FIELDS are the same

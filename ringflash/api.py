@@ -13,7 +13,8 @@ from .groups import Grid, resolve_grid
 from .kernels import (band_of_window, check_block_mask, check_causal, check_deterministic,
                       check_dropout, check_qkv, check_segment_ids, check_window, resolve_scale)
 from .kernels.masks import BLOCK
-from .layouts import DEFAULT_LAYOUT, check_layout, global_positions, layout_of
+from .layouts import (DEFAULT_LAYOUT, LAYOUTS, check_layout, check_local_length, global_positions,
+                      layout_of)
 from .ops import ring_attn
 
 
@@ -24,6 +25,9 @@ def _check_local(q, k, v, causal, layout, softmax_scale, window_size, segment_id
     the ring's ranks; ``heads_world``: U of a heads x ring grid (the ring then runs on
     U x seqlen_local tokens a rank)."""
     check_qkv(q, k, v)
+    if world * heads_world > 1 and q.device.type == "meta":
+        raise ValueError(f"q, k and v are on the meta device (shapes without data); the ring of "
+                         f"{world * heads_world} ranks exchanges their data: pass tensors on a real device")
     check_deterministic(deterministic)
     causal = check_causal(causal)
     layout = check_layout(layout)
@@ -149,10 +153,10 @@ def _over_grid(args, grid: Grid):
             t.requires_grad for t in args[:3]), None, segments, dropout, blocks)
     except (TypeError, ValueError) as error:
         if not compiling and agreement.ENABLED:
-            heads.agree(grid, None, error)
+            agreement.agree_on_grid(grid, None, error)
         raise
     if not compiling and agreement.ENABLED:
-        heads.agree(grid, mine, None)
+        agreement.agree_on_grid(grid, mine, None)
 
     head0 = grid.heads_rank * (q.shape[2] // grid.heads_world)  # dropout is keyed by the global head
 
@@ -218,7 +222,7 @@ def positions(seqlen: int, layout: str = DEFAULT_LAYOUT, group=None, *, device=N
 
     For rotary embeddings, labels and masks. ``seqlen`` is the GLOBAL length; it must
     be a multiple of W (2W for zigzag, 128 W for block_stripe; on a heads x ring grid W
-    is R and each ring shard splits over U).
+    is R and each ring shard splits over U). Local, like ``shard``: no collective.
     """
     seqlen = _positive_int(seqlen, "seqlen")
     layout = check_layout(layout)
@@ -226,11 +230,19 @@ def positions(seqlen: int, layout: str = DEFAULT_LAYOUT, group=None, *, device=N
 
 
 def shard(x: torch.Tensor, dim: int = 1, layout: str = DEFAULT_LAYOUT, group=None) -> torch.Tensor:
-    """This rank's part of the full-sequence tensor ``x`` along ``dim`` (a new tensor)."""
+    """This rank's part of the full-sequence tensor ``x`` along ``dim`` (a new tensor).
+
+    Local: no collective, so nothing compares the ranks' ``x`` here; shards of different
+    lengths are reported by the next collective that takes them (``ring_flash_attn``'s and
+    ``unshard``'s rank checks)."""
     dim = _check_dim(x, dim)
     layout = check_layout(layout)
     index = _token_index(x.shape[dim], layout, resolve_grid(group)).to(x.device)
     return x.index_select(dim, index)
+
+
+# What the ranks of an unshard compare before the gather (``agreement.agree``).
+_UNSHARD_FIELDS = ("dim", "layout", *agreement.tensor_fields("x_local"))
 
 
 def unshard(x_local: torch.Tensor, dim: int = 1, layout: str = DEFAULT_LAYOUT, group=None) -> torch.Tensor:
@@ -240,12 +252,23 @@ def unshard(x_local: torch.Tensor, dim: int = 1, layout: str = DEFAULT_LAYOUT, g
     gradient of the local shard is this rank's ``shard`` of the full tensor's gradient,
     i.e. a loss computed from the gathered tensor counts once, as on one device (every
     rank computes the same loss; gradients summed over the group, as ever).
+
+    A collective: every rank of the group calls it with ``x_local`` of the same shape and
+    dtype, and the same ``dim`` and ``layout``. Before the gather the ranks compare these
+    (one all-gather of 14 int64 on the host, ``agreement.agree``); a rank whose arguments
+    are invalid, or ranks that differ, make every rank raise a ValueError naming the
+    argument and each rank's value.
     """
-    dim = _check_dim(x_local, dim, "x_local")
-    layout = check_layout(layout)
+    grid = resolve_grid(group)
+
+    def local_checks():
+        d, lay = _check_dim(x_local, dim, "x_local"), check_layout(layout)
+        check_local_length(x_local.shape[d], lay, "x_local", grid.heads_world)
+        return [d, LAYOUTS.index(layout_of(lay).name), *agreement.tensor_row(x_local)], (d, lay)
+    dim, layout = agreement.agree(grid, "unshard", _UNSHARD_FIELDS, local_checks)
     if torch.is_grad_enabled() and x_local.requires_grad:
-        return _Unshard.apply(x_local, dim, layout, group)
-    return _gather(x_local, dim, layout, group)
+        return _Unshard.apply(x_local, dim, layout, grid)
+    return _gather(x_local, dim, layout, grid)
 
 
 class _Unshard(torch.autograd.Function):

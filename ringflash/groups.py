@@ -8,8 +8,9 @@
   ring_group)`` of the above: dimension 0 an all-to-all that trades the sequence split
   for a head split (U ranks), dimension 1 the ring (R ranks). ``Grid`` holds the two.
 
-Anything else is passed on unchanged, so torch.distributed reports it as it always does
-(e.g. ``GroupMember.NON_GROUP_MEMBER`` from ``new_group`` on a rank outside the group).
+``GroupMember.NON_GROUP_MEMBER`` (what ``new_group`` returns on a rank outside the group)
+raises a ValueError saying so; anything else (a group's name, a rank, a list of ranks) a
+TypeError naming ``group``.
 """
 
 from __future__ import annotations
@@ -28,8 +29,18 @@ def _device_mesh_type():
     return DeviceMesh
 
 
-def resolve_group(group):
-    """The ProcessGroup (or None) that ``group`` names; see the module docstring."""
+def _not_a_group(group, name: str) -> Exception:
+    """The error for a ``group`` argument that names no group (see the module docstring)."""
+    outside = getattr(getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", None)
+    if outside is not None and (group is outside or (type(group) is type(outside) and group == outside)):
+        return ValueError(f"{name}: this process is not a member of the given process group")
+    return TypeError(f"{name} must be a ProcessGroup, a DeviceMesh, (mesh, dim), a pair (head_group, "
+                     f"ring_group) or None, got {type(group).__name__} {group!r}")
+
+
+def resolve_group(group, name: str = "group"):
+    """The ProcessGroup (or None) that ``group`` names; see the module docstring. ``name``:
+    the argument's name in errors."""
     if isinstance(group, Grid):
         if group.heads_world > 1:
             raise ValueError("group: this function takes one dimension (a ring), not a 2-D grid "
@@ -39,7 +50,7 @@ def resolve_group(group):
         return group
     mesh_type = _device_mesh_type()
     if mesh_type is None:
-        return group
+        raise _not_a_group(group, name)
     if isinstance(group, mesh_type):
         if group.ndim != 1:
             names = group.mesh_dim_names or tuple(range(group.ndim))
@@ -51,7 +62,7 @@ def resolve_group(group):
         if isinstance(dim, bool) or not isinstance(dim, (int, str)):
             raise TypeError(f"group: the dimension in (mesh, dim) must be a name or an index, got {dim!r}")
         return mesh.get_group(dim)
-    return group
+    raise _not_a_group(group, name)
 
 
 def group_name(group) -> str:
@@ -137,6 +148,7 @@ def resolve_grid(group) -> Grid:
         return Grid(group.get_group(0), group.get_group(1))
     if isinstance(group, (tuple, list)) and len(group) == 2 and not (
             mesh_type is not None and isinstance(group[0], mesh_type) and isinstance(group[1], (int, str))):
-        heads, ring = resolve_group(group[0]), resolve_group(group[1])
+        heads = resolve_group(group[0], "group[0] (head_group)")
+        ring = resolve_group(group[1], "group[1] (ring_group)")
         return Grid(heads if _size_rank(heads)[0] > 1 else None, ring)
     return Grid(None, resolve_group(group))

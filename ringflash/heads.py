@@ -27,8 +27,6 @@ import torch
 import torch.distributed as dist
 from einops import rearrange
 
-from . import agreement
-from .exchange import Ring
 from .groups import Grid
 
 
@@ -93,50 +91,6 @@ def _gather_tokens(t: torch.Tensor, group, world: int) -> torch.Tensor:
     parts = [torch.empty_like(t) for _ in range(world)]
     dist.all_gather(parts, t.contiguous(), group=group)
     return torch.cat(parts, dim=1)
-
-
-def gather_rows(grid: Grid, mine: list[int]) -> tuple[bool, list[list[int]]]:
-    """(whether every rank of the grid passed the same row, the rows this rank saw): an
-    all-gather over the heads group, then one over the ring group carrying each heads
-    group's verdict (every ring group meets every heads group, so every rank learns)."""
-    same, seen = True, []
-    if grid.heads_world > 1:
-        seen = Ring(grid.heads).all_gather_ints(mine)
-        same = all(row == seen[0] for row in seen)
-    rows = Ring(grid.ring).all_gather_ints([int(same), *mine])
-    seen += [row[1:] for row in rows]
-    return all(row[0] for row in rows) and all(row == seen[0] for row in seen), seen
-
-
-def agree(grid: Grid, signature: list[int] | None, error: Exception | None) -> None:
-    """Raise on every rank of the grid if any rank rejected its arguments or any two
-    disagree, before any rank starts an all-to-all its peers would not join."""
-    n = len(agreement.GRID_FIELDS)
-    same, rows = gather_rows(grid, [1, *signature] if signature is not None else [0] * (1 + n))
-    if error is not None:
-        raise error
-    if same:
-        return
-    valid = [row for row in rows if row[0] == 1]
-    for i, field in enumerate(agreement.GRID_FIELDS, start=1):
-        if len(valid) == len(rows) and len({row[i] for row in valid}) > 1:
-            raise ValueError(f"ranks of the heads x ring grid disagree on {field} (values seen here: "
-                             f"{sorted({row[i] for row in valid})}); every rank must call ring_flash_attn "
-                             "with the same arguments and shapes")
-    raise ValueError("ranks of the heads x ring grid rejected their arguments to ring_flash_attn or "
-                     "disagree on them (see the error raised there); every rank must pass valid, "
-                     "matching arguments")
-
-
-def raise_on_every_rank(grid: Grid, error: Exception):
-    """Raise ``error`` here, and make the ranks already inside ``ring_flash_attn`` raise too:
-    this rank joins their check (over the grid, or the ring's own) as one that rejected
-    its arguments, instead of leaving them waiting for it."""
-    if agreement.ENABLED and not torch.compiler.is_compiling() and grid.world > 1:
-        if grid.heads_world > 1:
-            agree(grid, None, error)
-        agreement.check_ranks_agree(Ring(grid.ring), None, error)
-    raise error
 
 
 def ring_over_heads(q, k, v, grid: Grid, segments, block_mask, attend):

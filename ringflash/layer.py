@@ -38,6 +38,7 @@ must already agree (same seed, or ``broadcast_parameters`` over the world).
 
 from __future__ import annotations
 
+import numbers
 from typing import Iterable, Optional
 
 import torch
@@ -45,11 +46,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from . import api
-from .exchange import Ring
+from . import agreement, api
 from .groups import resolve_grid
-from .kernels import check_causal, check_deterministic, check_dropout, check_window
-from .layouts import DEFAULT_LAYOUT, check_layout
+from .kernels import SUPPORTED_DTYPES, check_causal, check_deterministic, check_dropout, check_window
+from .layouts import DEFAULT_LAYOUT, check_layout, check_local_length
 
 
 # ----------------------------------------------------------------------------- rotary embeddings
@@ -190,40 +190,69 @@ class RingSelfAttention(nn.Module):
                                    window_size=self.window_size, dropout_p=dropout_p,
                                    seed=dropout_seed if dropout_p else None, block_mask=block_mask)
 
-    def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                segment_ids: Optional[torch.Tensor] = None, dropout_seed: Optional[int] = None,
-                block_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _check_input(self, x) -> None:
+        """TypeError/ValueError naming ``x`` unless it can be this rank's tokens."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"x must be float16, bfloat16 or float32 (the dtypes attention runs in), "
+                            f"got {x.dtype}")
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must be (batch, seqlen_local, {self.d_model}), got {tuple(x.shape)}")
+        check_local_length(x.shape[1], self.layout, "x", self.group.heads_world)
+
+    def _project(self, x: torch.Tensor, positions: Optional[torch.Tensor]):
+        """q (B, S_local, H, D) and k, v (B, S_local, Hkv, D) of x (B, S_local, d_model), q and
+        k rotated at their global positions."""
+        self._check_input(x)
         b, n, _ = x.shape
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.qkv_proj(x).view(b, n, h + 2 * hkv, d).split([h, hkv, hkv], dim=2)
         cos, sin = self._rotary(n, positions, x.device)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self._attend(q, k, v.contiguous(), segment_ids, dropout_seed, block_mask)
-        return self.out_proj(out.reshape(b, n, h * d))
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v.contiguous()
+
+    def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None,
+                segment_ids: Optional[torch.Tensor] = None, dropout_seed: Optional[int] = None,
+                block_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        try:
+            q, k, v = self._project(x, positions)
+        except Exception as error:  # noqa: BLE001 - whatever it is, the other ranks must hear of it
+            # The other ranks are already in the ring's rank check: join it, as a rank that
+            # rejected its arguments, so they raise too instead of waiting for this one.
+            agreement.raise_on_every_rank(self.group, error)
+        out = self._attend(q, k, v, segment_ids, dropout_seed, block_mask)
+        return self.out_proj(out.flatten(2))
 
 
 # ----------------------------------------------------------------------------- parameter sync
 
 
+# What the ranks compare before broadcasting a module's tensors or reducing gradients.
+_MODULE_FIELDS = agreement.tensors_fields("the module's parameters and buffers")
+_GRAD_FIELDS = agreement.tensors_fields("the parameters' .grad")
+
+
 def broadcast_parameters(module: nn.Module, group=None, src: int = 0) -> None:
-    """Copy the parameters and buffers of ``group``'s rank ``src`` to every rank of it."""
+    """Copy the parameters and buffers of ``group``'s rank ``src`` to every rank of it.
+
+    The ranks first compare how many tensors they hold, of which dtypes and shapes (one
+    all-gather of 4 int64, ``agreement.agree``): modules that differ make every rank raise
+    a ValueError instead of a broadcast of mismatched tensors."""
     grid = resolve_grid(group)
-    if grid.heads_world > 1:  # from rank 0 of the heads group, then of the ring: (0, 0)'s
-        if src != 0:
-            raise ValueError(f"src: a heads x ring grid broadcasts from its rank 0, got {src}")
-        for g in grid.groups():
-            broadcast_parameters(module, g, 0)
-        return
-    group = grid.ring
-    world = Ring(group).world
-    if world == 1:
-        return
-    src_global = dist.get_global_rank(group, src) if group is not None else src
+    tensors = [*module.parameters(), *module.buffers()]
+
+    def local_checks():
+        world = grid.ring_world if grid.heads_world == 1 else 1  # a grid broadcasts from its rank 0
+        if isinstance(src, bool) or not isinstance(src, numbers.Integral) or not 0 <= src < world:
+            raise ValueError(f"src must be a rank of the group, in [0, {world}), got {src!r}"
+                             + (" (a heads x ring grid broadcasts from its rank 0)" if world == 1 else ""))
+        return agreement.tensors_row(tensors), None
+    agreement.agree(grid, "broadcast_parameters", _MODULE_FIELDS, local_checks)
     with torch.no_grad():
-        for t in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(t.data, src_global, group=group)
+        for g in grid.groups():  # on a grid: over the heads group, then the ring, from (0, 0)
+            src_global = dist.get_global_rank(g, src) if g is not None else src
+            for t in tensors:
+                dist.broadcast(t.data, src_global, group=g)
 
 
 def all_reduce_gradients(parameters: Iterable[torch.Tensor], group=None) -> None:
@@ -231,16 +260,19 @@ def all_reduce_gradients(parameters: Iterable[torch.Tensor], group=None) -> None
 
     With each rank's loss normalized by the GLOBAL token count this yields the exact
     gradient of the global loss on every rank. A parameter without a gradient on some
-    rank must be without one on all (None is skipped).
+    rank must be without one on all (None is skipped): the ranks first compare how many
+    gradients they hold, of which dtypes and shapes (one all-gather of 4 int64,
+    ``agreement.agree``), and all raise a ValueError where they differ.
     """
     grid = resolve_grid(group)
     if grid.world == 1:
         return
+    grads = [p.grad for p in parameters if p.grad is not None]
+    agreement.agree(grid, "all_reduce_gradients", _GRAD_FIELDS, lambda: (agreement.tensors_row(grads), None))
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in parameters:
-        if p.grad is not None:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    for grads in by_dtype.values():
-        flat = grid.all_reduce(_flatten_dense_tensors(grads))
-        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for same_dtype in by_dtype.values():
+        flat = grid.all_reduce(_flatten_dense_tensors(same_dtype))
+        for g, synced in zip(same_dtype, _unflatten_dense_tensors(flat, same_dtype)):
             g.copy_(synced)

@@ -257,6 +257,16 @@ def check_layout(layout):
     return layout
 
 
+def check_local_length(local_len: int, layout, name: str, pieces: int = 1) -> None:
+    """ValueError naming ``name`` unless a rank's ``local_len`` tokens of it can be its
+    share of ``layout``'s shard (``pieces`` of them, U on a heads x ring grid, make one)."""
+    try:
+        layout_of(layout).check_local(local_len * pieces)
+    except ValueError as error:
+        grid = f" ({pieces} of them make a ring shard of {local_len * pieces})" if pieces > 1 else ""
+        raise ValueError(f"{name} has {local_len} tokens on this rank{grid}: {error}") from None
+
+
 def layout_of(layout) -> "Layout":
     """The ``Layout`` record of a layout name (or the record itself)."""
     if isinstance(layout, Layout):

@@ -27,12 +27,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import api
+from . import agreement, api
 from .groups import resolve_grid
 from .layer import RingSelfAttention, all_reduce_gradients
 from .layouts import DEFAULT_LAYOUT, check_layout
 
 IGNORE_INDEX = -100
+_LOSS_FIELDS = agreement.tensor_fields("loss")  # what reduce_loss's ranks compare
 
 
 class SequenceParallel:
@@ -91,7 +92,10 @@ class SequenceParallel:
     def attn(self, q, k, v, **kwargs):
         """``ring_flash_attn(q, k, v, group=sp's group, layout=sp's layout, **kwargs)``;
         every other keyword (causal, softmax_scale, return_lse, masks, ...) passes on."""
-        self._fixed(kwargs)
+        try:
+            self._fixed(kwargs)
+        except TypeError as error:  # the other ranks may already be in the ring's check
+            agreement.raise_on_every_rank(self.grid, error)
         return api.ring_flash_attn(q, k, v, group=self.group, layout=self.layout, **kwargs)
 
     def self_attention(self, d_model: int, num_heads: int, num_kv_heads=None, **kwargs):
@@ -137,7 +141,14 @@ class SequenceParallel:
         return total / num_tokens
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The SUM over the group of each rank's ``loss`` (detached): the global loss."""
+        """The SUM over the group of each rank's ``loss`` (detached): the global loss. The
+        ranks first compare the losses' shapes and dtypes (one all-gather of 12 int64,
+        ``agreement.agree``) and all raise a ValueError naming ``loss`` where they differ."""
+        def local_checks():
+            if not isinstance(loss, torch.Tensor):
+                raise TypeError(f"loss must be a torch.Tensor, got {type(loss).__name__}")
+            return agreement.tensor_row(loss), None
+        agreement.agree(self.grid, "reduce_loss", _LOSS_FIELDS, local_checks)
         return self.grid.all_reduce(loss.detach().clone())
 
     def reduce_gradients(self, parameters) -> None:

@@ -80,6 +80,16 @@ def _worker_main(rank: int, world_size: int, port: int, tasks, results, collecti
         dist.destroy_process_group()
     except BaseException:
         pass
+    # Leave without finalizing the interpreter, as the fork server's children always do
+    # (spawned ones would not): a gloo worker thread still freeing a finished collective's
+    # tensors then takes the GIL from a finalizing interpreter, which aborts the process
+    # ("terminate called without an active exception"), and destroy_process_group does
+    # not stop those threads while a task's objects still hold a group.
+    results.close()
+    results.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _start_context():

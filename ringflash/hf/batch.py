@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from ..heads import gather_rows
+from ..agreement import gather_rows
 from ..parallel import IGNORE_INDEX, SequenceParallel
 
 # The keyword that carries the RingContext through the model's forward(**kwargs) down to

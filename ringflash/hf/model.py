@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from ..heads import raise_on_every_rank
+from ..agreement import raise_on_every_rank
 from .batch import CONTEXT_KEY, RingContext
 
 # The name under which ``register`` installs the attention function. It must not contain
@@ -83,7 +83,7 @@ _UNSUPPORTED = {"softcap": "logit softcapping (the config's attn_logit_softcappi
 
 
 def _raise_on_every_rank(context: RingContext, error: Exception):
-    """Raise ``error`` on every rank of the model's group (``heads.raise_on_every_rank``)."""
+    """Raise ``error`` on every rank of the model's group (``agreement.raise_on_every_rank``)."""
     raise_on_every_rank(context.sp.grid, error)
 
 
