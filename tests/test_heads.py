@@ -21,13 +21,13 @@ F32 = torch.float32
 BLOCK = 128
 
 
-def _grid(rank, world, heads, how="pair"):
+def _grid(rank, world, heads, how="pair", device_type="cpu"):
     """The grid of this rank for U = heads: a 2-D DeviceMesh (U, R), or a pair of groups
     (every rank makes every group, as torch.distributed requires)."""
     ring = world // heads
     if how == "mesh":
         from torch.distributed.device_mesh import init_device_mesh
-        return init_device_mesh("cpu", (heads, ring), mesh_dim_names=("heads", "ring"))
+        return init_device_mesh(device_type, (heads, ring), mesh_dim_names=("heads", "ring"))
     import torch.distributed as dist
     # ranks g = r * U + u: heads groups are consecutive ranks
     head_groups = [dist.new_group([r * heads + u for u in range(heads)]) for r in range(ring)]
@@ -46,9 +46,11 @@ CASES = [  # name, heads, kv_heads, causal, window, documents, block mask kind[,
 ]
 
 
-def check_grid(rank, world, heads_world, layouts, how="pair", seqlen=512, cases=CASES, head_count=None):
-    """Failures (str) of every case and layout on this rank."""
-    group = _grid(rank, world, heads_world, how)
+def check_grid(rank, world, heads_world, layouts, how="pair", seqlen=512, cases=CASES, head_count=None,
+               device=None, tol=TOL[F32]):
+    """Failures (str) of every case and layout on this rank; the inputs on ``device`` (the
+    oracle's on the CPU), errors at most ``tol``."""
+    group = _grid(rank, world, heads_world, how, "cpu" if device is None else device.type)
     grid = ringflash.groups.resolve_grid(group)
     failures = []
     for i, (name, h, hkv, causal, window, docs, blocks, *rest) in enumerate(cases):
@@ -73,6 +75,9 @@ def check_grid(rank, world, heads_world, layouts, how="pair", seqlen=512, cases=
             mask = with_blocks(mask, bm, seqlen)
         want = oracle_results(q, k, v, dout, mask, dropped)
         want["dq"], want["dk"], want["dv"] = oracle_grads(q, k, v, dout, dlse=dlse, mask=mask, dropped=dropped)
+        if device is not None:
+            q, k, v, dout, dlse = (t.to(device) for t in (q, k, v, dout, dlse))
+            seg, bm = (None if t is None else t.to(device) for t in (seg, bm))
         for layout in layouts:
             ring_local = seqlen // grid.ring_world
             chunk = {"contiguous": ring_local, "zigzag": ring_local // 2, "block_stripe": BLOCK}.get(layout, 1)
@@ -88,8 +93,8 @@ def check_grid(rank, world, heads_world, layouts, how="pair", seqlen=512, cases=
             (out * sh(dout)).sum().add((lse * sh(dlse, 2)).sum()).backward()
             got = {"out": out, "lse": lse, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
             for key, value in got.items():
-                err = rel_err(value, sh(want[key], 2 if key == "lse" else 1))
-                if not err <= TOL[F32]:
+                err = rel_err(value.cpu(), sh(want[key], 2 if key == "lse" else 1))
+                if not err <= tol:
                     failures.append(f"rank {rank} {grid.heads_world}x{grid.ring_world} {name} {layout}: "
                                     f"{key} rel err {err:.3g}")
     return failures

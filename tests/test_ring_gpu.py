@@ -132,14 +132,22 @@ def _not_finite(results: dict, who: str) -> list[str]:
 # ----------------------------------------------------------------------------- small: vs fp64
 
 
+def _oracle_cases(dtype):
+    """(layout, causal, kv_heads): in bf16 every layout, causal and not, MHA and GQA; in
+    fp16 and fp32 every layout once, causal and GQA alternating (each case compiles its
+    own kernel variants: the whole matrix in three dtypes took 70 s a dtype on 2 H100s)."""
+    every = [(layout, causal, kv_heads) for layout in LAYOUTS for causal in (False, True) for kv_heads in (4, 2)]
+    if dtype == BF16:
+        return every
+    return [(layout, i % 2 == 0, 2 if i % 2 else 4) for i, layout in enumerate(LAYOUTS)]
+
+
 @pytest.mark.parametrize("dtype", [BF16, F16, F32], ids=DTYPE_ID.get)
 def test_ring_matches_fp64_oracle(nccl, dtype):
-    """seqlen_local 512, 4 heads: every layout, causal and not, MHA and GQA, lse in the loss."""
+    """seqlen_local 512, 4 heads, lse in the loss: the cases of ``_oracle_cases``."""
     world = dist.get_world_size()
     failures = []
-    for i, (layout, causal, kv_heads) in enumerate(
-            (layout, causal, kv_heads) for layout in LAYOUTS for causal in (False, True)
-            for kv_heads in (4, 2)):
+    for i, (layout, causal, kv_heads) in enumerate(_oracle_cases(dtype)):
         q, k, v, dout, dlse = _inputs(1, 512 * world, 4, kv_heads, 128, dtype, nccl, seed=i)
         ring = run_ring(q, k, v, dout, dlse, causal=causal, layout=layout)
         single = run_single(q, k, v, dout, dlse, causal=causal)
@@ -233,6 +241,57 @@ def test_ring_bf16_no_worse_than_single_gpu(nccl, layout, causal, kv_heads):
     if dist.get_rank() == 0:
         print(f"\n{case}: " + ", ".join(
             f"{n} {errors['ring'][n]:.2e}/{errors['single'][n]:.2e}" for n in NAMES) + " (ring/single)")
+    _agree(failures)
+
+
+# ----------------------------------------------------------------------------- heads x ring
+
+
+def test_heads_grid_matches_oracle(nccl):
+    """The heads x ring grid over NCCL (tests/test_heads.py's cases on CUDA, fp32): every
+    (U, R) with U > 1 that W allows ((2, 1) on 2 GPUs; (2, 2) and (4, 1) on 4), the groups
+    given as a pair at U = W and as a 2-D DeviceMesh otherwise."""
+    from test_heads import check_grid
+    world, rank = dist.get_world_size(), dist.get_rank()
+    failures = []
+    for heads_world in (u for u in (2, 4) if u <= world and world % u == 0):
+        how = "pair" if heads_world == world else "mesh"
+        failures += check_grid(rank, world, heads_world, ("zigzag", "block_stripe"), how=how, device=nccl,
+                               tol=TOL[F32])
+    _agree(failures)
+
+
+# ----------------------------------------------------------------------------- past 2**31
+
+
+@pytest.mark.parametrize("transport", ["peer", "nccl"])
+def test_shards_past_2_31_elements(nccl, transport, monkeypatch):
+    """Shards past 2**31 elements (q, out, dout and dq of (9, 65536, 32, 128) bf16 on every
+    rank, 2.4e9 elements; GQA 32/8, causal zigzag): batches 0 and 8 (the latter past
+    element 2**31) of the ring's forward and backward equal, bit for bit, the ring run on
+    that batch alone. With 32-bit offsets the kernels read and wrote out of bounds there."""
+    monkeypatch.setenv("RINGFLASH_TRANSPORT", transport)
+    b, n, heads, kv_heads, d = 9, 65536, 32, 8, 128
+    gen = torch.Generator(device=nccl).manual_seed(1000 + dist.get_rank())
+    q = torch.randn(b, n, heads, d, generator=gen, device=nccl, dtype=BF16)
+    k, v = (torch.randn(b, n, kv_heads, d, generator=gen, device=nccl, dtype=BF16) for _ in range(2))
+    dout = torch.randn_like(q)
+    assert q.numel() > 2 ** 31
+    q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
+    out = ringflash.ring_flash_attn(q, k, v, causal=True)
+    out.backward(dout)
+    failures = []
+    for i in (0, b - 1):
+        one = [t[i:i + 1].detach().clone().requires_grad_() for t in (q, k, v)]
+        out_i = ringflash.ring_flash_attn(*one, causal=True)
+        out_i.backward(dout[i:i + 1])
+        for name, big, small in zip(("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad),
+                                    (out_i, *(t.grad for t in one))):
+            if not torch.equal(big[i:i + 1], small):
+                diff = (big[i:i + 1].float() - small.float()).abs().max().item()
+                failures.append(f"{transport}: {name} of batch {i} differs from its ring alone ({diff:.3g})")
+    del q, k, v, dout, out
+    torch.cuda.empty_cache()
     _agree(failures)
 
 
