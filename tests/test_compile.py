@@ -55,16 +55,22 @@ def _run(fn, sp, x, w_qkv, w_out):
     return [y.detach(), loss.detach(), *(t.grad for t in leaves)]
 
 
-def compile_matches_eager(rank, world, backends, cases=(("zigzag", True),), n_local=12, block_mask=None):
+def compile_matches_eager(rank, world, backends, cases=(("zigzag", True),), n_local=12, block_mask=None,
+                          heads_world=1):
     """Per (layout, causal, backend): frames compiled and the largest relative difference
-    to eager over the outputs, the loss and the gradients (inductor reorders fp32 sums)."""
+    to eager over the outputs, the loss and the gradients (inductor reorders fp32 sums).
+    heads_world > 1: on a heads x ring grid of U = heads_world (test_heads._grid)."""
     import torch._dynamo
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch.manual_seed(0)
+    group = None
+    if heads_world > 1:
+        from test_heads import _grid
+        group = _grid(rank, world, heads_world)
     results = {}
     for layout, causal in cases:
-        sp = ringflash.SequenceParallel(layout=layout)
+        sp = ringflash.SequenceParallel(group, layout=layout)
         x, w_qkv, w_out = _inputs(world, n_local)
         eager = _run(_block(sp, causal, block_mask), sp, x, w_qkv, w_out)
         for backend in backends:
@@ -122,6 +128,19 @@ def test_fullgraph_compile_matches_eager(worlds, world_size):
             if not diff <= 1e-5:
                 failures.append(f"{case}: differs from eager by {diff:.3g}")
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.world(4)
+def test_fullgraph_compile_on_a_heads_x_ring_grid(worlds):
+    """A heads x ring grid, (U, R) = (2, 2): the all-to-alls over the heads group trace into
+    the one graph with the ring's op (Dynamo turns ``dist.all_to_all_single`` into its
+    functional collective; the exchange's autograd Function is traced, backward too), and
+    a second call does not recompile."""
+    per_rank = worlds(4).run(compile_matches_eager, ("aot_eager",), (("zigzag", True),), 12, None, 2,
+                             timeout=300)
+    for rank, results in enumerate(per_rank):
+        for case, (frames, diff) in results.items():
+            assert frames == 1 and diff <= 1e-5, (rank, case, frames, diff)
 
 
 @pytest.mark.world(2)
