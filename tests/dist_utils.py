@@ -39,6 +39,16 @@ class DistributedError(AssertionError):
     """A task failed on at least one rank (an AssertionError, so pytest shows it as a failure)."""
 
 
+def raised(fn) -> tuple[str, str] | None:
+    """(exception type name, message) of what ``fn()`` raised, None if nothing: for a check
+    run on every rank of a world, whose verdicts are compared after it returns."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test inspects whatever was raised
+        return type(e).__name__, str(e)
+    return None
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -20,16 +20,8 @@ import torch
 import torch.distributed as dist
 
 import ringflash
+from dist_utils import raised
 from ringflash.layer import all_reduce_gradients, broadcast_parameters
-
-
-def _raised(fn):
-    """(exception type name, message) of what ``fn()`` raised, None if nothing."""
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test inspects whatever was raised
-        return type(e).__name__, str(e)
-    return None
 
 
 def _grads(missing_bias: bool):
@@ -107,7 +99,7 @@ EXPECTED = {
 
 def bad_calls(rank, world):
     """What each case raised on this rank, and whether the world still works after them all."""
-    caught = {name: _raised(call) for name, call in _cases(rank).items()}
+    caught = {name: raised(call) for name, call in _cases(rank).items()}
     x = torch.arange(2 * 8 * 3.0).view(2, 8, 3)
     works = torch.equal(ringflash.unshard(ringflash.shard(x)), x) and _layer_call(8).isfinite().all().item()
     return caught, works
@@ -182,7 +174,7 @@ def test_group_that_names_no_group_raises_type_error(group):
         "broadcast_parameters": lambda: broadcast_parameters(layer, group=group),
     }
     for name, call in calls.items():
-        caught = _raised(call)
+        caught = raised(call)
         assert caught is not None and caught[0] == "TypeError", (name, caught)
         assert "group" in caught[1] and "ProcessGroup, a DeviceMesh" in caught[1], (name, caught)
 

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 import ringflash
+from dist_utils import raised
 from oracle import (LAYOUTS, TOL, RingCase, attention_oracle, oracle_grads, rel_err, tokens_per_rank,
                     with_blocks)
 
@@ -140,7 +141,7 @@ def check_configs(rank, world, configs, seed=0, group_ranks=None, first_index=0)
         group = dist.new_group(group_ranks)
         members = list(group_ranks)
         if rank not in members:  # it must be told so, not join a ring it is not part of
-            caught = _call_and_catch(lambda: ringflash.ring_flash_attn(*_small(), group=group))
+            caught = raised(lambda: ringflash.ring_flash_attn(*_small(), group=group))
             if caught is None or caught[0] != "ValueError" or "group" not in caught[1]:
                 return [f"a non-member calling ring_flash_attn on the group got {caught}"]
             return []
@@ -461,14 +462,6 @@ DISAGREEMENTS = {
 }
 
 
-def _call_and_catch(fn):
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test inspects whatever was raised
-        return type(e).__name__, str(e)
-    return None
-
-
 def _ring_still_works(rank, world) -> str | None:
     """After an error every rank saw, the next (valid) call must run and be right."""
     q, k, v = _small(n=6, seed=11)
@@ -486,14 +479,14 @@ def disagreeing_call(rank, world, field):
         q.requires_grad_()
     kwargs = dict(causal=True, layout="zigzag", softmax_scale=None)
     kwargs.update(change.get("kwargs", {}))
-    caught = _call_and_catch(lambda: ringflash.ring_flash_attn(q, k, v, **kwargs))
+    caught = raised(lambda: ringflash.ring_flash_attn(q, k, v, **kwargs))
     return caught, _ring_still_works(rank, world)
 
 
 def local_bad_call(rank, world, case):
     """The same invalid call on every rank: each must raise locally, before any collective."""
     args, kwargs = _bad_inputs(case, world)
-    caught = _call_and_catch(lambda: ringflash.ring_flash_attn(*args, **kwargs))
+    caught = raised(lambda: ringflash.ring_flash_attn(*args, **kwargs))
     return caught, _ring_still_works(rank, world)
 
 
@@ -503,7 +496,7 @@ def one_rank_bad_call(rank, world, case):
         args, kwargs = _bad_inputs(case, world)
     else:
         args, kwargs = _small(), dict(causal=True, layout="contiguous")
-    caught = _call_and_catch(lambda: ringflash.ring_flash_attn(*args, **kwargs))
+    caught = raised(lambda: ringflash.ring_flash_attn(*args, **kwargs))
     return caught, _ring_still_works(rank, world)
 
 
@@ -635,7 +628,7 @@ def transport_on_one_rank_call(rank, world, value):
     if rank == 1:
         os.environ["RINGFLASH_TRANSPORT"] = value
     try:
-        caught = _call_and_catch(lambda: ringflash.ring_flash_attn(*_small(), causal=True))
+        caught = raised(lambda: ringflash.ring_flash_attn(*_small(), causal=True))
     finally:
         os.environ.pop("RINGFLASH_TRANSPORT", None)
     return caught, _ring_still_works(rank, world)
