@@ -34,6 +34,18 @@ def _delta_kernel(o, do, delta, seqlen, heads, HEAD_DIM: tl.constexpr, BLOCK_D: 
 
 
 @triton.jit
+def _part(x, y, tail, part):
+    """(x, y) (``Rows``) as part ``part`` of a sequence held in two parts reads them: the
+    tensors themselves for part 0; for part 1, row r is row r - tail.split of tail.x,
+    tail.y (``pair.Joined``, same strides)."""
+    x_part, y_part = x, y
+    if part == 1:
+        x_part = _with_ptr(x, tail.x - tail.split.to(tl.int64) * x.stride_s)
+        y_part = _with_ptr(y, tail.y - tail.split.to(tl.int64) * y.stride_s)
+    return x_part, y_part
+
+
+@triton.jit
 def _dkdv_loop(dk, dv, k, v, q, do, lse_row, delta_row, start, end, keys, off_b, off_h, seqlen_q,
                qk_scale, band, drop, pos, lists, row, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, PER_ROW: tl.constexpr,
@@ -133,10 +145,8 @@ def _dkdv_kernel(q, k, v, do, lse, delta, dk, dv, dk_in, dv_in, shape, qk_scale,
             row = off_h * lists.stride_head + start_n // SPARSE_BLOCK
             begin, full_start, full_end, end = _listed_range(lists, row)
         for part in range(VARIANT.PARTS):
-            q_part, do_part = q, do
-            if part == 1:  # row r of the queries is row r - split of tail.x, tail.y
-                q_part = _with_ptr(q, tail.x - tail.split.to(tl.int64) * q.stride_s)
-                do_part = _with_ptr(do, tail.y - tail.split.to(tl.int64) * do.stride_s)
+            q_part, do_part = _part(q, do, tail, part)
+            if part == 1:
                 begin, full_start, full_end, end = _listed_range(lists, row, part)
             dk_acc, dv_acc = _dkdv_loop(dk_acc, dv_acc, k_tile, v_tile, q_part, do_part, lse_row, delta_row,
                                         begin, full_start, keys, off_b, off_h, seqlen_q, qk_scale, band,
@@ -228,10 +238,8 @@ def _dq_kernel(q, k, v, do, lse, delta, dq, dq_in, shape, qk_scale, sm_scale, ba
         start_m, rows, seqlen_q, seqlen_k, band, pos, segments, lists, off_b, off_h, BLOCK_M, BLOCK_N, VARIANT)
     tile, head = (rows, first, stop, holes, qpos), (off_b, off_h, off_hk)
     for part in range(VARIANT.PARTS):
-        k_part, v_part = k, v
-        if part == 1:  # row r of the keys is row r - split of tail.x, tail.y
-            k_part = _with_ptr(k, tail.x - tail.split.to(tl.int64) * k.stride_s)
-            v_part = _with_ptr(v, tail.y - tail.split.to(tl.int64) * v.stride_s)
+        k_part, v_part = _part(k, v, tail, part)
+        if part == 1:
             start, full_start, full_end, end = _listed_range(lists, row, part)
         dq_acc = _dq_loop(dq_acc, q_tile, do_tile, row_lse, row_delta, k_part, v_part, start, full_start,
                           tile, head, seqlen_k, qk_scale, band, segments, drop, pos, lists, row, BLOCK_N,
