@@ -1,0 +1,192 @@
+"""The cost model (ringflash.cost) against brute force: every count it makes per rank and
+ring step equals a dense boolean mask's (tests/oracle.py's ``global_mask`` on the global
+positions each rank holds, ``layouts.global_positions``), its steps equal the ring's
+(``layouts.active_steps``); bytes per link, efficiency 1 on one rank, the document bound,
+and benchmarks/predict_scaling.py on a tiny configuration."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from oracle import global_mask
+from ringflash import cost
+from ringflash.kernels.masks import BLOCK, band_of_window
+from ringflash.layouts import LAYOUTS, active_steps, global_positions
+
+ROOT = Path(__file__).resolve().parents[1]
+
+MASKS = {
+    "causal": cost.Mask(causal=True),
+    "full": cost.Mask(causal=False),
+    "window": cost.Mask(causal=True, window=(300, 0)),
+    "window_both": cost.Mask(causal=False, window=(200, 50)),
+    # one-token documents, one longer than any shard, padding after the last
+    "documents": cost.Mask.documents([1, 700, 1, 1, 130, 1500, 5]),
+    "documents_full_window": cost.Mask.documents([1000, 1, 300], causal=False, window=(100, -1)),
+    "documents_on_blocks": cost.Mask.documents([128, 256, 128, 1, 127]),
+}
+
+
+def _dense(seqlen: int, mask: cost.Mask) -> torch.Tensor:
+    segments = None
+    if mask.cu_seqlens is not None:
+        bounds, tokens = torch.tensor(mask.cu_seqlens), torch.arange(seqlen)
+        ids = torch.searchsorted(bounds[1:], tokens, right=True)
+        segments = torch.where(tokens < bounds[-1], ids, -1)[None]
+    dense = global_mask(seqlen, mask.causal, mask.window, segments)
+    return torch.ones(seqlen, seqlen, dtype=torch.bool) if dense is None else dense.reshape(seqlen, seqlen)
+
+
+def _brute(world: int, seqlen: int, layout: str, mask: cost.Mask):
+    """(visible, touched, full), (W, W) [rank, step], from the dense mask."""
+    dense = _dense(seqlen, mask)
+    pos = [global_positions(seqlen, layout if world > 1 else "contiguous", r, world) for r in range(world)]
+    n = seqlen // world
+    tiles = -(-n // BLOCK)
+    out = [torch.zeros(world, world, dtype=torch.long) for _ in range(3)]
+    for r in range(world):
+        for s in range(world):
+            part = dense[pos[r]][:, pos[(r - s) % world]]
+            seen, real = (torch.zeros(tiles * BLOCK, tiles * BLOCK, dtype=torch.bool) for _ in range(2))
+            seen[:n, :n], real[:n, :n] = part, True
+            seen, real = (t.view(tiles, BLOCK, tiles, BLOCK) for t in (seen, real))
+            touched = seen.any(3).any(1)
+            out[0][r, s], out[1][r, s] = part.sum(), touched.sum()
+            out[2][r, s] = (touched & (seen | ~real).all(3).all(1)).sum()
+    return out
+
+
+def _cases():
+    for world in (1, 2, 3, 4):
+        for layout in LAYOUTS:
+            aligned = world * 512  # whole 128-token tiles on every layout (zigzag: 2 x 256)
+            lengths = [aligned] + ([] if layout in ("zigzag", "block_stripe") else [aligned + 6 * world])
+            for seqlen in lengths:
+                yield world, layout, seqlen
+
+
+@pytest.mark.parametrize("world,layout,seqlen", list(_cases()))
+def test_counts_equal_the_dense_mask(world, layout, seqlen):
+    for name, mask in MASKS.items():
+        if mask.cu_seqlens is not None:
+            mask = mask._replace(cu_seqlens=tuple(min(b, seqlen) for b in mask.cu_seqlens))
+        counts = cost.ring_counts(world, seqlen, layout, mask)
+        visible, touched, full = _brute(world, seqlen, layout, mask)
+        assert torch.equal(counts.visible, visible), name
+        assert torch.equal(counts.touched, touched), name
+        assert torch.equal(counts.full, full), name
+        band = band_of_window(mask.causal, mask.window)
+        assert counts.steps == (active_steps(layout, world, seqlen // world, band) if world > 1 else 1), name
+
+
+def test_layouts_differ_in_where_the_tiles_go_not_how_many():
+    """Every layout of whole tiles touches the same global tiles in all (the mask's), and the
+    pairs add up to the mask's whatever the split."""
+    mask = cost.Mask.documents([1000, 17, 900, 1, 2178])
+    seqlen = 4096
+    one = cost.ring_counts(1, seqlen, "contiguous", mask)
+    for layout in ("contiguous", "zigzag", "block_stripe"):
+        ring = cost.ring_counts(4, seqlen, layout, mask)
+        assert int(ring.visible.sum()) == int(one.visible.sum()) == int(_dense(seqlen, mask).sum())
+        assert int(ring.touched.sum()) == int(one.touched.sum())
+
+
+def test_packed_tiles_equal_the_counts():
+    for lengths in ([5, 300, 1, 1, 1000, 229], [128, 256], [1, 127], [4000, 3, 3165]):
+        counts = cost.ring_counts(1, sum(lengths), "contiguous", cost.Mask.documents(lengths))
+        assert cost._packed_tiles(lengths) == (int(counts.touched.sum()), int(counts.full.sum()))
+
+
+def test_bytes_per_link():
+    seqlen, world = 8192, 4
+    problem = cost.Problem(heads=8, kv_heads=2, head_dim=64, dtype_bytes=2, segments=True)
+    n = seqlen // world
+    assert cost.kv_bytes(n, problem) == n * 2 * 64 * 2 * 2
+    causal = cost.ring_counts(world, seqlen, "zigzag", cost.Mask())
+    per_step = 2 * cost.kv_bytes(n, problem) + n * 2 * 64 * 2 * 4 + 2 * n * 4
+    assert cost.link_bytes(causal, problem).tolist() == [per_step] * (world - 1) + [0]
+    window = cost.ring_counts(world, seqlen, "contiguous", cost.Mask(window=(1000, 0)))
+    assert window.steps == 2  # the window reaches one shard back: one hop
+    assert cost.link_bytes(window, problem).tolist() == [per_step, 0, 0, 0]
+    assert cost.link_bytes(cost.ring_counts(1, seqlen, "zigzag", cost.Mask()), problem).tolist() == [0]
+
+
+def test_efficiency_and_times():
+    for mask in MASKS.values():
+        one = cost.ring_counts(1, 4096, "zigzag", mask)
+        assert cost.efficiency(one, one) == pytest.approx(1.0)
+    seqlen = 65536
+    mask = cost.Mask.documents([20000, 1, 9000, 30000, 6535])
+    one = cost.ring_counts(1, seqlen, "contiguous", mask)
+    bs = cost.ring_counts(4, seqlen, "block_stripe", mask)
+    contiguous = cost.ring_counts(4, seqlen, "contiguous", mask)
+    assert 0 < cost.efficiency(contiguous, one) < cost.efficiency(bs, one) < 1
+    compute, comm = cost.step_times(bs, cost.H100)
+    assert compute.shape == (4, 4) and comm.shape == (4,) and comm[-1] == 0
+    slow = cost.H100._replace(link_gbps=1.0)  # every step waits for its transfer
+    assert cost.efficiency(bs, one, slow) < 0.1
+
+
+def test_document_bound():
+    """Many short documents and one longer than a shard: the short ones stay whole, the long
+    one is split; never below block_stripe's ring, which the layout can fall back to."""
+    cases = (([20000] + [1000] * 45 + [1, 535], True), ([40000, 1, 5000, 3000, 2000, 1000, 14535], False))
+    for lengths, splits in cases:
+        seqlen = sum(lengths)
+        bound = cost.document_bound(4, seqlen, lengths)
+        one = cost.ring_counts(1, seqlen, "contiguous", cost.Mask.documents(lengths))
+        ring = cost.ring_counts(4, seqlen, "block_stripe", cost.Mask.documents(lengths))
+        ours = cost.efficiency(ring, one, problem=cost.Problem(segments=True))
+        assert len(bound["rank_ms"]) == 4 and bound["efficiency"] >= ours
+        assert (bound["spread"] is not None) == splits
+        if splits:
+            split = [length for length, _ in bound["split"]]
+            assert 20000 in split and len(split) <= 3, split  # a few more where no rank had room
+
+
+def test_bad_input_names_the_argument():
+    with pytest.raises(ValueError, match="layout"):
+        cost.ring_counts(2, 1024, "diagonal")
+    with pytest.raises(ValueError, match="world"):
+        cost.ring_counts(0, 1024, "zigzag")
+    with pytest.raises(ValueError, match="seqlen"):
+        cost.ring_counts(3, 1024, "zigzag")  # not a multiple of 2 x 3
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        cost.ring_counts(2, 1024, "zigzag", cost.Mask(cu_seqlens=(0, 2000)))
+    with pytest.raises(ValueError, match="window"):
+        cost.ring_counts(2, 1024, "zigzag", cost.Mask(window=(-5, 0)))
+    with pytest.raises(ValueError, match="world x seqlen"):
+        cost.ring_counts(64, 1 << 20, "stripe")
+
+
+def _script():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        path = ROOT / "benchmarks" / "predict_scaling.py"
+        spec = importlib.util.spec_from_file_location("predict_scaling", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return module
+
+
+def test_predict_scaling_runs_on_a_tiny_configuration(tmp_path, capsys, monkeypatch):
+    module = _script()
+    monkeypatch.setattr(module, "QUOTED_H100X4", module.QUOTED_H100X4[:1])
+    monkeypatch.setattr(module, "measured_rows", lambda: [dict(
+        source="4 x H100, quoted", device="4 x H100", gpus=4, mask="documents", seqlen=32768,
+        layout="block_stripe", one_ms=31.5, measured=0.74)])
+    out = tmp_path / "pred.json"
+    module.main(["--worlds", "2,4", "--seqlens", "16k", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "calibration" in printed and "documents (bound)" in printed
+    records = json.loads(out.read_text())["records"]
+    assert all(r["impl"] == "cost_model" and 0 < r["predicted_efficiency"] for r in records)
+    assert {(r["gpus"], r["layout"]) for r in records if r["seqlen"] == 16384} >= {(2, "zigzag"), (4, "documents")}
