@@ -770,8 +770,7 @@ def _views_past_2_31(batch_stride: int, names_heads: dict, seqlen: int, head_dim
     return views
 
 
-@pytest.mark.parametrize("mask", [PairMask(band_hi=0), PairMask()], ids=["causal", "full"])
-def test_tensors_past_2_31_elements(mask):
+def test_tensors_past_2_31_elements():
     """Offsets past 2**31 elements: the kernels (forward, merging forward, delta, dK/dV, dQ;
     GQA) read and write a batch that starts past element 2**31 of its tensor's storage, and
     give bit for bit what they give on compact copies. With 32-bit offsets batch 2's
@@ -786,7 +785,7 @@ def test_tensors_past_2_31_elements(mask):
     results = []
     for x in (t, compact):
         lse = torch.randn(3, 2, s, generator=torch.Generator().manual_seed(1))
-        kw = dict(softmax_scale=0.25, mask=mask)
+        kw = dict(softmax_scale=0.25, mask=PairMask(band_hi=0))  # causal
         triton_kernels.fwd(x["q"], x["k"], x["v"], x["o"], lse, accumulate=False, **kw)
         triton_kernels.fwd(x["q"], x["k"], x["v"], x["acc"], lse, accumulate=True, **kw)  # merges into acc
         delta = launch.delta(x["o"], x["do"])
