@@ -801,7 +801,8 @@ def test_offsets_check_on_meta_tensors():
     (80, 8192, 32, 128), 2.7e9 elements, and a view spanning past 2**31), while a row stride
     whose 256-row tile would pass 2**31 elements raises, naming the tensor."""
     big = torch.empty(80, 8192, 32, 128, device="meta", dtype=F16)
-    launch._check_offsets(q=big, k=big[:, :, :1], lse=torch.empty(80, 32, 8192, device="meta"))
+    assert launch._check_offsets(q=big, k=big[:, :, :1], lse=torch.empty(80, 32, 8192, device="meta"))
+    assert not launch._check_offsets(q=big[:64], lse=torch.empty(64, 32, 8192, device="meta"))  # 2**31: fits
     wide = torch.empty(2, 4, 2 ** 24, device="meta", dtype=F16)[..., :128].view(2, 4, 1, 128)
     with pytest.raises(ValueError, match=r"^k \(shape .*row stride below 2\*\*23"):
         launch._check_offsets(k=wide)

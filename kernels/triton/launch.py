@@ -30,29 +30,25 @@ _INT32 = 2 ** 31
 _TILE_ROWS = 256  # the most rows a kernel's tile of a (B, S, H, D) tensor holds (config)
 
 
-def _check_offsets(**tensors) -> None:
-    """The kernels address a tile by an offset of its first element (64-bit where a tensor
-    spans 2**31 elements or more: ``_long``) plus 32-bit offsets inside it
-    (``tiles._tile_ptrs``), so a tensor may span any number of elements, but the _TILE_ROWS
-    rows of one tile must span fewer than 2**31 (a row stride below 2**23, which only a
-    strided view with millions of elements between rows reaches; a stride of 2**31 or more
-    is passed 64-bit and fits again). Rows, positions and the offsets of segment ids are
-    32-bit: fewer than 2**31 rows in all the batch. A (B, S, H, D) tensor outside these
-    raises, naming it."""
+def _check_offsets(**tensors) -> bool:
+    """Whether the launch needs 64-bit offsets (``Variant.LONG``): a tensor spans 2**31
+    elements or more (its last element's offset). The kernels address a tile by an offset
+    of its first element (64-bit then) plus 32-bit offsets inside it (``tiles._tile_ptrs``),
+    so a tensor may span any number of elements, but the _TILE_ROWS rows of one tile must
+    span fewer than 2**31 (a row stride below 2**23, which only a strided view with
+    millions of elements between rows reaches; a stride of 2**31 or more is passed 64-bit
+    and fits again). Rows, positions and the offsets of segment ids are 32-bit: fewer than
+    2**31 rows in all the batch. A (B, S, H, D) tensor outside these raises, naming it."""
+    long = False
     for name, t in tensors.items():
-        if t is None or t.dim() != 4:
+        if t is None:
             continue
-        if t.shape[0] * t.shape[1] >= _INT32 or _INT32 // _TILE_ROWS <= t.stride(1) < _INT32:
+        long = long or sum((n - 1) * st for n, st in zip(t.shape, t.stride())) >= _INT32
+        if t.dim() == 4 and (t.shape[0] * t.shape[1] >= _INT32 or _INT32 // _TILE_ROWS <= t.stride(1) < _INT32):
             raise ValueError(f"{name} (shape {tuple(t.shape)}, strides {t.stride()}): the Triton kernels need "
                              f"fewer than 2**31 rows in all the batch and a row stride below 2**23 "
                              f"elements; pass a contiguous tensor")
-
-
-def _long(*tensors) -> bool:
-    """Whether a tensor of the launch spans 2**31 elements or more (its last element's
-    offset): the kernels then compile with 64-bit offsets (``Variant.LONG``)."""
-    return any(t is not None and sum((n - 1) * st for n, st in zip(t.shape, t.stride())) >= _INT32
-               for t in tensors)
+    return long
 
 
 def _rows(t: torch.Tensor) -> Rows:
@@ -158,7 +154,8 @@ def fwd(q, k, v, out, lse, *, softmax_scale: float, mask, accumulate: bool, out_
     """``tail``: the keys' and values' rows that follow k and v when held apart
     (``pair.Joined``, under a block mask), or None; ``arrival``: with a tail, a
     ``pair.Arrival`` (which part runs last, and whether the kernel waits for it)."""
-    _check_offsets(q=q, k=k, v=v, out=out, lse=lse, out_partial=out_partial)
+    long = _check_offsets(q=q, k=k, v=v, out=out, lse=lse, out_partial=out_partial,
+                          **dict(zip(("k_tail", "v_tail"), tail or ())))
     b, sq, h, d = q.shape
     split, hkv = k.shape[1], k.shape[2]
     sk = split + (0 if tail is None else tail[0].shape[1])
@@ -173,7 +170,7 @@ def fwd(q, k, v, out, lse, *, softmax_scale: float, mask, accumulate: bool, out_
     variant = _variant(mask, pos, accumulate,
                        config.list_stages(cfg, mask.blocks is not None, mask.q_segments is not None),
                        1 if tail is None else 2, 1 if arrival is None else arrival.last, waits,
-                       _long(q, k, v, out, lse, out_partial, *(tail or ())))
+                       long)
     lists = _lists(mask, band, sq, sk, False, q.device, (cfg["BLOCK_M"], b, h, 1), variant.BAND,
                    split=None if tail is None else split, chunk=chunk * (h // hkv) if waits else 0)
     wait = Wait(arrival.flags, arrival.epoch, chunk) if waits else Wait(_stand_in(q.device), 0, chunk)
@@ -190,13 +187,13 @@ def fwd(q, k, v, out, lse, *, softmax_scale: float, mask, accumulate: bool, out_
 def delta(out: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
     """rowsum(do * out) in fp32, (B, H, S), in one pass over the two (B, S, H, D) tensors
     (last dimension contiguous); the twin's fp32 products take three more."""
-    _check_offsets(out=out, dout=do)
+    long = _check_offsets(out=out, dout=do)
     b, s, h, d = out.shape
     res = torch.empty((b, h, s), device=out.device, dtype=torch.float32)
     block_s = 16 if config.interpreting() else 64
     _delta_kernel[(triton.cdiv(s, block_s), b * h)](
         o=_rows(out), do=_rows(do), delta=_stats(res), seqlen=s, heads=h, HEAD_DIM=d, BLOCK_D=config.block_d(d),
-        BLOCK_S=block_s, LONG=_long(out, do, res))
+        BLOCK_S=block_s, LONG=long or _check_offsets(delta=res))
     return res
 
 
@@ -207,7 +204,10 @@ def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask, accu
     here (docs/notes/kernel.md). ``tails``: the rows that follow (q, do) and (k, v) when
     held apart (``pair.Joined``: same strides, under a block mask), or None; the
     kernels read both parts where they are."""
-    _check_offsets(dout=do, q=q, k=k, v=v, dq=dq, dk=dk, dv=dv, lse=lse, delta=delta)
+    held_apart = {f"{name}_tail": t for tail, names in zip(tails, (("q", "dout"), ("k", "v")))
+                  for name, t in zip(names, tail or ())}
+    long = _check_offsets(dout=do, q=q, k=k, v=v, dq=dq, dk=dk, dv=dv, lse=lse, delta=delta,
+                          **dict(zip(("dq_in", "dk_in", "dv_in"), partials)), **held_apart)
     b, h, d = q.shape[0], q.shape[2], q.shape[3]
     hkv = k.shape[2]
     (q_split, sq), (k_split, sk) = ((t.shape[1], t.shape[1] + (0 if tail is None else tail[0].shape[1]))
@@ -215,8 +215,7 @@ def bwd(do, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask, accu
     band, pos = _band(mask), _positions(mask)
     qseg, kseg = _segment_ids(mask, q.device)
     has_segments, sparse = mask.q_segments is not None, mask.blocks is not None
-    held_apart = (t for tail in tails for t in tail or ())
-    plain = _variant(mask, pos, accumulate, long=_long(do, q, k, v, lse, delta, dq, dk, dv, *partials, *held_apart))
+    plain = _variant(mask, pos, accumulate, long=long)
     dkdv_cfg, dq_cfg = config.bwd_config(d, q.dtype, sparse, plain.DROPOUT and not (plain.BAND or has_segments or sparse))
     inputs = dict(q=_rows(q), k=_rows(k), v=_rows(v), do=_rows(do), lse=_stats(lse), delta=_stats(delta),
                   qk_scale=softmax_scale * LOG2E, sm_scale=softmax_scale, band=band, pos=pos, drop=_dropout(mask),
