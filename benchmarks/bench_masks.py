@@ -1,6 +1,9 @@
 """Masked attention: packed documents and sliding windows, ringflash against FlexAttention
 and SDPA document by document on one GPU, and through the ring against the dense causal
-ring of the same length and the 1-GPU kernel.
+ring of the same length and the 1-GPU kernel. Packed documents run through the ring on
+the layout computed from their documents (``ringflash.document_layout``, layout
+"documents") beside the fixed layouts; ring rows carry the steps the ring ran and the
+bytes the busiest rank sent (counted from the schedule: ``bytes_sent``).
 
     python benchmarks/bench_masks.py                               # one GPU -> results/masks_<gpu>.json
     torchrun --nproc-per-node=2 benchmarks/bench_masks.py --ring   # ring -> results/masks_<gpu>x2.json
@@ -15,11 +18,15 @@ output is checked against ringflash's on the same inputs before it is timed.
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 import torch.nn.functional as F
 
 import ringflash
+from ringflash.kernels import band_of_window
+from ringflash.layouts import active_steps
+from ringflash.ring.plan import travelling_rows
 from harness import checks, cli, plots, results, timing
 from harness.timing import timed
 
@@ -100,13 +107,25 @@ def single_gpu(args, device) -> list[dict]:
     return records
 
 
+def bytes_sent(layout, world: int, local_len: int, band, args) -> int:
+    """Bytes the busiest rank sends in one forward+backward, counted from the schedule
+    (``ring.plan.travelling_rows``): at each hop the travelling rows of the shard it passes
+    on, as K/V (bf16) in the forward and again in the backward, and as the running dK/dV sum
+    (fp32) in the backward; segment ids aside."""
+    steps = active_steps(layout, world, local_len, band)
+    sent = travelling_rows(layout, world, local_len, band, True, steps) if steps > 1 else None
+    rows = [sum(local_len if sent is None else sent[(r - s) % world][1] - sent[(r - s) % world][0]
+                for s in range(steps - 1)) for r in range(world)]
+    return max(rows) * 2 * args.heads * args.head_dim * (2 + 2 + 4)
+
+
 def ring(args, device, group, world, rank) -> list[dict]:
     records = []
     for seqlen in args.seqlens:
         for mask in args.masks:
-            kw, visible, _, _ = case_mask(mask, seqlen, args.window, device)
+            kw, visible, _, lengths = case_mask(mask, seqlen, args.window, device)
             layouts = {"causal": ["zigzag", "block_stripe"], "window": ["contiguous", "block_stripe"],
-                       "documents": ["zigzag", "stripe", "block_stripe"]}[mask]
+                       "documents": ["documents", "zigzag", "stripe", "block_stripe"]}[mask]
             gen = torch.Generator(device=device).manual_seed(0)
             full = [torch.randn(1, seqlen, args.heads, args.head_dim, device=device, generator=gen,
                                 dtype=torch.bfloat16) for _ in range(3)]
@@ -117,7 +136,15 @@ def ring(args, device, group, world, rank) -> list[dict]:
                 records.append(record("ringflash_1gpu", mask, seqlen, args.window, visible, fwd, fwdbwd, args))
                 del one
             timing.barrier(group)
-            for layout in layouts:
+            for name in layouts:
+                extra, layout = {}, name
+                if name == "documents":  # the layout computed from this row's documents
+                    start = time.perf_counter()
+                    layout = ringflash.document_layout(torch.tensor([0, *lengths]).cumsum(0), seqlen, group)
+                    extra = dict(layout_host_ms=1e3 * (time.perf_counter() - start), split_documents=layout.splits)
+                band = band_of_window(True, kw.get("window_size", (-1, -1)))
+                steps = active_steps(layout, world, seqlen // world, band)
+                extra["bytes_sent_per_rank"] = bytes_sent(layout, world, seqlen // world, band, args)
                 local = [ringflash.shard(t, 1, layout).requires_grad_() for t in full]
                 rkw = dict(kw, layout=layout)
                 if "segment_ids" in kw:
@@ -125,7 +152,7 @@ def ring(args, device, group, world, rank) -> list[dict]:
                 fwd, fwdbwd = timed(lambda q, k, v: ringflash.ring_flash_attn(q, k, v, **rkw),
                                     *local, device, args, group=group)
                 records.append(record("ringflash", mask, seqlen, args.window, visible, fwd, fwdbwd,
-                                      args, world=world, layout=layout))
+                                      args, world=world, layout=name, ring_steps=steps, **extra))
                 del local
             if rank == 0:
                 print(results.format_table([r for r in records if r["seqlen"] == seqlen and r["mask"] == mask],

@@ -118,8 +118,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="GLOBAL tokens per sequence (a multiple of 2 x sp for zigzag, sp for stripe)")
     g.add_argument("--batch-size", type=int, default=8,
                    help="sequences per step, all data-parallel replicas together")
-    g.add_argument("--layout", default="zigzag", choices=ringflash.LAYOUTS,
-                   help="which tokens each rank of a ring holds")
+    g.add_argument("--layout", default="zigzag", choices=("documents", *ringflash.LAYOUTS),
+                   help="which tokens each rank of a ring holds; documents: the layout computed "
+                        "from the packed documents (ringflash.document_layout; zigzag for one). "
+                        "zigzag by default, so that the recall crosses ranks")
     g.add_argument("--sp-size", type=int, default=0,
                    help="ranks in one ring (sequence-parallel group); 0: the whole world. "
                         "The other factor of the world size is data parallelism")
@@ -280,7 +282,7 @@ class Block(nn.Module):
         d = args.d_model
         self.norm1 = nn.RMSNorm(d)
         self.attn = RingSelfAttention(d, args.heads, args.kv_heads, causal=True,
-                                      layout=args.layout, group=group, rope_base=args.rope_base,
+                                      layout=sp_layout(args, group), group=group, rope_base=args.rope_base,
                                       dropout_p=args.attn_dropout)
         self.norm2 = nn.RMSNorm(d)
         self.mlp = nn.Sequential(nn.Linear(d, args.mlp_ratio * d, bias=False), nn.GELU(),
@@ -309,6 +311,18 @@ class RingLM(nn.Module):
         for i, block in enumerate(self.blocks):
             x = block(x, segment_ids, None if dropout_seed is None else dropout_seed + i)
         return self.head(self.norm(x))
+
+
+def sp_layout(args, group=None):
+    """The layout of --layout: a name, or for "documents" the layout computed from the
+    documents every sequence packs (--documents of seqlen / documents tokens each; zigzag
+    for one document, which that layout would split as zigzag does)."""
+    if args.layout != "documents":
+        return args.layout
+    if args.documents == 1:
+        return "zigzag"
+    cu_seqlens = torch.arange(args.documents + 1) * (args.seqlen // args.documents)
+    return ringflash.document_layout(cu_seqlens, args.seqlen, group)
 
 
 def build_model(args, task: Task, group=None) -> RingLM:
@@ -626,7 +640,7 @@ def train_step(model, optimizer, task: Task, step: int, args, d: Dist, autocast_
     first = d.dp_rank * per_replica
     tokens, labels = task.batch(step, range(first, first + per_replica))
     scored = args.batch_size * task.scored_per_sequence()  # in the WHOLE global batch
-    shard = dict(dim=1, layout=args.layout, group=d.sp_group)
+    shard = dict(dim=1, layout=sp_layout(args, d.sp_group), group=d.sp_group)
     tokens = ringflash.shard(tokens.to(d.device), **shard)
     labels = ringflash.shard(labels.to(d.device), **shard)
     segments = task.segment_ids()
@@ -672,7 +686,7 @@ def run(args) -> dict | None:
 def _train(args, d: Dist, signals: StopSignals | None = None) -> dict | None:
     is_main = d.rank == 0
     task = Task.from_args(args)
-    ringflash.positions(args.seqlen, layout=args.layout, group=d.sp_group)  # checks divisibility
+    ringflash.positions(args.seqlen, layout=sp_layout(args, d.sp_group), group=d.sp_group)  # checks divisibility
     autocast_dtype = {"auto": torch.bfloat16 if d.device.type == "cuda" else None,
                       "float32": None, "bfloat16": torch.bfloat16}[args.dtype]
     model = build_model(args, task, d.sp_group).to(d.device)

@@ -10,6 +10,7 @@ queries against the visiting keys.
 
 from .api import (positions, ring_flash_attn, segment_ids_from_cu_seqlens,
                   segment_ids_from_position_ids, shard, unshard)
+from .documents import document_layout
 from .exchange import transport
 from .kernels import dropout_keep_mask, flash_attn
 from .layer import RingSelfAttention, all_reduce_gradients, broadcast_parameters
@@ -18,6 +19,6 @@ from .parallel import SequenceParallel
 
 __version__ = "0.1.0"
 __all__ = ["DEFAULT_LAYOUT", "DOCUMENTS_LAYOUT", "LAYOUTS", "RingSelfAttention", "SequenceParallel",
-           "all_reduce_gradients", "broadcast_parameters", "dropout_keep_mask", "flash_attn",
+           "all_reduce_gradients", "broadcast_parameters", "document_layout", "dropout_keep_mask", "flash_attn",
            "positions", "ring_flash_attn", "segment_ids_from_cu_seqlens",
            "segment_ids_from_position_ids", "shard", "transport", "unshard"]

@@ -27,7 +27,7 @@ from .exchange import TRANSPORTS, Ring
 from .groups import Grid
 from .kernels import SUPPORTED_DTYPES
 from .kernels.masks import BAND_INF, tensor_memo
-from .layouts import LAYOUTS, layout_of
+from .layouts import layout_code, layout_shown
 
 ENABLED = os.environ.get("RINGFLASH_RANK_CHECK", "1") != "0"
 
@@ -65,7 +65,7 @@ def signature(q, k, band, layout, scale, needs_grad, kind, segments, dropout, bl
     None where it is not chosen yet)."""
     lo, hi = band
     return [*q.shape, k.shape[2], SUPPORTED_DTYPES.index(q.dtype), -BAND_INF if lo is None else lo,
-            BAND_INF if hi is None else hi, LAYOUTS.index(layout_of(layout).name), _float_bits(scale),
+            BAND_INF if hi is None else hi, layout_code(layout), _float_bits(scale),
             int(needs_grad), -1 if kind is None else TRANSPORTS.index(kind), int(segments is not None), _float_bits(dropout[0]),
             dropout[1], *_block_digest(blocks)]
 
@@ -114,7 +114,7 @@ def _shown(field: str, values) -> list:
     if field.endswith(".dim()") or ".shape[" in field:
         return [None if x < 0 else x for x in values]
     if field == "layout":
-        return [LAYOUTS[x] for x in values]
+        return [layout_shown(x) for x in values]
     if field == "transport":
         return [TRANSPORTS[x] for x in values]
     if field in BAND_FIELDS:

@@ -13,8 +13,8 @@ from .groups import Grid, resolve_grid
 from .kernels import (band_of_window, check_block_mask, check_causal, check_deterministic,
                       check_dropout, check_qkv, check_segment_ids, check_window, resolve_scale)
 from .kernels.masks import BLOCK
-from .layouts import (DEFAULT_LAYOUT, LAYOUTS, check_layout, check_local_length, global_positions,
-                      layout_of)
+from .layouts import (DEFAULT_LAYOUT, check_layout, check_local_length, global_positions, layout_code,
+                      layout_name, layout_of)
 from .ops import ring_attn
 
 
@@ -39,19 +39,20 @@ def _check_local(q, k, v, causal, layout, softmax_scale, window_size, segment_id
     rules = layout_of(layout)
     ring_local = q.shape[1] * heads_world
     rules.check_local(ring_local)
+    rules.check_seqlen(ring_local * world, world)
     segments = check_segment_ids(segment_ids, q.shape[0], q.shape[1], q.device)
     seqlen = ring_local * world
     blocks = check_block_mask(block_mask, q.shape[2], seqlen, seqlen, q.device,
                               "global seqlen (W x seqlen_local), global seqlen")
     if blocks is not None:
         rules.block_chunk(world, ring_local, BLOCK)
-    rules.check_masks(band, window, blocks is not None)
+    rules.check_masks(band, window, blocks is not None, segments is not None)
     dropout = check_dropout(dropout_p, seed)
     if heads_world > 1:
         if q.shape[2] % heads_world:
             raise ValueError(f"heads ({q.shape[2]}) must be a multiple of the grid's heads dimension "
                              f"U = {heads_world} (each of its ranks takes heads / U of them)")
-    return band, layout, scale, segments, dropout, blocks
+    return band, layout_name(layout), scale, segments, dropout, blocks
 
 
 def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
@@ -189,7 +190,8 @@ def _int(value, name: str) -> int:
     raise TypeError(f"{name} must be an int, got {type(value).__name__}")
 
 
-def _positive_int(value, name: str) -> int:
+def positive_int(value, name: str) -> int:
+    """``value`` as a positive int; TypeError / ValueError naming ``name`` otherwise."""
     value = _int(value, name)
     if value < 1:
         raise ValueError(f"{name} must be positive, got {value}")
@@ -224,7 +226,7 @@ def positions(seqlen: int, layout: str = DEFAULT_LAYOUT, group=None, *, device=N
     be a multiple of W (2W for zigzag, 128 W for block_stripe; on a heads x ring grid W
     is R and each ring shard splits over U). Local, like ``shard``: no collective.
     """
-    seqlen = _positive_int(seqlen, "seqlen")
+    seqlen = positive_int(seqlen, "seqlen")
     layout = check_layout(layout)
     return _token_index(seqlen, layout, resolve_grid(group)).to(device)
 
@@ -264,7 +266,7 @@ def unshard(x_local: torch.Tensor, dim: int = 1, layout: str = DEFAULT_LAYOUT, g
     def local_checks():
         d, lay = _check_dim(x_local, dim, "x_local"), check_layout(layout)
         check_local_length(x_local.shape[d], lay, "x_local", grid.heads_world)
-        return [d, LAYOUTS.index(layout_of(lay).name), *agreement.tensor_row(x_local)], (d, lay)
+        return [d, layout_code(lay), *agreement.tensor_row(x_local)], (d, lay)
     dim, layout = agreement.agree(grid, "unshard", _UNSHARD_FIELDS, local_checks)
     if torch.is_grad_enabled() and x_local.requires_grad:
         return _Unshard.apply(x_local, dim, layout, grid)
@@ -308,21 +310,28 @@ def _gather(x_local: torch.Tensor, dim: int, layout: str, group) -> torch.Tensor
 # ----------------------------------------------------------------------------- packed documents
 
 
+def check_cu_seqlens(cu_seqlens, seqlen: int) -> torch.Tensor:
+    """``cu_seqlens`` (flash_attn's varlen format) as an int64 CPU tensor, checked against
+    ``seqlen``; ValueError / TypeError naming it otherwise."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError("cu_seqlens must be a 1-D tensor [0, end_0, end_1, ...]")
+    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
+        raise TypeError(f"cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
+    bounds = cu_seqlens.cpu().long()
+    if bounds[0] != 0 or (bounds[1:] < bounds[:-1]).any() or bounds[-1] > seqlen:
+        raise ValueError(f"cu_seqlens must start at 0, not decrease and end at most at seqlen "
+                         f"({seqlen}), got {bounds.tolist()}")
+    return bounds
+
+
 def segment_ids_from_cu_seqlens(cu_seqlens: torch.Tensor, seqlen: int, layout: str = DEFAULT_LAYOUT,
                                 group=None) -> torch.Tensor:
     """This rank's (1, seqlen // W) segment ids of one packed sequence of ``seqlen`` tokens
     whose documents are given in flash_attn's varlen format: document d holds tokens
     [cu_seqlens[d], cu_seqlens[d + 1]); tokens from cu_seqlens[-1] on are padding (-1).
     Shard the token tensors with the same ``layout`` and ``group``."""
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-        raise ValueError("cu_seqlens must be a 1-D tensor [0, end_0, end_1, ...]")
-    if cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
-        raise TypeError(f"cu_seqlens must be an integer tensor, got {cu_seqlens.dtype}")
-    seqlen = _positive_int(seqlen, "seqlen")
-    bounds = cu_seqlens.cpu().long()
-    if bounds[0] != 0 or (bounds[1:] < bounds[:-1]).any() or bounds[-1] > seqlen:
-        raise ValueError(f"cu_seqlens must start at 0, not decrease and end at most at seqlen "
-                         f"({seqlen}), got {bounds.tolist()}")
+    seqlen = positive_int(seqlen, "seqlen")
+    bounds = check_cu_seqlens(cu_seqlens, seqlen)
     tokens = torch.arange(seqlen)
     ids = torch.searchsorted(bounds[1:], tokens, right=True)
     ids = torch.where(tokens < bounds[-1], ids, -1)

@@ -33,6 +33,7 @@ so steps and hops shrink the same way.
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from typing import NamedTuple, Optional
 
 import torch
@@ -168,7 +169,7 @@ def gathered_pair(rows: range, local_len: int, band: Band = NO_BAND, keys: bool 
     return _local_pair(*((part, every) if keys else (every, part)), band, local_len)
 
 
-def _keys_within(pair: Pair, start: int, stop: int, n: int) -> Optional[Pair]:
+def keys_within(pair: Pair, start: int, stop: int, n: int) -> Optional[Pair]:
     """The part of ``pair`` whose key rows lie in [start, stop) of the visiting shard's n
     rows, or None if its band leaves those keys nothing. Its band of local indices and its
     positions follow its new first key row (where positions jump, that row must be a
@@ -208,7 +209,7 @@ def step_pieces(layout, rank: int, src: int, world: int, local_len: int,
     pairs = step_pairs(layout, rank, src, world, local_len, band, merge, occupied)
     bounds = (0, *cuts, local_len)
     return tuple(tuple(part for pair in pairs
-                       if (part := _keys_within(pair, lo, hi, local_len)) is not None)
+                       if (part := keys_within(pair, lo, hi, local_len)) is not None)
                  for lo, hi in zip(bounds, bounds[1:]))
 
 
@@ -229,6 +230,19 @@ def pair_area(pair: Pair, n: int) -> int:
     mask = PairMask(pair.band_lo, pair.band_hi, pos=pair.pos, band_on_positions=pair.on_positions)
     first, stop = band_interval(rows, mask, len(range(n)[pair.k]))
     return int((stop - first).clamp(min=0).sum())
+
+
+def visible_keys(pair: Pair, n: int) -> range:
+    """The key rows of a visiting shard (of n rows) that the pair's band leaves some query
+    row of the pair, as a range of the shard's rows (empty: none)."""
+    keys = range(n)[pair.k]
+    rows = torch.arange(len(range(n)[pair.q]))
+    mask = PairMask(pair.band_lo, pair.band_hi, pos=pair.pos, band_on_positions=pair.on_positions)
+    first, stop = band_interval(rows, mask, len(keys))
+    seen = first < stop
+    if not bool(seen.any()):
+        return range(keys.start, keys.start)
+    return range(keys.start + int(first[seen].min()), keys.start + int(stop[seen].max()))
 
 
 @functools.lru_cache(maxsize=256)
@@ -268,12 +282,48 @@ def check_local_length(local_len: int, layout, name: str, pieces: int = 1) -> No
 
 
 def layout_of(layout) -> "Layout":
-    """The ``Layout`` record of a layout name (or the record itself)."""
+    """The ``Layout`` record of a layout name (or the record itself). A layout computed from
+    the documents (``ringflash.document_layout``) is found by its name while it is among the
+    last ``_KEPT`` such layouts made in this process."""
     if isinstance(layout, Layout):
         return layout
-    if isinstance(layout, str) and layout in _BY_NAME:
-        return _BY_NAME[layout]
-    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if isinstance(layout, str):
+        found = _BY_NAME.get(layout) or _MADE.get(layout)
+        if found is not None:
+            return found
+        if layout.startswith(_MADE_PREFIX):
+            raise ValueError(f"layout {layout!r} is not among the last {_KEPT} document layouts this "
+                             "process made: pass the layout object itself")
+    raise ValueError(f"layout must be one of {LAYOUTS} or a ringflash.document_layout, got {layout!r}")
+
+
+def layout_name(layout) -> str:
+    """The name the ring's custom ops take the layout by (a layout made at run time is
+    remembered again, so that ``layout_of`` finds it)."""
+    layout = layout_of(layout)
+    return layout.name if layout.name in _BY_NAME else remember(layout).name
+
+
+def layout_code(layout) -> int:
+    """The layout as one integer the ranks compare (``agreement``): its index in LAYOUTS, or
+    for a layout made from the documents, a 62-bit digest of what it was made from."""
+    layout = layout_of(layout)
+    return LAYOUTS.index(layout.name) if layout.name in _BY_NAME else layout.digest
+
+
+def layout_shown(code: int) -> str:
+    """The layout of ``layout_code`` in words."""
+    return LAYOUTS[code] if 0 <= code < len(LAYOUTS) else f"{_MADE_PREFIX}{code:016x}"
+
+
+def remember(layout: "Layout") -> "Layout":
+    """Keep a layout made at run time findable by its name (``layout_of``): the ring's
+    custom ops take the layout by name."""
+    _MADE[layout.name] = layout
+    _MADE.move_to_end(layout.name)
+    while len(_MADE) > _KEPT:
+        _MADE.popitem(last=False)
+    return layout
 
 
 def global_positions(seqlen: int, layout, rank: int, world: int) -> torch.Tensor:
@@ -337,8 +387,9 @@ class Layout:
     def check_local(self, local_len: int) -> None:
         """ValueError if a rank's n tokens cannot be this layout's shard."""
 
-    def check_masks(self, band: Band, window: tuple[int, int], block_mask: bool) -> None:
-        """ValueError if the layout does not serve this combination of masks."""
+    def check_masks(self, band: Band, window: tuple[int, int], block_mask: bool, segments: bool) -> None:
+        """ValueError if the layout does not serve this combination of masks (``segments``:
+        segment ids given)."""
 
     def positions(self, seqlen: int, rank: int, world: int) -> torch.Tensor:
         raise NotImplementedError
@@ -466,7 +517,7 @@ class BlockStripe(Layout):
             raise ValueError(f"layout 'block_stripe' needs seqlen_local a multiple of {BLOCK} (whole "
                              f"blocks a rank), got {local_len}")
 
-    def check_masks(self, band, window, block_mask):
+    def check_masks(self, band, window, block_mask, segments):
         if block_mask and band not in ((None, None), (None, 0)):
             raise ValueError(f"block_mask with layout 'block_stripe' takes causal or full attention, "
                              f"not window_size {window}: a window cuts the shards' blocks (layouts "
@@ -507,3 +558,7 @@ class BlockStripe(Layout):
 
 _BY_NAME = {layout.name: layout for layout in (Contiguous(), Zigzag(), Stripe(), BlockStripe())}
 assert tuple(_BY_NAME) == LAYOUTS
+# Layouts made at run time (``ringflash.document_layout``), by name, the newest last.
+_MADE: "OrderedDict[str, Layout]" = OrderedDict()
+_MADE_PREFIX = "documents-"
+_KEPT = 256

@@ -354,6 +354,12 @@ def test_masked_ring_matches_oracle(nccl, layout):
     _agree(check_masked_ring(dist.get_rank(), dist.get_world_size(), layout, n=384, device=nccl))
 
 
+def test_document_layout_matches_oracle(nccl):
+    """tests/test_documents.py's configurations through NCCL, 384 tokens a rank."""
+    from test_documents import check_document_ring
+    _agree(check_document_ring(dist.get_rank(), dist.get_world_size(), n=384, device=nccl))
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "block_stripe"])
 def test_block_sparse_ring_matches_oracle(nccl, layout):
     """Block masks (random, per-head, local + window, strided + documents, causal with

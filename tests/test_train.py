@@ -167,8 +167,9 @@ def test_ring_training_matches_single_process(ring_run, reference):
 
 
 def test_data_x_sequence_parallel_grid_matches_single_process(reference, tmp_path):
-    """4 ranks as 2 replicas x rings of 2 (--sp-size 2), stripe layout."""
-    rc, out = torchrun([*SMALL, "--sp-size", "2", "--layout", "stripe", "--ckpt-dir",
+    """4 ranks as 2 replicas x rings of 2 (--sp-size 2), on the layout computed from the
+    documents (each of the two documents whole on one rank of a ring)."""
+    rc, out = torchrun([*SMALL, "--sp-size", "2", "--layout", "documents", "--ckpt-dir",
                         str(tmp_path / "ckpt"), "--metrics-out", str(tmp_path / "m.json")],
                        nproc=4)
     assert rc == 0, out[-4000:]

@@ -26,7 +26,9 @@ token blocks is sliced per pair (each pair of contiguous chunks is a rectangle o
 chunk pairs it leaves empty are dropped from the schedule. Steps after the last one that
 computes anything on any rank are not run at all (``layouts.active_steps``): with a
 sliding window or a local block mask the shards stop travelling once no rank further on
-can see them.
+can see them. And where the ranks a shard visits see at most half of all shards' rows, a
+shard travels as the rows they see (``plan.travelling_rows``): the documents that cross
+ranks on a layout computed from them, the last window of keys of contiguous shards.
 
 Backward: the same rotation of K/V, with the own shard split around it: its dQ pass
 first (hiding the first K/V trip), its dK/dV pass last. The running fp32 dK/dV of a

@@ -5,6 +5,7 @@ pair (``pair_mask``)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -12,7 +13,8 @@ import torch
 from ..exchange import Ring
 from ..kernels import PairMask
 from ..kernels.masks import BAND_INF, BLOCK, Blocks, block_work, computed_blocks, pair_positions, tensor_memo
-from ..layouts import Band, active_steps, occupied_chunks, step_pairs, step_pieces, writes_first
+from ..layouts import (Band, active_steps, keys_within, occupied_chunks, step_pairs, step_pieces, visible_keys,
+                       writes_first)
 from .rows import uncovered
 
 
@@ -110,9 +112,11 @@ class Schedule(NamedTuple):
     """What a call's ring runs: the number of active steps, each step's pairs, whether step
     0 writes its results (one pair over every row), the block mask's plan or None,
     ``pieces(step, cuts)``: the step's pairs cut along key rows (``layouts.step_pieces``),
-    and, for two active steps, whether on EVERY rank the own step's pairs keep to disjoint
+    for two active steps, whether on EVERY rank the own step's pairs keep to disjoint
     key rows (a choice of schedule that depends on it must be the same on every rank: the
-    ranks' messages pair up; False for other step counts)."""
+    ranks' messages pair up; False for other step counts), and ``sent``: per rank, the rows
+    [lo, hi) of its K/V shard that travel (``travelling_rows``), or None where whole shards
+    do. Where they are cut, the pairs of steps 1 on read key rows of the travelling part."""
 
     steps: int
     pairs: list
@@ -120,6 +124,42 @@ class Schedule(NamedTuple):
     plan: Optional[SparsePlan]
     pieces: Callable[[int, tuple[int, ...]], tuple]
     own_apart: bool
+    sent: Optional[tuple[tuple[int, int], ...]] = None
+
+
+@functools.lru_cache(maxsize=1024)
+def travelling_rows(layout, world: int, n: int, band: Band, merge: bool, steps: int,
+                    occupied: Optional[frozenset] = None) -> Optional[tuple[tuple[int, int], ...]]:
+    """Per source rank, the rows [lo, hi) of its K/V shard that the pairs of steps 1 to
+    steps - 1 see on the ranks it visits (``layouts.visible_keys``; at least one row, and
+    whole blocks of BLOCK where a pair's positions jump); None where together they are more
+    than half of all shards' rows. A shard then travels as those rows only: packed documents on a layout computed from
+    them send the few documents that cross ranks, a sliding window over contiguous shards
+    its last window of keys, causal contiguous shards nothing backwards. The same on every
+    rank (it is computed from every rank's pairs), so the messages' sizes agree."""
+    rows = []
+    for src in range(world):
+        pairs = [pair for s in range(1, steps)
+                 for pair in step_pairs(layout, (src + s) % world, src, world, n, band, merge, occupied)]
+        keys = [r for r in (visible_keys(pair, n) for pair in pairs) if len(r)]
+        lo, hi = min((r.start for r in keys), default=0), max((r.stop for r in keys), default=1)
+        if any(pair.pos is not None and pair.pos[3] for pair in pairs):  # cut on block bounds
+            lo, hi = lo // BLOCK * BLOCK, min(n, -(-hi // BLOCK) * BLOCK)
+        rows.append((lo, max(hi, lo + 1)))
+    # Cut shards keep the ring of two off ``_home_first`` (rotate.py): worth it only where
+    # they save at least half of what whole shards carry (documents, windows), not for the
+    # block or chunk that causal attention leaves unseen on block_stripe or zigzag.
+    return None if sum(hi - lo for lo, hi in rows) > world * n // 2 else tuple(rows)
+
+
+def _travelling(pairs: tuple, rows: tuple[int, int], n: int) -> tuple:
+    """Pairs cut to the key rows [lo, hi) that travel, and their key rows counted from lo
+    (positions and bands follow the cut: ``layouts.keys_within``)."""
+    lo, hi = rows
+    if (lo, hi) == (0, n):
+        return pairs
+    cut = [part for pair in pairs if (part := keys_within(pair, lo, hi, n)) is not None]
+    return tuple(part._replace(k=slice(range(n)[part.k].start - lo, range(n)[part.k].stop - lo)) for part in cut)
 
 
 def schedule_of(ring: Ring, layout: str, local_len: int, band: Band, dropout: tuple,
@@ -140,8 +180,14 @@ def schedule_of(ring: Ring, layout: str, local_len: int, band: Band, dropout: tu
     own_apart = steps == 2 and all(  # read by a ring of two only
         uncovered([pair.k for pair in step_pairs(*of(rank, 0))], local_len) is not None
         for rank in range(ring.world))
+    # Cut shards travel where no block mask is given (its ring of two may keep whole shards).
+    sent = None if blocks is not None or steps == 1 else travelling_rows(
+        layout, ring.world, local_len, band, merge, steps)
+    if sent is not None:
+        pairs = [pairs[0]] + [_travelling(p, sent[(ring.rank - s) % ring.world], local_len)
+                              for s, p in enumerate(pairs[1:], 1)]
     return Schedule(steps, pairs, writes_first(pairs[0]), plan,
-                    lambda s, cuts: step_pieces(*of(ring.rank, s), cuts), own_apart)
+                    lambda s, cuts: step_pieces(*of(ring.rank, s), cuts), own_apart, sent)
 
 
 def _own_ids(ids: torch.Tensor, part: slice) -> torch.Tensor:

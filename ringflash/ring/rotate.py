@@ -18,31 +18,59 @@ from .plan import pair_mask, schedule_of
 from .rows import Aside, copy_rows, home_cuts, key_rows, uncovered
 
 
-def kv_slots(k: torch.Tensor, segments: Optional[torch.Tensor], ring: Ring, steps: int) -> list:
-    """The buffers visiting shards arrive in, (K/V packed as (2, *k.shape), segment ids or
-    None) each: none for a ring that passes nothing, one when only the own shard travels
-    (two steps), two taking turns when received shards are passed on."""
-    if steps == 1:
-        return []
-    slots = 1 if steps == 2 else 2
-    kv = ring.buffer("kv", (slots, 2, *k.shape), k.dtype, k.device)
-    seg = None if segments is None else ring.buffer("segments", (slots, *segments.shape),
-                                                     torch.int32, k.device)
-    return [(kv[i], None if seg is None else seg[i]) for i in range(slots)]
+class _Slots:
+    """The buffers visiting shards arrive in: none for a ring that passes nothing, one when
+    only the own shard travels (two steps), two taking turns when received shards are passed
+    on. ``sent`` (``plan.travelling_rows``): per source rank the rows of its shard that
+    travel, or None (whole shards); a slot then holds the rows of whichever shard it holds,
+    from its start, so that every rank receives a message where its sender wrote it."""
+
+    def __init__(self, k: torch.Tensor, segments: Optional[torch.Tensor], ring: Ring, steps: int, sent):
+        self.ring, self.sent, self.n = ring, sent, k.shape[1]
+        self.count = 0 if steps == 1 else 1 if steps == 2 else 2
+        rows = self.n if sent is None else max(hi - lo for lo, hi in sent)
+        b, _, hkv, d = k.shape
+        self.kv = ring.buffer("kv", (self.count, 2 * b * rows * hkv * d), k.dtype, k.device)
+        self.seg = None if segments is None else ring.buffer("segments", (self.count, b * rows),
+                                                             torch.int32, k.device)
+        self.shape = (b, hkv, d)
+
+    def rows(self, src: int) -> slice:
+        """The rows of rank src's shard that travel."""
+        return slice(None) if self.sent is None else slice(*self.sent[src])
+
+    def packed(self, flat: torch.Tensor, src: int) -> torch.Tensor:
+        """The start of ``flat`` as rank src's travelling K/V rows, packed (2, B, rows, Hkv, D)."""
+        b, hkv, d = self.shape
+        rows = len(range(self.n)[self.rows(src)])
+        return flat[:2 * b * rows * hkv * d].view(2, b, rows, hkv, d)
+
+    def at(self, step: int) -> tuple:
+        """(K/V packed as (2, B, rows, Hkv, D), segment ids (B, rows) or None) of the shard
+        that step ``step`` (>= 1) computes, in its slot."""
+        src = (self.ring.rank - step) % self.ring.world
+        slot = (step - 1) % self.count
+        kv = self.packed(self.kv[slot], src)
+        return kv, None if self.seg is None else self.seg[slot, :kv.shape[1] * kv.shape[2]].view(kv.shape[1:3])
+
+    def send_own(self, k: torch.Tensor, v: torch.Tensor, segments: Optional[torch.Tensor]) -> list:
+        """Send the own shard's travelling rows to the next rank, from k and v themselves
+        (two messages) and its segment ids, and receive the previous rank's into the first
+        slot. Each message lands where the next rank's view of this shard has it (its V
+        starts after this shard's K rows, not the received shard's)."""
+        rows, (kv_next, seg_next) = self.rows(self.ring.rank), self.at(1)
+        theirs = self.packed(self.kv[0], self.ring.rank)
+        pairs = [(k[:, rows].contiguous(), kv_next[0], theirs[0]), (v[:, rows].contiguous(), kv_next[1], theirs[1])]
+        if segments is not None:
+            pairs.append((segments[:, rows].contiguous(), seg_next))
+        return self.ring.exchange(*pairs)
 
 
 def pass_on(ring: Ring, cur, nxt) -> list:
-    """Send this step's K/V (and segment ids) on, receive the next shard's into ``nxt``.
-    The own shard leaves from k and v themselves (two messages), a received one from its
-    slot (one)."""
+    """Send a received shard (packed K/V in its slot, and segment ids) on, and receive the
+    next one into ``nxt``."""
     (kv, seg), (kv_next, seg_next) = cur, nxt
-    if isinstance(kv, tuple):
-        pairs = [(kv[0].contiguous(), kv_next[0]), (kv[1].contiguous(), kv_next[1])]
-    else:
-        pairs = [(kv, kv_next)]
-    if seg is not None:
-        pairs.append((seg, seg_next))
-    return ring.exchange(*pairs)
+    return ring.exchange(*[(kv, kv_next)] + ([] if seg is None else [(seg, seg_next)]))
 
 
 def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout: tuple,
@@ -58,11 +86,11 @@ def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout
     dtype straight from it where their query rows do not overlap (no separate cast of
     the rows they cover). The kept copy runs on a side stream, under the kernels."""
     b, n, h, d = q.shape
-    steps, schedule, first_writes, plan, *_ = schedule_of(ring, layout, n, band, dropout, blocks)
-    slots = kv_slots(k, segments, ring, steps)
+    steps, schedule, first_writes, plan, *_, sent = schedule_of(ring, layout, n, band, dropout, blocks)
+    slots = _Slots(k, segments, ring, steps, sent)
     keep = keep and steps == 2
     if keep and segments is None and (ring.streams_chunks or not q.is_cuda):
-        return gathered_forward(q, k, v, slots[0][0], softmax_scale=softmax_scale, band=band,
+        return gathered_forward(q, k, v, slots.at(1)[0], softmax_scale=softmax_scale, band=band,
                                 dropout=dropout, ring=ring, plan=plan, blocks=blocks)
     out = torch.empty((b, n, h, d), device=q.device, dtype=torch.float32)
     lse = torch.empty((b, h, n), device=q.device, dtype=torch.float32)
@@ -79,8 +107,8 @@ def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout
             kept[1][:, ring.rank * n:(ring.rank + 1) * n] = segments
     cur = ((k, v), segments)
     for step, pairs in enumerate(schedule):
-        nxt = slots[step % len(slots)] if step + 1 < steps else None
-        pending = pass_on(ring, cur, nxt) if nxt is not None else []
+        nxt = slots.at(step + 1) if step + 1 < steps else None
+        pending = [] if nxt is None else slots.send_own(k, v, segments) if step == 0 else pass_on(ring, cur, nxt)
         (kv, seg) = cur
         final = step == steps - 1 and gaps is not None
         merge = not (first_writes and step == 0)
@@ -148,13 +176,13 @@ class _Grads:
                 copy_rows(dq_out, dq, rows, 1)
 
     def dkv_pass(self, pairs, kv, seg, dest, base=None, keys: Optional[range] = None) -> None:
-        """A step's dK/dV passes into packed ``dest``, for the key rows ``keys`` (None: all n;
-        the pairs' keys lie inside them). The sums start there (base None) or at ``base``,
+        """A step's dK/dV passes into packed ``dest``, for the key rows ``keys`` (None: all of
+        dest's rows; the pairs' keys lie inside them). The sums start there (base None) or at ``base``,
         fp32 sums laid out like dest (then the pairs' key rows must not overlap). A dK/dV
         pass writes every key row of its pair, so pairs over disjoint key rows write theirs
         and only the rows no pair covers are zeroed or copied from base (-0.5 ms at 64k
         tokens a rank, 32 heads); overlapping pairs add into zeros."""
-        gaps = uncovered([pair.k for pair in pairs], self.n, keys)
+        gaps = uncovered([pair.k for pair in pairs], dest.shape[2], keys)
         if gaps is None and keys is None:
             dest.zero_()
         elif gaps is None:
@@ -171,8 +199,8 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
     """Returns dq (like q) and dk, dv of this rank's shards packed as one (2, *k.shape)
     tensor in k's dtype. kept: what ``ring_forward`` kept, or None."""
     n = q.shape[1]
-    steps, schedule, first_writes, plan, pieces, own_apart = schedule_of(ring, layout, n, band, dropout,
-                                                                         blocks)
+    steps, schedule, first_writes, plan, pieces, own_apart, sent = schedule_of(ring, layout, n, band, dropout,
+                                                                               blocks)
     delta = attn_delta(out, dout, dlse)
     if kept is not None and steps == 2:
         return gathered_backward(dout, q, k, v, lse, delta, segments, kept, softmax_scale=softmax_scale,
@@ -180,9 +208,9 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
     grads = _Grads(dout, q, lse, delta, segments, softmax_scale=softmax_scale, dropout=dropout, plan=plan,
                    blocks=blocks, first_writes=first_writes)
     own = ((k, v), segments)
-    slots = kv_slots(k, segments, ring, steps)
+    slots = _Slots(k, segments, ring, steps, sent)
     # The own shard's dQ first: it needs nothing in flight, so it hides the first K/V trip.
-    kv_pending = pass_on(ring, own, slots[0]) if steps > 1 else []
+    kv_pending = slots.send_own(k, v, segments) if steps > 1 else []
     grads.dq_pass(schedule[0], *own, first_writes, steps == 1)
     ring.wait(kv_pending)
     if steps == 1:  # pairs adding into one key row add in fp32, then round once
@@ -193,11 +221,11 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
     # Two active steps (a ring of two) take ``_home_first`` where no rank's own pairs overlap
     # in key rows and every rank's remote step is at least half its own step (a sliding
     # window's sliver of a remote step would not hide the trip; the own dK/dV pass of
-    # ``_rotate`` does).
-    if steps == 2 and own_apart and (
+    # ``_rotate`` does), and whole shards travel.
+    if steps == 2 and own_apart and sent is None and (
             remote_share(layout, ring.world, n, band) if plan is None
             else plan.remote_share(band, blocks)) >= 0.5:
-        return grads.dq_out, _home_first(grads, ring, k, own, slots[0], schedule, pieces)
+        return grads.dq_out, _home_first(grads, ring, k, own, slots.at(1), schedule, pieces)
     return grads.dq_out, _rotate(grads, ring, k, own, slots, schedule, steps)
 
 
@@ -226,24 +254,26 @@ def _home_first(grads: _Grads, ring: Ring, k, own, cur, schedule, pieces) -> tor
     return dkv
 
 
-def _rotate(grads: _Grads, ring: Ring, k, own, slots, schedule, steps: int) -> torch.Tensor:
+def _rotate(grads: _Grads, ring: Ring, k, own, slots: _Slots, schedule, steps: int) -> torch.Tensor:
     """dK/dV of the rotation: each visiting shard's running fp32 sum travels one step behind
     its K/V, and arrives home while the own shard's dK/dV pass runs."""
     dkv = torch.empty((2, *k.shape), device=k.device, dtype=k.dtype)
-    cur = slots[0]
     # Packed (dk, dv) sums in fp32: `running` belongs to the shard this step computes and
     # arrives from r-1 during the step (the shard of step 1 starts its sum here); `sending`
     # belongs to the shard of the step before and leaves for r+1; `mine` is the own
-    # shard's part.
-    running, sending, mine = ring.buffer("grads", (3, 2, *k.shape), torch.float32, k.device)
+    # shard's part. The first two hold the travelling rows of their shard (``_Slots``).
+    sums = ring.buffer("grads", (3, 2 * k.numel()), torch.float32, k.device)
+    mine = sums[2].view(2, *k.shape)
+
+    running = sending = None
     for step in range(1, steps):
         pairs = schedule[step]
-        (kv, seg) = cur
+        (kv, seg) = slots.at(step)
+        running = slots.packed(sums[step % 2], (ring.rank - step) % ring.world)
         # Two messages, the one needed first posted first: the running dK/dV (which the
         # dK/dV pass adds into) and the next K/V (needed by the next step only).
         grads_pending = [] if step == 1 else ring.exchange((sending, running))
-        nxt = slots[step % 2] if step + 1 < steps else None
-        kv_pending = pass_on(ring, cur, nxt) if nxt is not None else []
+        kv_pending = pass_on(ring, (kv, seg), slots.at(step + 1)) if step + 1 < steps else []
         # dQ needs nothing in flight, so it runs while the running dK/dV arrives; dK/dV
         # then add straight into it, only in the key rows this step touches.
         grads.dq_pass(pairs, kv, seg, False, step == steps - 1)
@@ -254,14 +284,17 @@ def _rotate(grads: _Grads, ring: Ring, k, own, slots, schedule, steps: int) -> t
             for pair in pairs:
                 grads.pair(pair, kv, seg, False, dkv=running)
         ring.wait(kv_pending)
-        cur = nxt
-        running, sending = sending, running
+        sending = running
     # The own shard's dK/dV last, into a buffer of its own, while the last remote sum goes
     # home (steps - 1 ranks back; the next rank when the ring is whole) and this shard's sum
     # arrives: no trip after the last pass, and the own-shard step, often the largest
     # (local masks, packed documents), hides the one fp32 trip.
-    home_pending = ring.exchange((sending, running), shift=1 - steps)
+    home = slots.packed(sums[steps % 2], ring.rank)
+    home_pending = ring.exchange((sending, home), shift=1 - steps)
     grads.dkv_pass(schedule[0], *own, mine)
     ring.wait(home_pending)
-    torch.add(mine, running, out=dkv)  # one pass: the fp32 sum rounded once, on the way out
+    rows = slots.rows(ring.rank)
+    if rows != slice(None):  # the rows that stayed are the own pass's alone
+        dkv.copy_(mine)
+    torch.add(mine[:, :, rows], home, out=dkv[:, :, rows])  # the fp32 sum rounded once
     return dkv

@@ -1,0 +1,290 @@
+"""A layout computed from the documents: ``document_layout(cu_seqlens, seqlen, group)``.
+
+Packed documents under a document mask attend only within each document. ``block_stripe``
+balances them by giving every rank blocks of every document, so each of the W ring steps
+moves a whole K/V shard for a slice of pairs that shrinks as 1 / W^2
+(docs/performance.md, "Cost model"). This layout keeps documents whole on one rank
+wherever the balance allows, so most of the attention needs no communication at all:
+
+1. A document longer than a shard (n = seqlen / W tokens), or with more visible causal
+   pairs than ``spread`` x a rank's share, is split zigzag over the W ranks (2W chunks;
+   rank r holds chunks r and 2W - 1 - r): every rank gets the same tokens and pairs of it.
+2. The other documents, heaviest first (at most ``_PLACED_PER_RANK`` x W of them), go whole
+   to the rank with room for them (keeping n / ``_RESERVE`` free) whose projected load is least: its pairs so far, plus
+   what its remaining room will bring at the density (pairs per token) of what is left.
+3. The rest (the lightest documents and the padding, in sequence order) is poured into the
+   ranks' remaining room in ring order 0, 1, ..., W - 1: a document cut there starts on rank
+   r and ends on rank r + 1, one ring step away.
+
+``spread`` is chosen per call: the fewest split documents whose busiest rank is within
+``_BALANCED`` of the mean, else the most even of the candidates (``_SPREADS``).
+
+A rank holds its tokens in increasing global position. Under causal (or full) attention
+its own step is then one kernel call over the shard (key row <= query row; the segment
+ids tell documents apart); the other steps compute only the pieces of the documents that
+cross ranks (``DocumentLayout.pairs``), and the ring runs only as far as they reach
+(``layouts.active_steps``): 2 steps when no document is split zigzag (the one hop hides
+behind the own step), W otherwise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import NamedTuple, Optional
+
+import torch
+
+from .api import check_cu_seqlens, positive_int
+from .groups import resolve_grid
+from .layouts import (_ALL, NO_BAND, Layout, Pair, _Chunk, _local_pair, _merged, _MADE_PREFIX,
+                      remember)
+
+# Split documents are tried at these multiples of a rank's share of the pairs (inf: only
+# documents longer than a shard); the first whose busiest rank is within _BALANCED of the
+# mean is taken.
+_SPREADS = (float("inf"), 1.0, 0.5, 0.25)
+_BALANCED = 1.03
+# Documents placed one by one (heaviest first) per rank; the lighter rest is poured.
+_PLACED_PER_RANK = 64
+# Placing leaves every rank 1 / _RESERVE of its shard for the pour: a document the pour cuts
+# then reaches the next rank, not one further on.
+_RESERVE = 16
+
+
+class Piece(NamedTuple):
+    """Tokens [start, start + length) of one document, at local rows [local, local + length)."""
+
+    start: int
+    length: int
+    local: int
+
+    def chunk(self) -> _Chunk:
+        return _Chunk(self.local, self.length, self.start, 1)
+
+
+def _spans_to_runs(spans: list[tuple[int, int]]) -> list[Piece]:
+    """Spans (start, length) of one rank, sorted and joined where adjacent, with local rows."""
+    runs: list[list[int]] = []
+    for start, length in sorted(s for s in spans if s[1] > 0):
+        if runs and runs[-1][0] + runs[-1][1] == start:
+            runs[-1][1] += length
+        else:
+            runs.append([start, length])
+    local, out = 0, []
+    for start, length in runs:
+        out.append(Piece(start, length, local))
+        local += length
+    return out
+
+
+def _rank_work(bounds: torch.Tensor, runs: list[Piece], end: int) -> int:
+    """The causal pairs a rank's queries see within their documents (padding: none)."""
+    if not runs:
+        return 0
+    pos = torch.cat([torch.arange(r.start, r.start + r.length) for r in runs])
+    pos = pos[pos < end]
+    start = bounds[torch.searchsorted(bounds[1:], pos, right=True)]
+    return int((pos - start + 1).sum())
+
+
+def _assign(bounds: torch.Tensor, seqlen: int, world: int, spread: float) -> tuple[list[list[Piece]], int]:
+    """Each rank's runs for one ``spread`` (module docstring, steps 1-3), and the number of
+    documents split zigzag."""
+    n = seqlen // world
+    lengths = (bounds[1:] - bounds[:-1]).tolist()
+    starts = bounds[:-1].tolist()
+    work = [length * (length + 1) / 2 for length in lengths]
+    share = sum(work) / world
+    spans: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+    room, load = [n] * world, [0.0] * world
+    placed = [False] * len(lengths)
+    rotate, splits = 0, 0
+    for d, length in enumerate(lengths):  # 1. zigzag over every rank
+        if length == 0 or (length <= n and work[d] <= spread * share):
+            continue
+        base, extra = divmod(length, world)
+        per = [base + ((r - rotate) % world < extra) for r in range(world)]
+        rotate = (rotate + extra) % world  # the ranks that take the odd tokens take turns
+        sizes = [p // 2 for p in per] + [p - p // 2 for p in reversed(per)]
+        owners = list(range(world)) + list(reversed(range(world)))
+        at = starts[d]
+        for size, r in zip(sizes, owners):
+            spans[r].append((at, size))
+            at += size
+        for r in range(world):
+            room[r] -= per[r]
+            load[r] += work[d] / world
+        placed[d], splits = True, splits + 1
+    rest = [d for d in range(len(lengths)) if not placed[d] and lengths[d] > 0]
+    stream_tokens = seqlen - sum(n - r for r in room)
+    stream_work = sum(work[d] for d in rest)
+    reserve = n // _RESERVE  # room kept for the pour on every rank, so that it never skips one
+    for d in sorted(rest, key=lambda d: -work[d])[:_PLACED_PER_RANK * world]:  # 2. whole
+        length = lengths[d]
+        density = stream_work / max(stream_tokens, 1)
+        fits = [r for r in range(world) if room[r] - length >= reserve]
+        if not fits:
+            continue
+        r = min(fits, key=lambda r: (load[r] + density * (room[r] - length), r))
+        spans[r].append((starts[d], length))
+        room[r] -= length
+        load[r] += work[d]
+        stream_tokens -= length
+        stream_work -= work[d]
+        placed[d] = True
+    taken = sorted(s for rank in spans for s in rank)  # 3. pour the rest in ring order
+    gaps, at = [], 0
+    for start, length in taken + [(seqlen, 0)]:
+        if start > at:
+            gaps.append((at, start - at))
+        at = max(at, start + length)
+    r = 0
+    for start, length in gaps:
+        while length:
+            while room[r] == 0:
+                r += 1
+            take = min(length, room[r])
+            spans[r].append((start, take))
+            room[r] -= take
+            start, length = start + take, length - take
+    return [_spans_to_runs(s) for s in spans], splits
+
+
+class DocumentLayout(Layout):
+    """A layout computed from one packed sequence's documents (``document_layout``): each
+    rank's tokens as runs of consecutive positions (``runs``), and for every document that
+    crosses ranks its pieces on each rank (``shared``). Equal layouts (the same documents,
+    sequence length and world size) have equal names; the ranks compare its ``digest``."""
+
+    keeps_kv = False
+
+    def __init__(self, bounds: torch.Tensor, seqlen: int, world: int, runs: list[list[Piece]],
+                 splits: int, spread: float):
+        self.bounds, self.seqlen, self.world, self.runs = bounds, seqlen, world, runs
+        self.splits, self.spread = splits, spread
+        self.local_len = seqlen // world
+        key = f"{seqlen},{world}," + ",".join(map(str, bounds.tolist()))
+        self.digest = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") >> 2
+        self.name = f"{_MADE_PREFIX}{self.digest:016x}"
+        self._positions = [torch.cat([torch.arange(p.start, p.start + p.length) for p in rank])
+                           for rank in runs]
+        self.shared = self._shared_pieces()
+
+    def __repr__(self) -> str:
+        return (f"DocumentLayout(seqlen={self.seqlen}, world={self.world}, documents={len(self.bounds) - 1}, "
+                f"split={self.splits})")
+
+    def _doc_at(self, position: int) -> int:
+        """The document holding ``position`` (-1: padding)."""
+        if position >= int(self.bounds[-1]):
+            return -1
+        return int(torch.searchsorted(self.bounds[1:], torch.tensor(position), right=True))
+
+    def _shared_pieces(self) -> dict[int, dict[int, list[Piece]]]:
+        """{document: {rank: its pieces there}} of the documents on more than one rank. Only a
+        run's first and last documents can reach past it."""
+        candidates = {self._doc_at(p) for rank in self.runs for run in rank
+                      for p in (run.start, run.start + run.length - 1)} - {-1}
+        shared = {}
+        for d in sorted(candidates):
+            lo, hi = int(self.bounds[d]), int(self.bounds[d + 1])
+            pieces = {}
+            for r, rank in enumerate(self.runs):
+                mine = [Piece(max(lo, run.start), min(hi, run.start + run.length) - max(lo, run.start),
+                              run.local + max(lo, run.start) - run.start)
+                        for run in rank if run.start < hi and lo < run.start + run.length]
+                if mine:
+                    pieces[r] = mine
+            if len(pieces) > 1:
+                shared[d] = pieces
+        return shared
+
+    # ------------------------------------------------------------------ Layout's rules
+
+    def check_seqlen(self, seqlen, world):
+        if (seqlen, world) != (self.seqlen, self.world):
+            raise ValueError(f"layout {self.name} was made for seqlen {self.seqlen} over {self.world} ranks, "
+                             f"not seqlen {seqlen} over {world}")
+
+    def check_local(self, local_len):
+        if local_len != self.local_len:
+            raise ValueError(f"layout {self.name} gives each rank {self.local_len} tokens "
+                             f"(seqlen {self.seqlen} over {self.world} ranks), got {local_len}")
+
+    def check_masks(self, band, window, block_mask, segments):
+        if block_mask:
+            raise ValueError("block_mask is not served with a document layout: use layout 'block_stripe'")
+        if not segments:
+            raise ValueError(f"layout {self.name} needs segment_ids: its ring steps compute only the "
+                             "documents that cross ranks (segment_ids_from_cu_seqlens(cu_seqlens, seqlen, "
+                             "layout=layout))")
+
+    def positions(self, seqlen, rank, world):
+        self.check_seqlen(seqlen, world)
+        return self._positions[rank].clone()
+
+    def block_chunk(self, world, local_len, block):
+        raise ValueError("block_mask is not served with a document layout: use layout 'block_stripe'")
+
+    def pairs(self, rank, src, world, local_len, band, merge, occupied):
+        """Own step: every run against itself and against the runs holding the same
+        document (one call over the shard under causal or full attention when merging);
+        other steps: the pieces of each document that both ranks hold."""
+        if rank == src:
+            if merge and band in (NO_BAND, (None, 0)):
+                return (Pair(_ALL, _ALL, None, band[1]),)
+            runs = self.runs[rank]
+            together = {(a, a) for a in range(len(runs))}
+            for pieces in self.shared.values():
+                held = [next(i for i, run in enumerate(runs) if run.start <= p.start < run.start + run.length)
+                        for p in pieces.get(rank, ())]
+                together.update((a, b) for a in held for b in held)
+            chunks = [(runs[a].chunk(), runs[b].chunk()) for a, b in sorted(together)]
+        else:
+            chunks = [(q.chunk(), k.chunk()) for pieces in self.shared.values()
+                      if rank in pieces and src in pieces for q in pieces[rank] for k in pieces[src]]
+        pairs = [p for qc, kc in chunks if (p := _local_pair(qc, kc, band, local_len)) is not None]
+        return tuple(_merged(pairs, local_len)) if merge else tuple(pairs)
+
+
+def document_layout(cu_seqlens, seqlen: int, group=None, *, world: Optional[int] = None) -> DocumentLayout:
+    """A layout for one packed sequence of ``seqlen`` tokens whose documents are given in
+    flash_attn's varlen format (document d holds tokens [cu_seqlens[d], cu_seqlens[d + 1]);
+    tokens from cu_seqlens[-1] on are padding), over the ring of ``group`` (a process
+    group, a DeviceMesh, or a heads x ring grid: its ring).
+
+    Documents stay whole on one rank where the balance allows; the ring's steps then
+    compute, and its K/V travel for, only the documents that cross ranks (the module
+    docstring says how it is made). Pass it as ``layout=`` wherever a layout name goes
+    (``shard``, ``unshard``, ``positions``, ``ring_flash_attn``, ``SequenceParallel``,
+    ``segment_ids_from_cu_seqlens``), together with segment ids of the same documents:
+    ``segment_ids_from_cu_seqlens(cu_seqlens, seqlen, layout=layout, group=group)``. Ids
+    may split its documents further, never join them.
+
+    Local (no collective): every rank computes the same layout from the same cu_seqlens,
+    and the ring's rank check compares it. seqlen must be a multiple of the ring's size.
+    ``world``: the ring's size, to plan a layout without a process group (cost model,
+    tests); with a group, it must be the group's. Block masks are not served with it
+    (ValueError). Host time: about 5-70 ms at 32k-1M tokens over 2-8 ranks (2 cores).
+    """
+    seqlen = positive_int(seqlen, "seqlen")
+    bounds = check_cu_seqlens(cu_seqlens, seqlen)
+    ring_world = resolve_grid(group).ring_world
+    if world is None:
+        world = ring_world
+    elif positive_int(world, "world") != ring_world and (group is not None or ring_world > 1):
+        raise ValueError(f"world {world} is not the group's ring size {ring_world}")
+    if seqlen % world:
+        raise ValueError(f"seqlen {seqlen} cannot be split over {world} ranks: it must be a multiple of {world}")
+    best: Optional[tuple] = None
+    for spread in _SPREADS:
+        runs, splits = _assign(bounds, seqlen, world, spread)
+        loads = [_rank_work(bounds, rank, int(bounds[-1])) for rank in runs]
+        mean = max(sum(loads) / world, 1)
+        worst = max(loads) / mean
+        if best is None or worst < best[0] - 1e-9:
+            best = (worst, runs, splits, spread)
+        if worst <= _BALANCED:
+            break
+    _, runs, splits, spread = best
+    return remember(DocumentLayout(bounds, seqlen, world, runs, splits, spread))

@@ -1,0 +1,241 @@
+"""The layout computed from the documents (``ringflash.document_layout``): its shards and
+balance on the host, and the ring over it against the float64 oracle on the full
+sequence (gloo, CPU), world sizes 1-4: one-token documents, a document longer than every
+rank's shard, documents that end on shard boundaries, padding, causal and not, GQA, windows,
+dropout (the bits of one device), bf16; shard/unshard; ranks that disagree."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import ringflash
+from dist_utils import raised
+from oracle import TOL, global_mask, oracle_results
+from ringflash.documents import _rank_work
+from ringflash.layouts import NO_BAND, active_steps, step_pairs
+from test_dropout import dropped
+from test_ring_masks import _err
+
+
+def _cu(lengths, seqlen=None) -> torch.Tensor:
+    """cu_seqlens of documents of ``lengths`` packed from position 0."""
+    return torch.tensor([0, *lengths]).cumsum(0)
+
+
+def _lognormal(seqlen: int, median: int, seed: int) -> torch.Tensor:
+    """Documents of log-normal lengths (sigma 1) filling ``seqlen``, as cu_seqlens."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths, total = [], 0
+    while total < seqlen:
+        length = int(math.exp(math.log(median) + float(torch.randn((), generator=gen))))
+        length = max(1, min(length, seqlen - total))
+        lengths.append(length)
+        total += length
+    return _cu(lengths)
+
+
+def _document_of(cu: torch.Tensor, seqlen: int) -> torch.Tensor:
+    tokens = torch.arange(seqlen)
+    return torch.where(tokens < cu[-1], torch.searchsorted(cu[1:], tokens, right=True), -1)
+
+
+# ----------------------------------------------------------------------------- the layout, on the host
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_shards_hold_every_token_once_in_order(world, seed):
+    seqlen = 4096 * world
+    cu = _lognormal(seqlen - 100, 300, seed)  # 100 tokens of padding
+    layout = ringflash.document_layout(cu, seqlen, world=world)
+    shards = [ringflash.positions(seqlen, layout) if world == 1 else layout.positions(seqlen, r, world)
+              for r in range(world)]
+    assert all(s.numel() == seqlen // world for s in shards)
+    assert all(bool((s[1:] > s[:-1]).all()) for s in shards), "a rank's tokens in increasing order"
+    assert torch.equal(torch.cat(shards).sort().values, torch.arange(seqlen))
+    # a document is on one rank unless it is split (zigzag over all) or the pour cuts it
+    doc = _document_of(cu, seqlen)
+    owners = {}
+    for r, s in enumerate(shards):
+        for d in doc[s].unique().tolist():
+            owners.setdefault(d, set()).add(r)
+    crossing = {d for d, ranks in owners.items() if d >= 0 and len(ranks) > 1}
+    assert crossing == set(layout.shared)
+    assert len(crossing) <= layout.splits + (world - 1), "only split documents and the pour's cuts cross"
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_balanced_on_lognormal_documents(world):
+    """Causal pairs per rank within 6% of the mean (block_stripe's own balance is within 2%
+    at 128k, docs/notes/documents.md), and the ring runs 2 steps when nothing is split."""
+    seqlen = 131072
+    for seed in range(3):
+        layout = ringflash.document_layout(_lognormal(seqlen, 2048, seed), seqlen, world=world)
+        loads = [_rank_work(layout.bounds, runs, seqlen) for runs in layout.runs]
+        assert max(loads) <= 1.06 * sum(loads) / world, (seed, loads)
+        steps = active_steps(layout, world, seqlen // world, (None, 0))
+        assert steps == (world if layout.splits else 2), (seed, steps, layout.splits)
+
+
+def test_short_documents_need_one_hop_and_no_split():
+    seqlen, world = 65536, 4
+    layout = ringflash.document_layout(_cu([512] * 128), seqlen, world=world)
+    assert layout.splits == 0
+    assert active_steps(layout, world, seqlen // world, (None, 0)) <= 2
+    assert active_steps(layout, world, seqlen // world, NO_BAND) <= 2
+    # documents on block boundaries whose shards fill exactly: nothing crosses, one step
+    assert active_steps(ringflash.document_layout(_cu([128] * 512), seqlen, world=world),
+                        world, seqlen // world, (None, 0)) == 1
+
+
+def test_one_document_is_zigzag():
+    """A single document is split over every rank like the zigzag layout (whose causal work
+    is even at every step)."""
+    seqlen, world = 4096, 4
+    layout = ringflash.document_layout(_cu([seqlen]), seqlen, world=world)
+    for r in range(world):
+        assert torch.equal(layout.positions(seqlen, r, world), ringflash.layouts.global_positions(
+            seqlen, "zigzag", r, world))
+
+
+def test_own_step_is_one_call_and_remote_steps_only_crossing_documents():
+    seqlen, world = 32768, 2
+    layout = ringflash.document_layout(_lognormal(seqlen, 1024, 3), seqlen, world=world)
+    n = seqlen // world
+    own = step_pairs(layout, 0, 0, world, n, (None, 0))
+    assert len(own) == 1 and own[0].q == own[0].k == slice(None)
+    remote_rows = sum(len(range(n)[p.q]) for p in step_pairs(layout, 1, 0, world, n, (None, 0)))
+    crossing = sum(p.length for pieces in layout.shared.values() for p in pieces.get(1, ()))
+    assert 0 < remote_rows <= crossing < n
+
+
+def test_equal_documents_give_equal_layouts_and_names():
+    cu = _lognormal(8192, 500, 0)
+    a, b = (ringflash.document_layout(cu, 8192, world=4) for _ in range(2))
+    c = ringflash.document_layout(_lognormal(8192, 500, 1), 8192, world=4)
+    assert a.name == b.name != c.name
+    assert a.runs == b.runs
+    assert ringflash.layouts.layout_of(a.name) is b  # the newest of equal names
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="multiple of 3"):
+        ringflash.document_layout(_cu([10]), 10, world=3)
+    with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
+        ringflash.document_layout(torch.tensor([0, 12]), 10, world=2)
+    with pytest.raises(TypeError, match="cu_seqlens must be an integer"):
+        ringflash.document_layout(torch.tensor([0.0, 10.0]), 10, world=2)
+    with pytest.raises(TypeError, match="seqlen must be an int"):
+        ringflash.document_layout(_cu([10]), 10.0, world=2)
+    layout = ringflash.document_layout(_cu([5, 5, 6]), 16, world=2)
+    with pytest.raises(ValueError, match="made for seqlen 16 over 2 ranks"):
+        layout.positions(32, 0, 2)
+    q = torch.randn(1, 16, 2, 8)
+    with pytest.raises(ValueError, match="gives each rank 8 tokens"):  # a ring of one: 16 a rank
+        ringflash.ring_flash_attn(q, q, q, layout=layout)
+    one = ringflash.document_layout(_cu([5, 5, 6]), 16)
+    with pytest.raises(ValueError, match="needs segment_ids"):
+        ringflash.ring_flash_attn(q, q, q, layout=one, causal=True)
+    with pytest.raises(ValueError, match="block_mask is not served"):
+        ringflash.ring_flash_attn(q, q, q, layout=one, segment_ids=torch.zeros(1, 16, dtype=torch.int32),
+                                  block_mask=torch.ones(1, 1, 1, dtype=torch.bool))
+
+
+# ----------------------------------------------------------------------------- the ring, against the oracle
+
+
+def _fit(lengths, total: int) -> list[int]:
+    """``lengths`` cut to hold ``total`` tokens at most (the last one shortened)."""
+    out, left = [], total
+    for length in lengths:
+        if left <= 0:
+            break
+        out.append(min(length, left))
+        left -= out[-1]
+    return out
+
+
+def _configs(world: int, n: int):
+    """(name, document lengths (the rest of the sequence is padding), causal, window, heads,
+    kv_heads, dtype, dropout_p)."""
+    seqlen = n * world
+    head = [5, 1, 1, 17, 3]
+    return [  # "docs": the last document is longer than every rank's shard (W > 1)
+        ("docs", head + [seqlen - seqlen // 8 - sum(head)], True, (-1, -1), 4, 2, "float32", 0.0),
+        ("docs-full", _fit([1, 9, 1, 1, 30, 2, 1], seqlen), False, (-1, -1), 2, 1, "float32", 0.0),
+        ("one-doc", [seqlen], True, (-1, -1), 2, 2, "float32", 0.0),
+        ("tiny", [1] * (seqlen // 2), True, (-1, -1), 2, 2, "float32", 0.0),
+        ("halves", [n // 2] * (2 * world), True, (-1, -1), 2, 2, "float32", 0.0),
+        ("window+docs", _fit([7, 40, 3, 11], seqlen), True, (6, -1), 2, 1, "float32", 0.0),
+        ("dropout+docs", _fit([13, 2, n + 3, 9], seqlen), True, (-1, -1), 2, 1, "float32", 0.2),
+        ("docs-bf16", _fit([3, n, 6], seqlen), True, (-1, -1), 4, 2, "bfloat16", 0.0),
+    ]
+
+
+def check_document_ring(rank, world, n=32, seed=0, device="cpu"):
+    """Every configuration of _configs, ``n`` tokens a rank, the ring on ``device`` (the
+    oracle on the CPU); returns this rank's failures."""
+    failures = []
+    for i, (name, lengths, causal, window, h, hkv, dtype, p) in enumerate(_configs(world, n)):
+        seqlen = n * world
+        gen = torch.Generator().manual_seed(seed + i)
+        assert sum(lengths) <= seqlen, name
+        cu = _cu(lengths)
+        layout = ringflash.document_layout(cu, seqlen)
+        dt = getattr(torch, dtype)
+        q, k, v, dout = (torch.randn(1, seqlen, hh, 16, generator=gen).to(dt) for hh in (h, hkv, hkv, h))
+        local = [ringflash.shard(t.to(device), dim=1, layout=layout).requires_grad_() for t in (q, k, v)]
+        drop = dict(dropout_p=p, seed=1000 + i) if p else {}
+        ids = ringflash.segment_ids_from_cu_seqlens(cu.to(device), seqlen, layout=layout)
+        out, lse = ringflash.ring_flash_attn(*local, causal=causal, window_size=window, layout=layout,
+                                             segment_ids=ids, return_lse=True, **drop)
+        out.backward(ringflash.shard(dout.to(device), dim=1, layout=layout))
+        got = {"out": out.detach(), "lse": lse.detach(), "dq": local[0].grad,
+               "dk": local[1].grad, "dv": local[2].grad}
+        got = {key: ringflash.unshard(val, dim=2 if key == "lse" else 1, layout=layout).cpu()
+               for key, val in got.items()}
+        if i % world != rank:
+            continue
+        keep = dropped(ringflash.dropout_keep_mask(drop["seed"], p, 1, h, seqlen), p) if p else None
+        seg = _document_of(cu, seqlen)[None]
+        want = oracle_results(q, k, v, dout, global_mask(seqlen, causal, window, seg), keep)
+        tol = TOL[dt]
+        for key in got:
+            if not (err := _err(got[key], want[key])) <= tol:
+                failures.append(f"W={world} {name}: {key} rel err {err:.3g} vs oracle (tol {tol:g})")
+        pad = seg[0] < 0
+        if not (torch.isneginf(got["lse"][0, :, pad]).all() and (got["out"][0, pad] == 0).all()
+                and (got["dq"][0, pad] == 0).all()):
+            failures.append(f"W={world} {name}: padding rows not exactly empty")
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4], ids=lambda w: f"W{w}")
+def test_document_ring_matches_oracle(worlds, world_size):
+    per_rank = worlds(world_size).run(check_document_ring, timeout=300)
+    failures = [f for fs in per_rank for f in fs]
+    assert not failures, "\n".join(failures)
+
+
+def check_round_trip_and_disagreement(rank, world):
+    seqlen = 16 * world
+    layout = ringflash.document_layout(_cu([3, seqlen - 10, 7]), seqlen)
+    x = torch.arange(2 * seqlen, dtype=torch.float32).view(2, seqlen)
+    mine = ringflash.shard(x, dim=1, layout=layout)
+    assert torch.equal(mine, x[:, ringflash.positions(seqlen, layout)])
+    assert torch.equal(ringflash.unshard(mine, dim=1, layout=layout), x)
+    # ranks that computed their layouts from different documents raise, all of them
+    other = ringflash.document_layout(_cu([3 + rank, seqlen - 10 - rank, 7]), seqlen)
+    q = torch.randn(1, seqlen // world, 2, 8)
+    ids = ringflash.segment_ids_from_cu_seqlens(_cu([3 + rank, seqlen - 10 - rank, 7]), seqlen, layout=other)
+    return raised(lambda: ringflash.ring_flash_attn(q, q, q, layout=other, segment_ids=ids, causal=True))
+
+
+@pytest.mark.world(2)
+def test_round_trip_and_ranks_that_disagree(worlds):
+    verdicts = worlds(2).run(check_round_trip_and_disagreement)
+    assert all(v is not None and v[0] == "ValueError" and "disagree on layout" in v[1] for v in verdicts), verdicts
+
