@@ -2,12 +2,12 @@
 W = 8-64 ranks at 512k-4M tokens: why packed documents lose efficiency with block_stripe as
 W grows, and what a layout built from the documents could reach (a bound from the model).
 
-    python benchmarks/predict_scaling.py                       # both tables, CPU, < 1 min
+    python benchmarks/predict_scaling.py                       # both tables, CPU, ~5 min
     python benchmarks/predict_scaling.py --fit                 # refit the constants first
     python benchmarks/predict_scaling.py --out /tmp/pred.json  # also the records (impl "cost_model")
 
-Measured rows: every ring row of benchmarks/results/masks_h100x2.json and masks_h200x2.json
-on a fixed layout against the 1-GPU row of the same run, and the efficiencies measured on 4 x H100 on
+Measured rows: every ring row of benchmarks/results/masks_h100x2.json, masks_h100x2_512k.json
+and masks_h200x2.json against the 1-GPU row of the same run, and the efficiencies measured on 4 x H100 on
 2026-11-26 (that run's JSON was not committed: quoted in ``QUOTED_H100X4``). Masks as
 bench_masks.py builds them: documents of log-normal lengths (its own generator, seed 0),
 causal within each; window: causal, 4096 keys back. bf16, 32 heads, head_dim 128, batch 1.
@@ -21,6 +21,8 @@ import argparse
 import time
 from pathlib import Path
 
+import torch
+
 from bench_masks import documents
 import ringflash
 from harness import cli, results
@@ -33,10 +35,11 @@ WINDOW = 4096
 QUOTED_H100X4 = [("documents", 32768, "block_stripe", 0.74), ("documents", 131072, "block_stripe", 0.68),
                  ("window", 32768, "contiguous", 0.79), ("window", 131072, "contiguous", 0.87),
                  ("causal", 131072, "zigzag", 0.97)]
-MEASURED = ("masks_h100x2.json", "masks_h200x2.json")
+MEASURED = ("masks_h100x2.json", "masks_h100x2_512k.json", "masks_h200x2.json")
 FITTED_ON = ("masks_h100x2.json", "4 x H100, quoted")  # the H200 rows are checked, not fitted
 PREDICT = [("causal", "zigzag"), ("documents", "block_stripe"), ("documents", "contiguous"),
-           ("window", "contiguous"), ("window", "block_stripe"), ("documents", "documents")]
+           ("window", "contiguous"), ("window", "block_stripe"), ("documents", "document_layout"),
+           ("documents", "documents")]
 
 
 def mask_of(mask: str, seqlen: int) -> cost.Mask:
@@ -55,9 +58,7 @@ def measured_rows() -> list[dict]:
         data = results.load_results(results.RESULTS_DIR / name)
         one = {(r["mask"], r["seqlen"]): r["fwdbwd_ms"] for r in data["records"] if r["impl"] == "ringflash_1gpu"}
         for r in data["records"]:
-            # The layout computed from the documents is not modelled: its steps run the
-            # documents that cross ranks only, and its shards travel cut (ring.plan).
-            if r["impl"] == "ringflash" and r.get("gpus") and r["layout"] in ringflash.LAYOUTS:
+            if r["impl"] == "ringflash" and r.get("gpus"):
                 t1 = one[(r["mask"], r["seqlen"])]
                 rows.append(dict(source=name, device=data["meta"]["device"], gpus=r["gpus"], mask=r["mask"],
                                  seqlen=r["seqlen"], layout=r["layout"], one_ms=t1,
@@ -72,8 +73,11 @@ def counted(rows: list[dict]) -> None:
     """Adds each row's ring and 1-GPU counts (``ring``, ``one``) and its Problem."""
     for r in rows:
         m = mask_of(r["mask"], r["seqlen"])
-        r["ring"] = cost.ring_counts(r["gpus"], r["seqlen"], r["layout"], m)
-        r["one"] = cost.ring_counts(1, r["seqlen"], r["layout"], m)
+        layout = r["layout"]
+        if layout == "documents":  # the layout bench_masks.py computed from the same documents
+            layout = ringflash.document_layout(torch.tensor(m.cu_seqlens), r["seqlen"], world=r["gpus"])
+        r["ring"] = cost.ring_counts(r["gpus"], r["seqlen"], layout, m)
+        r["one"] = cost.ring_counts(1, r["seqlen"], "contiguous", m)
         r["problem"] = cost.Problem(segments=m.cu_seqlens is not None)
 
 
@@ -112,9 +116,16 @@ def predictions(worlds: list[int], seqlens: list[int], costs: cost.Costs) -> lis
             one = cost.ring_counts(1, seqlen, "contiguous", m)
             row = dict(mask=mask, seqlen=seqlen, layout=layout + (" (bound)" if layout == "documents" else ""))
             for world in worlds:
-                if layout == "documents":  # a layout built from the documents, not built yet: the model's bound
+                if layout == "documents":  # the model's bound for a layout built from the documents
                     bound = cost.document_bound(world, seqlen, documents(seqlen), costs, problem)
                     eff, steps = bound["efficiency"], None
+                elif layout == "document_layout":  # ringflash.document_layout, counted token by token
+                    if world * seqlen > cost.TOKENWISE_LIMIT:
+                        row[f"W={world}"] = float("nan")
+                        continue
+                    built = ringflash.document_layout(torch.tensor(m.cu_seqlens), seqlen, world=world)
+                    ring = cost.ring_counts(world, seqlen, built, m)
+                    eff, steps = cost.efficiency(ring, one, costs, problem), ring.steps
                 else:
                     ring = cost.ring_counts(world, seqlen, layout, m)
                     eff, steps = cost.efficiency(ring, one, costs, problem), ring.steps
@@ -123,8 +134,9 @@ def predictions(worlds: list[int], seqlens: list[int], costs: cost.Costs) -> lis
                                     predicted_efficiency=eff, steps=steps, bound=layout == "documents",
                                     window=WINDOW if mask == "window" else None))
             table.append(row)
-    print("\npredicted efficiency (H100 constants; documents (bound): a layout from the documents, "
-          "by the model, not measured)")
+    print("\npredicted efficiency (H100 constants; document_layout: ringflash.document_layout, nan past "
+          "world x seqlen = 2^26; documents (bound): what a layout from the documents splitting long "
+          "ones over the fewest ranks could reach, by the model)")
     print(results.format_table(table, [("mask", "mask"), ("seqlen", "seqlen", cli.fmt_size), ("layout", "layout")]
                                + [(f"W={w}", f"W={w}", ".2f") for w in worlds]))
     return records

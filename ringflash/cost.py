@@ -22,7 +22,10 @@ What the ring runs (rotate.py): ``steps`` = the steps the band (causal, window) 
 anything to on some rank (``layouts.active_steps``: document boundaries do not shorten the
 ring); each step runs every query and key tile of the shard once (the forward's running
 out, the dQ and dK/dV passes, visible keys or not), and each step but the last sends the
-K/V shard one hop in the forward, again in the backward, and a running fp32 dK/dV sum.
+K/V shard one hop in the forward, again in the backward, and a running fp32 dK/dV sum --
+as the rows of it that travel where shards travel cut (``ring.plan.travelling_rows``). A
+layout computed from the documents (``ringflash.document_layout``) runs its own steps:
+only those its crossing documents need, each over the rows of its pairs (``_cut_steps``).
 """
 
 from __future__ import annotations
@@ -35,11 +38,13 @@ import torch
 from einops import rearrange
 
 from .kernels.masks import BLOCK
-from .layouts import global_positions, layout_of
+from .kernels import band_of_window
+from .layouts import active_steps, global_positions, layout_of, step_pairs
+from .ring.plan import travelling_rows
 
 # Counting token by token (a layout whose shards are not whole 128-token units) holds
 # world x seqlen numbers; past this it raises rather than run for minutes.
-_TOKENWISE_LIMIT = 1 << 25
+TOKENWISE_LIMIT = 1 << 26
 # The problem the constants were measured on (bench_masks.py): 32 heads, head_dim 128.
 _REF_WIDTH = 32 * 128
 
@@ -102,6 +107,11 @@ class RingCounts(NamedTuple):
     touched: 128 x 128 (query tile, key tile) pairs holding any visible pair.
     full: those of ``touched`` whose every pair is visible.
     steps: the steps the ring runs (``layouts.active_steps``); later steps are empty.
+    rows: None where every step runs its passes over the whole shard; else [rank, step]
+        the rows they run over (a layout computed from the documents: the pieces of the
+        documents that cross ranks).
+    received: None where whole shards travel; else [rank, step] the K/V rows the rank
+        receives during the step (``ring.plan.travelling_rows``).
     """
 
     world: int
@@ -111,6 +121,8 @@ class RingCounts(NamedTuple):
     touched: torch.Tensor
     full: torch.Tensor
     steps: int
+    rows: Optional[torch.Tensor] = None
+    received: Optional[torch.Tensor] = None
 
     @property
     def local_len(self) -> int:
@@ -194,10 +206,10 @@ def _shards(world: int, seqlen: int, layout: str) -> _Shards:
             unit = 1
     else:
         unit = 1
-    if unit == 1 and world * seqlen > _TOKENWISE_LIMIT:
+    if unit == 1 and world * seqlen > TOKENWISE_LIMIT:
         raise ValueError(f"layout {layout!r} over {world} ranks at seqlen {seqlen}: its shards are not whole "
                          f"{BLOCK}-token blocks, so they are counted token by token, which needs "
-                         f"world x seqlen <= {_TOKENWISE_LIMIT}")
+                         f"world x seqlen <= {TOKENWISE_LIMIT}")
     owner = torch.cat([rank_of[::unit], torch.tensor([-1])])
     held = (owner[:-1, None] == torch.arange(world)).double() * unit  # (units, W)
     below = torch.cat([torch.zeros(1, world, dtype=torch.float64), held.cumsum(0)]).T.contiguous()
@@ -338,8 +350,47 @@ def ring_counts(world: int, seqlen: int, layout: str, mask: Mask = Mask()) -> Ri
     shards = _shards(world, seqlen, name if world > 1 else "contiguous")
     rows = _rows(seqlen, mask)
     touched, full = _tiles(shards, rows)
-    return RingCounts(world, seqlen, name, _by_step(_visible(shards, rows)), _by_step(touched),
-                      _by_step(full), _band_steps(shards, seqlen, mask))
+    counts = RingCounts(world, seqlen, name, _by_step(_visible(shards, rows)), _by_step(touched),
+                        _by_step(full), _band_steps(shards, seqlen, mask))
+    return _cut_steps(counts, layout_of(layout), mask) if world > 1 else counts
+
+
+def _covered(slices, n: int) -> int:
+    """How many of n rows the slices (which may overlap) cover."""
+    total = end = 0
+    for a, b in sorted((r.start, r.stop) for r in (range(n)[part] for part in slices)):
+        if b > end:
+            total, end = total + b - max(a, end), b
+    return total
+
+
+def _cut_steps(counts: RingCounts, layout, mask: Mask) -> RingCounts:
+    """The counts with what travels where shards travel cut (``ring.plan.travelling_rows``:
+    K/V rows received per rank and step), and for a layout computed from the documents
+    (``ringflash.document_layout``, whose documents must be the mask's) its own steps: the
+    ring runs only those some crossing document needs, each over the rows of its pairs."""
+    world, n = counts.world, counts.local_len
+    band = band_of_window(mask.causal, mask.window)
+    documents = hasattr(layout, "shared")
+    steps = active_steps(layout, world, n, band) if documents else counts.steps
+    sent = travelling_rows(layout, world, n, band, True, steps) if steps > 1 else None
+    if sent is None and not documents:
+        return counts
+    received = torch.zeros(world, world, dtype=torch.long)
+    for rank in range(world):
+        for s in range(steps - 1):  # the shard of step s + 1 arrives during step s
+            lo, hi = (0, n) if sent is None else sent[(rank - s - 1) % world]
+            received[rank, s] = hi - lo
+    rows = None
+    if documents:
+        rows = torch.zeros(world, world, dtype=torch.long)
+        for rank in range(world):
+            rows[rank, 0] = n
+            for s in range(1, steps):
+                pairs = step_pairs(layout, rank, (rank - s) % world, world, n, band)
+                q, k = (_covered([getattr(p, side) for p in pairs], n) for side in ("q", "k"))
+                rows[rank, s] = (q + k + 1) // 2
+    return counts._replace(steps=steps, rows=rows, received=received)
 
 
 # ----------------------------------------------------------------------------- bytes and time
@@ -364,15 +415,17 @@ def kv_bytes(local_len: int, problem: Problem = Problem()) -> int:
 
 
 def link_bytes(counts: RingCounts, problem: Problem = Problem()) -> torch.Tensor:
-    """(W,) int64: bytes every rank sends its neighbour during step s of a forward+backward
-    (every link alike): the K/V shard in the forward and again in the backward, the running
-    dK/dV sum in fp32, and with segments their int32 ids both ways; nothing at the last step
-    run and after it."""
-    n = counts.local_len
-    per = (2 * kv_bytes(n, problem) + n * problem.kv_heads * problem.head_dim * 2 * 4
-           + (2 * n * 4 if problem.segments else 0))
+    """(W,) int64, or (W, W) [rank, step] where shards travel cut (``RingCounts.received``):
+    bytes every rank receives from its neighbour during step s of a forward+backward: the
+    K/V shard in the forward and again in the backward, the running dK/dV sum in fp32, and
+    with segments their int32 ids both ways; nothing at the last step run and after it."""
+    def of(n):
+        return (2 * kv_bytes(1, problem) + problem.kv_heads * problem.head_dim * 2 * 4
+                + (2 * 4 if problem.segments else 0)) * n
+    if counts.received is not None:
+        return of(counts.received)
     out = torch.zeros(counts.world, dtype=torch.long)
-    out[:counts.steps - 1] = per
+    out[:counts.steps - 1] = of(counts.local_len)
     return out
 
 
@@ -384,8 +437,9 @@ def step_times(counts: RingCounts, costs: Costs,
     scale = problem.heads * problem.head_dim / _REF_WIDTH
     partial = (counts.touched - counts.full).double()
     run = (torch.arange(counts.world) < counts.steps).double()
+    rows = counts.local_len if counts.rows is None else counts.rows
     compute = scale * run * (costs.tile_ms * (counts.full.double() + costs.partial * partial)
-                             + costs.row_ms * -(-counts.local_len // BLOCK))
+                             + costs.row_ms * -(-rows // BLOCK))
     comm = link_bytes(counts, problem).double() / (costs.link_gbps * 1e6)
     return compute, comm
 

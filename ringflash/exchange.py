@@ -115,8 +115,10 @@ def _is_nccl(group) -> bool:
     return "nccl" in str(dist.get_backend(group)).lower()
 
 
-# Per NCCL process group (by name): a gloo group over the same ranks.
-_HOST_GROUPS: dict[str, object] = {}
+# Per NCCL process group, by name: (that group, a gloo group over the same ranks). A group
+# made after the process group was destroyed and initialized again may reuse a name; the
+# twin of the old group is then not taken for it.
+_HOST_GROUPS: dict[str, tuple] = {}
 
 
 def host_group(group):
@@ -129,10 +131,10 @@ def host_group(group):
     if not _is_nccl(group):
         return group
     name = group.group_name
-    if name not in _HOST_GROUPS:
-        _HOST_GROUPS[name] = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
-                                            timeout=_timeout(group), use_local_synchronization=True)
-    return _HOST_GROUPS[name]
+    if name not in _HOST_GROUPS or _HOST_GROUPS[name][0] is not group:
+        _HOST_GROUPS[name] = (group, dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
+                                                    timeout=_timeout(group), use_local_synchronization=True))
+    return _HOST_GROUPS[name][1]
 
 
 def _timeout(group):

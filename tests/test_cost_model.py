@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from oracle import global_mask
+import ringflash
 from ringflash import cost
 from ringflash.kernels.masks import BLOCK, band_of_window
 from ringflash.layouts import LAYOUTS, active_steps, global_positions
@@ -113,7 +114,9 @@ def test_bytes_per_link():
     assert cost.link_bytes(causal, problem).tolist() == [per_step] * (world - 1) + [0]
     window = cost.ring_counts(world, seqlen, "contiguous", cost.Mask(window=(1000, 0)))
     assert window.steps == 2  # the window reaches one shard back: one hop
-    assert cost.link_bytes(window, problem).tolist() == [per_step, 0, 0, 0]
+    # shards travel cut: rank r receives the last 1000 rows of rank r - 1's (rank 0: one row)
+    per_row = per_step // n
+    assert cost.link_bytes(window, problem).tolist() == [[per_row * rows, 0, 0, 0] for rows in (1, 1000, 1000, 1000)]
     assert cost.link_bytes(cost.ring_counts(1, seqlen, "zigzag", cost.Mask()), problem).tolist() == [0]
 
 
@@ -162,7 +165,7 @@ def test_bad_input_names_the_argument():
     with pytest.raises(ValueError, match="window"):
         cost.ring_counts(2, 1024, "zigzag", cost.Mask(window=(-5, 0)))
     with pytest.raises(ValueError, match="world x seqlen"):
-        cost.ring_counts(64, 1 << 20, "stripe")
+        cost.ring_counts(128, 1 << 20, "stripe")
 
 
 def _script():
@@ -190,3 +193,27 @@ def test_predict_scaling_runs_on_a_tiny_configuration(tmp_path, capsys, monkeypa
     records = json.loads(out.read_text())["records"]
     assert all(r["impl"] == "cost_model" and 0 < r["predicted_efficiency"] for r in records)
     assert {(r["gpus"], r["layout"]) for r in records if r["seqlen"] == 16384} >= {(2, "zigzag"), (4, "documents")}
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_document_layout_counts_its_own_steps_and_rows(world):
+    """A layout computed from the documents: the ring runs the steps its crossing documents
+    need, each over the rows of its pairs, and receives the rows that travel; what the
+    queries see is what one device computes."""
+    from ringflash.ring.plan import travelling_rows
+    seqlen = 2048 * world
+    lengths = [30, 900, 5, 1200, 77, 3] + [64] * 20
+    lengths.append(seqlen - sum(lengths))
+    mask = cost.Mask.documents(lengths)
+    layout = ringflash.document_layout(torch.tensor(mask.cu_seqlens), seqlen, world=world)
+    ring, one = cost.ring_counts(world, seqlen, layout, mask), cost.ring_counts(1, seqlen, "contiguous", mask)
+    n = seqlen // world
+    assert ring.steps == active_steps(layout, world, n, (None, 0)) and ring.steps > 1
+    assert int(ring.visible.sum()) == int(one.visible.sum())
+    assert bool((ring.rows[:, 0] == n).all()) and bool((ring.rows[:, 1:ring.steps] < n).all())
+    sent = travelling_rows(layout, world, n, (None, 0), True, ring.steps)
+    want = [[0 if sent is None and s >= ring.steps - 1 else (n if sent is None else
+             sent[(r - s - 1) % world][1] - sent[(r - s - 1) % world][0]) if s < ring.steps - 1 else 0
+             for s in range(world)] for r in range(world)]
+    assert ring.received.tolist() == want
+    assert 0 < cost.efficiency(ring, one, problem=cost.Problem(segments=True)) <= 1

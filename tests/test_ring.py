@@ -570,17 +570,26 @@ def check_on_a_host_group(rank, world):
         calls = [disagreeing_call(rank, world, "band_hi (from causal, window_size)") for _ in range(2)]
     finally:
         exchange._is_nccl, dist.all_gather = real_is_nccl, real_gather
-    host = exchange._HOST_GROUPS.pop(dist.group.WORLD.group_name, None)
+    host = exchange._HOST_GROUPS.pop(dist.group.WORLD.group_name, (None, None))[1]
     backend = None if host is None else str(dist.get_backend(host))
-    return calls, host is not None and host is not dist.group.WORLD, backend, \
+    # a twin kept for another group of the same name (the process group destroyed and made
+    # again) is not taken: a new one is made
+    exchange._is_nccl = lambda group: True
+    try:
+        exchange._HOST_GROUPS[dist.group.WORLD.group_name] = (object(), host)
+        fresh = exchange.host_group(dist.group.WORLD)
+    finally:
+        exchange._is_nccl = real_is_nccl
+        exchange._HOST_GROUPS.pop(dist.group.WORLD.group_name, None)
+    return calls, host is not None and host is not dist.group.WORLD and fresh is not host, backend, \
         [g is host for g in gathered_on]
 
 
 @pytest.mark.world(2)
 def test_rank_check_of_an_nccl_group_gathers_on_a_host_group(worlds):
     """An NCCL group's agreement check is a host all-gather over a gloo twin of the group
-    (no GPU synchronization), made once and reused; disagreements still raise everywhere
-    and the ring works after them."""
+    (no GPU synchronization), made once and reused (not for a new group of the same name);
+    disagreements still raise everywhere and the ring works after them."""
     for rank, (calls, own_group, backend, on_host) in enumerate(worlds(2).run(check_on_a_host_group,
                                                                                 timeout=60)):
         for caught, after in calls:
