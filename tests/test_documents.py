@@ -17,7 +17,7 @@ from oracle import TOL, global_mask, oracle_results
 from ringflash.documents import _rank_work
 from ringflash.layouts import NO_BAND, active_steps, step_pairs
 from test_dropout import dropped
-from test_ring_masks import _err
+from test_ring_masks import _err, ring_results
 
 
 def _cu(lengths, seqlen=None) -> torch.Tensor:
@@ -190,13 +190,7 @@ def check_document_ring(rank, world, n=32, seed=0, device="cpu"):
         local = [ringflash.shard(t.to(device), dim=1, layout=layout).requires_grad_() for t in (q, k, v)]
         drop = dict(dropout_p=p, seed=1000 + i) if p else {}
         ids = ringflash.segment_ids_from_cu_seqlens(cu.to(device), seqlen, layout=layout)
-        out, lse = ringflash.ring_flash_attn(*local, causal=causal, window_size=window, layout=layout,
-                                             segment_ids=ids, return_lse=True, **drop)
-        out.backward(ringflash.shard(dout.to(device), dim=1, layout=layout))
-        got = {"out": out.detach(), "lse": lse.detach(), "dq": local[0].grad,
-               "dk": local[1].grad, "dv": local[2].grad}
-        got = {key: ringflash.unshard(val, dim=2 if key == "lse" else 1, layout=layout).cpu()
-               for key, val in got.items()}
+        got = ring_results(local, dout, layout, causal=causal, window_size=window, segment_ids=ids, **drop)
         if i % world != rank:
             continue
         keep = dropped(ringflash.dropout_keep_mask(drop["seed"], p, 1, h, seqlen), p) if p else None

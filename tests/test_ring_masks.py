@@ -70,6 +70,18 @@ def _err(got, want) -> float:
     return rel_err(got, want)
 
 
+def ring_results(local, dout, layout, **kwargs) -> dict:
+    """{"out", "lse", "dq", "dk", "dv"} of ``ring_flash_attn`` on this rank's shards ``local``
+    (q, k, v requiring grad) and the full ``dout``, gathered back to the whole sequence on
+    the CPU (every rank takes part: unshard is a collective)."""
+    out, lse = ringflash.ring_flash_attn(*local, layout=layout, return_lse=True, **kwargs)
+    out.backward(ringflash.shard(dout.to(out.device), dim=1, layout=layout))
+    got = {"out": out.detach(), "lse": lse.detach(), "dq": local[0].grad, "dk": local[1].grad,
+           "dv": local[2].grad}
+    return {key: ringflash.unshard(val, dim=2 if key == "lse" else 1, layout=layout).cpu()
+            for key, val in got.items()}
+
+
 def check_masked_ring(rank, world, layout, seed=0, n=None, device="cpu"):
     """Every configuration of _configs on this layout, ``n`` tokens per rank, the ring on
     ``device`` (the oracle and flash_attn on the CPU); returns this rank's failures."""
@@ -82,17 +94,12 @@ def check_masked_ring(rank, world, layout, seed=0, n=None, device="cpu"):
         q, k, v, dout = (torch.randn(1, seqlen, hh, 16, generator=gen).to(dt) for hh in (h, hkv, hkv, h))
         seg = None if docs is None else _documents(seqlen, docs, seed + i)
         local = [ringflash.shard(t.to(device), dim=1, layout=layout).requires_grad_() for t in (q, k, v)]
-        kwargs = dict(causal=causal, window_size=window, layout=layout)
+        kwargs = dict(causal=causal, window_size=window)
         drop = dict(dropout_p=p, seed=1000 + i) if p else {}
         kwargs.update(drop)
         if seg is not None:
             kwargs["segment_ids"] = ringflash.shard(seg.to(device), dim=1, layout=layout)
-        out, lse = ringflash.ring_flash_attn(*local, return_lse=True, **kwargs)
-        out.backward(ringflash.shard(dout.to(device), dim=1, layout=layout))
-        got = {"out": out.detach(), "lse": lse.detach(), "dq": local[0].grad,
-               "dk": local[1].grad, "dv": local[2].grad}
-        got = {key: ringflash.unshard(val, dim=2 if key == "lse" else 1, layout=layout).cpu()
-               for key, val in got.items()}
+        got = ring_results(local, dout, layout, **kwargs)
         if i % world != rank:
             continue
         # with dropout, the oracle applies the mask that dropout_keep_mask documents
