@@ -17,6 +17,7 @@ from oracle import TOL, global_mask, oracle_results
 from ringflash.documents import _rank_work
 from ringflash.layouts import NO_BAND, active_steps, step_pairs
 from test_dropout import dropped
+from test_heads import _grid
 from test_ring_masks import _err, ring_results
 
 
@@ -175,22 +176,29 @@ def _configs(world: int, n: int):
     ]
 
 
-def check_document_ring(rank, world, n=32, seed=0, device="cpu"):
+def check_document_ring(rank, world, n=32, seed=0, device="cpu", heads_world=1):
     """Every configuration of _configs, ``n`` tokens a rank, the ring on ``device`` (the
-    oracle on the CPU); returns this rank's failures."""
+    oracle on the CPU), on a heads x ring grid of U = ``heads_world``; returns this rank's
+    failures."""
     failures = []
-    for i, (name, lengths, causal, window, h, hkv, dtype, p) in enumerate(_configs(world, n)):
+    group = None if heads_world == 1 else _grid(rank, world, heads_world)
+    configs = _configs(world, n)
+    if heads_world > 1:  # query heads a multiple of U; K/V heads may be fewer (sent to each)
+        configs = [c for c in configs if c[4] % heads_world == 0]
+    for i, (name, lengths, causal, window, h, hkv, dtype, p) in enumerate(configs):
         seqlen = n * world
         gen = torch.Generator().manual_seed(seed + i)
         assert sum(lengths) <= seqlen, name
         cu = _cu(lengths)
-        layout = ringflash.document_layout(cu, seqlen)
+        layout = ringflash.document_layout(cu, seqlen, group)
         dt = getattr(torch, dtype)
         q, k, v, dout = (torch.randn(1, seqlen, hh, 16, generator=gen).to(dt) for hh in (h, hkv, hkv, h))
-        local = [ringflash.shard(t.to(device), dim=1, layout=layout).requires_grad_() for t in (q, k, v)]
+        local = [ringflash.shard(t.to(device), dim=1, layout=layout, group=group).requires_grad_()
+                 for t in (q, k, v)]
         drop = dict(dropout_p=p, seed=1000 + i) if p else {}
-        ids = ringflash.segment_ids_from_cu_seqlens(cu.to(device), seqlen, layout=layout)
-        got = ring_results(local, dout, layout, causal=causal, window_size=window, segment_ids=ids, **drop)
+        ids = ringflash.segment_ids_from_cu_seqlens(cu.to(device), seqlen, layout=layout, group=group)
+        got = ring_results(local, dout, layout, group, causal=causal, window_size=window, segment_ids=ids,
+                           **drop)
         if i % world != rank:
             continue
         keep = dropped(ringflash.dropout_keep_mask(drop["seed"], p, 1, h, seqlen), p) if p else None
@@ -210,6 +218,14 @@ def check_document_ring(rank, world, n=32, seed=0, device="cpu"):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4], ids=lambda w: f"W{w}")
 def test_document_ring_matches_oracle(worlds, world_size):
     per_rank = worlds(world_size).run(check_document_ring, timeout=300)
+    failures = [f for fs in per_rank for f in fs]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.world(4)
+def test_document_layout_on_a_heads_x_ring_grid(worlds):
+    """(U, R) = (2, 2): the all-to-all over heads reassembles each ring shard of the layout."""
+    per_rank = worlds(4).run(check_document_ring, 16, 0, "cpu", 2, timeout=300)
     failures = [f for fs in per_rank for f in fs]
     assert not failures, "\n".join(failures)
 

@@ -70,15 +70,15 @@ def _err(got, want) -> float:
     return rel_err(got, want)
 
 
-def ring_results(local, dout, layout, **kwargs) -> dict:
+def ring_results(local, dout, layout, group=None, **kwargs) -> dict:
     """{"out", "lse", "dq", "dk", "dv"} of ``ring_flash_attn`` on this rank's shards ``local``
     (q, k, v requiring grad) and the full ``dout``, gathered back to the whole sequence on
     the CPU (every rank takes part: unshard is a collective)."""
-    out, lse = ringflash.ring_flash_attn(*local, layout=layout, return_lse=True, **kwargs)
-    out.backward(ringflash.shard(dout.to(out.device), dim=1, layout=layout))
+    out, lse = ringflash.ring_flash_attn(*local, layout=layout, group=group, return_lse=True, **kwargs)
+    out.backward(ringflash.shard(dout.to(out.device), dim=1, layout=layout, group=group))
     got = {"out": out.detach(), "lse": lse.detach(), "dq": local[0].grad, "dk": local[1].grad,
            "dv": local[2].grad}
-    return {key: ringflash.unshard(val, dim=2 if key == "lse" else 1, layout=layout).cpu()
+    return {key: ringflash.unshard(val, dim=2 if key == "lse" else 1, layout=layout, group=group).cpu()
             for key, val in got.items()}
 
 
