@@ -77,8 +77,10 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
         layout: how the global sequence is split ("zigzag", the default, "contiguous",
             "stripe", "block_stripe"; see ``shard``); the same as the inputs were sharded
             with. Every mask is on GLOBAL positions, so the result does not depend on it;
-            the work per rank and the hops K/V travel do (packed documents:
-            "block_stripe", ``ringflash.DOCUMENTS_LAYOUT``; sliding windows: "contiguous").
+            the work per rank and the hops K/V travel do (packed documents: a layout
+            computed from them, ``ringflash.document_layout``, which needs segment_ids of
+            those documents and takes no block_mask, or "block_stripe",
+            ``ringflash.DOCUMENTS_LAYOUT``; sliding windows: "contiguous").
             "block_stripe" needs seqlen_local a multiple of 128; it takes every mask, but
             not window_size together with block_mask.
         return_lse: also return lse.

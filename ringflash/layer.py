@@ -90,7 +90,8 @@ class RingSelfAttention(nn.Module):
         head_dim: defaults to d_model // num_heads; must be even (rotary).
         causal: causal mask on global positions.
         layout: how sequences are split over the group ("zigzag", the default of every
-            ringflash function, "contiguous", "stripe", "block_stripe"); inputs must have been sharded
+            ringflash function, "contiguous", "stripe", "block_stripe", or a
+            ``ringflash.document_layout``); inputs must have been sharded
             with the same layout (``ringflash.shard(x, dim=1, layout=layout, group=group)``,
             or build the layer with ``SequenceParallel.self_attention``, which cannot differ).
         group: the sequence-parallel process group (None: the world; without an

@@ -46,7 +46,9 @@ class SequenceParallel:
             ``(head_group, ring_group)``: an all-to-all over heads (U ranks) x the ring (R
             ranks), the sequence split over U x R (``ringflash.heads``).
         layout: "zigzag" (the default of every ringflash function), "contiguous",
-            "stripe" or "block_stripe" (packed documents); see ``ringflash.shard``.
+            "stripe", "block_stripe" (packed documents), or a layout computed from one
+            packed sequence's documents (``ringflash.document_layout``); see
+            ``ringflash.shard``.
 
     Tensors are split along ``dim`` (default 1, the sequence of (batch, seq, ...)); the
     global length must be a multiple of W (2W for zigzag, 128 W for block_stripe).
