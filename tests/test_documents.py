@@ -249,3 +249,23 @@ def test_round_trip_and_ranks_that_disagree(worlds):
     verdicts = worlds(2).run(check_round_trip_and_disagreement)
     assert all(v is not None and v[0] == "ValueError" and "disagree on layout" in v[1] for v in verdicts), verdicts
 
+
+
+def test_compiles_whole_and_each_new_layout_recompiles():
+    """torch.compile(fullgraph=True) takes a document layout (a ring of one here): the same
+    results as eager; each new layout object is a new graph (the support matrix says so)."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    seqlen = 64
+    q, k, v = (torch.randn(1, seqlen, 2, 16) for _ in range(3))
+
+    def attend(q, k, v, ids, layout):
+        return ringflash.ring_flash_attn(q, k, v, causal=True, layout=layout, segment_ids=ids)
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
+    for bounds in ([0, 10, 64], [0, 20, 50]):
+        cu = torch.tensor(bounds)
+        layout = ringflash.document_layout(cu, seqlen)
+        ids = ringflash.segment_ids_from_cu_seqlens(cu, seqlen, layout=layout)
+        assert torch.equal(compiled(q, k, v, ids, layout), attend(q, k, v, ids, layout))
+    assert counters["stats"]["unique_graphs"] == 2
