@@ -322,7 +322,7 @@ def check_cu_seqlens(cu_seqlens, seqlen: int) -> torch.Tensor:
     bounds = cu_seqlens.cpu().long()
     if bounds[0] != 0 or (bounds[1:] < bounds[:-1]).any() or bounds[-1] > seqlen:
         raise ValueError(f"cu_seqlens must start at 0, not decrease and end at most at seqlen "
-                         f"({seqlen}), got {bounds.tolist()}")
+                         f"({seqlen}), got {bounds.tolist()[:8]}{'...' if bounds.numel() > 8 else ''}")
     return bounds
 
 

@@ -38,6 +38,7 @@ import torch
 from einops import rearrange
 
 from .kernels.masks import BLOCK
+from .api import check_cu_seqlens
 from .kernels import band_of_window
 from .layouts import active_steps, global_positions, layout_of, step_pairs
 from .ring.plan import travelling_rows
@@ -132,17 +133,6 @@ class RingCounts(NamedTuple):
 # ----------------------------------------------------------------------------- what a row sees
 
 
-def _check_cu_seqlens(cu_seqlens, seqlen: int) -> torch.Tensor:
-    bounds = torch.as_tensor(cu_seqlens).cpu()
-    if bounds.dim() != 1 or bounds.numel() < 1 or bounds.dtype.is_floating_point or bounds.dtype == torch.bool:
-        raise ValueError("cu_seqlens must be a 1-D sequence of integers [0, end_0, end_1, ...]")
-    bounds = bounds.long()
-    if bounds[0] != 0 or (bounds[1:] < bounds[:-1]).any() or bounds[-1] > seqlen:
-        raise ValueError(f"cu_seqlens must start at 0, not decrease and end at most at seqlen "
-                         f"({seqlen}), got {bounds.tolist()[:8]}{'...' if bounds.numel() > 8 else ''}")
-    return bounds
-
-
 def row_bounds(seqlen: int, mask: Mask, rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(lo, hi), int64 shaped like ``rows`` (global positions; None: every position): query q
     sees the keys [lo, hi] on global positions (a padding row: lo = q + 1, hi = q, nothing).
@@ -153,7 +143,7 @@ def row_bounds(seqlen: int, mask: Mask, rows: Optional[torch.Tensor] = None) -> 
     q = torch.arange(seqlen) if rows is None else rows
     lo, hi = torch.zeros_like(q), torch.full_like(q, seqlen - 1)
     if mask.cu_seqlens is not None:
-        bounds = _check_cu_seqlens(mask.cu_seqlens, seqlen)
+        bounds = check_cu_seqlens(torch.as_tensor(mask.cu_seqlens), seqlen)
         doc = torch.searchsorted(bounds[1:], q, right=True).clamp(max=max(bounds.numel() - 2, 0))
         lo, hi = bounds[doc], bounds[(doc + 1).clamp(max=bounds.numel() - 1)] - 1
     if mask.causal:
@@ -346,7 +336,7 @@ def ring_counts(world: int, seqlen: int, layout: str, mask: Mask = Mask()) -> Ri
         raise ValueError(f"seqlen must be a positive integer, got {seqlen!r}")
     name = layout_of(layout).name
     if mask.cu_seqlens is not None:  # a tuple of ints: the cache's key
-        mask = mask._replace(cu_seqlens=tuple(_check_cu_seqlens(mask.cu_seqlens, seqlen).tolist()))
+        mask = mask._replace(cu_seqlens=tuple(check_cu_seqlens(torch.as_tensor(mask.cu_seqlens), seqlen).tolist()))
     shards = _shards(world, seqlen, name if world > 1 else "contiguous")
     rows = _rows(seqlen, mask)
     touched, full = _tiles(shards, rows)

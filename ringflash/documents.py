@@ -200,7 +200,7 @@ class DocumentLayout(Layout):
                       for p in (run.start, run.start + run.length - 1)} - {-1}
         shared = {}
         for d in sorted(candidates):
-            lo, hi = int(self.bounds[d]), int(self.bounds[d + 1])
+            lo, hi = self._bounds[d], self._bounds[d + 1]
             pieces = {}
             for r, rank in enumerate(self.runs):
                 mine = [Piece(max(lo, run.start), min(hi, run.start + run.length) - max(lo, run.start),
