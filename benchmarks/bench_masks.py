@@ -3,20 +3,27 @@ and SDPA document by document on one GPU, and through the ring against the dense
 ring of the same length and the 1-GPU kernel. Packed documents run through the ring on
 the layout computed from their documents (``ringflash.document_layout``, layout
 "documents") beside the fixed layouts; ring rows carry the steps the ring ran and the
-bytes the busiest rank sent (counted from the schedule: ``bytes_sent``).
+bytes the busiest rank sent (counted from the schedule: ``bytes_sent``) and their
+``efficiency`` (1-GPU time / (world x ring time)). Beside them: torch's context parallel with
+FlexAttention on the masks of --torch-cp (torch_cp.run_flex_cp; for documents its
+per-document head-tail balancer, which needs lengths in multiples of 2 x world: its row runs
+them so rounded), and the cost model's efficiency of each ring row (impl "cost_model").
 
     python benchmarks/bench_masks.py                               # one GPU -> results/masks_<gpu>.json
     torchrun --nproc-per-node=2 benchmarks/bench_masks.py --ring   # ring -> results/masks_<gpu>x2.json
+    torchrun --nproc-per-node=2 benchmarks/bench_masks.py --ring --device cpu   # smoke test, gloo
 
 Documents: lengths drawn log-normal (median 2k, sigma 1.5: about 1% past 64k), packed
 into one row and cut at the sequence end; causal within each document. Window: causal
 with window_size (4096, 0). TFLOP/s are counted over the visible (query, key) pairs only:
 4 * heads * head_dim * visible, times 3.5 for forward+backward. Every implementation's
-output is checked against ringflash's on the same inputs before it is timed.
+output is checked against ringflash's on the same inputs before it is timed. The ring's rows
+are written before torch CP runs, and again with its rows after.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -24,11 +31,15 @@ import torch
 import torch.nn.functional as F
 
 import ringflash
+import torch_cp
+from ringflash import cost
 from ringflash.kernels import band_of_window
 from ringflash.layouts import active_steps
 from ringflash.ring.plan import travelling_rows
 from harness import checks, cli, plots, results, timing
 from harness.timing import timed
+
+MASKS = ("causal", "documents", "window")
 
 
 def documents(seqlen: int, seed: int = 0, median: int = 2048, sigma: float = 1.5) -> list[int]:
@@ -42,15 +53,16 @@ def documents(seqlen: int, seed: int = 0, median: int = 2048, sigma: float = 1.5
     return lengths
 
 
-def case_mask(mask: str, seqlen: int, window: int, device):
-    """(flash_attn keywords, visible pairs, FlexAttention mask_mod, document lengths)."""
+def case_mask(mask: str, seqlen: int, window: int, device, lengths=None):
+    """(flash_attn keywords, visible pairs, FlexAttention mask_mod, document lengths);
+    documents: ``lengths``, else drawn (``documents``)."""
     if mask == "causal":
         return dict(causal=True), seqlen * (seqlen + 1) // 2, lambda b, h, q, k: q >= k, None
     if mask == "window":
         visible = sum(min(i, window) + 1 for i in range(seqlen))
         return (dict(causal=True, window_size=(window, 0)), visible,
                 lambda b, h, q, k: (q >= k) & (q - k <= window), None)
-    lengths = documents(seqlen)
+    lengths = lengths or documents(seqlen)
     ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(device)
     visible = sum(n * (n + 1) // 2 for n in lengths)
     return (dict(causal=True, segment_ids=ids[None].int()), visible,
@@ -67,6 +79,14 @@ def record(impl, mask, seqlen, window, visible, fwd, fwdbwd, args, world=1, **ex
         rec["gpus"] = world
         rec["fwdbwd_tflops_visible_per_gpu"] = timing.tflops(3.5 * flops / world, fwdbwd)
     return rec
+
+
+def inputs(seqlen: int, args, device, n: int = 3) -> list[torch.Tensor]:
+    """q, k, v (and an output gradient, n=4): (1, seqlen, heads, head_dim), the same on every rank."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return [torch.randn(1, seqlen, args.heads, args.head_dim, device=device, generator=gen, dtype=dtype)
+            for _ in range(n)]
 
 
 def single_gpu(args, device) -> list[dict]:
@@ -126,9 +146,7 @@ def ring(args, device, group, world, rank) -> list[dict]:
             kw, visible, _, lengths = case_mask(mask, seqlen, args.window, device)
             layouts = {"causal": ["zigzag", "block_stripe"], "window": ["contiguous", "block_stripe"],
                        "documents": ["documents", "zigzag", "stripe", "block_stripe"]}[mask]
-            gen = torch.Generator(device=device).manual_seed(0)
-            full = [torch.randn(1, seqlen, args.heads, args.head_dim, device=device, generator=gen,
-                                dtype=torch.bfloat16) for _ in range(3)]
+            full = inputs(seqlen, args, device)
             if rank == 0:  # the same problem on one GPU, for the ring's efficiency
                 one = [t.clone().requires_grad_() for t in full]
                 fwd, fwdbwd = timed(lambda q, k, v: ringflash.flash_attn(q, k, v, **kw), *one,
@@ -155,13 +173,74 @@ def ring(args, device, group, world, rank) -> list[dict]:
                                       args, world=world, layout=name, ring_steps=steps, **extra))
                 del local
             if rank == 0:
-                print(results.format_table([r for r in records if r["seqlen"] == seqlen and r["mask"] == mask],
-                                     [("impl", "impl"), ("layout", "layout"), ("mask", "mask"), ("seqlen", "seqlen"),
-                                      ("fwdbwd_ms", "fwdbwd_ms", ".2f"), ("fwdbwd_tflops_visible", "fwdbwd_tflops_visible", ".0f"),
-                                      ("fwdbwd_tflops_visible_per_gpu", "fwdbwd_tflops_visible_per_gpu", ".0f")]), flush=True)
+                add_efficiency(records)
+                print_rows([r for r in records if r["seqlen"] == seqlen and r["mask"] == mask])
             del full
             timing.free_memory(device)
     return records
+
+
+def print_rows(rows: list[dict]) -> None:
+    numbers = (("fwdbwd_ms", ".2f"), ("fwdbwd_tflops_visible", ".0f"), ("fwdbwd_tflops_visible_per_gpu", ".0f"),
+               ("efficiency", ".2f"), ("predicted_efficiency", ".2f"), ("imbalance", ".2f"))
+    columns = [(k, k) for k in ("impl", "layout", "mask", "seqlen")] + [(k, k, f) for k, f in numbers]
+    print(results.format_table(rows, columns + [("error", "error")]), flush=True)
+
+
+def torch_cp_rows(args, device, group, world) -> list[dict]:
+    """torch CP's FlexAttention path (``torch_cp.run_flex_cp``) on each mask of --torch-cp, on
+    the ring's inputs; packed documents rounded to multiples of 2 x world for its balancer. A
+    mask that failed (an error on every rank alike) is not tried at the longer lengths."""
+    records, failed = [], {}
+    for seqlen in args.seqlens:
+        for mask in args.torch_cp:
+            if mask in failed:
+                records.append(record(torch_cp.FLEX_IMPL, mask, seqlen, args.window, 1, None, None, args,
+                                      world=world, error=f"not run: {failed[mask]}"))
+                continue
+            lengths = torch_cp.cp_document_lengths(documents(seqlen), world) if mask == "documents" else None
+            extra = dict(documents=len(lengths), document_unit=2 * world) if lengths else {}
+            kw, visible, mask_mod, _ = case_mask(mask, seqlen, args.window, device, lengths)
+            *full, dout = inputs(seqlen, args, device, n=4)
+            res = torch_cp.run_flex_cp(full, dout, mask_mod, lambda q, k, v: ringflash.flash_attn(q, k, v, **kw),
+                                       mask=mask, lengths=lengths, group=group, args=args)
+            fwd, fwdbwd = res.pop("fwd_ms"), res.pop("fwdbwd_ms")
+            records.append(record(torch_cp.FLEX_IMPL, mask, seqlen, args.window, visible, fwd, fwdbwd, args,
+                                  world=world, **res, **extra))
+            if res["error"]:
+                failed[mask] = f"failed at {cli.fmt_size(seqlen)}"
+            del full, dout
+            timing.free_memory(device)
+    return records
+
+
+def add_efficiency(records: list[dict]) -> None:
+    """``efficiency`` of every multi-GPU row with a time: its TFLOP/s per GPU over the same run's
+    1-GPU row's (mask, seqlen), i.e. 1-GPU time / (world x its time) where both count the same
+    visible pairs (the torch CP row on rounded documents counts its own)."""
+    one = {(r["mask"], r["seqlen"]): r["fwdbwd_tflops_visible"] for r in records if r["impl"] == "ringflash_1gpu"}
+    for r in records:
+        per_gpu, base = r.get("fwdbwd_tflops_visible_per_gpu"), one.get((r["mask"], r["seqlen"]))
+        if per_gpu and base:
+            r["efficiency"] = per_gpu / base
+
+
+def predicted(records: list[dict], world: int, args) -> list[dict]:
+    """The cost model's efficiency (``ringflash.cost``, H100 constants) of each ring row of
+    ``records``: its world, seqlen, mask and layout ("documents": document_layout of its documents)."""
+    out = []
+    for r in [r for r in records if r["impl"] == "ringflash" and r.get("gpus")]:
+        m = (cost.Mask.documents(documents(r["seqlen"])) if r["mask"] == "documents"
+             else cost.Mask(True, (args.window, 0) if r["mask"] == "window" else (-1, -1)))
+        layout = r["layout"]
+        if layout == "documents":
+            layout = ringflash.document_layout(torch.tensor(m.cu_seqlens), r["seqlen"], world=world)
+        problem = cost.Problem(args.heads, args.heads, args.head_dim, segments=m.cu_seqlens is not None)
+        eff = cost.efficiency(cost.ring_counts(world, r["seqlen"], layout, m),
+                              cost.ring_counts(1, r["seqlen"], "contiguous", m), cost.H100, problem)
+        out.append(dict(impl="cost_model", gpus=world, layout=r["layout"], mask=r["mask"], seqlen=r["seqlen"],
+                        window=r["window"], predicted_efficiency=eff, measured_efficiency=r.get("efficiency")))
+    return out
 
 
 def plot(json_path) -> str:
@@ -169,7 +248,7 @@ def plot(json_path) -> str:
     group per (mask, seqlen), one bar per implementation (and layout), beside the JSON."""
     plt = plots.import_pyplot()
     data = results.load_results(json_path)
-    records = data["records"]
+    records = [r for r in data["records"] if r["impl"] != "cost_model"]
     key = ("fwdbwd_tflops_visible_per_gpu" if any("fwdbwd_tflops_visible_per_gpu" in r for r in records)
            else "fwdbwd_tflops_visible")
     groups = sorted({(r["mask"], r["seqlen"]) for r in records}, key=lambda g: (g[1], g[0]))
@@ -190,23 +269,63 @@ def plot(json_path) -> str:
     return plots.save_beside(fig, json_path)
 
 
+@contextlib.contextmanager
+def cpu_ranks():  # as cli.gpu_run, over gloo: a smoke run
+    import torch.distributed as dist
+    device = cli.start_ranks("cpu", 10.0)
+    try:
+        yield device, dist.group.WORLD, dist.get_world_size(), dist.get_rank()
+    finally:
+        dist.destroy_process_group()
+
+
 def main(argv=None):
     p = cli.gpu_parser(__doc__, "masks_<gpu>[xN]")
     p.add_argument("--masks", nargs="+", default=["causal,documents,window"], help="masks to run")
     p.add_argument("--window", type=int, default=4096, help="left window of the 'window' mask")
+    p.add_argument("--torch-cp", nargs="*", default=["documents"],
+                   help="masks on which torch CP (FlexAttention) runs beside the ring; none: the flag alone")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu: a smoke test of --ring over gloo (1k tokens, 2 heads of 32)")
     p.add_argument("--plot", default=None, metavar="JSON", help="only draw the PNG of a results file")
     args = p.parse_args(argv)
+    if args.device == "cpu":  # the smoke run's sizes, unless given
+        p.set_defaults(seqlens=["1k"], heads=2, head_dim=32, rep_ms=5.0, ring=True)
+        args = p.parse_args(argv)
     if args.plot:
         print(plot(args.plot))
         return
     args.seqlens = cli.parse_sizes(args.seqlens)
-    args.masks = cli.parse_names(args.masks, ("causal", "documents", "window"))
-    with cli.gpu_run(args.ring, "bench_masks.py", "FlexAttention and the Triton kernels") as (device, group, world, rank):
-        records = ring(args, device, group, world, rank) if args.ring else single_gpu(args, device)
+    args.masks = cli.parse_names(args.masks, MASKS)
+    args.torch_cp = [m for m in args.masks if m in cli.parse_names(args.torch_cp, MASKS)]
+    run = (cpu_ranks() if args.device == "cpu"
+           else cli.gpu_run(args.ring, "bench_masks.py", "FlexAttention and the Triton kernels"))
+    with run as (device, group, world, rank):
+        out_dir = results.results_dir(args.out_dir, results.is_smoke_run(device)) if rank == 0 else None
+
+        def save(records):  # rank 0 alone, mid-run: a failure to plot only warns
+            if rank == 0:
+                name = args.out_name or results.result_name("masks", device, world if args.ring else None)
+                path = results.write_results(name, results.collect_meta(device), records, out_dir)
+                try:
+                    print(plot(path), flush=True)
+                except Exception as exc:  # noqa: BLE001
+                    print(f"wrote {path}; no plot ({checks.short_error(exc)})", flush=True)
+
+        if not args.ring:
+            return save(single_gpu(args, device))
+        records = ring(args, device, group, world, rank)
+        try:  # rank 0 alone, mid-run: never raises
+            records += predicted(records, world, args) if rank == 0 else []
+        except Exception as exc:  # noqa: BLE001
+            print(f"no cost model rows: {checks.short_error(exc)}", flush=True)
+        save(records)  # the ring's rows are on disk before torch CP runs
+        if args.torch_cp:
+            records += torch_cp_rows(args, device, group, world)
+            add_efficiency(records)
+            save(records)
         if rank == 0:
-            name = args.out_name or results.result_name("masks", device, world if args.ring else None)
-            out_dir = results.results_dir(args.out_dir, results.is_smoke_run(device))
-            print(plot(results.write_results(name, results.collect_meta(device), records, out_dir)))
+            print_rows([r for r in records if r["impl"] in ("cost_model", torch_cp.FLEX_IMPL)])
 
 
 if __name__ == "__main__":

@@ -117,6 +117,50 @@ def test_bench_ring_cpu_smoke_under_torchrun(tmp_path, results_untouched):
     assert "per GPU" not in out and "TF/GPU" not in out and "TFLOP/s/GPU" not in out
 
 
+def test_bench_masks_ring_cpu_smoke_under_torchrun(tmp_path, results_untouched):
+    # Packed documents at 512 tokens over 2 gloo ranks: the ring's rows with their
+    # efficiency and the cost model's rows. torch CP's FlexAttention row is left out here:
+    # compiling FlexAttention for the CPU takes a minute (its rows were run on 4 H200s).
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+          "--max-restarts=0", str(BENCH / "bench_masks.py"), "--ring", "--device", "cpu",
+          "--masks", "documents", "--seqlens", "512", "--torch-cp"], tmp_path, timeout=600)
+    records = _written(tmp_path, "masks_cpux2.json")["records"]
+    ring = [r for r in records if r["impl"] == "ringflash"]
+    assert {r["layout"] for r in ring} == {"documents", "zigzag", "stripe", "block_stripe"}
+    assert all(r["gpus"] == 2 and r["efficiency"] > 0 for r in ring)
+    model = [r for r in records if r["impl"] == "cost_model"]
+    assert sorted(r["layout"] for r in model) == sorted(r["layout"] for r in ring)
+    assert all(0 < r["predicted_efficiency"] <= 1 for r in model)
+    assert not [r for r in records if r["impl"] == "torch_cp_flex"]
+
+
+def test_bench_masks_efficiency_and_predicted_rows():
+    """bench_masks.py --ring's derived rows, without a run: every multi-GPU row's
+    ``efficiency`` from the same run's 1-GPU row, the cost model's row per ring row, and the
+    document lengths torch CP's per-document balancer is given."""
+    import argparse
+    masks = _load(BENCH, "bench_masks")
+    args, seqlen = argparse.Namespace(heads=32, head_dim=128, window=4096), 16384
+    records = []
+    for mask in ("causal", "documents", "window"):
+        visible = masks.case_mask(mask, seqlen, args.window, "cpu")[1]
+        records.append(masks.record("ringflash_1gpu", mask, seqlen, args.window, visible, 2.0, 8.0, args))
+        for layout in ("documents" if mask == "documents" else "zigzag", "block_stripe"):
+            records.append(masks.record("ringflash", mask, seqlen, args.window, visible, 1.0, 5.0, args,
+                                        world=2, layout=layout))
+    records.append(masks.record("torch_cp_flex", "documents", seqlen, args.window, 1, None, None, args, world=2))
+    masks.add_efficiency(records)
+    ring = [r for r in records if r["impl"] == "ringflash"]
+    assert all(r["efficiency"] == pytest.approx(8.0 / (2 * 5.0)) for r in ring)
+    assert "efficiency" not in records[-1]
+    model = masks.predicted(records, 2, args)
+    assert [(r["mask"], r["layout"]) for r in model] == [(r["mask"], r["layout"]) for r in ring]
+    assert all(r["impl"] == "cost_model" and r["gpus"] == 2 and 0 < r["predicted_efficiency"] <= 1 for r in model)
+    lengths = masks.torch_cp.cp_document_lengths([100, 301, 23, 600], 2)
+    assert lengths == [100, 300, 24, 600]
+    assert masks.torch_cp.cp_document_lengths([3, 3], 2) == [3, 3]  # no split: left for the balancer to refuse
+
+
 def test_bench_balance_cpu_smoke(tmp_path, results_untouched):
     _run([sys.executable, str(BENCH / "bench_balance.py"), "--device", "cpu"], tmp_path)
     data = _written(tmp_path, "balance_cpux1.json")
