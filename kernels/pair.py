@@ -108,12 +108,22 @@ class Arrival(NamedTuple):
     [c * heads, (c + 1) * heads) have landed (the copy stream writes it after the chunk),
     and each query tile waits inside the kernel for its head's chunk, so the launch starts
     before the trip ends. The writer must not need this GPU's SMs to make progress.
-    flags None: the part is there."""
+    flags None: the part is there.
+
+    No wait is without an end: a tile whose chunk has not landed within ``timeout``
+    seconds (on the GPU's clock, from its first look at the flag) gives up. It writes
+    c + 1 into ``status[0]`` (int64; pinned host memory lets the host read it without a
+    synchronization: ``exchange.PeerRing`` does), raises every flag to a value past any
+    epoch so that the launch's other tiles stop waiting too, and out and lse of the
+    tiles that gave up or found the flags so are NaN. status None: NaN is the only trace.
+    Flags left raised are the caller's to clear, as after a trip that landed."""
 
     last: int
     flags: Optional[torch.Tensor] = None
     epoch: int = 0
     heads: int = 1
+    timeout: float = 60.0
+    status: Optional[torch.Tensor] = None
 
 
 def _check_arrival(arrival, tail, q, k) -> None:
@@ -136,6 +146,14 @@ def _check_arrival(arrival, tail, q, k) -> None:
             or flags.numel() != hkv // arrival.heads:
         raise ValueError(f"arrival.flags must be a contiguous int32 tensor of {hkv // arrival.heads} "
                          f"on {q.device}, got {flags.dtype} {tuple(flags.shape)} on {flags.device}")
+    timeout = arrival.timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise ValueError(f"arrival.timeout must be a positive number of seconds, got {timeout!r}")
+    status = arrival.status
+    if status is not None and (status.dtype != torch.int64 or status.numel() < 1
+                               or not (status.device == q.device or status.is_pinned())):
+        raise ValueError(f"arrival.status must be an int64 tensor on {q.device} or in pinned host memory, got "
+                         f"{status.dtype} {tuple(status.shape)} on {status.device}")
 
 
 def attn_delta(out: torch.Tensor, dout: torch.Tensor,

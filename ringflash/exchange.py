@@ -15,14 +15,24 @@ transfer (an event, never the host). Two transports:
 
 Both start a transfer only once the work already queued on the compute stream is done,
 which is also when the receive buffer, last step's operand, is free.
+
+No wait on a peer is without an end. A kernel that waits inside for chunks the copy
+engines bring (``PeerRing.arriving``) gives up after RINGFLASH_PEER_TIMEOUT_S seconds
+(``peer_timeout``) and records which peer failed it in host memory; the next ring call
+over the group raises ``PeerTimeoutError`` naming that peer, before any collective, and a
+watchdog thread ends the process when no call raised it within another timeout (the main
+thread then waits on the GPU, which waits for the peer: ``_PeerStatus``).
 """
 
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import math
 import os
+import sys
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -76,6 +86,10 @@ class Ring:
 
     # Whether ``arriving`` can tell a kernel, chunk by chunk, that a message has landed.
     streams_chunks = False
+
+    # What a kernel that waits for ``arriving``'s flags takes besides them: (timeout in
+    # seconds, status tensor) for ``kernels.Arrival`` (PeerRing sets it in ``arriving``).
+    watch: tuple = ()
 
     def arriving(self, send: tuple, recv: torch.Tensor, heads: int):
         """Send (k, v) (B, S, Hkv, D) to rank+1's ``recv`` (2, B, S, Hkv, D), a view of a
@@ -207,6 +221,149 @@ class _Copied:
         torch.cuda.current_stream().wait_event(self.event)
 
 
+PEER_TIMEOUT_S = 60.0  # RINGFLASH_PEER_TIMEOUT_S's default
+
+
+def peer_timeout() -> float:
+    """Seconds a kernel waits for a chunk of K/V from a peer before it gives up:
+    RINGFLASH_PEER_TIMEOUT_S (read at every call; default ``PEER_TIMEOUT_S``). The clock
+    starts when a tile first finds its chunk missing, which is after both ranks have
+    started the exchange (its first barrier), so it bounds the copy engines' delivery
+    alone, not a peer arriving late at the call: the default is generous."""
+    text = os.environ.get("RINGFLASH_PEER_TIMEOUT_S")
+    if text is None:
+        return PEER_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise ValueError(f"RINGFLASH_PEER_TIMEOUT_S must be a positive number of seconds, got {text!r}")
+    return value
+
+
+class PeerTimeoutError(RuntimeError):
+    """A kernel of this process gave up waiting for K/V that a peer sends (``PeerRing``)."""
+
+
+class _PeerStatus:
+    """Where the kernels of one process group's copy-engine ring record that they gave up
+    on a peer: an int64 tensor of 4, in pinned host memory that the GPU writes and the host
+    reads without a synchronization. [0] chunk + 1 of the chunk a tile gave up on, written
+    by the kernel (``kernels.Arrival``; 0: none); [1] this rank, [2] the peer whose chunks
+    it waits for (global ranks), [3] the timeout in ms, written by the host.
+
+    A failure stays: a chunk that lands after its kernel gave up could raise a flag the
+    next call reads as its own, so every later call over the group raises (``check``).
+    When none does within a further timeout of the failure's discovery (the main thread
+    waits on the GPU, which waits for the peer at the exchange's closing barrier, or it
+    runs no ring call), the watchdog reports the error and ends the process
+    (``_end_process``), as NCCL's watchdog does on a collective that timed out."""
+
+    def __init__(self, group, rank: int, peer: int, pinned: bool = True):
+        self.group, self.heads, self.raised = group, 1, False
+        self.found = None  # when the watchdog first saw the failure (time.monotonic)
+        self.tensor = torch.zeros(4, dtype=torch.int64, pin_memory=pinned)
+        self.words = self.tensor.numpy()  # reads and writes of host memory, never a GPU sync
+        self.words[1], self.words[2] = rank, peer
+
+    def arm(self, timeout: float, heads: int) -> None:
+        """Before a launch that waits ``timeout`` seconds for chunks of ``heads`` K/V heads."""
+        self.words[3], self.heads = round(timeout * 1000), heads
+
+    def message(self) -> str | None:
+        """The error, once a kernel gave up (None before)."""
+        chunk = int(self.words[0]) - 1
+        if chunk < 0:
+            return None
+        rank, peer, heads = int(self.words[1]), int(self.words[2]), self.heads
+        return (f"ringflash: rank {rank} gave up on rank {peer}: K/V heads {chunk * heads}-{(chunk + 1) * heads - 1} "
+                f"that rank {peer} sends over the copy engines did not land within "
+                f"{self.words[3] / 1000:g} s (RINGFLASH_PEER_TIMEOUT_S): rank {peer} stopped or is stuck. "
+                f"That call's output is NaN, and this process group's copy-engine ring stays unusable")
+
+    def check(self) -> None:
+        """Raise ``PeerTimeoutError`` if a kernel gave up."""
+        text = self.message()
+        if text is not None:
+            self.raised = True
+            raise PeerTimeoutError(text)
+
+
+# Per process group, by name: its _PeerStatus (a group made again under a reused name gets
+# a fresh one, as in _HOST_GROUPS).
+_PEER_STATUS: dict[str, _PeerStatus] = {}
+_WATCHED: list[_PeerStatus] = []  # what the watchdog looks at
+_WATCHDOG: list[threading.Thread] = []  # the watchdog, once started
+_WATCH_LOCK = threading.Lock()
+_WATCH_POLL_S = 0.2
+
+
+def _watch(status: _PeerStatus) -> None:
+    """Have the watchdog thread (started on first use) look at ``status``."""
+    if any(status is other for other in _WATCHED):  # a few entries at most: one per ring group
+        return
+    with _WATCH_LOCK:
+        if not any(status is other for other in _WATCHED):
+            _WATCHED.append(status)
+        if not _WATCHDOG:
+            _WATCHDOG.append(threading.Thread(target=_watchdog, name="ringflash-peer-watchdog", daemon=True))
+            _WATCHDOG[0].start()
+
+
+def _watchdog() -> None:
+    """Every _WATCH_POLL_S, a look at each watched status (a read of host memory, taking
+    the GIL for microseconds): a failure that no call raised within a timeout of its
+    discovery ends the process."""
+    while not sys.is_finalizing():
+        time.sleep(_WATCH_POLL_S)
+        with _WATCH_LOCK:
+            watched = list(_WATCHED)
+        for status in watched:
+            if status.raised or status.words[0] == 0:
+                continue
+            if status.found is None:
+                status.found = time.monotonic()
+            elif time.monotonic() - status.found >= status.words[3] / 1000:
+                _end_process(status)
+
+
+def _end_process(status: _PeerStatus) -> None:
+    """Report a failure no call raised, with where every thread is, and end the process
+    (exit status 1): its main thread waits for a GPU that waits for the peer, and would
+    until the exchange's barrier times out (``_BARRIER_TIMEOUT_MS``)."""
+    try:
+        out = sys.__stderr__ or sys.stderr  # the process's own, where sys.stderr is replaced (captured)
+        print(f"{status.message()}.\nNo ring call raised it within another {status.words[3] / 1000:g} s "
+              f"(RINGFLASH_PEER_TIMEOUT_S): ending the process. Its threads:", file=out, flush=True)
+        faulthandler.dump_traceback(file=out, all_threads=True)
+    except Exception:  # noqa: BLE001 -- nothing may keep the process from ending
+        pass
+    finally:
+        os._exit(1)
+
+
+def _peer_status(ring: "PeerRing") -> _PeerStatus:
+    name = ring.group.group_name
+    status = _PEER_STATUS.get(name)
+    if status is None or status.group is not ring.group:
+        status = _PEER_STATUS[name] = _PeerStatus(ring.group, dist.get_rank(), ring.peer(-1))
+    return status
+
+
+def check_peers(group=None) -> None:
+    """Raise ``PeerTimeoutError`` if a kernel waiting for a peer of ``group``'s
+    copy-engine ring gave up (``PeerRing``); a read of host memory, no GPU sync."""
+    group = resolve_group(group)
+    _check_group(group if group is not None else dist.group.WORLD)
+
+
+def _check_group(group) -> None:
+    status = _PEER_STATUS.get(group.group_name)
+    if status is not None and status.group is group:
+        status.check()
+
+
 # Per process group: name -> (symmetric tensor, its handle). Kept between calls, because
 # making a buffer symmetric is a collective that maps every rank's memory into the others.
 _SYMMETRIC: dict[str, dict[str, tuple[torch.Tensor, object]]] = {}
@@ -230,6 +387,8 @@ class PeerRing(Ring):
 
     def __init__(self, group=None):
         super().__init__(group)
+        self._status = _peer_status(self)
+        self._status.check()
         from torch.distributed import _symmetric_memory as symm_mem
         self._symm_mem = symm_mem
         self._buffers = _SYMMETRIC.setdefault(self.group.group_name, {})
@@ -269,7 +428,13 @@ class PeerRing(Ring):
         ``pending`` (before the next exchange, which no rank starts before then: a graph
         replaying the call waits anew). The current stream waits for the first barrier
         only: a kernel that waits for the flags may hold every SM (a barrier kernel needs
-        one), and the rest of the trip needs none."""
+        one), and the rest of the trip needs none. So the kernel's wait has an end of its
+        own: ``watch`` gives it ``peer_timeout()`` and this group's ``_PeerStatus``."""
+        self._status.check()
+        timeout = peer_timeout()
+        self._status.arm(timeout, heads)
+        self.watch = (timeout, self._status.tensor)
+        _watch(self._status)
         k, v = (t.contiguous() for t in send)
         b, n, hkv, d = k.shape
         flags = self.buffer("arrived", (hkv // heads,), torch.int32, k.device)
@@ -307,6 +472,7 @@ class PeerRing(Ring):
         raise ValueError("PeerRing.exchange: the recv tensor must be a view of a Ring.buffer")
 
     def exchange(self, *pairs, shift: int = 1):
+        self._status.check()
         located = []
         for send, recv, *at in pairs:
             if not (send.is_contiguous() and recv.is_contiguous()):
@@ -346,7 +512,9 @@ def release_buffers() -> None:
 def transport(group=None) -> str:
     """The transport a ring over ``group`` uses: RINGFLASH_TRANSPORT ("nccl", "peer", or
     "auto", the default). "auto" takes "peer" for NCCL groups whose ranks all run on this
-    node under torchrun (every rank decides the same from its environment), "nccl" else."""
+    node under torchrun (every rank decides the same from its environment), "nccl" else.
+    "peer" raises ``PeerTimeoutError`` where a kernel of this group's copy-engine ring
+    gave up on a peer (``check_peers``)."""
     choice = os.environ.get("RINGFLASH_TRANSPORT", "auto").lower()
     if choice not in TRANSPORTS:
         raise ValueError(f"RINGFLASH_TRANSPORT must be one of {TRANSPORTS}, got {choice!r}")
@@ -356,9 +524,10 @@ def transport(group=None) -> str:
     nccl = _is_nccl(group)
     if choice == "peer" and not nccl:
         raise ValueError("RINGFLASH_TRANSPORT=peer needs an NCCL process group (GPU tensors)")
-    if choice != "auto":
-        return choice
-    return "peer" if nccl and _all_on_this_node(group) else "nccl"
+    kind = choice if choice != "auto" else "peer" if nccl and _all_on_this_node(group) else "nccl"
+    if kind == "peer":  # a ring call asks first: raise before its collectives, which the peer would not join
+        _check_group(group)
+    return kind
 
 
 def _all_on_this_node(group) -> bool:

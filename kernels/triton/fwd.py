@@ -14,11 +14,53 @@ ones after them. q, k and v are read through TMA tensor descriptors over the who
 copy engine zero-fills rows past the end); otherwise through pointer loads.
 """
 
+import time
+
 import triton
 import triton.language as tl
 
 from .tiles import (_column, _keep, _listed_range, _load_block, _offsets, _query_loop, _query_tile, _stats_row,
                     _tile_positions, _unpadded, _visible)
+
+# What a tile that gives up on its chunk writes into every flag: past any epoch, so that
+# the launch's other tiles, spinning or not yet started, leave at once (``_await_chunk``)
+# without a second load in the spin that waits.
+GAVE_UP = tl.constexpr(1 << 30)
+
+if triton.knobs.runtime.interpret:  # decided as Triton decides: when the kernels are decorated
+    @triton.jit
+    def _clock():
+        """The interpreter has no inline assembly: the host's monotonic clock, in ns."""
+        return tl.full((), time.monotonic_ns(), tl.int64)
+else:
+    @triton.jit
+    def _clock():
+        """Nanoseconds on the GPU's global timer."""
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                         pack=1)
+
+
+@triton.jit
+def _await_chunk(wait, chunk, chunks):
+    """Wait until flag ``chunk`` of ``wait`` (a ``Wait``; ``chunks`` flags in all) reaches
+    its epoch; return the value seen. The first load is the whole cost when the chunk is
+    in. Else the tile spins, reading the global timer beside the flag, for at most
+    wait.timeout_ns from its first look: then it records chunk + 1 at wait.status, raises
+    every flag to GAVE_UP (the launch's other tiles stop waiting) and returns GAVE_UP. A
+    value >= GAVE_UP tells the caller to write NaN (the host raises: exchange.PeerRing)."""
+    arrived = wait.flags + chunk
+    seen = tl.load(arrived, volatile=True)
+    if seen < wait.epoch:
+        start = _clock()
+        while seen < wait.epoch:
+            if (_clock() - start).to(tl.float32) > wait.timeout_ns:
+                tl.store(wait.status, (chunk + 1).to(tl.int64))
+                for c in range(0, chunks):
+                    tl.store(wait.flags + c, GAVE_UP)
+                seen = tl.full((), GAVE_UP, tl.int32)
+            else:
+                seen = tl.load(arrived, volatile=True)
+    return seen
 
 
 @triton.jit
@@ -82,7 +124,9 @@ def _fwd_kernel(Q, K, V, K2, V2, strides, o, o_in, lse, shape, qk_scale, band, p
     read with ``strides`` (``QKV``); shape: ``Shape``; VARIANT: ``Variant``. PARTS = 2: the
     keys' rows from tail.split on are K2, V2 (``pair.Joined``; their blocks listed apart),
     and part LAST runs second. WAIT: part LAST is still arriving, so the tile waits for its
-    head's chunk before that part's loops (``pair.Arrival``)."""
+    head's chunk before that part's loops (``pair.Arrival``), for at most wait.timeout_ns;
+    a tile that gives up, or finds another tile gave up, writes NaN out and lse
+    (``_await_chunk``)."""
     heads, group, seqlen_q, seqlen_k = shape
     start_m, bh = _query_tile(lists, BLOCK_M, VARIANT)
     off_b = bh // heads
@@ -113,9 +157,8 @@ def _fwd_kernel(Q, K, V, K2, V2, strides, o, o_in, lse, shape, qk_scale, band, p
         if VARIANT.PARTS == 2:
             start, full_start, full_end, end = _listed_range(lists, row, part)
         if VARIANT.WAIT and part == VARIANT.LAST:  # this head's chunk of the visiting part has arrived
-            arrived = wait.flags + off_hk // wait.chunk_heads
-            while tl.load(arrived, volatile=True) < wait.epoch:
-                pass
+            seen = _await_chunk(wait, off_hk // wait.chunk_heads, heads // group // wait.chunk_heads)
+            l_i = tl.where(seen >= GAVE_UP, float("nan"), l_i)  # gave up: NaN out and lse
         acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q_tile, keys, start, full_start, tile, head, seqlen_k,
                                   qk_scale, segments, drop, pos, lists, row, BLOCK_N, BLOCK_D, HEAD_DIM, True,
                                   VARIANT.SEGMENTS, None, PRECISION, TMA, VARIANT)

@@ -80,16 +80,26 @@ def _or(partial, dest):
 _STAND_INS: dict = {}
 
 
-def _stand_in(device: torch.device) -> torch.Tensor:
-    """A one-element int32 tensor for the pointer arguments of a feature a launch leaves
-    off (segment ids, block lists): never read, so one per device is made and kept. A
-    fresh one per launch cost an allocation and a fill kernel each, six to twelve in a
-    ring of two's forward+backward (docs/notes/ring-of-two.md, "The ring of two at 32k: the
-    trace, what a split launch costs, the host's time": the launches' host time 1.62 ->
-    1.35-1.44 ms a call)."""
-    if device not in _STAND_INS:
-        _STAND_INS[device] = torch.zeros(1, dtype=torch.int32, device=device)
-    return _STAND_INS[device]
+def _stand_in(device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """A one-element tensor for the pointer arguments of a feature a launch leaves off
+    (segment ids, block lists; int64: the status word of a wait, ``_wait``): never read,
+    so one per device and dtype is made and kept. A fresh one per launch cost an
+    allocation and a fill kernel each, six to twelve in a ring of two's forward+backward
+    (docs/notes/ring-of-two.md, "The ring of two at 32k: the trace, what a split launch
+    costs, the host's time": the launches' host time 1.62 -> 1.35-1.44 ms a call)."""
+    if (device, dtype) not in _STAND_INS:
+        _STAND_INS[device, dtype] = torch.zeros(1, dtype=dtype, device=device)
+    return _STAND_INS[device, dtype]
+
+
+def _wait(arrival, chunk: int, device: torch.device) -> Wait:
+    """The forward's ``Wait`` for a ``pair.Arrival`` with flags, or stand-ins (never read)
+    for a launch that does not wait. Without a status tensor of the caller's, a tile that
+    gives up writes into a stand-in: its NaN output is then the only trace."""
+    if arrival is None or arrival.flags is None:
+        return Wait(_stand_in(device), 0, chunk, 0.0, _stand_in(device, torch.int64))
+    status = arrival.status if arrival.status is not None else _stand_in(device, torch.int64)
+    return Wait(arrival.flags, arrival.epoch, chunk, float(arrival.timeout) * 1e9, status)
 
 
 def _band(mask) -> Band:
@@ -153,7 +163,8 @@ def fwd(q, k, v, out, lse, *, softmax_scale: float, mask, accumulate: bool, out_
         tail=None, arrival=None):
     """``tail``: the keys' and values' rows that follow k and v when held apart
     (``pair.Joined``, under a block mask), or None; ``arrival``: with a tail, a
-    ``pair.Arrival`` (which part runs last, and whether the kernel waits for it)."""
+    ``pair.Arrival`` (which part runs last, and whether the kernel waits for it, for how
+    long, and where a tile that gives up records it)."""
     long = _check_offsets(q=q, k=k, v=v, out=out, lse=lse, out_partial=out_partial,
                           **dict(zip(("k_tail", "v_tail"), tail or ())))
     b, sq, h, d = q.shape
@@ -173,7 +184,7 @@ def fwd(q, k, v, out, lse, *, softmax_scale: float, mask, accumulate: bool, out_
                        long)
     lists = _lists(mask, band, sq, sk, False, q.device, (cfg["BLOCK_M"], b, h, 1), variant.BAND,
                    split=None if tail is None else split, chunk=chunk * (h // hkv) if waits else 0)
-    wait = Wait(arrival.flags, arrival.epoch, chunk) if waits else Wait(_stand_in(q.device), 0, chunk)
+    wait = _wait(arrival, chunk, q.device)
     keys = [_source(t, cfg["BLOCK_N"], bd, tma) for t in (k, v, *(tail or ()))]
     _fwd_kernel[(triton.cdiv(sq, cfg["BLOCK_M"]), b * h)](
         Q=_source(q, cfg["BLOCK_M"], bd, tma), K=keys[0], V=keys[1], K2=keys[-2], V2=keys[-1],

@@ -188,11 +188,18 @@ class Tail(NamedTuple):
 
 class Wait(NamedTuple):
     """A part still arriving (pair.Arrival, VARIANT.WAIT): chunk c of ``chunk_heads`` K/V
-    heads is in once flags[c] >= epoch."""
+    heads is in once flags[c] >= epoch. A tile that finds its chunk's flag down waits at
+    most ``timeout_ns`` (a float, so that no value specializes a launch) on the GPU's
+    clock (``fwd._await_chunk``); then it gives up: it writes c + 1 at ``status`` (an
+    int64 word, in host-mapped memory where the host is to see it without a
+    synchronization) and fwd.GAVE_UP into every flag, and the launch's tiles that give
+    up or find a flag so write NaN."""
 
     flags: object
     epoch: int
     chunk_heads: int
+    timeout_ns: float
+    status: object
 
 
 @triton.jit

@@ -44,7 +44,9 @@ def gathered_forward(q, k, v, recv, *, softmax_scale: float, band: Band,
     launch over the whole sequence's keys, the own and the arriving ones joined in global
     order (``Joined``), the own ones first in every query tile (``Arrival``). On the copy
     engines each tile waits inside the kernel for its head's chunk, so the launch starts
-    while the shard travels. Cut in two (own keys, then the visiting ones merged through
+    while the shard travels; it waits at most RINGFLASH_PEER_TIMEOUT_S
+    (``exchange.peer_timeout``): a tile that gives up writes NaN, and the next call
+    raises, naming the peer. Cut in two (own keys, then the visiting ones merged through
     fp32), the forward paid one more launch's per-program work and the merge: 0.25-0.35 ms
     a call at 32k (docs/notes/ring-of-two.md). Returns out, lse and what the backward keeps."""
     b, n, h, d = q.shape
@@ -64,9 +66,11 @@ def gathered_forward(q, k, v, recv, *, softmax_scale: float, band: Band,
             out.zero_()
             lse.fill_(-math.inf)
         else:
+            # the wait's end (``Ring.watch``): a tile gives up on a peer that never sends
+            arrival = Arrival(1 - own, flags, 1, heads, *getattr(ring, "watch", ()))
             kernels.flash_attn_fwd(q, keys, values, softmax_scale=softmax_scale,
                                    mask=pair_mask(pair, None, None, dropout, plan, blocks), out=out, lse=lse,
-                                   arrival=Arrival(1 - own, flags, 1, heads))
+                                   arrival=arrival)
     finally:  # also when the launch raised (say out of memory, caught and retried by the
         # caller): a flag left up would let the next call's tiles read a shard in flight
         if flags is not None:
