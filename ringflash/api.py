@@ -160,13 +160,8 @@ def _over_grid(args, grid: Grid):
         raise
     if not compiling and agreement.ENABLED:
         agreement.agree_on_grid(grid, mine, None)
-
-    head0 = grid.heads_rank * (q.shape[2] // grid.heads_world)  # dropout is keyed by the global head
-
-    def attend(q2, k2, v2, segments2, blocks2):
-        return ring_attn(q2, k2, v2, segments2, softmax_scale=scale, band=band, layout=layout,
-                         dropout=(*dropout, head0), blocks=blocks2, group=grid.ring)
-    return heads.ring_over_heads(q, k, args[2], grid, segments, blocks, attend)
+    return heads.ring_over_heads(q, k, args[2], grid, segments, blocks, softmax_scale=scale, band=band,
+                                 layout=layout, dropout=dropout)
 
 
 def _check_local_on_every_rank(*args, group):

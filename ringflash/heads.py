@@ -1,9 +1,7 @@
 """Two-dimensional sequence parallelism: an all-to-all over the grid's heads group (U
 ranks) trades each rank's piece of the sequence for a share of the heads, the ring runs
 over the grid's ring group (R ranks) on the reassembled ring shard, and out (and lse)
-come back through the inverse all-to-all. The backward is the same path reversed: the
-all-to-alls are differentiable (their adjoint is the opposite exchange) and the ring has
-its own backward.
+come back through the inverse all-to-all. The backward is the same path reversed.
 
     rank (u, r):  q (B, L, H, D)  --to_heads-->  (B, U L, H / U, D)  -- the ring over r -->
                   out (B, U L, H / U, D)  --to_sequence-->  (B, L, H, D)
@@ -17,17 +15,46 @@ Hkv each rank receives its own Hkv / U; otherwise (MQA, or kv_heads < U) each re
 the kv heads its query heads need, replicated only in transit: the all-to-all sends a
 head to every rank that reads it, and its gradient comes back summed from all of them.
 
-Dropout is keyed by the global head: rank u's ring runs with ``dropout_head0 = u H / U``,
-so a grid drops exactly what one device drops.
+Dropout is keyed by the global head: a ring over query heads [h0, h0 + n) runs with
+``dropout_head0 = h0``, so a grid drops exactly what one device drops.
+
+Overlap. A rank's heads split into C chunks (``head_chunks``), each a whole number of the
+kv entries it receives, so every chunk keeps whole GQA groups and computes what the
+unchunked call computes for its heads, bit for bit (except where the ring itself divides
+work by a per-head block mask's blocks: a ring of two that keeps K/V cuts its dK/dV passes
+where its heads' blocks balance, so the same terms may add in another order). The forward
+posts the all-to-alls of every chunk's q, k, v at once (asynchronous: a wait makes the
+compute stream, not the host, wait), runs chunk c's ring while later chunks travel, and
+sends chunk c's out and lse home while chunk c + 1 computes; the backward posts every
+chunk's dout (and dlse) at once and sends chunk c's dq, dk, dv home while chunk c + 1's
+ring backward runs: one autograd Function (``_Overlapped``) that calls the ring op's
+forward and backward itself, in its own order. What stays exposed is the first chunk's trip
+out and the last chunk's trip home. C = 1 (nothing to split, RINGFLASH_HEAD_CHUNKS=1, or
+under torch.compile, which traces the exchanges as functional collectives and orders them
+itself) takes the composed path: differentiable exchanges around the ring's autograd op.
+RINGFLASH_HEAD_CHUNKS (read at each call) exists to compare the two paths: tests hold them
+to the same bits, benchmarks time what the overlap hides.
 """
 
 from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from einops import rearrange
 
-from .groups import Grid
+from .groups import Grid, group_name
+from .kernels import eager, no_double_backward
+from .kernels.masks import tensor_memo
+from .ops import ring_attn, ring_attn_backward_impl, ring_attn_forward_impl
+
+CHUNKS_ENV = "RINGFLASH_HEAD_CHUNKS"
+MAX_CHUNKS = 4  # exposed exchange ~ 1/C of it; more chunks: smaller kernels, C x the ring's fixed costs
+MIN_CHUNK_ROWS = 1 << 16  # query rows x heads of one chunk's kernels (B U L H / U / C): a full GPU
 
 
 def kv_index(heads: int, kv_heads: int, world: int) -> torch.Tensor:
@@ -42,6 +69,63 @@ def kv_index(heads: int, kv_heads: int, world: int) -> torch.Tensor:
     if group % per_rank == 0:  # a rank's heads within one group
         return needed[:, :1]
     return needed
+
+
+def head_chunks(entries: int, rows: int) -> int:
+    """How many chunks a rank's heads split into: a divisor of ``entries`` (the kv entries a
+    rank receives, kv_index's n), so each chunk has whole GQA groups and at least one kv head.
+    RINGFLASH_HEAD_CHUNKS=k asks for k (the largest such divisor up to k; 1: no overlap).
+    By default the largest up to MAX_CHUNKS whose chunks keep MIN_CHUNK_ROWS of the ``rows``
+    (B x U L x H / U) a rank's ring computes; 1 for a small call, which has nothing to hide."""
+    wanted = os.environ.get(CHUNKS_ENV, "auto").strip().lower()
+    if wanted == "auto":
+        cap, least = MAX_CHUNKS, MIN_CHUNK_ROWS
+    elif wanted.isdigit() and int(wanted) > 0:
+        cap, least = int(wanted), 0
+    else:
+        raise ValueError(f"{CHUNKS_ENV} must be 'auto' or a positive integer, got {wanted!r}")
+    return max(c for c in range(1, min(cap, entries) + 1) if entries % c == 0 and (c == 1 or rows // c >= least))
+
+
+def ring_over_heads(q, k, v, grid: Grid, segments, block_mask, *, softmax_scale: float, band, layout: str,
+                    dropout: tuple):
+    """out (B, L, H, D) and lse (B, H, L) of this rank's tokens: the ring (``ops.ring_attn``'s
+    arguments: softmax_scale, band, layout, dropout (p, seed)) over grid.ring on the
+    head-split tensors, chunked and overlapped with the exchanges where it can be."""
+    world, heads, rank = grid.heads_world, q.shape[2], grid.heads_rank
+    per_rank, kv = heads // world, kv_index(heads, k.shape[2], world)
+    chunks = head_chunks(kv.shape[1], q.shape[0] * q.shape[1] * heads) if eager(q, k, v) else 1
+    segments2 = None if segments is None else _gather_tokens(segments, grid.heads, world)
+    blocks = [_head_rows(block_mask, rank * per_rank + c * per_rank // chunks, per_rank // chunks)
+              for c in range(chunks)]
+    if chunks == 1:
+        q2 = _ToHeads.apply(q, torch.arange(heads).view(world, per_rank), grid.heads)
+        k2, v2 = _ToHeads.apply(k, kv, grid.heads), _ToHeads.apply(v, kv, grid.heads)
+        out2, lse2 = ring_attn(q2, k2, v2, segments2, softmax_scale=softmax_scale, band=band, layout=layout,
+                               dropout=(*dropout, rank * per_rank), blocks=blocks[0], group=grid.ring)
+        out = _ToSequence.apply(out2, grid.heads, world)
+        lse = _ToSequence.apply(rearrange(lse2, "b h s -> b s h"), grid.heads, world)
+        return out, rearrange(lse, "b s h -> b h s")
+    entries = rearrange(kv, "u (c n) -> u c n", c=chunks).tolist()
+    call = _Call(grid.heads, world, tuple(tuple(map(tuple, row)) for row in entries), segments2, blocks,
+                 [rank * per_rank + c * per_rank // chunks for c in range(chunks)],
+                 (softmax_scale, *band, layout, group_name(grid.ring)), dropout[:2])
+    requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    return _Overlapped.apply(q, k, v, call, requires_grad)
+
+
+def _head_rows(block_mask: Optional[torch.Tensor], start: int, count: int) -> Optional[torch.Tensor]:
+    """A per-head block mask's rows of query heads [start, start + count) (a shared one as
+    it is), the same tensor object every call while the mask is, so the ring's checksum of
+    it is computed once (``tensor_memo``)."""
+    if block_mask is None or block_mask.shape[0] == 1:
+        return block_mask
+    if torch.compiler.is_compiling():  # a graph takes the rows as an op of its own
+        return block_mask[start:start + count]
+    return tensor_memo(block_mask, ("heads", start, count), lambda: block_mask[start:start + count].clone())
+
+
+# ----------------------------------------------------------------------------- composed (C = 1)
 
 
 class _ToHeads(torch.autograd.Function):
@@ -93,22 +177,121 @@ def _gather_tokens(t: torch.Tensor, group, world: int) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
-def ring_over_heads(q, k, v, grid: Grid, segments, block_mask, attend):
-    """out (B, L, H, D) and lse (B, H, L) of this rank's tokens: ``attend(q, k, v,
-    segment_ids, block_mask)`` runs the ring on the head-split tensors and returns (out,
-    lse) of them."""
-    world, group = grid.heads_world, grid.heads
-    heads, kv_heads = q.shape[2], k.shape[2]
-    rank = grid.heads_rank
-    q_index = torch.arange(heads).view(world, heads // world)
-    kv = kv_index(heads, kv_heads, world)
-    q2 = _ToHeads.apply(q, q_index, group)
-    k2, v2 = _ToHeads.apply(k, kv, group), _ToHeads.apply(v, kv, group)
-    segments2 = None if segments is None else _gather_tokens(segments, group, world)
-    blocks2 = block_mask
-    if block_mask is not None and block_mask.shape[0] > 1:  # per-head: this rank's heads' rows
-        blocks2 = block_mask[q_index[rank].to(block_mask.device)]
-    out2, lse2 = attend(q2, k2, v2, segments2, blocks2)
-    out = _ToSequence.apply(out2, group, world)
-    lse = _ToSequence.apply(rearrange(lse2, "b h s -> b s h"), group, world)
-    return out, rearrange(lse, "b s h -> b h s")
+# ----------------------------------------------------------------------------- overlapped (C > 1)
+
+
+@dataclass
+class _Call:
+    """One chunked call: the heads group and its size U, the kv entries of each rank and
+    chunk (U, C, n), the ring shard's segment ids, each chunk's block mask and first global
+    query head, and the ring op's other arguments (softmax_scale, band_lo, band_hi, layout,
+    ring group name; dropout p, seed)."""
+
+    group: object
+    world: int
+    kv: tuple
+    segments: Optional[torch.Tensor]
+    blocks: list
+    head0: list
+    ring: tuple
+    dropout: tuple
+
+    @property
+    def chunks(self) -> int:
+        return len(self.kv[0])
+
+    def forward(self, c: int, q2, k2, v2, requires_grad: bool):
+        return ring_attn_forward_impl(q2, k2, v2, self.segments, self.blocks[c], *self.ring, *self.dropout,
+                                      self.head0[c], requires_grad)
+
+    def backward(self, c: int, dout2, q2, k2, v2, out2, lse2, dlse2, kept_kv, kept_segments):
+        return ring_attn_backward_impl(dout2, q2, k2, v2, out2, lse2, dlse2, self.segments, self.blocks[c],
+                                       kept_kv, kept_segments, *self.ring, *self.dropout, self.head0[c])
+
+
+@functools.lru_cache(maxsize=64)
+def _entries(kv: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv entries (U, C, n) on ``device``, flat in order (c, u, n) (what each chunk sends)
+    and (u, c, n) (where each returned gradient adds), made once: a host-to-device copy
+    waits for the GPU."""
+    index = torch.tensor(kv)
+    return (rearrange(index, "u c n -> (c u n)").to(device), rearrange(index, "u c n -> (u c n)").to(device))
+
+
+def _post(send: torch.Tensor, recv: torch.Tensor, group) -> tuple:
+    """Start the all-to-all of ``send`` (U, ...) into ``recv``: (its work, and the two
+    tensors, kept alive until ``_wait``)."""
+    return dist.all_to_all_single(recv, send, group=group, async_op=True), send, recv
+
+
+def _send_home(t: torch.Tensor, split: str, recv: torch.Tensor, call: "_Call") -> tuple:
+    """``_post`` of a chunk's result (ring layout, rows of every heads rank) split by rank."""
+    return _post(rearrange(t, split, u=call.world).contiguous(), recv, call.group)
+
+
+def _wait(posted) -> None:
+    for work, *_ in posted:
+        work.wait()
+
+
+class _Overlapped(torch.autograd.Function):
+    """out (B, L, H, D), lse (B, H, L) of ``ring_over_heads``, chunk by chunk (the module's
+    docstring): chunk c holds query heads [c m, (c + 1) m) of every rank's share, m = H / U / C."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, call: _Call, requires_grad: bool):
+        world, chunks = call.world, call.chunks
+        to_chunks, _ = _entries(call.kv, q.device)
+        sends = (rearrange(q, "b l (u c m) d -> c u b l m d", u=world, c=chunks).contiguous(),
+                 *(rearrange(x.index_select(2, to_chunks), "b l (c u n) d -> c u b l n d", c=chunks, u=world)
+                   .contiguous() for x in (k, v)))
+        recvs = [torch.empty_like(s) for s in sends]
+        posted = [[_post(s[c], r[c], call.group) for s, r in zip(sends, recvs)] for c in range(chunks)]
+        b, n, h, d = q.shape
+        out_home = q.new_empty((chunks, world, b, n, h // world // chunks, d))
+        lse_home = q.new_empty((chunks, world, b, h // world // chunks, n), dtype=torch.float32)
+        home, saved = [], []
+        for c in range(chunks):
+            _wait(posted[c])
+            q2, k2, v2 = (rearrange(r[c], "u b l n d -> b (u l) n d") for r in recvs)
+            out2, lse2, kept_kv, kept_segments = call.forward(c, q2, k2, v2, requires_grad)
+            home += [_send_home(out2, "b (u l) m d -> u b l m d", out_home[c], call),
+                     _send_home(lse2, "b m (u l) -> u b m l", lse_home[c], call)]
+            saved += [q2, k2, v2, out2, lse2, kept_kv, kept_segments]
+        _wait(home)
+        ctx.save_for_backward(*saved)
+        ctx.call, ctx.shape, ctx.kv_heads = call, q.shape, k.shape[2]
+        ctx.set_materialize_grads(False)  # an unused lse's gradient stays None, as the ring op's
+        return (rearrange(out_home, "c u b l m d -> b l (u c m) d"),
+                rearrange(lse_home, "c u b m l -> b (u c m) l"))
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        no_double_backward()
+        call, saved = ctx.call, ctx.saved_tensors
+        world, chunks = call.world, call.chunks
+        q2, k2 = saved[:2]  # chunk 0's: the shapes and dtypes of every chunk's
+        dout = q2.new_zeros(ctx.shape) if dout is None else dout  # only lse was used
+        sends = [rearrange(dout, "b l (u c m) d -> c u b l m d", u=world, c=chunks).contiguous()]
+        if dlse is not None:
+            sends.append(rearrange(dlse, "b (u c m) l -> c u b m l", u=world, c=chunks).contiguous())
+        recvs = [torch.empty_like(s) for s in sends]
+        posted = [[_post(s[c], r[c], call.group) for s, r in zip(sends, recvs)] for c in range(chunks)]
+        b, n = ctx.shape[:2]
+        dq_home = q2.new_empty((chunks, world, b, n, *q2.shape[2:]))
+        dkv_home = k2.new_empty((chunks, world, 2, b, n, *k2.shape[2:]))
+        home = []
+        for c in range(chunks):
+            _wait(posted[c])
+            dout2 = rearrange(recvs[0][c], "u b l m d -> b (u l) m d")
+            dlse2 = None if dlse is None else rearrange(recvs[1][c], "u b m l -> b m (u l)")
+            q2, k2, v2, out2, lse2, kept_kv, kept_segments = saved[7 * c:7 * c + 7]
+            dq2, dkv2 = call.backward(c, dout2, q2, k2, v2, out2, lse2, dlse2, kept_kv, kept_segments)
+            home += [_send_home(dq2, "b (u l) m d -> u b l m d", dq_home[c], call),
+                     _send_home(dkv2, "t b (u l) n d -> u t b l n d", dkv_home[c], call)]
+        _wait(home)
+        dq = rearrange(dq_home, "c u b l m d -> b l (u c m) d")
+        dkv = rearrange(dkv_home, "c u t b l n d -> t b l (u c n) d")
+        _, to_heads = _entries(call.kv, dout.device)
+        dk, dv = (dkv.new_zeros((b, n, ctx.kv_heads, dkv.shape[-1])).index_add_(2, to_heads, g) for g in dkv)
+        return dq, dk, dv, None, None

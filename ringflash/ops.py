@@ -197,6 +197,11 @@ def _backward(ctx, dout, dlse, _dkv=None, _dseg=None):
 ring_attn_forward.register_autograd(_backward, setup_context=_setup_context)
 _RingAttn = eager_function("_RingAttn", _forward, _setup_context, _backward)
 
+# The implementations behind the two ops, for eager callers that run several rings inside an
+# autograd Function of their own and order their forwards and backwards themselves
+# (ringflash.heads: chunks of heads overlapped with their all-to-alls).
+ring_attn_forward_impl, ring_attn_backward_impl = _forward, _backward_grads
+
 
 def ring_attn(q, k, v, segments=None, *, softmax_scale: float, band=(None, None), layout: str,
               dropout=(0.0, 0), blocks=None, group=None):
@@ -211,4 +216,5 @@ def ring_attn(q, k, v, segments=None, *, softmax_scale: float, band=(None, None)
     return out, lse
 
 
-__all__ = ["ring_attn", "ring_attn_backward", "ring_attn_forward", "ring_of"]
+__all__ = ["ring_attn", "ring_attn_backward", "ring_attn_backward_impl", "ring_attn_forward",
+           "ring_attn_forward_impl", "ring_of"]

@@ -3,8 +3,9 @@ of U ranks x the ring over R ranks, on CPU over gloo, against the float64 oracle
 full sequence: out, lse and the three gradients of every rank's shard, for (U, R) in
 (2, 1), (1, 2), (2, 2), (4, 1), (3, 1), (1, 4), every layout, causal and not, GQA with
 kv_heads < U, MQA, segment ids, windows, block masks and dropout (bits keyed by the global
-head: those of one device); the layer, SequenceParallel and
-a Hugging Face model on a 2 x 2 DeviceMesh; bad input raising on every rank."""
+head: those of one device); heads split into chunks whose all-to-alls overlap the ring
+giving the bits of the unchunked call; the layer, SequenceParallel and a Hugging Face
+model on a 2 x 2 DeviceMesh; bad input raising on every rank."""
 
 from __future__ import annotations
 
@@ -46,6 +47,63 @@ CASES = [  # name, heads, kv_heads, causal, window, documents, block mask kind[,
 ]
 
 
+def _case(i, case, seqlen, head_count=None):
+    """The full-sequence inputs of case ``i`` of CASES (CPU, fp32) and the oracle's results."""
+    name, h, hkv, causal, window, docs, blocks, *rest = case
+    h = head_count or h
+    p = rest[0] if rest else 0.0
+    dropped = (dropout_keep_mask(5, p, 1, h, seqlen), dropout.keep_scale(p)) if p else None
+    gen = torch.Generator().manual_seed(i)
+    q, k, v, dout = (torch.randn(1, seqlen, n, 16, generator=gen) for n in (h, hkv, hkv, h))
+    dlse = torch.randn(1, h, seqlen, generator=gen)
+    seg = None
+    if docs is not None:
+        seg = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs))[None].to(torch.int32)
+    bm = None
+    if blocks is not None:
+        nb = seqlen // BLOCK
+        bm = torch.rand(h, nb, nb, generator=gen) < 0.6
+        bm |= torch.eye(nb, dtype=torch.bool)
+    mask = global_mask(seqlen, causal, window, seg)
+    if bm is not None:
+        mask = with_blocks(mask, bm, seqlen)
+    want = oracle_results(q, k, v, dout, mask, dropped)
+    want["dq"], want["dk"], want["dv"] = oracle_grads(q, k, v, dout, dlse=dlse, mask=mask, dropped=dropped)
+    inputs = dict(q=q, k=k, v=v, dout=dout, dlse=dlse, seg=seg, bm=bm, causal=causal, window=window, p=p)
+    return inputs, want
+
+
+def _fits(layout, grid, seqlen, inputs) -> bool:
+    """Whether ``layout`` takes the case's block mask (whole blocks a chunk) on this grid."""
+    ring_local = seqlen // grid.ring_world
+    chunk = {"contiguous": ring_local, "zigzag": ring_local // 2, "block_stripe": BLOCK}.get(layout, 1)
+    return inputs["bm"] is None or chunk % BLOCK == 0
+
+
+def _run_grid(group, layout, inputs, device=None) -> dict:
+    """out, lse and the three gradients of this rank's shards, for ``inputs`` (``_case``)."""
+    def on(t):
+        return t if t is None or device is None else t.to(device)
+    sh = lambda t, dim=1: ringflash.shard(on(t), dim, layout, group)  # noqa: E731
+    ql, kl, vl = (sh(inputs[n]).requires_grad_() for n in "qkv")
+    seg = inputs["seg"]
+    out, lse = ringflash.ring_flash_attn(
+        ql, kl, vl, causal=inputs["causal"], window_size=inputs["window"], layout=layout, group=group,
+        return_lse=True, segment_ids=None if seg is None else sh(seg), block_mask=on(inputs["bm"]),
+        dropout_p=inputs["p"], seed=5)
+    (out * sh(inputs["dout"])).sum().add((lse * sh(inputs["dlse"], 2)).sum()).backward()
+    return {"out": out.detach(), "lse": lse.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
+
+
+def _errors(got, want, group, layout, tol, where) -> list[str]:
+    failures = []
+    for key, value in got.items():
+        err = rel_err(value.cpu(), ringflash.shard(want[key], 2 if key == "lse" else 1, layout, group))
+        if not err <= tol:
+            failures.append(f"{where}: {key} rel err {err:.3g}")
+    return failures
+
+
 def check_grid(rank, world, heads_world, layouts, how="pair", seqlen=512, cases=CASES, head_count=None,
                device=None, tol=TOL[F32]):
     """Failures (str) of every case and layout on this rank; the inputs on ``device`` (the
@@ -53,50 +111,16 @@ def check_grid(rank, world, heads_world, layouts, how="pair", seqlen=512, cases=
     group = _grid(rank, world, heads_world, how, "cpu" if device is None else device.type)
     grid = ringflash.groups.resolve_grid(group)
     failures = []
-    for i, (name, h, hkv, causal, window, docs, blocks, *rest) in enumerate(cases):
-        h = head_count or h
-        p = rest[0] if rest else 0.0
-        dropped = None
-        if p:
-            dropped = (dropout_keep_mask(5, p, 1, h, seqlen), dropout.keep_scale(p))
-        gen = torch.Generator().manual_seed(i)
-        q, k, v, dout = (torch.randn(1, seqlen, n, 16, generator=gen) for n in (h, hkv, hkv, h))
-        dlse = torch.randn(1, h, seqlen, generator=gen)
-        seg = None
-        if docs is not None:
-            seg = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs))[None].to(torch.int32)
-        bm = None
-        if blocks is not None:
-            nb = seqlen // BLOCK
-            bm = torch.rand(h, nb, nb, generator=gen) < 0.6
-            bm |= torch.eye(nb, dtype=torch.bool)
-        mask = global_mask(seqlen, causal, window, seg)
-        if bm is not None:
-            mask = with_blocks(mask, bm, seqlen)
-        want = oracle_results(q, k, v, dout, mask, dropped)
-        want["dq"], want["dk"], want["dv"] = oracle_grads(q, k, v, dout, dlse=dlse, mask=mask, dropped=dropped)
-        if device is not None:
-            q, k, v, dout, dlse = (t.to(device) for t in (q, k, v, dout, dlse))
-            seg, bm = (None if t is None else t.to(device) for t in (seg, bm))
+    for i, case in enumerate(cases):
+        inputs, want = _case(i, case, seqlen, head_count)
         for layout in layouts:
-            ring_local = seqlen // grid.ring_world
-            chunk = {"contiguous": ring_local, "zigzag": ring_local // 2, "block_stripe": BLOCK}.get(layout, 1)
-            if bm is not None and chunk % BLOCK:  # block masks need whole blocks a chunk
+            if not _fits(layout, grid, seqlen, inputs):
                 continue
-            if p and layout != layouts[0]:  # the twin's Philox is slow; dropout's bits are by position
+            if inputs["p"] and layout != layouts[0]:  # the twin's Philox is slow; dropout's bits are by position
                 continue
-            sh = lambda t, dim=1: ringflash.shard(t, dim, layout, group)  # noqa: E731
-            ql, kl, vl = (sh(t).requires_grad_() for t in (q, k, v))
-            out, lse = ringflash.ring_flash_attn(
-                ql, kl, vl, causal=causal, window_size=window, layout=layout, group=group, return_lse=True,
-                segment_ids=None if seg is None else sh(seg), block_mask=bm, dropout_p=p, seed=5)
-            (out * sh(dout)).sum().add((lse * sh(dlse, 2)).sum()).backward()
-            got = {"out": out, "lse": lse, "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
-            for key, value in got.items():
-                err = rel_err(value.cpu(), sh(want[key], 2 if key == "lse" else 1))
-                if not err <= tol:
-                    failures.append(f"rank {rank} {grid.heads_world}x{grid.ring_world} {name} {layout}: "
-                                    f"{key} rel err {err:.3g}")
+            got = _run_grid(group, layout, inputs, device)
+            failures += _errors(got, want, group, layout, tol,
+                                f"rank {rank} {grid.heads_world}x{grid.ring_world} {case[0]} {layout}")
     return failures
 
 
@@ -118,6 +142,110 @@ def test_grid_of_three_heads_ranks(worlds):
     per_rank = worlds(3).run(check_grid, 3, ("contiguous",), "pair", 384, cases, timeout=300)
     failures = [f for fs in per_rank for f in fs]
     assert not failures, "\n".join(failures)
+
+
+# Heads enough for several chunks a rank (ringflash.heads.head_chunks): GQA 16/8 has 4 kv
+# entries a rank at U = 2 and 2 at U = 4; MQA has one, so it never splits; 12/3 is uneven (a
+# rank's heads read kv heads unevenly, run as MHA), and at U = 4 has kv_heads < U.
+CHUNK_CASES = [
+    ("mha-causal", 8, 8, True, (-1, -1), None, None),
+    ("gqa-full", 16, 8, False, (-1, -1), None, None),
+    ("mqa-causal", 8, 1, True, (-1, -1), None, None),
+    ("uneven-gqa", 12, 3, True, (-1, -1), None, None),
+    ("gqa-docs", 16, 8, True, (-1, -1), [60, 150, 46], None),
+    ("blocks", 16, 8, True, (-1, -1), None, "per-head"),
+    ("dropout-mha", 8, 8, True, (-1, -1), None, None, 0.25),
+]
+# The chunks each case runs in when 4 are asked for, by U.
+CHUNKS_RUN = {2: {"mha-causal": 4, "gqa-full": 4, "mqa-causal": 1, "uneven-gqa": 3, "gqa-docs": 4,
+                  "blocks": 4, "dropout-mha": 4},
+              4: {"mha-causal": 2, "gqa-full": 2, "mqa-causal": 1, "uneven-gqa": 3, "gqa-docs": 2,
+                  "blocks": 2, "dropout-mha": 2}}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().view(torch.int32)  # fp32: the bits (-0.0 differs from 0.0)
+
+
+def check_chunks(rank, world, heads_world, layout, cases, seqlen=256, device=None, tol=TOL[F32]):
+    """Per case: (the chunks the call ran in with RINGFLASH_HEAD_CHUNKS=4, the results whose
+    bits differ from the unchunked call's (=1), the largest relative difference between the
+    two, failures against the oracle: errors above ``tol``); the inputs on ``device``."""
+    import os
+
+    from ringflash import heads
+
+    group = _grid(rank, world, heads_world, "pair", "cpu" if device is None else device.type)
+    ran, overlapped = [], heads._Overlapped.forward
+
+    def counted(ctx, q, k, v, call, requires_grad):
+        ran.append(call.chunks)
+        return overlapped(ctx, q, k, v, call, requires_grad)
+    heads._Overlapped.forward = staticmethod(counted)
+    report = {}
+    try:
+        for i, case in enumerate(cases):
+            inputs, want = _case(i, case, seqlen)
+            runs = {}
+            for chunks in ("1", "4"):
+                ran.clear()
+                os.environ[heads.CHUNKS_ENV] = chunks
+                runs[chunks] = _run_grid(group, layout, inputs, device)
+            used = ran[0] if ran else 1
+            chunked, whole = runs["4"], runs["1"]
+            differ = [key for key, t in chunked.items() if not torch.equal(_bits(t), _bits(whole[key]))]
+            apart = max(rel_err(t.cpu(), whole[key].cpu()) for key, t in chunked.items())
+            where = f"rank {rank} {heads_world}x{world // heads_world} {case[0]} {layout} chunked"
+            report[case[0]] = (used, differ, apart, _errors(chunked, want, group, layout, tol, where))
+    finally:
+        heads._Overlapped.forward = staticmethod(overlapped)
+        os.environ.pop(heads.CHUNKS_ENV, None)
+    return report
+
+
+def _chunk_failures(per_rank, heads_world, bits=True) -> list[str]:
+    failures = []
+    for rank, report in enumerate(per_rank):
+        for name, (used, differ, _apart, errors) in report.items():
+            if used != CHUNKS_RUN[heads_world][name]:
+                failures.append(f"rank {rank} {name}: ran in {used} chunks, not {CHUNKS_RUN[heads_world][name]}")
+            if differ and bits:
+                failures.append(f"rank {rank} {name}: {differ} differ from the unchunked call's bits")
+            failures += errors
+    return failures
+
+
+@pytest.mark.parametrize("world_size,heads_world", [(2, 2), (4, 2), (4, 4)], ids=["U2xR1", "U2xR2", "U4xR1"])
+def test_chunked_heads_give_the_unchunked_bits(worlds, world_size, heads_world):
+    """Chunks of heads overlapped with their all-to-alls: the same bits as one exchange
+    (out, lse, dq, dk, dv), every case exact against the oracle (256 tokens; the rest of this
+    module covers the layouts). On a ring (R = 2) the layout is block_stripe: a ring of two
+    on contiguous shards under a block mask divides its dK/dV work by the mask's blocks
+    (``plan.SparsePlan.key_cut``), so a chunk's heads may cut elsewhere than all of them do,
+    adding the same terms in another order; that case is held to the oracle alone."""
+    layout = "contiguous" if world_size == heads_world else "block_stripe"
+    per_rank = worlds(world_size).run(check_chunks, heads_world, layout, CHUNK_CASES, timeout=300)
+    failures = _chunk_failures(per_rank, heads_world)
+    if world_size > heads_world:
+        blocks = [case for case in CHUNK_CASES if case[0] == "blocks"]
+        per_rank = worlds(world_size).run(check_chunks, heads_world, "contiguous", blocks, timeout=300)
+        failures += _chunk_failures(per_rank, heads_world, bits=False)
+    assert not failures, "\n".join(failures[:20])
+
+
+def test_head_chunks_keep_whole_kv_entries(monkeypatch):
+    from ringflash.heads import CHUNKS_ENV, MIN_CHUNK_ROWS, head_chunks
+    monkeypatch.delenv(CHUNKS_ENV, raising=False)
+    big = 4 * MIN_CHUNK_ROWS
+    assert [head_chunks(n, big) for n in (1, 2, 3, 4, 6, 8, 16)] == [1, 2, 3, 4, 3, 4, 4]
+    assert head_chunks(16, MIN_CHUNK_ROWS) == 1 and head_chunks(16, 2 * MIN_CHUNK_ROWS) == 2  # small calls
+    monkeypatch.setenv(CHUNKS_ENV, "8")
+    assert head_chunks(16, 0) == 8 and head_chunks(6, 0) == 6 and head_chunks(1, 0) == 1
+    monkeypatch.setenv(CHUNKS_ENV, "1")
+    assert head_chunks(16, big) == 1
+    monkeypatch.setenv(CHUNKS_ENV, "two")
+    with pytest.raises(ValueError, match=CHUNKS_ENV):
+        head_chunks(4, big)
 
 
 @pytest.mark.world(4)

@@ -38,6 +38,8 @@ def _panel_title(config: dict) -> str:
         parts.append(f"head_dim {config['head_dim']}")
     if "causal" in config:
         parts.append("causal" if config["causal"] else "non-causal")
+    if config.get("mask") is not None:
+        parts.append(f"mask {config['mask']}")
     return ", ".join(parts)
 
 

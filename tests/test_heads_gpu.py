@@ -1,0 +1,125 @@
+"""The heads x ring grid's chunked path (ringflash.heads: chunks of heads whose all-to-alls
+overlap the ring) on CUDA over NCCL. Run on 2 or 4 GPUs, every process running pytest:
+
+    NCCL_NVLS_ENABLE=0 timeout 600 torchrun --nproc-per-node=4 \\
+        -m pytest tests/test_heads_gpu.py -x -q -p no:cacheprovider
+
+Skipped without CUDA or outside torchrun. Every rank runs the same tests in the same
+order and agrees on the verdict with an all-reduce (as tests/test_ring_gpu.py does).
+
+- small, fp32 (TF32 off): tests/test_heads.py's chunk cases (MHA, GQA, MQA, uneven GQA
+  with kv_heads < U, segment ids, per-head block masks, dropout) at every (U, R) with U > 1
+  the world allows, chunked (RINGFLASH_HEAD_CHUNKS=4) against the float64 oracle, and
+  against the unchunked call (=1);
+- large, bf16 (32 heads, GQA 8, head_dim 128, 4096 tokens a rank, causal zigzag): the
+  chunked call against the unchunked one, and both finite.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ringflash
+from oracle import rel_err
+
+pytestmark = pytest.mark.gpu
+
+TOL_F32 = 1e-4  # against the float64 oracle; the GPU's exp2 is an approximation
+APART_F32 = 1e-5  # chunked against unchunked: the same kernels per head, at most the sums' order
+APART_BF16 = 5e-3
+
+
+def _under_torchrun() -> bool:
+    return all(name in os.environ for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"))
+
+
+@pytest.fixture(scope="module")
+def nccl():
+    """The NCCL world of this torchrun launch (initialized here if nobody has)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if not _under_torchrun():
+        pytest.skip("multi-GPU grid test: run under torchrun (WORLD_SIZE/RANK/LOCAL_RANK unset)")
+    for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        os.environ.setdefault(name, "0" if name == "NCCL_NVLS_ENABLE" else "1")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank)
+    owner = not dist.is_initialized()
+    if owner:
+        dist.init_process_group("nccl", device_id=device, timeout=timedelta(minutes=5))
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield device
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    if owner:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _agree(failures: list[str]) -> None:
+    """Fail on every rank if any rank has failures (one all-reduce, always reached)."""
+    flag = torch.tensor([1 if failures else 0], device="cuda", dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if failures:
+        pytest.fail(f"rank {dist.get_rank()}:\n" + "\n".join(failures[:20]))
+    if flag.item():
+        pytest.fail(f"rank {dist.get_rank()} passed, another rank failed (see its report)")
+
+
+def _heads_worlds(world: int) -> list[int]:
+    return [u for u in (2, 4) if u <= world and world % u == 0]
+
+
+def test_chunked_grid_matches_oracle(nccl):
+    from test_heads import CHUNK_CASES, CHUNKS_RUN, check_chunks
+    world, rank = dist.get_world_size(), dist.get_rank()
+    failures = []
+    for heads_world in _heads_worlds(world):
+        layout = "contiguous" if heads_world == world else "block_stripe"
+        report = check_chunks(rank, world, heads_world, layout, CHUNK_CASES, device=nccl, tol=TOL_F32)
+        for name, (used, _differ, apart, errors) in report.items():
+            where = f"{heads_world}x{world // heads_world} {name}"
+            if used != CHUNKS_RUN[heads_world][name]:
+                failures.append(f"{where}: ran in {used} chunks, not {CHUNKS_RUN[heads_world][name]}")
+            if not apart <= APART_F32:
+                failures.append(f"{where}: chunked and unchunked differ by {apart:.3g}")
+            failures += errors
+    _agree(failures)
+
+
+def _large(heads_world, device, chunks: str) -> dict:
+    """out, lse and the gradients of a bf16 grid call with RINGFLASH_HEAD_CHUNKS=chunks."""
+    from test_heads import _grid
+    world, rank = dist.get_world_size(), dist.get_rank()
+    group = _grid(rank, world, heads_world, "pair", "cuda")
+    gen = torch.Generator(device=device).manual_seed(rank)
+    n = 4096
+    q, dout = (torch.randn(1, n, 32, 128, device=device, generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, n, 8, 128, device=device, generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    os.environ["RINGFLASH_HEAD_CHUNKS"] = chunks
+    try:
+        out, lse = ringflash.ring_flash_attn(q, k, v, causal=True, group=group, return_lse=True)
+        out.backward(dout)
+    finally:
+        del os.environ["RINGFLASH_HEAD_CHUNKS"]
+    return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def test_chunked_grid_bf16_matches_unchunked(nccl):
+    failures = []
+    for heads_world in _heads_worlds(dist.get_world_size()):
+        whole, chunked = _large(heads_world, nccl, "1"), _large(heads_world, nccl, "4")
+        for name, t in chunked.items():
+            if not torch.isfinite(t).all():
+                failures.append(f"U={heads_world} {name}: not finite")
+            apart = rel_err(t.float(), whole[name].float())
+            if not apart <= APART_BF16:
+                failures.append(f"U={heads_world} {name}: chunked and unchunked differ by {apart:.3g}")
+    _agree(failures)
