@@ -183,7 +183,7 @@ def test_balance_documents_writes_outside_results(tmp_path, monkeypatch, capsys,
 
 @pytest.mark.parametrize("script", [f"benchmarks/{name}" for name in (
     "bench_kernel", "bench_ring", "bench_balance", "bench_masks", "bench_dropout", "bench_blocksparse",
-    "balance_documents", "plot", "plot_layouts")] + ["tools/tune_kernel"])
+    "balance_documents", "plot", "plot_layouts", "bench_scale")] + ["tools/tune_kernel"])
 def test_scripts_build_their_command_line(script, monkeypatch, capsys):
     """Every script imports and answers --help without a GPU (the GPU-only ones can be run
     nowhere else here)."""
@@ -195,6 +195,14 @@ def test_scripts_build_their_command_line(script, monkeypatch, capsys):
         main(["--help"]) if inspect.signature(main).parameters else main()
     assert done.value.code == 0
     assert capsys.readouterr().out.startswith("usage: ")
+
+
+def test_bench_scale_counts_what_any_attention_keeps():
+    """bench_scale's ``kept_gib``: q, out, dout, dq (32 heads) and k, v, dk, dv (8 kv heads)
+    of 128 bf16 elements a row, lse in fp32: 41,088 bytes a token."""
+    scale = _load(BENCH, "bench_scale")
+    assert scale.kept_bytes(1, 32, 8, 128) == 128 * 2 * (4 * 32 + 4 * 8) + 4 * 32 == 41088
+    assert scale.kept_bytes(1 << 20, 32, 8, 128) == 41088 << 20
 
 
 # ----------------------------------------------------------------------------- sm_90 compiles

@@ -82,12 +82,14 @@ def ring_results(local, dout, layout, group=None, **kwargs) -> dict:
             for key, val in got.items()}
 
 
-def check_masked_ring(rank, world, layout, seed=0, n=None, device="cpu"):
-    """Every configuration of _configs on this layout, ``n`` tokens per rank, the ring on
-    ``device`` (the oracle and flash_attn on the CPU); returns this rank's failures."""
+def check_masked_ring(rank, world, layout, seed=0, n=None, device="cpu", names=None):
+    """The configurations of _configs (those in ``names``, or all) on this layout, ``n``
+    tokens per rank, the ring on ``device`` (the oracle and flash_attn on the CPU);
+    returns this rank's failures."""
     failures = []
     n = n or {"stripe": 11, "block_stripe": 256}.get(layout, 12)  # block_stripe: 2 blocks a rank
-    for i, (name, causal, window, docs, n, h, hkv, dtype, p) in enumerate(_configs(world, layout, n)):
+    configs = [c for c in _configs(world, layout, n) if names is None or c[0] in names]
+    for i, (name, causal, window, docs, n, h, hkv, dtype, p) in enumerate(configs):
         seqlen = n * world
         gen = torch.Generator().manual_seed(seed + i)
         dt = getattr(torch, dtype)
