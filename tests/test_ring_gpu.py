@@ -257,8 +257,10 @@ def test_heads_grid_matches_oracle(nccl):
     failures = []
     for heads_world in (u for u in (2, 4) if u <= world and world % u == 0):
         how = "pair" if heads_world == world else "mesh"
-        failures += check_grid(rank, world, heads_world, ("zigzag", "block_stripe"), how=how, device=nccl,
-                               tol=TOL[F32])
+        # a ring of one (U = W) has one order whatever the layout: one run (with both, the test
+        # took 146 s on 4 H200s)
+        layouts = ("zigzag", "block_stripe") if heads_world < world else ("zigzag",)
+        failures += check_grid(rank, world, heads_world, layouts, how=how, device=nccl, tol=TOL[F32])
     _agree(failures)
 
 
