@@ -18,7 +18,6 @@ order and agrees on the verdict with an all-reduce (as tests/test_ring_gpu.py do
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 
 import pytest
 import torch
@@ -34,42 +33,9 @@ APART_F32 = 1e-5  # chunked against unchunked: the same kernels per head, at mos
 APART_BF16 = 5e-3
 
 
-def _under_torchrun() -> bool:
-    return all(name in os.environ for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"))
-
-
-@pytest.fixture(scope="module")
-def nccl():
-    """The NCCL world of this torchrun launch (initialized here if nobody has)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    if not _under_torchrun():
-        pytest.skip("multi-GPU grid test: run under torchrun (WORLD_SIZE/RANK/LOCAL_RANK unset)")
-    for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
-        os.environ.setdefault(name, "0" if name == "NCCL_NVLS_ENABLE" else "1")
-    local_rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank)
-    owner = not dist.is_initialized()
-    if owner:
-        dist.init_process_group("nccl", device_id=device, timeout=timedelta(minutes=5))
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield device
-    torch.backends.cuda.matmul.allow_tf32 = tf32
-    if owner:
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-def _agree(failures: list[str]) -> None:
-    """Fail on every rank if any rank has failures (one all-reduce, always reached)."""
-    flag = torch.tensor([1 if failures else 0], device="cuda", dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if failures:
-        pytest.fail(f"rank {dist.get_rank()}:\n" + "\n".join(failures[:20]))
-    if flag.item():
-        pytest.fail(f"rank {dist.get_rank()} passed, another rank failed (see its report)")
+# The NCCL world of the torchrun launch and the verdict every rank agrees on, as the ring's
+# GPU tests have them.
+from test_ring_gpu import _agree, nccl  # noqa: E402,F401 (nccl: a fixture)
 
 
 def _heads_worlds(world: int) -> list[int]:
