@@ -52,7 +52,8 @@ def _check_local(q, k, v, causal, layout, softmax_scale, window_size, segment_id
         if q.shape[2] % heads_world:
             raise ValueError(f"heads ({q.shape[2]}) must be a multiple of the grid's heads dimension "
                              f"U = {heads_world} (each of its ranks takes heads / U of them)")
-    return band, layout_name(layout), scale, segments, dropout, blocks
+    # a layout computed at run time goes on as itself (ops.ring_attn takes its spec tensor)
+    return band, rules if hasattr(rules, "spec") else layout_name(layout), scale, segments, dropout, blocks
 
 
 def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | None = None,

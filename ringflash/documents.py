@@ -38,7 +38,7 @@ import torch
 from .api import check_cu_seqlens, positive_int
 from .groups import resolve_grid
 from .layouts import (_ALL, NO_BAND, Layout, Pair, _Chunk, _local_pair, _merged, _MADE_PREFIX,
-                      remember)
+                      remember, spec_maker)
 
 # Split documents are tried at these multiples of a rank's share of the pairs (inf: only
 # documents longer than a shard); the first whose busiest rank is within _BALANCED of the
@@ -171,6 +171,7 @@ class DocumentLayout(Layout):
     sequence length and world size) have equal names; the ranks compare its ``digest``."""
 
     keeps_kv = False
+    kind = "documents"  # its maker's name, for the ring's ops (``layouts.layout_from_spec``)
 
     def __init__(self, bounds: torch.Tensor, seqlen: int, world: int, runs: list[list[Piece]],
                  splits: int, spread: float):
@@ -181,6 +182,9 @@ class DocumentLayout(Layout):
         key = f"{seqlen},{world}," + ",".join(map(str, bounds.tolist()))
         self.digest = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") >> 2
         self.name = f"{_MADE_PREFIX}{self.digest:016x}"
+        # What the ring's ops take it as (``spec_of``): a CPU tensor is a graph input under
+        # torch.compile, so a new layout of the same sizes needs no new graph.
+        self.spec = torch.tensor([seqlen, world, *self._bounds], dtype=torch.int64)
         self._positions = [_positions(rank) for rank in runs]
         self.shared = self._shared_pieces()
 
@@ -290,6 +294,29 @@ def document_layout(cu_seqlens, seqlen: int, group=None, *, world: Optional[int]
         raise ValueError(f"world {world} is not the group's ring size {ring_world}")
     if seqlen % world:
         raise ValueError(f"seqlen {seqlen} cannot be split over {world} ranks: it must be a multiple of {world}")
+    return _made(bounds, seqlen, world)
+
+
+# The layouts the ring's ops were last given as spec tensors, by their spec.
+_FROM_SPEC: dict[tuple, DocumentLayout] = {}
+
+
+@spec_maker("documents")
+def _from_spec(spec: torch.Tensor) -> DocumentLayout:
+    """The layout of ``DocumentLayout.spec`` [seqlen, world, *bounds] (the same object again
+    while it is among the last 256 asked for: the ring's plans are cached per object)."""
+    key = tuple(spec.tolist())
+    layout = _FROM_SPEC.pop(key, None)
+    if layout is None:
+        layout = _made(torch.tensor(key[2:], dtype=torch.int64), key[0], key[1])
+    _FROM_SPEC[key] = layout
+    while len(_FROM_SPEC) > 256:
+        del _FROM_SPEC[next(iter(_FROM_SPEC))]
+    return layout
+
+
+def _made(bounds: torch.Tensor, seqlen: int, world: int) -> DocumentLayout:
+    """``document_layout`` once its arguments are checked."""
     best: Optional[tuple] = None
     listed = bounds.tolist()
     for spread in _SPREADS:
@@ -302,4 +329,6 @@ def document_layout(cu_seqlens, seqlen: int, group=None, *, world: Optional[int]
         if worst <= _BALANCED:
             break
     _, runs, splits, spread = best
-    return remember(DocumentLayout(bounds, seqlen, world, runs, splits, spread))
+    layout = DocumentLayout(bounds, seqlen, world, runs, splits, spread)
+    _FROM_SPEC[tuple(layout.spec.tolist())] = layout
+    return remember(layout)

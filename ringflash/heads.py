@@ -109,7 +109,7 @@ def ring_over_heads(q, k, v, grid: Grid, segments, block_mask, *, softmax_scale:
     entries = rearrange(kv, "u (c n) -> u c n", c=chunks).tolist()
     call = _Call(grid.heads, world, tuple(tuple(map(tuple, row)) for row in entries), segments2, blocks,
                  [rank * per_rank + c * per_rank // chunks for c in range(chunks)],
-                 (softmax_scale, *band, layout, group_name(grid.ring)), dropout[:2])
+                 (softmax_scale, *band, layout, None, group_name(grid.ring)), dropout[:2])
     requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return _Overlapped.apply(q, k, v, call, requires_grad)
 
@@ -185,7 +185,7 @@ class _Call:
     """One chunked call: the heads group and its size U, the kv entries of each rank and
     chunk (U, C, n), the ring shard's segment ids, each chunk's block mask and first global
     query head, and the ring op's other arguments (softmax_scale, band_lo, band_hi, layout,
-    ring group name; dropout p, seed)."""
+    its spec (None: eager callers pass the layout itself), ring group name; dropout p, seed)."""
 
     group: object
     world: int

@@ -316,6 +316,23 @@ def layout_shown(code: int) -> str:
     return LAYOUTS[code] if 0 <= code < len(LAYOUTS) else f"{_MADE_PREFIX}{code:016x}"
 
 
+def layout_from_spec(layout, spec: Optional[torch.Tensor]):
+    """The layout a ring op was given: ``layout`` itself (a name, or in eager mode a layout
+    object), or, with ``spec``, the layout that the maker of kind ``layout`` (``spec_maker``)
+    builds from that CPU int64 tensor. Layouts computed at run time travel into the ops so
+    under torch.compile: a tensor is a graph input, where a name would be a constant (a new
+    graph per layout)."""
+    return layout if spec is None else _SPEC_MAKERS[layout](spec)
+
+
+def spec_maker(name: str):
+    """Register the function that builds layouts of kind ``name`` from their spec tensor."""
+    def register(make):
+        _SPEC_MAKERS[name] = make
+        return make
+    return register
+
+
 def remember(layout: "Layout") -> "Layout":
     """Keep a layout made at run time findable by its name (``layout_of``): the ring's
     custom ops take the layout by name."""
@@ -560,5 +577,6 @@ _BY_NAME = {layout.name: layout for layout in (Contiguous(), Zigzag(), Stripe(),
 assert tuple(_BY_NAME) == LAYOUTS
 # Layouts made at run time (``ringflash.document_layout``), by name, the newest last.
 _MADE: "OrderedDict[str, Layout]" = OrderedDict()
+_SPEC_MAKERS: dict = {}  # kind -> layout from its spec tensor (``layout_from_spec``)
 _MADE_PREFIX = "documents-"
 _KEPT = 256

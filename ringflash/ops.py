@@ -35,6 +35,7 @@ from . import agreement
 from .exchange import PeerRing, Ring, transport
 from .groups import group_name as name_of
 from .kernels import eager, eager_function, no_double_backward
+from .layouts import layout_from_spec
 from .ring import keeps_kv, ring_backward, ring_forward
 
 # Older torch has neither the tag nor custom_op's tags argument.
@@ -95,14 +96,16 @@ def _agreed_ring(q, k, segments, blocks, band, layout, softmax_scale, dropout, r
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              segments: Optional[torch.Tensor], blocks: Optional[torch.Tensor],
              softmax_scale: float, band_lo: Optional[int], band_hi: Optional[int],
-             layout: str, group_name: str, dropout_p: float = 0.0, seed: int = 0,
+             layout: str, layout_spec: Optional[torch.Tensor], group_name: str, dropout_p: float = 0.0, seed: int = 0,
              dropout_head0: int = 0,
              requires_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """out (B, S, H, D) in q's dtype and lse (B, H, S) fp32 of this rank's queries against
     every rank's keys, and what the backward keeps (``_kept_shapes``; empty tensors when
     nothing). ``requires_grad`` (will a backward follow?) also enters the agreement check:
-    a rank that skips the backward would leave the others waiting."""
+    a rank that skips the backward would leave the others waiting. ``layout_spec``: a layout
+    computed at run time, as a CPU tensor (``layouts.layout_from_spec``)."""
     band, dropout = (band_lo, band_hi), (dropout_p, seed, dropout_head0)
+    layout = layout_from_spec(layout, layout_spec)
     ring = _agreed_ring(q, k, segments, blocks, band, layout, softmax_scale, dropout, requires_grad,
                         group_name)
     keep = keeps_kv(layout, ring.world, requires_grad, blocks is not None)
@@ -130,10 +133,11 @@ ring_attn_forward = torch.library.custom_op("ringflash::ring_attn_forward", muta
 
 
 @ring_attn_forward.register_fake
-def _(q, k, v, segments, blocks, softmax_scale, band_lo, band_hi, layout, group_name, dropout_p=0.0, seed=0,
-      dropout_head0=0, requires_grad=False):
+def _(q, k, v, segments, blocks, softmax_scale, band_lo, band_hi, layout, layout_spec, group_name, dropout_p=0.0,
+      seed=0, dropout_head0=0, requires_grad=False):
     b, n, h, _ = q.shape
-    keep = keeps_kv(layout, ring_of(group_name).world, requires_grad, blocks is not None)
+    # a layout given by its spec (documents) never keeps K/V: it takes no block mask
+    keep = layout_spec is None and keeps_kv(layout, ring_of(group_name).world, requires_grad, blocks is not None)
     kv, seg = _kept_shapes(k, segments, keep)
     return (q.new_empty(q.shape), q.new_empty((b, h, n), dtype=torch.float32), k.new_empty(kv),
             q.new_empty(seg, dtype=torch.int32))
@@ -147,8 +151,8 @@ def _backward_grads(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                     segments: Optional[torch.Tensor], blocks: Optional[torch.Tensor],
                     kept_kv: torch.Tensor, kept_segments: torch.Tensor,
                     softmax_scale: float, band_lo: Optional[int], band_hi: Optional[int],
-                    layout: str, group_name: str, dropout_p: float = 0.0, seed: int = 0,
-                    dropout_head0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                    layout: str, layout_spec: Optional[torch.Tensor], group_name: str, dropout_p: float = 0.0,
+                    seed: int = 0, dropout_head0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """dq (like q) and dK/dV packed as one (2, *k.shape) tensor: an op may not return two
     views of one buffer, which is what the ring's last hop delivers. kept_kv, kept_segments:
     what the forward kept (empty: nothing). The transport is chosen again here, from the
@@ -159,7 +163,8 @@ def _backward_grads(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     kept = (kept_kv, kept_segments if kept_segments.numel() else None) if kept_kv.numel() else None
     return ring_backward(dout.contiguous(), q, k, v, out, lse, dlse, segments,
                          softmax_scale=softmax_scale, band=(band_lo, band_hi),
-                         dropout=(dropout_p, seed, dropout_head0), layout=layout, ring=ring, blocks=blocks,
+                         dropout=(dropout_p, seed, dropout_head0), layout=layout_from_spec(layout, layout_spec),
+                         ring=ring, blocks=blocks,
                          kept=kept)
 
 
@@ -169,7 +174,7 @@ ring_attn_backward = torch.library.custom_op("ringflash::ring_attn_backward", mu
 
 @ring_attn_backward.register_fake
 def _(dout, q, k, v, out, lse, dlse, segments, blocks, kept_kv, kept_segments, softmax_scale, band_lo, band_hi,
-      layout, group_name, dropout_p=0.0, seed=0, dropout_head0=0):
+      layout, layout_spec, group_name, dropout_p=0.0, seed=0, dropout_head0=0):
     return q.new_empty(q.shape), k.new_empty((2, *k.shape))
 
 
@@ -177,21 +182,23 @@ def _(dout, q, k, v, out, lse, dlse, segments, blocks, kept_kv, kept_segments, s
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, segments, blocks, *args, _requires_grad = inputs
+    q, k, v, segments, blocks, scale, band_lo, band_hi, layout, spec, *args, _requires_grad = inputs
     out, lse, kept_kv, kept_segments = output
-    ctx.save_for_backward(q, k, v, out, lse, segments, blocks, kept_kv, kept_segments)
+    ctx.save_for_backward(q, k, v, out, lse, segments, blocks, kept_kv, kept_segments, spec)
     ctx.mark_non_differentiable(kept_kv, kept_segments)
-    ctx.args = args  # softmax_scale, band, layout, group_name, dropout (p, seed, head 0)
+    ctx.args = (scale, band_lo, band_hi, layout)
+    ctx.rest = args  # group_name, dropout (p, seed, head 0)
     ctx.set_materialize_grads(False)  # an unused lse's gradient stays None, not zeros
 
 
 def _backward(ctx, dout, dlse, _dkv=None, _dseg=None):
     no_double_backward()
-    q, k, v, out, lse, segments, blocks, kept_kv, kept_segments = ctx.saved_tensors
+    q, k, v, out, lse, segments, blocks, kept_kv, kept_segments, spec = ctx.saved_tensors
     dout = torch.zeros_like(out) if dout is None else dout  # only lse was used
     grads = _backward_grads if eager(dout, q) else ring_attn_backward
-    dq, dkv = grads(dout, q, k, v, out, lse, dlse, segments, blocks, kept_kv, kept_segments, *ctx.args)
-    return (dq, dkv[0], dkv[1]) + (None,) * 11
+    dq, dkv = grads(dout, q, k, v, out, lse, dlse, segments, blocks, kept_kv, kept_segments, *ctx.args, spec,
+                    *ctx.rest)
+    return (dq, dkv[0], dkv[1]) + (None,) * 12
 
 
 ring_attn_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -203,15 +210,24 @@ _RingAttn = eager_function("_RingAttn", _forward, _setup_context, _backward)
 ring_attn_forward_impl, ring_attn_backward_impl = _forward, _backward_grads
 
 
-def ring_attn(q, k, v, segments=None, *, softmax_scale: float, band=(None, None), layout: str,
+def ring_attn(q, k, v, segments=None, *, softmax_scale: float, band=(None, None), layout,
               dropout=(0.0, 0), blocks=None, group=None):
     """Differentiable (out, lse) over the ring of ``group`` (already resolved); arguments
-    already checked. What ``ring_flash_attn`` calls once its checks passed. ``dropout``:
-    (p, seed) or (p, seed, the global index of head 0)."""
+    already checked. What ``ring_flash_attn`` calls once its checks passed. ``layout``: a
+    layout name, or a layout computed at run time (``ringflash.document_layout``), which the
+    ops take as its kind and spec tensor under torch.compile (one graph for every such
+    layout of the same sizes) and as itself in eager mode. ``dropout``: (p, seed) or (p,
+    seed, the global index of head 0)."""
     requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    forward = _RingAttn.apply if eager(q, k, v) else ring_attn_forward
+    now = eager(q, k, v)
+    forward = _RingAttn.apply if now else ring_attn_forward
+    spec = getattr(layout, "spec", None)
+    if spec is not None and not now:  # a layout computed at run time, as a graph input
+        layout = layout.kind
+    else:
+        spec = None
     p, seed, *head0 = dropout
-    out, lse, *_kept = forward(q, k, v, segments, blocks, softmax_scale, *band, layout, name_of(group),
+    out, lse, *_kept = forward(q, k, v, segments, blocks, softmax_scale, *band, layout, spec, name_of(group),
                                p, seed, head0[0] if head0 else 0, requires_grad)
     return out, lse
 

@@ -726,7 +726,7 @@ def kept_kv(rank, world):
             q, k, v = (ringflash.shard(t, 1, layout) for t in full)
             for blocks in (None, mask):
                 for grad in (False, True):
-                    args = (0.25, None, None, layout, dist.group.WORLD.group_name)  # scale, band, layout, group
+                    args = (0.25, None, None, layout, None, dist.group.WORLD.group_name)  # scale, band, layout, spec, group
                     real = ops._forward(q, k, v, None, blocks, *args, requires_grad=grad)
                     with FakeTensorMode() as mode:  # what torch.compile traces with
                         fake = ops.ring_attn_forward(
