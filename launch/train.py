@@ -3,6 +3,7 @@
     torchrun --nproc-per-node=2 launch/train.py                      # CPU, gloo, < 3 minutes
     torchrun --nproc-per-node=4 launch/train.py --seqlen 131072 \\
         --d-model 1024 --layers 4 --heads 16 --kv-heads 4 --batch-size 1 --steps 30   # 4 GPUs
+    torchrun --nproc-per-node=4 launch/train.py --curriculum 16x8k:500,4x32k:150,1x128k:400 ...
 
 A small decoder-only transformer (RMSNorm, RingSelfAttention with rotary embeddings
 and GQA, GELU MLP, tied embeddings) learns a synthetic key-value recall task generated
@@ -27,6 +28,18 @@ and only queries are scored. Answers never appear in the sequence, so every quer
 retrieve a fact from the first half, on average half the sequence back (and, once
 sharded, mostly from another rank): the loss falls below the chance level
 ln(values-per-key) only through long-range attention. Accuracy is reported beside it.
+``--facts-end`` and ``--queries-start`` move the two regions (fractions of a document,
+0.5 both by default): with 0.25 and 0.75 the facts fill the first quarter, the queries
+the last, and every answer sits more than half a document before its query.
+
+Length curriculum: ``--curriculum 16x8k:500,4x32k:150,1x128k:400`` trains 500 steps of
+16 sequences of 8192 tokens, then 150 of 4 x 32768, then 400 of 1 x 131072, under one
+learning-rate schedule; the last stage is the final length (it replaces --seqlen,
+--batch-size and --steps). ``--queries`` and ``--fact-copies`` are the counts at the
+final length; a shorter stage scales them with its length, so facts and queries are
+as dense at every length. ``--eval-steps`` then scores batches of the final length that
+no step trained on, and ``--time-budget-s`` ends training early (the evaluation still
+runs at the final length) when the job has a wall-clock limit.
 
 Sequence parallelism: the global batch of ``--batch-size`` sequences of ``--seqlen``
 tokens is split over dp = world / sp replicas; the sp ranks of a replica each hold
@@ -75,24 +88,30 @@ import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 
-import torch
-import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
+START = time.monotonic()  # --time-budget-s counts from here, before torch is imported
 
-import ringflash
-from ringflash.layer import RingSelfAttention, all_reduce_gradients, broadcast_parameters
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import ringflash  # noqa: E402
+from ringflash.layer import RingSelfAttention, all_reduce_gradients, broadcast_parameters  # noqa: E402
 
 IGNORE = -100
 CKPT_PATTERN = re.compile(r"^step_(\d{8})\.pt$")
 # Arguments that fix the model, the data or their order: a checkpoint only resumes a run
 # that agrees on all of them.
-RUN_DEFINING = ("seqlen", "batch_size", "d_model", "layers", "heads", "kv_heads", "mlp_ratio",
-                "rope_base", "num_keys", "values_per_key", "queries", "noise_tokens", "fact_copies",
-                "documents", "attn_dropout", "seed")
+RUN_DEFINING = ("seqlen", "batch_size", "curriculum", "d_model", "layers", "heads", "kv_heads",
+                "mlp_ratio", "rope_base", "num_keys", "values_per_key", "queries", "noise_tokens",
+                "fact_copies", "facts_end", "queries_start", "documents", "attn_dropout", "seed")
 # Arguments a resumed run may change (the run then differs from the uninterrupted one).
 SCHEDULE = ("steps", "lr", "warmup", "min_lr_ratio", "weight_decay", "grad_clip", "layout",
             "sp_size", "dtype")
+# Run-defining arguments newer than some checkpoints: the value a checkpoint without them had.
+RUN_DEFINING_DEFAULTS = {"curriculum": None, "facts_end": 0.5, "queries_start": 0.5}
+# A stage of --curriculum: [BATCHx]SEQLEN[k]:STEPS, e.g. 16x8k:400 (k: 1024 tokens).
+STAGE_PATTERN = re.compile(r"^(?:(\d+)x)?(\d+)(k?):(\d+)$")
 # Signals that stop the run after a checkpoint instead of killing it (SLURM: --signal).
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1")
 
@@ -114,10 +133,16 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     g = p.add_argument_group("sequence parallelism")
-    g.add_argument("--seqlen", type=int, default=512,
-                   help="GLOBAL tokens per sequence (a multiple of 2 x sp for zigzag, sp for stripe)")
-    g.add_argument("--batch-size", type=int, default=8,
-                   help="sequences per step, all data-parallel replicas together")
+    g.add_argument("--seqlen", type=int, default=None,
+                   help="GLOBAL tokens per sequence (a multiple of 2 x sp for zigzag, sp for "
+                        "stripe); default 512")
+    g.add_argument("--batch-size", type=int, default=None,
+                   help="sequences per step, all data-parallel replicas together; default 8 "
+                        "(with --curriculum: of the stages that name no batch size)")
+    g.add_argument("--curriculum", default=None, metavar="STAGES",
+                   help="a length curriculum instead of --seqlen and --steps: stages "
+                        "[BATCHx]SEQLEN:STEPS, comma-separated, e.g. 16x8k:400,4x32k:150,1x128k:300 "
+                        "(k: 1024 tokens); the last stage is the final length")
     g.add_argument("--layout", default="zigzag", choices=("documents", *ringflash.LAYOUTS),
                    help="which tokens each rank of a ring holds; documents: the layout computed "
                         "from the packed documents (ringflash.document_layout; zigzag for one). "
@@ -142,12 +167,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--num-keys", type=int, default=2, help="keys bound to a value in every document")
     g.add_argument("--values-per-key", type=int, default=16,
                    help="values each key can take; chance loss is ln(values-per-key)")
-    g.add_argument("--queries", type=int, default=32, help="scored queries per sequence")
+    g.add_argument("--queries", type=int, default=32,
+                   help="scored queries per document (with --curriculum: at the final length)")
     g.add_argument("--noise-tokens", type=int, default=32, help="size of the noise vocabulary")
     g.add_argument("--fact-copies", type=int, default=8,
-                   help="times each fact is written in the first half")
+                   help="times each fact is written (with --curriculum: at the final length, "
+                        "scaled with the length at other stages, as --queries is)")
+    g.add_argument("--facts-end", type=float, default=0.5, metavar="FRACTION",
+                   help="facts are written in the first FRACTION of each document")
+    g.add_argument("--queries-start", type=float, default=0.5, metavar="FRACTION",
+                   help="queries sit after the first FRACTION of each document (at least "
+                        "--facts-end)")
     g = p.add_argument_group("optimization")
-    g.add_argument("--steps", type=int, default=150, help="optimizer steps of the whole run")
+    g.add_argument("--steps", type=int, default=None,
+                   help="optimizer steps of the whole run; default 150 (with --curriculum: "
+                        "the sum of its stages)")
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
     g.add_argument("--warmup", type=int, default=20, help="linear warm-up steps, then cosine")
     g.add_argument("--min-lr-ratio", type=float, default=0.1,
@@ -155,6 +189,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     g.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm; 0 disables")
     g.add_argument("--seed", type=int, default=0, help="seed of the parameters and of the data")
+    g.add_argument("--eval-steps", type=int, default=0,
+                   help="after training, score this many batches of the final length and batch "
+                        "size that no step trained on; final_accuracy is then theirs")
+    g.add_argument("--time-budget-s", type=float, default=0.0,
+                   help="end training (and go on to --eval-steps) before a step that would end "
+                        "past this many seconds since train.py started; 0: no limit")
     g = p.add_argument_group("runtime")
     g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="auto: cuda:LOCAL_RANK with NCCL if there is a GPU, else the CPU with gloo")
@@ -173,13 +213,106 @@ def parse_args(argv=None) -> argparse.Namespace:
     # Testing aid: die right after step N (its checkpoint, if due, already written).
     g.add_argument("--crash-after-step", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.batch_size is None:
+        args.batch_size = 8
+    if args.curriculum is not None:
+        if args.seqlen is not None or args.steps is not None:
+            p.error("--curriculum replaces --seqlen and --steps: its stages give both")
+        try:
+            stages = parse_curriculum(args.curriculum, args.batch_size)
+        except ValueError as exc:
+            p.error(str(exc))
+        # The canonical form (a checkpoint compares it); the final stage's shape and the
+        # total step count stand in for --seqlen, --batch-size and --steps everywhere else.
+        args.curriculum = ",".join(map(str, stages))
+        args.seqlen, args.batch_size = stages[-1].seqlen, stages[-1].batch_size
+        args.steps = sum(stage.steps for stage in stages)
+    args.seqlen = 512 if args.seqlen is None else args.seqlen
+    args.steps = 150 if args.steps is None else args.steps
     for name in ("seqlen", "batch_size", "d_model", "layers", "heads", "kv_heads", "steps",
                  "ckpt_every", "keep_ckpts", "log_every", "num_keys", "values_per_key", "queries"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if not 0 < args.facts_end <= args.queries_start < 1:
+        p.error(f"--facts-end {args.facts_end} and --queries-start {args.queries_start} must "
+                "satisfy 0 < facts-end <= queries-start < 1")
+    if args.eval_steps < 0 or args.time_budget_s < 0:
+        p.error("--eval-steps and --time-budget-s must not be negative")
     if args.resume and not args.ckpt_dir:
         p.error("--resume needs --ckpt-dir")
     return args
+
+
+# ----------------------------------------------------------------------------- the curriculum
+
+
+@dataclass(frozen=True)
+class Stage:
+    """``steps`` optimizer steps of ``batch_size`` sequences of ``seqlen`` global tokens."""
+
+    batch_size: int
+    seqlen: int
+    steps: int
+
+    def __str__(self) -> str:
+        return f"{self.batch_size}x{self.seqlen}:{self.steps}"
+
+
+def parse_curriculum(text: str, batch_size: int = 8) -> list[Stage]:
+    """The stages of ``--curriculum`` ("16x8k:400,4x32k:150,1x128k:300"; a stage without
+    ``BATCHx`` takes ``batch_size``). ValueError naming --curriculum and the stage if one
+    is malformed or has a size below 1."""
+    stages = []
+    for i, part in enumerate(text.split(","), 1):
+        m = STAGE_PATTERN.match(part.strip().lower())
+        if m is None:
+            raise ValueError(f"--curriculum stage {i} {part.strip()!r}: expected "
+                             "[BATCHx]SEQLEN:STEPS, e.g. 16x8k:400 or 4096:100 (k: 1024 tokens)")
+        batch, seqlen, kilo, steps = m.groups()
+        stage = Stage(int(batch) if batch else batch_size, int(seqlen) * (1024 if kilo else 1),
+                      int(steps))
+        if min(stage.batch_size, stage.seqlen, stage.steps) < 1:
+            raise ValueError(f"--curriculum stage {i} {part.strip()!r}: batch size, sequence "
+                             "length and steps must each be at least 1")
+        stages.append(stage)
+    return stages
+
+
+def stages_of(args) -> list[Stage]:
+    """The run's stages: those of --curriculum, or one of --batch-size x --seqlen, --steps."""
+    if args.curriculum:
+        return parse_curriculum(args.curriculum, args.batch_size)
+    return [Stage(args.batch_size, args.seqlen, args.steps)]
+
+
+def stage_of_step(stages: list[Stage], step: int) -> int:
+    """Index of the stage that step ``step`` (1-based) belongs to."""
+    end = 0
+    for i, stage in enumerate(stages):
+        end += stage.steps
+        if step <= end:
+            return i
+    return len(stages) - 1
+
+
+def check_stages(args, stages: list[Stage], d) -> list["Task"]:
+    """Every stage's task; ValueError naming the stage's flag unless its task fits its length
+    and its length and batch size suit the layout, the ring and data parallelism."""
+    if args.layout == "documents" and len({stage.seqlen for stage in stages}) > 1:
+        raise ValueError("--layout documents computes one layout for one sequence length; "
+                         "give --curriculum stages of one length or a named --layout")
+    tasks = []
+    for i, stage in enumerate(stages):
+        where = f"--curriculum stage {i + 1} ({stage})" if args.curriculum else f"--seqlen {stage.seqlen}"
+        if stage.batch_size % d.dp_size:
+            raise ValueError(f"{where}: the batch size {stage.batch_size} must be a multiple of "
+                             f"the number of data-parallel replicas {d.dp_size}")
+        try:
+            tasks.append(Task.from_args(args, stage.seqlen))
+            ringflash.positions(stage.seqlen, layout=sp_layout(args, d.sp_group), group=d.sp_group)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from exc
+    return tasks
 
 
 # ----------------------------------------------------------------------------- the task
@@ -197,23 +330,42 @@ class Task:
     seed: int
     fact_copies: int = 1
     documents: int = 1
+    facts_end: float = 0.5      # facts in [0, facts_end) of a document, as a fraction of it
+    queries_start: float = 0.5  # queries in [queries_start, 1)
 
     @classmethod
-    def from_args(cls, args) -> "Task":
-        task = cls(args.seqlen, args.num_keys, args.values_per_key, args.queries,
-                   args.noise_tokens, args.seed, args.fact_copies, args.documents)
+    def from_args(cls, args, seqlen: int | None = None) -> "Task":
+        """The task of the arguments at ``seqlen`` tokens (default --seqlen, the final
+        length): --queries and --fact-copies scale with seqlen / --seqlen (at least 1)."""
+        seqlen = args.seqlen if seqlen is None else seqlen
+        scale = seqlen / args.seqlen
+        queries, copies = (max(1, round(n * scale)) for n in (args.queries, args.fact_copies))
+        task = cls(seqlen, args.num_keys, args.values_per_key, queries, args.noise_tokens,
+                   args.seed, copies, args.documents, args.facts_end, args.queries_start)
         if task.documents < 1 or task.seqlen % task.documents:
-            raise ValueError(f"--documents {task.documents} must divide --seqlen {task.seqlen}")
-        half = task.doc_len // 2
-        if task.num_keys * task.fact_copies > half or task.queries > task.seqlen - half:
+            raise ValueError(f"--documents {task.documents} must divide the sequence length {seqlen}")
+        fact_end, query_start = task.regions()
+        if task.num_keys * copies > fact_end or queries > task.doc_len - query_start:
             raise ValueError(f"documents of {task.doc_len} tokens are too short: {task.num_keys} "
-                             f"keys x {task.fact_copies} copies must fit in the first half of "
-                             f"each and {task.queries} queries in its second half")
+                             f"keys x {copies} copies must fit in the {fact_end} fact positions "
+                             f"of each and {queries} queries in its {task.doc_len - query_start} "
+                             "query positions")
         return task
 
     @property
     def doc_len(self) -> int:
         return self.seqlen // self.documents
+
+    def regions(self) -> tuple[int, int]:
+        """(fact_end, query_start) in tokens of a document: facts sit in [0, fact_end),
+        queries in [query_start, doc_len)."""
+        return int(self.doc_len * self.facts_end), int(self.doc_len * self.queries_start)
+
+    @property
+    def min_answer_distance(self) -> int:
+        """The fewest tokens between a query and any copy of its fact."""
+        fact_end, query_start = self.regions()
+        return query_start - fact_end + 1
 
     @property
     def query_base(self) -> int:
@@ -250,14 +402,15 @@ class Task:
         return torch.arange(self.documents, dtype=torch.int32).repeat_interleave(self.doc_len)
 
     def _document(self, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        n, half = self.doc_len, self.doc_len // 2
+        n = self.doc_len
+        fact_end, query_start = self.regions()
         seq = torch.randint(0, self.noise_tokens, (n,), generator=g)
         bound = (self.value_base + torch.arange(self.num_keys) * self.values_per_key
                  + torch.randint(0, self.values_per_key, (self.num_keys,), generator=g))
-        facts = torch.randperm(half, generator=g)[: self.num_keys * self.fact_copies]
+        facts = torch.randperm(fact_end, generator=g)[: self.num_keys * self.fact_copies]
         seq[facts] = bound.repeat(self.fact_copies)
         keys = torch.randint(0, self.num_keys, (self.queries,), generator=g)
-        at = half + torch.randperm(n - half, generator=g)[: self.queries]
+        at = query_start + torch.randperm(n - query_start, generator=g)[: self.queries]
         seq[at] = self.query_base + keys
         labels = torch.full((n,), IGNORE, dtype=torch.int64)
         labels[at] = bound[keys]
@@ -265,7 +418,8 @@ class Task:
 
     def batch(self, step: int, indices) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens, labels), each (len(indices), seqlen): a deterministic function of
-        (seed, step, index), whoever computes it."""
+        (seed, step, index), whoever computes it. Training steps count from 1; the
+        evaluation draws its batches at steps -1, -2, ..., which no training step sees."""
         pairs = [self.sequence(step, i) for i in indices]
         return torch.stack([t for t, _ in pairs]), torch.stack([l for _, l in pairs])
 
@@ -380,7 +534,7 @@ def setup_distributed(args) -> Dist:
     if d.world % d.sp_size:
         raise ValueError(f"--sp-size {d.sp_size} must divide the world size {d.world}")
     d.dp_size, d.dp_rank = d.world // d.sp_size, d.rank // d.sp_size
-    if args.batch_size % d.dp_size:
+    if args.batch_size % d.dp_size and not args.curriculum:  # check_stages names the stage
         raise ValueError(f"--batch-size {args.batch_size} must be a multiple of the number of "
                          f"data-parallel replicas {d.dp_size}")
     if 1 < d.sp_size < d.world:
@@ -539,7 +693,7 @@ def load_checkpoint(path: str, args, model, optimizer, device, state: dict | Non
     (step, history, {changed argument: (old, new)})."""
     if state is None:
         state = read_checkpoint(path, device)
-    saved = state["args"]
+    saved = {**RUN_DEFINING_DEFAULTS, **state["args"]}
     wrong = {k: (saved.get(k), getattr(args, k)) for k in RUN_DEFINING if saved.get(k) != getattr(args, k)}
     if wrong:
         raise ValueError(f"{path} belongs to a different run; (checkpoint, now): {wrong}")
@@ -566,7 +720,8 @@ class Progress:
             if tqdm is not None:
                 self.bar = tqdm(total=args.steps, initial=start, unit="step", dynamic_ncols=True)
 
-    def update(self, step: int, loss: float, acc: float, tokens_per_s: float, lr: float):
+    def update(self, step: int, loss: float, acc: float, tokens_per_s: float, lr: float,
+               note: str = ""):
         if not self.enabled:
             return
         if self.bar is not None:
@@ -575,7 +730,7 @@ class Progress:
             self.bar.update(1)
         elif step % self.every == 0 or step == self.total or step == 1:
             print(f"step {step:>6}/{self.total}  loss {loss:.4f}  acc {acc:.3f}  lr {lr:.2e}  "
-                  f"{tokens_per_s:,.0f} tok/s", flush=True)
+                  f"{tokens_per_s:,.0f} tok/s{note}", flush=True)
 
     def write(self, msg: str):
         if not self.enabled:
@@ -630,22 +785,30 @@ def dropout_seed(args, step: int) -> int | None:
     return int.from_bytes(digest, "little")
 
 
-def train_step(model, optimizer, task: Task, step: int, args, d: Dist, autocast_dtype,
-               signals: StopSignals | None = None):
-    """One optimizer step on the global batch of ``step``; returns the loss, accuracy and
-    gradient norm (before clipping) of the global batch, and whether any rank has received
-    a stop signal (``signals``): all identical on every rank. The stop flag rides on the
-    all-reduce of the statistics, so agreeing on it costs nothing."""
-    per_replica = args.batch_size // d.dp_size
+def local_batch(task: Task, step: int, batch_size: int, args, d: Dist):
+    """This rank's shard of the global batch of ``step`` (``batch_size`` sequences of
+    task.seqlen tokens): tokens, labels and segment ids (None for one document)."""
+    per_replica = batch_size // d.dp_size
     first = d.dp_rank * per_replica
     tokens, labels = task.batch(step, range(first, first + per_replica))
-    scored = args.batch_size * task.scored_per_sequence()  # in the WHOLE global batch
     shard = dict(dim=1, layout=sp_layout(args, d.sp_group), group=d.sp_group)
     tokens = ringflash.shard(tokens.to(d.device), **shard)
     labels = ringflash.shard(labels.to(d.device), **shard)
     segments = task.segment_ids()
     if segments is not None:  # every row packs the same documents
         segments = ringflash.shard(segments.expand(tokens.shape[0], -1).to(d.device), **shard)
+    return tokens, labels, segments
+
+
+def train_step(model, optimizer, task: Task, batch_size: int, step: int, args, d: Dist,
+               autocast_dtype, signals: StopSignals | None = None, out_of_time: bool = False):
+    """One optimizer step on the global batch of ``step``; returns the loss, accuracy and
+    gradient norm (before clipping) of the global batch, whether any rank has received a
+    stop signal (``signals``) and whether any rank is ``out_of_time``: all identical on
+    every rank. The two flags ride on the all-reduce of the statistics, so agreeing on
+    them costs nothing."""
+    tokens, labels, segments = local_batch(task, step, batch_size, args, d)
+    scored = batch_size * task.scored_per_sequence()  # in the WHOLE global batch
 
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, args)
@@ -665,12 +828,33 @@ def train_step(model, optimizer, task: Task, step: int, args, d: Dist, autocast_
     with torch.no_grad():
         correct = ((logits.argmax(-1) == labels) & (labels != IGNORE)).sum()
         asked = signals is not None and signals.received is not None
-        stop = torch.tensor(1.0 if asked else 0.0, device=loss_sum.device)
-        stats = torch.stack([loss_sum.detach(), correct.to(loss_sum.dtype), stop])
+        flags = torch.tensor([float(asked), float(out_of_time)], device=loss_sum.device)
+        stats = torch.cat([torch.stack([loss_sum.detach(), correct.to(loss_sum.dtype)]), flags])
     if d.world > 1:
         dist.all_reduce(stats)
-    loss, hits, stops = stats.tolist()
-    return loss / scored, hits / scored, grad_norm.item(), stops > 0
+    loss, hits, stops, late = stats.tolist()
+    return loss / scored, hits / scored, grad_norm.item(), stops > 0, late > 0
+
+
+@torch.no_grad()
+def evaluate(model, task: Task, batch_size: int, args, d: Dist, autocast_dtype) -> tuple[float, float]:
+    """Loss and accuracy over --eval-steps batches of ``task`` that no training step draws
+    (steps -1, -2, ...), forward only; identical on every rank."""
+    model.eval()
+    totals = torch.zeros(2, device=d.device)
+    for i in range(1, args.eval_steps + 1):
+        tokens, labels, segments = local_batch(task, -i, batch_size, args, d)
+        with torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=autocast_dtype is not None):
+            logits = model(tokens, segments)
+        logits, labels = logits.float().flatten(0, 1), labels.flatten()
+        totals[0] += F.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="sum")
+        totals[1] += ((logits.argmax(-1) == labels) & (labels != IGNORE)).sum()
+    model.train()
+    if d.world > 1:
+        dist.all_reduce(totals)
+    scored = args.eval_steps * batch_size * task.scored_per_sequence()
+    loss, hits = totals.tolist()
+    return loss / scored, hits / scored
 
 
 def run(args) -> dict | None:
@@ -683,10 +867,53 @@ def run(args) -> dict | None:
                 dist.destroy_process_group()
 
 
+def describe_stage(index: int, stages: list[Stage], task: Task, sp_size: int) -> str:
+    first = sum(stage.steps for stage in stages[:index]) + 1
+    stage = stages[index]
+    return (f"stage {index + 1}/{len(stages)}: {stage.batch_size} x {stage.seqlen} tokens/step, "
+            f"steps {first}-{first + stage.steps - 1}; per document {task.queries} queries, "
+            f"each fact {task.fact_copies}x, answers >= {task.min_answer_distance} "
+            f"tokens back ({stage.seqlen // sp_size} tokens of a sequence per rank)")
+
+
+def window_means(entries: list[dict]) -> tuple[float | None, float | None, int]:
+    """Mean loss and accuracy of the last min(10, n/10) (at least 1) of ``entries``."""
+    if not entries:
+        return None, None, 0
+    window = max(1, min(10, len(entries) // 10))
+    last = entries[-window:]
+    return (sum(h["loss"] for h in last) / window, sum(h["acc"] for h in last) / window, window)
+
+
+def stage_summaries(stages: list[Stage], tasks: list[Task], history: list, start: int) -> list[dict]:
+    """Per stage: its shape and task, the steps run, the mean loss and accuracy of its last
+    steps, and global tokens/s over the steps this invocation ran (start excluded: those
+    came from a checkpoint), the first of the stage and of the invocation left out (JIT,
+    caches, allocator growth) unless nothing else is left."""
+    out = []
+    for i, (stage, task) in enumerate(zip(stages, tasks)):
+        entries = [h for h in history if stage_of_step(stages, h["step"]) == i]
+        ran = [h for h in entries if h["step"] > start and "seconds" in h]
+        timed = [h for h in ran if not h.get("first")] or ran
+        seconds = sum(h["seconds"] for h in timed)
+        loss, acc, window = window_means(entries)
+        out.append({
+            "batch_size": stage.batch_size, "seqlen": stage.seqlen, "steps": stage.steps,
+            "first_step": sum(s.steps for s in stages[:i]) + 1, "steps_run": len(entries),
+            "queries": task.queries, "fact_copies": task.fact_copies,
+            "min_answer_distance": task.min_answer_distance,
+            "final_loss": loss, "final_accuracy": acc, "final_window": window,
+            "timed_steps": len(timed), "timed_s": seconds,
+            "tokens_per_s": stage.batch_size * stage.seqlen * len(timed) / seconds if timed else None,
+        })
+    return out
+
+
 def _train(args, d: Dist, signals: StopSignals | None = None) -> dict | None:
     is_main = d.rank == 0
-    task = Task.from_args(args)
-    ringflash.positions(args.seqlen, layout=sp_layout(args, d.sp_group), group=d.sp_group)  # checks divisibility
+    stages = stages_of(args)
+    tasks = check_stages(args, stages, d)  # ValueError naming the stage before anything runs
+    task = tasks[-1]  # the final length (every stage has the same vocabulary)
     autocast_dtype = {"auto": torch.bfloat16 if d.device.type == "cuda" else None,
                       "float32": None, "bfloat16": torch.bfloat16}[args.dtype]
     model = build_model(args, task, d.sp_group).to(d.device)
@@ -701,33 +928,49 @@ def _train(args, d: Dist, signals: StopSignals | None = None) -> dict | None:
             del state
     n_params = sum(p.numel() for p in model.parameters())
     progress = Progress(args, start, enabled=is_main)
+    shape = (f"{args.batch_size} x {args.seqlen} tokens/step, {args.seqlen // d.sp_size} per rank "
+             f"({args.layout})")
     progress.write(
         f"ringflash train: world {d.world} (dp {d.dp_size} x sp {d.sp_size}), {d.backend} on "
         f"{d.device.type}, {'bf16 autocast' if autocast_dtype else 'fp32'}; "
-        f"{args.batch_size} x {args.seqlen} tokens/step, {args.seqlen // d.sp_size} per rank "
-        f"({args.layout}); {n_params / 1e6:.2f}M params; task chance loss {task.chance_loss:.3f}"
+        + (f"curriculum {args.curriculum}, final {shape}" if args.curriculum else shape)
+        + f"; {n_params / 1e6:.2f}M params; task chance loss {task.chance_loss:.3f}"
         + (f"; resumed at step {start}" if start else ""))
     if changed:
         progress.write(f"note: resuming with changed arguments (checkpoint, now): {changed}")
 
-    tokens_per_step = args.batch_size * args.seqlen
-    timed_steps, timed_s = 0, 0.0
-    tokens_per_s = float("nan")
-    stopped_by = None
+    stopped_by, out_of_time, estimate = None, False, 0.0
+    timed_steps, timed_s, index = 0, 0.0, None
     for step in range(start + 1, args.steps + 1):
+        first = stage_of_step(stages, step) != index  # the first step of a stage here
+        if first:
+            index = stage_of_step(stages, step)
+            timed_steps, timed_s = 0, 0.0
+            if len(stages) > 1:
+                progress.write(describe_stage(index, stages, tasks[index], d.sp_size))
+        stage = stages[index]
+        # Out of time if the step after this one would end past the budget, both estimated
+        # to take as long as the last step that was not a stage's first (those compile);
+        # any rank's verdict stops all of them after this step.
+        late = bool(args.time_budget_s) and time.monotonic() - START + 2 * estimate >= args.time_budget_s
         t0 = time.perf_counter()
-        loss, acc, grad_norm, stop = train_step(model, optimizer, task, step, args, d, autocast_dtype,
-                                                signals)
-        dt = time.perf_counter() - t0  # stats.tolist() synchronized the device
-        if step > start + 1 or args.steps == start + 1:  # the first step warms up (JIT, caches)
-            timed_steps, timed_s = timed_steps + 1, timed_s + dt
-            tokens_per_s = tokens_per_step * timed_steps / timed_s
+        loss, acc, grad_norm, stop, out_of_time = train_step(
+            model, optimizer, tasks[index], stage.batch_size, step, args, d, autocast_dtype,
+            signals, late)
+        step_s = time.perf_counter() - t0  # stats.tolist() synchronized the device
+        if not first:
+            estimate = step_s
+        if not first or step == args.steps:  # a stage's first step warms up (JIT, caches)
+            timed_steps, timed_s = timed_steps + 1, timed_s + step_s
+        tokens_per_s = stage.batch_size * stage.seqlen * (
+            timed_steps / timed_s if timed_steps else 1 / step_s)
         lr = lr_at(step, args)
-        history.append({"step": step, "loss": loss, "acc": acc, "lr": lr, "grad_norm": grad_norm})
-        progress.update(step, loss, acc, tokens_per_step / dt if math.isnan(tokens_per_s)
-                        else tokens_per_s, lr)
+        history.append({"step": step, "loss": loss, "acc": acc, "lr": lr, "grad_norm": grad_norm,
+                        "seqlen": stage.seqlen, "seconds": step_s, "first": first})
+        progress.update(step, loss, acc, tokens_per_s, lr,
+                        f"  len {stage.seqlen}  {time.monotonic() - START:.0f} s" if args.curriculum else "")
         due = step % args.ckpt_every == 0 or step == args.steps
-        if args.ckpt_dir and (due or stop) and is_main:
+        if args.ckpt_dir and (due or stop or out_of_time) and is_main:
             save_checkpoint(args, step, model, optimizer, history)
         if stop:
             # Every rank saw the same flag; none leaves before rank 0's checkpoint is on disk.
@@ -738,6 +981,11 @@ def _train(args, d: Dist, signals: StopSignals | None = None) -> dict | None:
                      if args.ckpt_dir else "no --ckpt-dir, so nothing was saved")
             progress.write(f"stopped after step {step} by {stopped_by}: {where}")
             break
+        if out_of_time:
+            progress.write(f"time budget of {args.time_budget_s:g} s reached after step {step} "
+                           f"({time.monotonic() - START:.0f} s since start): {args.steps - step} "
+                           "steps left out")
+            break
         if args.crash_after_step == step:
             progress.write(f"simulated crash after step {step}")
             os._exit(3)
@@ -745,34 +993,62 @@ def _train(args, d: Dist, signals: StopSignals | None = None) -> dict | None:
 
     if not history:
         return None
+    evaluation = None
+    if args.eval_steps and stopped_by is None:  # a preempted job leaves at once
+        t0 = time.perf_counter()
+        loss, acc = evaluate(model, task, args.batch_size, args, d, autocast_dtype)
+        evaluation = {"seqlen": args.seqlen, "batch_size": args.batch_size, "steps": args.eval_steps,
+                      "scored": args.eval_steps * args.batch_size * task.scored_per_sequence(),
+                      "loss": loss, "accuracy": acc, "seconds": time.perf_counter() - t0}
+        progress.write(f"eval: {args.eval_steps} x {args.batch_size} sequences of {args.seqlen} "
+                       f"tokens never trained on, {evaluation['scored']:,} queries: loss {loss:.4f}  "
+                       f"acc {acc:.3f}")
+    summaries = stage_summaries(stages, tasks, history, start)
+    last = summaries[-1]  # the final length
     losses = [h["loss"] for h in history]
-    window = max(1, min(10, len(losses) // 10))
     metrics = {
         "world_size": d.world, "dp_size": d.dp_size, "sp_size": d.sp_size,
         "steps": history[-1]["step"],
         "initial_loss": losses[0],
-        "final_loss": sum(losses[-window:]) / window,  # mean of the last `window` steps
-        "final_loss_window": window,
-        "final_accuracy": sum(h["acc"] for h in history[-window:]) / window,
+        # Means over the last steps of the final stage (None if it never ran).
+        "final_loss": last["final_loss"], "final_loss_window": last["final_window"],
+        # The evaluation's accuracy if there was one, else the training steps' above.
+        "final_accuracy": evaluation["accuracy"] if evaluation else last["final_accuracy"],
         "chance_loss": task.chance_loss,
-        # Global tokens per second over this invocation's steps, its first step excluded
-        # (None when it ran none: resumed from a finished run).
-        "tokens_per_s": None if math.isnan(tokens_per_s) else tokens_per_s,
-        "timed_steps": timed_steps, "timed_s": timed_s,
+        # Global tokens per second over this invocation's steps at the final stage, its
+        # first step excluded (None when it ran none); each stage's own in "stages".
+        "tokens_per_s": last["tokens_per_s"],
+        "timed_steps": last["timed_steps"], "timed_s": last["timed_s"],
         "resumed_from_step": start,
         "stopped_by_signal": stopped_by,
+        "stopped_by_time_budget": out_of_time,
+        "elapsed_s": time.monotonic() - START,  # since train.py started, startup included
         "seqlen": args.seqlen, "batch_size": args.batch_size, "layout": args.layout,
+        "tokens_per_rank": args.seqlen // d.sp_size,
+        "min_answer_distance": task.min_answer_distance,
+        "curriculum": args.curriculum, "stages": summaries, "eval": evaluation,
         "device": (torch.cuda.get_device_name(d.device) if d.device.type == "cuda" else "cpu"),
         "backend": d.backend, "dtype": "bfloat16" if autocast_dtype else "float32",
         "params": n_params, "torch": torch.__version__,
         "losses": losses, "accuracies": [h["acc"] for h in history],
         "grad_norms": [h["grad_norm"] for h in history],
+        "seqlens": [h.get("seqlen", args.seqlen) for h in history],
+        "step_seconds": [h.get("seconds") for h in history],
         "args": vars(args),
     }
     if is_main:
-        progress.write(f"{'done' if stopped_by is None else 'stopped'}: loss {metrics['initial_loss']:.4f} -> {metrics['final_loss']:.4f} "
-                       f"(chance {task.chance_loss:.3f}), accuracy {metrics['final_accuracy']:.3f}, "
-                       f"{tokens_per_s:,.0f} tok/s")  # nan if no step ran here
+        num = lambda x: float("nan") if x is None else x  # noqa: E731 - nan: no step ran
+        if len(stages) > 1:
+            for i, summary in enumerate(summaries):
+                progress.write(f"stage {i + 1} ({stages[i]}): " + (
+                    "not reached" if not summary["steps_run"] else
+                    f"{summary['steps_run']} steps, loss {summary['final_loss']:.4f}  acc "
+                    f"{summary['final_accuracy']:.3f}  {num(summary['tokens_per_s']):,.0f} tok/s"))
+        progress.write(
+            f"{'done' if stopped_by is None else 'stopped'}: loss {metrics['initial_loss']:.4f} -> "
+            f"{num(metrics['final_loss']):.4f} (chance {task.chance_loss:.3f}), accuracy "
+            f"{num(metrics['final_accuracy']):.3f}{' (eval)' if evaluation else ''}, "
+            f"{num(metrics['tokens_per_s']):,.0f} tok/s")
         if args.metrics_out:
             text = json.dumps(metrics, indent=2)
             _atomic_write(args.metrics_out, lambda f: f.write(text.encode()))

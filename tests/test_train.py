@@ -10,6 +10,11 @@
   and still ends with the uninterrupted run's parameters.
 - SIGTERM to one worker only stops every rank after the same step with a checkpoint of
   it; SIGTERM to torchrun (which forwards it) does the same for the resumed run.
+- --curriculum: its stages parse (bad ones raise ValueError naming the stage), a stage whose
+  length the layout cannot split over the ring is refused before training, a curriculum run
+  on 2 ranks equals the single-process one stage for stage and writes per-stage metrics and
+  the evaluation at the final length, and --time-budget-s ends training early but still
+  evaluates at the final length.
 
 Each torchrun job runs in its own session and is killed as a whole on timeout.
 """
@@ -104,16 +109,20 @@ def plain_attention(self, q, k, v, segment_ids=None, dropout_seed=None, block_ma
 
 
 def single_process_reference(train, argv):
-    """The same model, data and optimizer, trained here on full sequences, plain attention."""
+    """The same model, data and optimizer, trained here on full sequences, plain attention
+    (each step at its --curriculum stage's length and batch size, if there is one)."""
     args = train.parse_args(argv)
-    task = train.Task.from_args(args)
-    model = train.build_model(args, task)
+    stages = train.stages_of(args)
+    tasks = [train.Task.from_args(args, stage.seqlen) for stage in stages]
+    model = train.build_model(args, tasks[-1])
     optimizer = train.make_optimizer(model, args)
     losses, grad_norms = [], []
     for step in range(1, args.steps + 1):
-        tokens, labels = task.batch(step, range(args.batch_size))
+        i = train.stage_of_step(stages, step)
+        task, batch_size = tasks[i], stages[i].batch_size
+        tokens, labels = task.batch(step, range(batch_size))
         segments = task.segment_ids()
-        segments = None if segments is None else segments.expand(args.batch_size, -1)
+        segments = None if segments is None else segments.expand(batch_size, -1)
         for group in optimizer.param_groups:
             group["lr"] = train.lr_at(step, args)
         logits = model(tokens, segments)
@@ -358,3 +367,144 @@ def test_sigterm_checkpoints_and_resume_continues(tmp_path):
     assert resumed["step"] == second
     assert resumed["history"][:first] == saved["history"]
     assert [h["step"] for h in resumed["history"]] == list(range(1, second + 1))
+
+
+# ----------------------------------------------------------------------------- length curriculum
+
+
+def without(argv: list[str], *flags: str) -> list[str]:
+    """``argv`` less each of ``flags`` and the value after it."""
+    out, skip = [], False
+    for arg in argv:
+        if not skip and arg not in flags:
+            out.append(arg)
+        skip = not skip and arg in flags
+    return out
+
+
+# SMALL's model and task over 8 steps: 4 of 4 x 32 tokens, then 4 of 2 x 64.
+CURRICULUM = ["--curriculum", "4x32:4,2x64:4", "--eval-steps", "2",
+              *without(SMALL, "--seqlen", "--batch-size", "--steps")]
+
+
+def test_parse_curriculum():
+    train = load_train_module()
+    Stage = train.Stage
+    assert train.parse_curriculum("16x8k:400, 4x32K:150,1x128k:300") == [
+        Stage(16, 8192, 400), Stage(4, 32768, 150), Stage(1, 131072, 300)]
+    assert train.parse_curriculum("4096:10,8x1024:5", batch_size=3) == [Stage(3, 4096, 10),
+                                                                          Stage(8, 1024, 5)]
+    args = train.parse_args(["--curriculum", "16x8k:400,1x128k:300"])
+    # The final stage stands in for --seqlen and --batch-size, the sum for --steps; the
+    # canonical form is what a checkpoint compares.
+    assert (args.seqlen, args.batch_size, args.steps) == (131072, 1, 700)
+    assert args.curriculum == "16x8192:400,1x131072:300"
+    assert train.stages_of(args) == [Stage(16, 8192, 400), Stage(1, 131072, 300)]
+    assert [train.stage_of_step(train.stages_of(args), s) for s in (1, 400, 401, 700)] == [0, 0, 1, 1]
+    plain = train.parse_args([])
+    assert (plain.seqlen, plain.batch_size, plain.steps, plain.curriculum) == (512, 8, 150, None)
+    assert train.stages_of(plain) == [Stage(8, 512, 150)]
+
+
+@pytest.mark.parametrize("text, stage", [
+    ("", 1), ("8k", 1), ("8x8k", 1), ("0x8k:5", 1), ("8x0:5", 1), ("4x1k:5,8x8k:0", 2),
+    ("4x1k:5,8x8m:5", 2), ("4x1k:5,,1x2k:5", 2), ("-1x1k:5", 1), ("4x1.5k:5", 1)])
+def test_bad_curriculum(text, stage):
+    train = load_train_module()
+    with pytest.raises(ValueError, match=f"--curriculum stage {stage} "):
+        train.parse_curriculum(text)
+    with pytest.raises(SystemExit):
+        train.parse_args(["--curriculum", text])
+
+
+@pytest.mark.parametrize("argv", [
+    ["--curriculum", "4x1k:5", "--seqlen", "1024"],       # the stages give the length
+    ["--curriculum", "4x1k:5", "--steps", "5"],           # and the steps
+    ["--facts-end", "0.6", "--queries-start", "0.5"],     # facts after queries
+    ["--facts-end", "0"], ["--queries-start", "1"], ["--eval-steps", "-1"]])
+def test_bad_task_or_schedule_arguments(argv):
+    with pytest.raises(SystemExit):
+        load_train_module().parse_args(argv)
+
+
+def test_task_regions_and_scaled_counts():
+    train = load_train_module()
+    args = train.parse_args(["--curriculum", "2x256:1,1x1024:1", "--documents", "1",
+                             "--queries", "64", "--fact-copies", "16", "--facts-end", "0.25",
+                             "--queries-start", "0.75"])
+    short, final = (train.Task.from_args(args, n) for n in (256, 1024))
+    assert (short.queries, short.fact_copies) == (16, 4)       # as dense as at the final length
+    assert (final.queries, final.fact_copies) == (64, 16)
+    assert final.min_answer_distance == 1024 // 2 + 1          # > a rank's 512 tokens over 2
+    tokens, labels = final.batch(1, range(3))
+    asked = labels != train.IGNORE
+    assert asked.sum() == 3 * 64 and not asked[:, :768].any()  # queries in the last quarter
+    facts = tokens >= final.value_base
+    assert facts.sum() == 3 * 2 * 16 and not facts[:, 256:].any()  # 2 keys, in the first
+    # Every answer is a fact of the same sequence, written only in the first quarter.
+    for row in range(3):
+        assert set(labels[row][asked[row]].tolist()) <= set(tokens[row][facts[row]].tolist())
+
+
+def test_stage_the_layout_cannot_split_is_refused():
+    """Checked for every stage before the model is built, naming the stage."""
+    train = load_train_module()
+    args = train.parse_args([*CURRICULUM, "--curriculum", "2x128:1,2x100:1", "--layout", "block_stripe"])
+    with pytest.raises(ValueError, match=r"--curriculum stage 2 \(2x100:1\): .*multiple of 128"):
+        train.run(args)
+    args = train.parse_args([*CURRICULUM, "--curriculum", "2x16:1,2x64:1", "--fact-copies", "16"])
+    with pytest.raises(ValueError, match=r"--curriculum stage 1 \(2x16:1\): documents of 8 tokens are too short"):
+        train.run(args)
+    args = train.parse_args([*CURRICULUM, "--layout", "documents"])
+    with pytest.raises(ValueError, match="--layout documents computes one layout for one sequence length"):
+        train.run(args)
+
+
+def test_stage_the_ring_cannot_split_is_refused():
+    """34 tokens split in zigzag over one rank, not over a ring of two (4 chunks): every
+    rank refuses before training, with the stage named."""
+    rc, out = torchrun([*CURRICULUM, "--curriculum", "2x34:1,2x64:1"])
+    assert rc != 0
+    assert "--curriculum stage 1 (2x34:1)" in out and "step " not in out, out[-4000:]
+
+
+def test_curriculum_run_matches_single_process_and_writes_stages(tmp_path):
+    rc, out = torchrun([*CURRICULUM, "--documents", "1", "--metrics-out", str(tmp_path / "m.json")])
+    assert rc == 0, out[-4000:]
+    assert "stage 2/2: 2 x 64 tokens/step, steps 5-8" in out, out[-4000:]
+    m = json.loads((tmp_path / "m.json").read_text())
+    assert (m["steps"], m["seqlen"], m["batch_size"], m["curriculum"]) == (8, 64, 2, "4x32:4,2x64:4")
+    assert m["seqlens"] == [32] * 4 + [64] * 4 and len(m["step_seconds"]) == 8
+    assert [(s["batch_size"], s["seqlen"], s["steps"], s["first_step"], s["steps_run"])
+            for s in m["stages"]] == [(4, 32, 4, 1, 4), (2, 64, 4, 5, 4)]
+    assert [(s["queries"], s["fact_copies"]) for s in m["stages"]] == [(2, 4), (4, 8)]
+    assert all(s["tokens_per_s"] > 0 for s in m["stages"]) and m["tokens_per_s"] == m["stages"][1]["tokens_per_s"]
+    ev = m["eval"]
+    assert (ev["seqlen"], ev["batch_size"], ev["steps"], ev["scored"]) == (64, 2, 2, 2 * 2 * 4)
+    assert m["final_accuracy"] == ev["accuracy"] and not m["stopped_by_time_budget"]
+    # It trains: the two ranks' losses are those of one process on whole sequences, stage
+    # for stage, and they fall.
+    train = load_train_module()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(RingSelfAttention, "_attend", plain_attention)
+        losses, grad_norms, _ = single_process_reference(train, [*CURRICULUM, "--documents", "1"])
+    torch.testing.assert_close(m["losses"], losses, rtol=1e-5, atol=0)
+    torch.testing.assert_close(m["grad_norms"], grad_norms, rtol=1e-5, atol=0)
+    assert max(m["losses"][-2:]) < m["losses"][0]
+
+
+def test_time_budget_stops_training_and_still_evaluates_at_the_final_length(tmp_path, monkeypatch):
+    train = load_train_module()
+    monkeypatch.setattr(train, "START", train.START - 1e6)  # the budget is long spent
+    args = train.parse_args([*CURRICULUM, "--time-budget-s", "60", "--ckpt-dir", str(tmp_path)])
+    m = train.run(args)
+    assert m["stopped_by_time_budget"] and m["steps"] == 1 and m["seqlens"] == [32]
+    assert [s["steps_run"] for s in m["stages"]] == [1, 0] and m["tokens_per_s"] is None
+    assert (m["eval"]["seqlen"], m["eval"]["batch_size"]) == (64, 2)
+    assert m["final_accuracy"] == m["eval"]["accuracy"]
+    assert os.listdir(tmp_path) == ["step_00000001.pt"]
+    # A job with more time resumes there and runs the rest of the curriculum.
+    rest = train.run(train.parse_args([*CURRICULUM, "--ckpt-dir", str(tmp_path), "--resume"]))
+    assert rest["resumed_from_step"] == 1 and not rest["stopped_by_time_budget"]
+    assert rest["seqlens"] == [32] * 4 + [64] * 4 and rest["losses"][0] == m["losses"][0]
+    assert [s["steps_run"] for s in rest["stages"]] == [4, 4] and rest["tokens_per_s"] > 0
