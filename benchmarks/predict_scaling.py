@@ -6,8 +6,8 @@ W grows, and what a layout built from the documents could reach (a bound from th
     python benchmarks/predict_scaling.py --fit                 # refit the constants first
     python benchmarks/predict_scaling.py --out /tmp/pred.json  # also the records (impl "cost_model")
 
-Measured rows: every ring row of benchmarks/results/masks_h100x2.json, masks_h100x2_512k.json
-and masks_h200x2.json against the 1-GPU row of the same run, and the efficiencies measured on 4 x H100 on
+Measured rows: every ring row of benchmarks/results/masks_h100x2.json, masks_h100x2_512k.json,
+masks_h200x2.json and masks_h200x4.json against the 1-GPU row of the same run, and the efficiencies measured on 4 x H100 on
 2026-11-26 (that run's JSON was not committed: quoted in ``QUOTED_H100X4``). Masks as
 bench_masks.py builds them: documents of log-normal lengths (its own generator, seed 0),
 causal within each; window: causal, 4096 keys back. bf16, 32 heads, head_dim 128, batch 1.
@@ -35,7 +35,7 @@ WINDOW = 4096
 QUOTED_H100X4 = [("documents", 32768, "block_stripe", 0.74), ("documents", 131072, "block_stripe", 0.68),
                  ("window", 32768, "contiguous", 0.79), ("window", 131072, "contiguous", 0.87),
                  ("causal", 131072, "zigzag", 0.97)]
-MEASURED = ("masks_h100x2.json", "masks_h100x2_512k.json", "masks_h200x2.json")
+MEASURED = ("masks_h100x2.json", "masks_h100x2_512k.json", "masks_h200x2.json", "masks_h200x4.json")
 FITTED_ON = ("masks_h100x2.json", "4 x H100, quoted")  # the H200 rows are checked, not fitted
 PREDICT = [("causal", "zigzag"), ("documents", "block_stripe"), ("documents", "contiguous"),
            ("window", "contiguous"), ("window", "block_stripe"), ("documents", "document_layout"),
