@@ -306,9 +306,16 @@ def _from_spec(spec: torch.Tensor) -> DocumentLayout:
     """The layout of ``DocumentLayout.spec`` [seqlen, world, *bounds] (the same object again
     while it is among the last 256 asked for: the ring's plans are cached per object)."""
     key = tuple(spec.tolist())
-    layout = _FROM_SPEC.pop(key, None)
+    layout = _FROM_SPEC.get(key)
     if layout is None:
         layout = _made(torch.tensor(key[2:], dtype=torch.int64), key[0], key[1])
+    return _keep(key, layout)
+
+
+def _keep(key: tuple, layout: DocumentLayout) -> DocumentLayout:
+    """``layout`` as the newest of the last 256 found by their spec (as ``layouts.remember``
+    keeps them by name: mostly the same objects)."""
+    _FROM_SPEC.pop(key, None)
     _FROM_SPEC[key] = layout
     while len(_FROM_SPEC) > 256:
         del _FROM_SPEC[next(iter(_FROM_SPEC))]
@@ -330,5 +337,4 @@ def _made(bounds: torch.Tensor, seqlen: int, world: int) -> DocumentLayout:
             break
     _, runs, splits, spread = best
     layout = DocumentLayout(bounds, seqlen, world, runs, splits, spread)
-    _FROM_SPEC[tuple(layout.spec.tolist())] = layout
-    return remember(layout)
+    return remember(_keep(tuple(layout.spec.tolist()), layout))

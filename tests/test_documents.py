@@ -251,6 +251,17 @@ def test_round_trip_and_ranks_that_disagree(worlds):
 
 
 
+def test_layouts_found_by_spec_are_kept_bounded():
+    """The ops find a layout again by its spec tensor among the last 256 (the same object
+    as the one made, while it is among them); more layouts do not pile up."""
+    from ringflash import documents
+    made = [ringflash.document_layout(_cu([i + 1, 300 - i]), 512) for i in range(270)]
+    assert len(documents._FROM_SPEC) <= 256
+    assert documents._from_spec(made[-1].spec) is made[-1]
+    again = documents._from_spec(made[0].spec)  # long gone: made anew, equal
+    assert again is not made[0] and again.name == made[0].name and torch.equal(again.spec, made[0].spec)
+
+
 def test_compiles_whole_and_a_new_layout_needs_no_new_graph():
     """torch.compile(fullgraph=True) takes a document layout (a ring of one here), forward
     and backward: the same results as eager, and a new layout (new documents, the same
