@@ -10,8 +10,8 @@ import torch.distributed as dist
 from . import agreement, heads
 from .exchange import Ring, transport  # noqa: F401 - transport: part of this module's API
 from .groups import Grid, resolve_grid
-from .kernels import (band_of_window, check_block_mask, check_causal, check_deterministic,
-                      check_dropout, check_qkv, check_segment_ids, check_window, resolve_scale)
+from .kernels import (band_of_window, check_block_mask, check_causal, check_deterministic, check_dropout,
+                      check_qkv, check_segment_ids, check_window, eager, resolve_scale)
 from .kernels.masks import BLOCK
 from .layouts import (DEFAULT_LAYOUT, check_layout, check_local_length, global_positions, layout_code,
                       layout_name, layout_of)
@@ -123,6 +123,12 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
         lse (batch, heads, seqlen_local), fp32, natural log. Both are differentiable
         in q, k and v.
 
+    Memory: beside q, k, v, out and their gradients the ring holds fp32 sums and visiting
+    K/V (48 KiB a local token at 32 heads / 8 kv heads, head_dim 128). Where those would
+    take more than a quarter of the GPU's memory, the ring runs the heads in chunks of
+    whole GQA groups, one after another (the same bits; ``ringflash.heads.memory_chunks``,
+    RINGFLASH_HEAD_CHUNKS).
+
     Invalid arguments raise ValueError/TypeError on every rank of the ring, including
     ranks whose own arguments were fine (see ``agreement.check_ranks_agree`` for the cost); the
     cross-rank check runs inside the ring's custom op (ops.py), so torch.compile traces
@@ -141,8 +147,13 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
     else:
         checked = _check_local_on_every_rank(*args, group=group)
     band, layout, scale, segments, dropout, blocks = checked
-    out, lse = ring_attn(q, k, v, segments, softmax_scale=scale, band=band, layout=layout, dropout=dropout,
-                         blocks=blocks, group=group)
+    chunks = heads.memory_chunks(q, k, Ring(group).world) if eager(q, k, v) else 1
+    if chunks > 1:  # the ring's buffers of every head at once would not fit: heads in turn
+        out, lse = heads.ring_in_chunks(q, k, v, chunks, group, segments, blocks, softmax_scale=scale, band=band,
+                                        layout=layout, dropout=dropout)
+    else:
+        out, lse = ring_attn(q, k, v, segments, softmax_scale=scale, band=band, layout=layout, dropout=dropout,
+                             blocks=blocks, group=group)
     return (out, lse) if return_lse else out
 
 

@@ -34,6 +34,16 @@ under torch.compile, which traces the exchanges as functional collectives and or
 itself) takes the composed path: differentiable exchanges around the ring's autograd op.
 RINGFLASH_HEAD_CHUNKS (read at each call) exists to compare the two paths: tests hold them
 to the same bits, benchmarks time what the overlap hides.
+
+Memory (U = 1). The ring's own buffers -- the fp32 dQ sum, the dK/dV sums in flight and
+the slots visiting K/V land in -- grow with the heads a call runs: 48 KiB a local token at
+32 heads / 8 kv heads, head_dim 128, beside the 40 KiB that any exact attention keeps
+(docs/performance.md, "Memory per token"). A ring alone whose buffers would take more
+than ``MEMORY_SHARE`` of the GPU's memory runs its heads in C chunks one after another
+(``memory_chunks``; ``_Sequential``): each chunk's ring holds 1/C of those buffers and
+frees them before the next starts, and every chunk computes what the whole call computes
+for its heads, bit for bit. RINGFLASH_HEAD_CHUNKS=k runs k chunks (the largest divisor of
+kv_heads up to k) whatever the size; 1 never chunks.
 """
 
 from __future__ import annotations
@@ -55,6 +65,7 @@ from .ops import ring_attn, ring_attn_backward_impl, ring_attn_forward_impl
 CHUNKS_ENV = "RINGFLASH_HEAD_CHUNKS"
 MAX_CHUNKS = 4  # exposed exchange ~ 1/C of it; more chunks: smaller kernels, C x the ring's fixed costs
 MIN_CHUNK_ROWS = 1 << 16  # query rows x heads of one chunk's kernels (B U L H / U / C): a full GPU
+MEMORY_SHARE = 0.25  # of a GPU's memory, the most a ring alone's own buffers take before it chunks
 
 
 def kv_index(heads: int, kv_heads: int, world: int) -> torch.Tensor:
@@ -71,20 +82,64 @@ def kv_index(heads: int, kv_heads: int, world: int) -> torch.Tensor:
     return needed
 
 
+def _wanted_chunks() -> Optional[int]:
+    """RINGFLASH_HEAD_CHUNKS: None for "auto" (the default), else the chunks asked for."""
+    wanted = os.environ.get(CHUNKS_ENV, "auto").strip().lower()
+    if wanted == "auto":
+        return None
+    if wanted.isdigit() and int(wanted) > 0:
+        return int(wanted)
+    raise ValueError(f"{CHUNKS_ENV} must be 'auto' or a positive integer, got {wanted!r}")
+
+
 def head_chunks(entries: int, rows: int) -> int:
     """How many chunks a rank's heads split into: a divisor of ``entries`` (the kv entries a
     rank receives, kv_index's n), so each chunk has whole GQA groups and at least one kv head.
     RINGFLASH_HEAD_CHUNKS=k asks for k (the largest such divisor up to k; 1: no overlap).
     By default the largest up to MAX_CHUNKS whose chunks keep MIN_CHUNK_ROWS of the ``rows``
     (B x U L x H / U) a rank's ring computes; 1 for a small call, which has nothing to hide."""
-    wanted = os.environ.get(CHUNKS_ENV, "auto").strip().lower()
-    if wanted == "auto":
-        cap, least = MAX_CHUNKS, MIN_CHUNK_ROWS
-    elif wanted.isdigit() and int(wanted) > 0:
-        cap, least = int(wanted), 0
-    else:
-        raise ValueError(f"{CHUNKS_ENV} must be 'auto' or a positive integer, got {wanted!r}")
+    wanted = _wanted_chunks()
+    cap, least = (MAX_CHUNKS, MIN_CHUNK_ROWS) if wanted is None else (wanted, 0)
     return max(c for c in range(1, min(cap, entries) + 1) if entries % c == 0 and (c == 1 or rows // c >= least))
+
+
+def ring_buffer_bytes(q: torch.Tensor, k: torch.Tensor) -> int:
+    """The ring's own buffers at their peak, in the backward of a ring of three ranks or
+    more (``ring/rotate.py``), for q (B, S, H, D) and k (B, S, Hkv, D): the fp32 dQ sum,
+    three fp32 dK/dV sums (the running one, the one sent on, the own shard's) and two
+    slots of visiting K/V in k's dtype."""
+    tokens, head_dim, kv_heads = q.shape[0] * q.shape[1], q.shape[3], k.shape[2]
+    return tokens * head_dim * (4 * q.shape[2] + 24 * kv_heads + 4 * kv_heads * k.element_size())
+
+
+def memory_chunks(q: torch.Tensor, k: torch.Tensor, world: int, total_memory: Optional[int] = None) -> int:
+    """How many chunks a ring alone of ``world`` ranks runs a call's heads in, one after
+    another (the module's docstring, "Memory"): a divisor of kv_heads, so each chunk has
+    whole GQA groups. RINGFLASH_HEAD_CHUNKS=k asks for k (the largest such divisor up to
+    k). By default the fewest whose share of ``ring_buffer_bytes`` fits ``MEMORY_SHARE``
+    of the GPU's memory: 1 for a ring of one, on the CPU, and for every shape that fits,
+    which at 32 heads / 8 kv heads, head_dim 128, bf16, on an 80 GB GPU is up to 256k
+    local tokens (12 GiB of buffers; 2 chunks at 512k, 4 at 1M). The choice depends on
+    shapes and the GPU's total memory only; ranks whose GPUs differ in memory may choose
+    differently, and the ring's rank check then raises on every rank (the chunks' head
+    counts differ). ``total_memory``: the GPU's bytes
+    (default: q's device's; tensors on the meta device need it)."""
+    wanted = _wanted_chunks()
+    if wanted is None and (world == 1 or (total_memory is None and not q.is_cuda)):
+        return 1
+    if wanted is None and total_memory is None:
+        total_memory = torch.cuda.get_device_properties(q.device).total_memory
+    return chunks_for(ring_buffer_bytes(q, k), total_memory, k.shape[2], wanted)
+
+
+def chunks_for(need: int, total_memory: Optional[int], kv_heads: int, wanted: Optional[int] = None) -> int:
+    """``memory_chunks``'s rule: the largest divisor of ``kv_heads`` up to ``wanted``, or
+    (wanted None) the fewest chunks whose share of ``need`` bytes fits ``MEMORY_SHARE`` of
+    ``total_memory`` (all of them when none does)."""
+    divisors = [c for c in range(1, kv_heads + 1) if kv_heads % c == 0]
+    if wanted is not None:
+        return max(c for c in divisors if c <= wanted)
+    return next((c for c in divisors if need <= MEMORY_SHARE * total_memory * c), divisors[-1])
 
 
 def ring_over_heads(q, k, v, grid: Grid, segments, block_mask, *, softmax_scale: float, band, layout: str,
@@ -112,6 +167,19 @@ def ring_over_heads(q, k, v, grid: Grid, segments, block_mask, *, softmax_scale:
                  (softmax_scale, *band, layout, None, group_name(grid.ring)), dropout[:2])
     requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return _Overlapped.apply(q, k, v, call, requires_grad)
+
+
+def ring_in_chunks(q, k, v, chunks: int, group, segments, block_mask, *, softmax_scale: float, band,
+                   layout, dropout: tuple):
+    """out (B, S, H, D) and lse (B, H, S) of the ring alone over ``group`` (``ops.ring_attn``'s
+    arguments), its heads in ``chunks`` chunks run one after another (``memory_chunks``)."""
+    heads, kv_heads = q.shape[2], k.shape[2]
+    m, e = heads // chunks, kv_heads // chunks
+    call = _Call(None, 1, (tuple(tuple(range(c * e, (c + 1) * e)) for c in range(chunks)),), segments,
+                 [_head_rows(block_mask, c * m, m) for c in range(chunks)], [c * m for c in range(chunks)],
+                 (softmax_scale, *band, layout, None, group_name(group)), dropout[:2])
+    requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    return _Sequential.apply(q, k, v, call, requires_grad)
 
 
 def _head_rows(block_mask: Optional[torch.Tensor], start: int, count: int) -> Optional[torch.Tensor]:
@@ -294,4 +362,48 @@ class _Overlapped(torch.autograd.Function):
         dkv = rearrange(dkv_home, "c u t b l n d -> t b l (u c n) d")
         _, to_heads = _entries(call.kv, dout.device)
         dk, dv = (dkv.new_zeros((b, n, ctx.kv_heads, dkv.shape[-1])).index_add_(2, to_heads, g) for g in dkv)
+        return dq, dk, dv, None, None
+
+
+# ----------------------------------------------------------------------------- one after another (U = 1)
+
+
+def _chunk_slices(call: _Call, q: torch.Tensor, k: torch.Tensor) -> list[tuple[slice, slice]]:
+    """(query heads, kv heads) of each chunk of ``ring_in_chunks``."""
+    m, e = q.shape[2] // call.chunks, k.shape[2] // call.chunks
+    return [(slice(c * m, (c + 1) * m), slice(c * e, (c + 1) * e)) for c in range(call.chunks)]
+
+
+class _Sequential(torch.autograd.Function):
+    """out (B, S, H, D), lse (B, H, S) of ``ring_in_chunks``: chunk c's ring runs on views
+    of q, k, v (its heads) and its results are copied into the whole tensors, so the ring's
+    buffers and one chunk's results are all that is alive beside them."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, call: _Call, requires_grad: bool):
+        b, n, h, _ = q.shape
+        out = q.new_empty(q.shape)
+        lse = q.new_empty((b, h, n), dtype=torch.float32)
+        kept = []
+        for c, (hs, ks) in enumerate(_chunk_slices(call, q, k)):
+            out_c, lse_c, kept_kv, kept_segments = call.forward(c, q[:, :, hs], k[:, :, ks], v[:, :, ks],
+                                                                requires_grad)
+            out[:, :, hs], lse[:, hs] = out_c, lse_c
+            kept += [kept_kv, kept_segments]
+        ctx.save_for_backward(q, k, v, out, lse, *kept)
+        ctx.call = call
+        ctx.set_materialize_grads(False)  # an unused lse's gradient stays None, as the ring op's
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        no_double_backward()
+        q, k, v, out, lse, *kept = ctx.saved_tensors
+        dout = torch.zeros_like(out) if dout is None else dout  # only lse was used
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for c, (hs, ks) in enumerate(_chunk_slices(ctx.call, q, k)):
+            dq_c, dkv_c = ctx.call.backward(c, dout[:, :, hs], q[:, :, hs], k[:, :, ks], v[:, :, ks],
+                                            out[:, :, hs], lse[:, hs], None if dlse is None else dlse[:, hs],
+                                            *kept[2 * c:2 * c + 2])
+            dq[:, :, hs], dk[:, :, ks], dv[:, :, ks] = dq_c, dkv_c[0], dkv_c[1]
         return dq, dk, dv, None, None

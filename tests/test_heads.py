@@ -58,6 +58,7 @@ def _case(i, case, seqlen, head_count=None):
     dlse = torch.randn(1, h, seqlen, generator=gen)
     seg = None
     if docs is not None:
+        docs = [*docs[:-1], seqlen - sum(docs[:-1])]  # the last document takes the rest
         seg = torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs))[None].to(torch.int32)
     bm = None
     if blocks is not None:
@@ -160,7 +161,10 @@ CHUNK_CASES = [
 CHUNKS_RUN = {2: {"mha-causal": 4, "gqa-full": 4, "mqa-causal": 1, "uneven-gqa": 3, "gqa-docs": 4,
                   "blocks": 4, "dropout-mha": 4},
               4: {"mha-causal": 2, "gqa-full": 2, "mqa-causal": 1, "uneven-gqa": 3, "gqa-docs": 2,
-                  "blocks": 2, "dropout-mha": 2}}
+                  "blocks": 2, "dropout-mha": 2},
+              # U = 1: the ring alone, its heads one chunk after another (heads.memory_chunks)
+              1: {"mha-causal": 4, "gqa-full": 4, "mqa-causal": 1, "uneven-gqa": 3, "gqa-docs": 4,
+                  "blocks": 4, "dropout-mha": 4}}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -176,12 +180,13 @@ def check_chunks(rank, world, heads_world, layout, cases, seqlen=256, device=Non
     from ringflash import heads
 
     group = _grid(rank, world, heads_world, "pair", "cpu" if device is None else device.type)
-    ran, overlapped = [], heads._Overlapped.forward
+    ran, chunked_fn = [], heads._Overlapped if heads_world > 1 else heads._Sequential
+    overlapped = chunked_fn.forward
 
     def counted(ctx, q, k, v, call, requires_grad):
         ran.append(call.chunks)
         return overlapped(ctx, q, k, v, call, requires_grad)
-    heads._Overlapped.forward = staticmethod(counted)
+    chunked_fn.forward = staticmethod(counted)
     report = {}
     try:
         for i, case in enumerate(cases):
@@ -198,7 +203,7 @@ def check_chunks(rank, world, heads_world, layout, cases, seqlen=256, device=Non
             where = f"rank {rank} {heads_world}x{world // heads_world} {case[0]} {layout} chunked"
             report[case[0]] = (used, differ, apart, _errors(chunked, want, group, layout, tol, where))
     finally:
-        heads._Overlapped.forward = staticmethod(overlapped)
+        chunked_fn.forward = staticmethod(overlapped)
         os.environ.pop(heads.CHUNKS_ENV, None)
     return report
 
@@ -215,20 +220,27 @@ def _chunk_failures(per_rank, heads_world, bits=True) -> list[str]:
     return failures
 
 
-@pytest.mark.parametrize("world_size,heads_world", [(2, 2), (4, 2), (4, 4)], ids=["U2xR1", "U2xR2", "U4xR1"])
+@pytest.mark.parametrize("world_size,heads_world", [(2, 2), (4, 2), (4, 4), (2, 1), (4, 1)],
+                         ids=["U2xR1", "U2xR2", "U4xR1", "U1xR2", "U1xR4"])
 def test_chunked_heads_give_the_unchunked_bits(worlds, world_size, heads_world):
-    """Chunks of heads overlapped with their all-to-alls: the same bits as one exchange
-    (out, lse, dq, dk, dv), every case exact against the oracle (256 tokens; the rest of this
-    module covers the layouts). On a ring (R = 2) the layout is block_stripe: a ring of two
+    """Chunks of heads overlapped with their all-to-alls, or on the ring alone (U = 1) run
+    one after another to bound its buffers: the same bits as one call (out, lse, dq, dk,
+    dv), every case exact against the oracle (256 tokens; the rest of this module covers
+    the layouts). On a ring (R > 1) the layout is block_stripe: a ring of two
     on contiguous shards under a block mask divides its dK/dV work by the mask's blocks
     (``plan.SparsePlan.key_cut``), so a chunk's heads may cut elsewhere than all of them do,
     adding the same terms in another order; that case is held to the oracle alone."""
     layout = "contiguous" if world_size == heads_world else "block_stripe"
-    per_rank = worlds(world_size).run(check_chunks, heads_world, layout, CHUNK_CASES, timeout=300)
+    seqlen = 128 * world_size if heads_world == 1 else 256  # block_stripe: whole blocks a rank
+    # the ring of four alone: documents, per-head block masks and dropout keyed by the
+    # global head (MHA, GQA, MQA and uneven GQA run on the ring of two; CPU time)
+    cases = [case for case in CHUNK_CASES if world_size == 2 or heads_world > 1
+             or case[0] in ("gqa-docs", "blocks", "dropout-mha")]
+    per_rank = worlds(world_size).run(check_chunks, heads_world, layout, cases, seqlen, timeout=300)
     failures = _chunk_failures(per_rank, heads_world)
-    if world_size > heads_world:
+    if world_size == 2 * heads_world:
         blocks = [case for case in CHUNK_CASES if case[0] == "blocks"]
-        per_rank = worlds(world_size).run(check_chunks, heads_world, "contiguous", blocks, timeout=300)
+        per_rank = worlds(world_size).run(check_chunks, heads_world, "contiguous", blocks, seqlen, timeout=300)
         failures += _chunk_failures(per_rank, heads_world, bits=False)
     assert not failures, "\n".join(failures[:20])
 
@@ -246,6 +258,25 @@ def test_head_chunks_keep_whole_kv_entries(monkeypatch):
     monkeypatch.setenv(CHUNKS_ENV, "two")
     with pytest.raises(ValueError, match=CHUNKS_ENV):
         head_chunks(4, big)
+
+
+def test_ring_alone_chunks_its_heads_only_when_its_buffers_would_not_fit(monkeypatch):
+    """memory_chunks: the ring's own buffers (48 KiB a local token at 32 / 8 heads, head_dim
+    128, bf16) within a quarter of an 80 GB GPU: none up to 256k local tokens, 2 chunks at
+    512k, 4 at 1M (4M tokens over 4 GPUs); never on the CPU or for a ring of one."""
+    from ringflash.heads import CHUNKS_ENV, chunks_for, memory_chunks, ring_buffer_bytes
+    monkeypatch.delenv(CHUNKS_ENV, raising=False)
+    gpu = 81559 * 2 ** 20  # an H100 80GB's total memory
+    q, k = torch.empty(1, 1, 32, 128, dtype=torch.bfloat16), torch.empty(1, 1, 8, 128, dtype=torch.bfloat16)
+    assert ring_buffer_bytes(q, k) == 48 * 1024  # fp32 dQ 16 KiB, three fp32 dK/dV sums 24, two K/V slots 8
+    per_token = ring_buffer_bytes(q, k)
+    assert [chunks_for(n * per_token, gpu, 8) for n in (2 ** 18, 2 ** 19, 2 ** 20, 2 ** 23)] == [1, 2, 4, 8]
+    assert chunks_for(2 ** 20 * per_token, gpu, 1) == 1  # MQA: one kv head, nothing to split
+    assert chunks_for(2 ** 20 * per_token, gpu, 6) == 3  # the fewest of the divisors 1, 2, 3, 6 that fits
+    big = torch.empty(1, 2 ** 20, 32, 128, dtype=torch.bfloat16, device="meta")
+    assert memory_chunks(big, big[:, :, :8], 4) == 1  # not on a GPU
+    monkeypatch.setenv(CHUNKS_ENV, "3")
+    assert memory_chunks(q, k, 4) == 2 and memory_chunks(q, k[:, :, :6], 1) == 3  # asked: divisors up to 3
 
 
 @pytest.mark.world(4)

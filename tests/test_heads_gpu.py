@@ -8,8 +8,8 @@ Skipped without CUDA or outside torchrun. Every rank runs the same tests in the 
 order and agrees on the verdict with an all-reduce (as tests/test_ring_gpu.py does).
 
 - small, fp32 (TF32 off): tests/test_heads.py's chunk cases (MHA, GQA, MQA, uneven GQA
-  with kv_heads < U, segment ids, per-head block masks, dropout) at every (U, R) with U > 1
-  the world allows, chunked (RINGFLASH_HEAD_CHUNKS=4) against the float64 oracle, and
+  with kv_heads < U, segment ids, per-head block masks, dropout) at every (U, R) the world
+  allows (U = 1: the ring alone, its heads in turn), chunked (RINGFLASH_HEAD_CHUNKS=4) against the float64 oracle, and
   against the unchunked call (=1);
 - large, bf16 (32 heads, GQA 8, head_dim 128, 4096 tokens a rank, causal zigzag): the
   chunked call against the unchunked one, and both finite.
@@ -39,16 +39,20 @@ from test_ring_gpu import _agree, nccl  # noqa: E402,F401 (nccl: a fixture)
 
 
 def _heads_worlds(world: int) -> list[int]:
-    return [u for u in (2, 4) if u <= world and world % u == 0]
+    """U of the grids the world allows; 1: the ring alone, its heads one chunk after another
+    (``heads.memory_chunks``)."""
+    return [u for u in (1, 2, 4) if u <= world and world % u == 0]
 
 
-def test_chunked_grid_matches_oracle(nccl):
+@pytest.mark.parametrize("u", [1, 2, 4], ids=lambda u: f"U{u}")
+def test_chunked_grid_matches_oracle(nccl, u):
     from test_heads import CHUNK_CASES, CHUNKS_RUN, check_chunks
     world, rank = dist.get_world_size(), dist.get_rank()
     failures = []
-    for heads_world in _heads_worlds(world):
+    for heads_world in [h for h in _heads_worlds(world) if h == u]:
         layout = "contiguous" if heads_world == world else "block_stripe"
-        report = check_chunks(rank, world, heads_world, layout, CHUNK_CASES, device=nccl, tol=TOL_F32)
+        seqlen = 128 * world if heads_world == 1 else 256  # as tests/test_heads.py
+        report = check_chunks(rank, world, heads_world, layout, CHUNK_CASES, seqlen, device=nccl, tol=TOL_F32)
         for name, (used, _differ, apart, errors) in report.items():
             where = f"{heads_world}x{world // heads_world} {name}"
             if used != CHUNKS_RUN[heads_world][name]:
