@@ -93,13 +93,19 @@ def test_every_chunk_missing_gives_up_once():
 
 def test_a_chunk_landing_during_the_wait_is_read(monkeypatch):
     """Chunk 1 lands while its tiles wait (a thread raises its flag once a tile reads the
-    clock, i.e. spins; on a GPU 0.5 s in, by a stream memory write as PeerRing's: on
-    2026-11-26, with a copy kernel on a side stream instead, the tiles gave up on an H200):
-    the result is that of the whole tensors, and nothing is recorded."""
+    clock, i.e. spins; on a GPU 0.5 s in): the result is that of the whole tensors, and
+    nothing is recorded. On a GPU the flags live in pinned host memory, which the kernel
+    reads through its device address and the host thread writes directly: what the test
+    needs is a write from outside the launch while the tiles spin. (Writes from this GPU
+    itself did not serve: on 2026-11-26 a copy kernel on a side stream, and on 2026-11-27
+    a stream memory write, never reached the spinning tiles on one H100 within 60 s. The
+    ring's flags are written by the peer GPU's copy stream: tests/test_peer_failure_gpu.py
+    and the ring tests run that path.)"""
     q, k, v, mask = _problem(seed=2)
     want = _forward(q, k, v, mask, None)
-    flags = torch.tensor([1, 0], dtype=torch.int32, device=DEVICE)
-    landed = torch.tensor([1, 1], dtype=torch.int32, device=DEVICE)
+    flags = torch.tensor([1, 0], dtype=torch.int32)
+    flags = flags.pin_memory() if HAS_CUDA else flags
+    landed = torch.tensor([1, 1], dtype=torch.int32)
     status = _status()
     spinning = threading.Event()
     if not HAS_CUDA:  # the interpreted kernel reads the host's clock only while it waits
@@ -111,15 +117,12 @@ def test_a_chunk_landing_during_the_wait_is_read(monkeypatch):
         monkeypatch.setattr(fwd, "time", types.SimpleNamespace(monotonic_ns=clock))
 
     def land():
-        if HAS_CUDA:  # as the ring raises a flag: a stream memory operation, which needs no SM
+        if HAS_CUDA:
             time.sleep(0.5)
-            side = torch.cuda.Stream()
-            exchange._write_flag(flags.data_ptr() + 4, 1, side)
-            side.synchronize()
         else:
             spinning.wait(60)
             time.sleep(0.2)
-            flags.copy_(landed)
+        flags.copy_(landed)
     lander = threading.Thread(target=land)
     lander.start()
     out, lse = _forward(q, k, v, mask, Arrival(1, flags, 1, 1, 60.0, status.tensor))

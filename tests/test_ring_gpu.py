@@ -213,8 +213,13 @@ def oracle_error_sums(q, k, v, dout, dlse, candidates: dict, *, causal, softmax_
             for c, who in enumerate(candidates)}
 
 
-BIG_CASES = [(layout, causal, 32) for layout in LAYOUTS for causal in (False, True)]
-BIG_CASES.append(("zigzag", True, 8))  # GQA
+# At 4096 tokens a rank the ring's error against the single GPU's: the main job's case
+# (causal zigzag, GQA) and one of each other order of steps (contiguous without a mask,
+# block_stripe causal). The small cases above run every layout, causal and not, against
+# the oracle; each large case here compiles kernel variants of its own (the small tests
+# and all nine large combinations took about 330 s from a cold cache on 4 H100s,
+# 2026-11-27).
+BIG_CASES = [("zigzag", True, 8), ("contiguous", False, 32), ("block_stripe", True, 32)]
 
 
 @pytest.mark.parametrize("layout,causal,kv_heads", BIG_CASES,
