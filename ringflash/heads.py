@@ -43,7 +43,8 @@ than ``MEMORY_SHARE`` of the GPU's memory runs its heads in C chunks one after a
 (``memory_chunks``; ``_Sequential``): each chunk's ring holds 1/C of those buffers and
 frees them before the next starts, and every chunk computes what the whole call computes
 for its heads, bit for bit. RINGFLASH_HEAD_CHUNKS=k runs k chunks (the largest divisor of
-kv_heads up to k) whatever the size; 1 never chunks.
+kv_heads up to k) whatever the size; 1 never chunks. Eager calls only: under torch.compile
+the ring op runs every head at once (README, support matrix).
 """
 
 from __future__ import annotations

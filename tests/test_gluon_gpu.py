@@ -1,0 +1,126 @@
+"""The Gluon Hopper backward (kernels/gluon/bwd.py) on an sm_90 GPU against the float64 oracle.
+
+Skipped without CUDA or on a GPU other than sm_90. Each case runs in a subprocess with a
+timeout: a warp-specialized kernel that waits on an mbarrier nobody completes (a
+missing expect or arrive, a wrong phase) hangs the GPU instead of failing, and the
+timeout turns that into a failed test rather than a stuck suite.
+
+Inputs: q, k, v, dout bf16 (B, S, H, 128), non-causal MHA. lse and delta are the
+oracle's (float64 out and lse rounded to fp32), so the kernel is checked alone. The
+yardsticks are tests/test_kernels_gpu.py's: relative Frobenius error against the float64
+oracle within TOL[bf16] (2e-2), and no more than twice the error of the library's own
+Triton backward on the same inputs (or NOISE_FLOOR). dq_acc starts from random values
+and must come back as those plus scale * dQ (the kernel adds); dk and dv start as NaN.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+TESTS = Path(__file__).resolve().parent
+TIMEOUT_S = 300  # compile (~10 s, cached afterwards), the float64 oracle at 4k, one launch
+
+# (batch, seqlen, heads, layout, softmax scale or None for head_dim ** -0.5), smallest first
+CASES = [(1, 128, 4, "contiguous", None), (2, 128, 4, "contiguous", None), (1, 1024, 4, "contiguous", None),
+         (2, 1024, 4, "contiguous", None), (1, 4096, 4, "contiguous", None), (2, 4096, 4, "contiguous", None),
+         (2, 1024, 4, "strided", 0.07)]
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+IDS = [f"b{b}-s{s}-h{h}-{layout}" + (f"-scale{sc}" if sc else "") for b, s, h, layout, sc in CASES]
+
+
+@pytest.mark.parametrize("b,s,h,layout,scale", CASES, ids=IDS)
+def test_gluon_bwd_matches_oracle(b, s, h, layout, scale):
+    if not _hopper():
+        pytest.skip("needs an sm_90 (Hopper) GPU")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, str(Path(__file__).resolve()), json.dumps([b, s, h, layout, scale])]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=TESTS)
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        pytest.fail(f"attn_bwd_sm90 did not finish in {TIMEOUT_S} s (a hang: an mbarrier waited on but never "
+                    f"completed?)\n{out[-2000:]}")
+    assert done.returncode == 0, f"child failed (rc {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+    res = json.loads(line[len("RESULT "):])
+    from oracle import NOISE_FLOOR, TOL
+    report = ", ".join(f"{name} {res['gluon'][name]:.2e} (library {res['library'][name]:.2e})"
+                       for name in ("dq", "dk", "dv"))
+    for name in ("dq", "dk", "dv"):
+        err, lib = res["gluon"][name], res["library"][name]
+        assert err <= TOL[torch.bfloat16], f"{name}: {report}"
+        assert err <= max(2 * lib, NOISE_FLOOR), f"{name}: more than twice the library's error: {report}"
+    assert res["dq_untouched_rows"] == 0 and res["nan"] == 0, res
+
+
+# ----------------------------------------------------------------------------- the child
+
+
+def _inputs(b, s, h, layout, gen):
+    """q, k, v, dout (bf16, CUDA) and empty dk, dv: contiguous, or strided as a layer
+    makes them (q, k, v views of one packed (B, S, 3, H, D) projection; dout heads-major;
+    dk, dv views of one packed (B, S, 2, H, D) buffer)."""
+    d = 128
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16)
+
+    if layout == "contiguous":
+        q, k, v, dout = (randn(b, s, h, d) for _ in range(4))
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+    else:
+        q, k, v = randn(b, s, 3, h, d).unbind(2)
+        dout = randn(b, h, s, d).transpose(1, 2)
+        dk, dv = torch.empty(b, s, 2, h, d, dtype=torch.bfloat16, device="cuda").unbind(2)
+    return q, k, v, dout, dk.fill_(float("nan")), dv.fill_(float("nan"))
+
+
+def _child(b, s, h, layout, scale) -> dict:
+    sys.path.insert(0, str(TESTS))
+    from oracle import attention_oracle, oracle_grads, rel_err
+
+    from ringflash.kernels import PairMask
+    from ringflash.kernels import triton as triton_kernels
+    from ringflash.kernels.gluon import attn_bwd_sm90
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, dout, dk, dv = _inputs(b, s, h, layout, gen)
+    scale = 128 ** -0.5 if scale is None else scale
+    out, lse = attention_oracle(q, k, v, softmax_scale=scale)
+    delta = (out * dout.double()).sum(-1).transpose(1, 2).float().contiguous()  # (B, H, S)
+    lse = lse.float().contiguous()
+    ref = oracle_grads(q, k, v, dout, softmax_scale=scale)
+
+    dq0 = torch.randn(q.shape, generator=gen, device="cuda")
+    dq_acc = dq0.clone()
+    attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, scale)
+    torch.cuda.synchronize()
+    dq = dq_acc.double() - dq0.double()
+
+    lib = [torch.full(t.shape, float("nan"), device="cuda") for t in (q, k, v)]
+    triton_kernels.bwd(dout, q, k, v, lse, delta, *lib, softmax_scale=scale, mask=PairMask(), accumulate=False)
+    torch.cuda.synchronize()
+    names = ("dq", "dk", "dv")
+    return dict(gluon={n: rel_err(g, r) for n, g, r in zip(names, (dq, dk, dv), ref)},
+                library={n: rel_err(g, r) for n, g, r in zip(names, lib, ref)},
+                dq_untouched_rows=int((dq.abs().amax(dim=(-1, -2)) == 0).sum()),
+                nan=int(sum(torch.isnan(t).sum() for t in (dq_acc, dk, dv))))
+
+
+if __name__ == "__main__":
+    result = _child(*json.loads(sys.argv[1]))
+    print("RESULT " + json.dumps(result), flush=True)
