@@ -1,16 +1,18 @@
 """The Gluon Hopper backward (kernels/gluon/bwd.py) compiled for sm_90 on CPU: no GPU needed.
 
-What a compile can show, checked on the compiled kernel: every matmul of the design is
-a wgmma of the expected shape and count, the four partitions exist with their warp
-counts and register budgets, shared memory fits an H100's 227 KB, the Q/dO/K/V/lse/delta
-loads are TMA loads and dQ leaves by TMA reduce-adds (the private binding the module
-relies on), and ptxas neither serializes the wgmmas nor spills inside the tile loops.
-The argument checks are run too (they raise before any GPU is needed). Correctness on a
-GPU is tests/test_gluon_gpu.py's.
+What a compile can show, checked on each compiled variant (``VARIANTS``: milestone 1's
+non-causal MHA, the causal band, GQA, both): every matmul of the design is a wgmma of the
+expected shape and count, the four partitions exist with their warp counts and register
+budgets, shared memory fits an H100's 227 KB, the Q/dO/K/V/lse/delta loads are TMA loads
+and dQ leaves by TMA reduce-adds (the private binding the module relies on), ptxas
+neither serializes the wgmmas nor spills inside the unmasked tile loops, and the masked
+step (the band's element mask) exists in the causal variants only, in loops of its own,
+while the unmasked loops keep milestone 1's length. The argument checks are run too (they
+raise before any GPU is needed). Correctness on a GPU is tests/test_gluon_gpu.py's.
 
-One compile (about 6 s, cached by Triton afterwards) serves every test. Skipped only
-when the installed triton lacks Gluon's Hopper module, the reduce binding, or the CUDA
-tools it ships (ptxas, cuobjdump, nvdisasm).
+One compile per variant (about 6 s each, cached by Triton afterwards) serves every test.
+Skipped only when the installed triton lacks Gluon's Hopper module, the reduce binding,
+or the CUDA tools it ships (ptxas, cuobjdump, nvdisasm).
 """
 
 from __future__ import annotations
@@ -33,16 +35,47 @@ from triton._C.libtriton import gluon_ir  # noqa: E402
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 H100_SHARED = 227 * 1024  # the most shared memory one CTA may take on sm_90
 
+# compile_sm90 arguments per variant: (1, 1024, heads, 128) q against (1, 1024, kv_heads, 128) k.
+VARIANTS = {
+    "mha": dict(),  # milestone 1: non-causal, 4 heads
+    "causal": dict(causal_offset=0),
+    "gqa": dict(heads=8, kv_heads=2),
+    "gqa-causal": dict(heads=8, kv_heads=2, causal_offset=0),
+}
+# ptxas stack frame allowed per variant (bytes): the masked loop reloads some precomputed
+# wgmma descriptors from the stack (tested below); milestone 1 had 8.
+STACK_BUDGET = {"mha": 64, "causal": 128, "gqa": 64, "gqa-causal": 160}
+_COMPILED: dict = {}
 
-@pytest.fixture(scope="module")
-def kernel():
-    if not hasattr(gluon_ir.GluonOpBuilder, "create_async_tma_reduce"):
-        pytest.skip("this triton's Gluon builder has no create_async_tma_reduce (the dQ TMA reduce-add)")
-    missing = [t for t in ("ptxas", "cuobjdump", "nvdisasm") if not (BIN / t).exists()]
-    if missing:
-        pytest.skip(f"this triton ships no {', '.join(missing)}")
-    from ringflash.kernels.gluon import compile_sm90
-    return compile_sm90()
+
+def _causal(name: str) -> bool:
+    return VARIANTS[name].get("causal_offset") is not None
+
+
+def _compiled(name: str):
+    """The variant's compile (kernel, SASS, ptxas -v stderr), once per session."""
+    if name not in _COMPILED:
+        if not hasattr(gluon_ir.GluonOpBuilder, "create_async_tma_reduce"):
+            pytest.skip("this triton's Gluon builder has no create_async_tma_reduce (the dQ TMA reduce-add)")
+        missing = [t for t in ("ptxas", "cuobjdump", "nvdisasm") if not (BIN / t).exists()]
+        if missing:
+            pytest.skip(f"this triton ships no {', '.join(missing)}")
+        from ringflash.kernels.gluon import compile_sm90
+        kernel = compile_sm90(**VARIANTS[name])
+        with tempfile.TemporaryDirectory() as tmp:
+            ptx = Path(tmp) / "bwd.ptx"
+            ptx.write_text(kernel.asm["ptx"])
+            done = subprocess.run([str(BIN / "ptxas"), "-arch=sm_90a", "-v", str(ptx), "-o",
+                                   str(Path(tmp) / "a.cubin")], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        _COMPILED[name] = (kernel, _tool("nvdisasm", kernel.asm["cubin"], "-c"), done.stderr)
+    return _COMPILED[name]
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def variant(request):
+    """(name, compiled kernel, SASS, ptxas -v stderr) of each variant."""
+    return (request.param, *_compiled(request.param))
 
 
 def _tool(name: str, cubin: bytes, *args: str) -> str:
@@ -78,21 +111,33 @@ def _tile_loops(sass: str) -> list[list[str]]:
     return loops
 
 
-def test_every_matmul_is_a_wgmma(kernel):
-    """Per consumer group and Q tile: Sᵀ, dPᵀ and its dQ half are 64x64 products over 128
-    (8 k-steps of 16 each), dV and dK 64x128 over the 64 Q rows (4 each); two groups."""
+def _split_loops(sass: str) -> tuple[list[list[str]], list[list[str]]]:
+    """(unmasked, masked) tile loops: a masked loop zeroes Pᵀ's 32 elements a thread with
+    FSEL (the mask's selp), an unmasked one has no FSEL at all."""
+    loops = _tile_loops(sass)
+    masked = [loop for loop in loops if "FSEL" in loop]
+    return [loop for loop in loops if "FSEL" not in loop], masked
+
+
+def test_every_matmul_is_a_wgmma(variant):
+    """Per consumer group and step: Sᵀ, dPᵀ and its dQ half are 64x64 products over 128
+    (8 k-steps of 16 each), dV and dK 64x128 over the 64 Q rows (4 each); two groups, and
+    the step twice in a causal variant (unmasked and masked)."""
+    name, kernel, _, _ = variant
+    copies = 2 if _causal(name) else 1
     ops = _ptx_ops(kernel.asm["ptx"])
-    assert ops["wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16"] == 2 * 3 * 8, ops
-    assert ops["wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"] == 2 * 2 * 4, ops
+    assert ops["wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16"] == copies * 2 * 3 * 8, ops
+    assert ops["wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"] == copies * 2 * 2 * 4, ops
     assert not [op for op in ops if op.startswith("mma.sync")], "an mma.sync fallback"
     # Partial waits: Sᵀ then dPᵀ each waited with one product still in flight.
     assert "wgmma.wait_group.sync.aligned 1;" in kernel.asm["ptx"]
 
 
-def test_four_partitions_with_their_register_budgets(kernel):
+def test_four_partitions_with_their_register_budgets(variant):
     """Two 4-warp consumer groups (the default partition and one worker), a one-warp TMA
     loader and a one-warp dQ writer; 10 warps padded to 12, 168 registers at launch,
     re-split by setmaxnreg to 240 for the consumers and 24 for the loader and writer."""
+    _, kernel, sass, _ = variant
     ttgir = kernel.asm["ttgir"]
     assert re.search(r"ttg\.warp_specialize\(.*requestedRegisters = array<i32: 240, 24, 24>", ttgir)
     workers = re.findall(r"partition\d+\(.*\) num_warps\((\d+)\)", ttgir)
@@ -103,78 +148,136 @@ def test_four_partitions_with_their_register_budgets(kernel):
     assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx)
     usage = _tool("cuobjdump", kernel.asm["cubin"], "--dump-resource-usage")
     assert int(re.search(r"REG:(\d+)", usage).group(1)) == 168, usage
-    sass = _tool("nvdisasm", kernel.asm["cubin"], "-c")
     assert "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0" in sass  # a consumer group takes 240
 
 
-def test_shared_memory_fits_hopper(kernel):
+def test_shared_memory_fits_hopper(variant):
     """K, V (64 KB), Q and dO in two stages (64 KB), dSᵀ in two (32 KB), the fp32 dQ tile
-    (32 KB), lse/delta stages and barriers: above 192 KB, within 227 KB."""
+    (32 KB), lse/delta stages and barriers: above 192 KB, within 227 KB, whatever the
+    variant (the band and GQA add registers, not buffers)."""
+    _, kernel, _, _ = variant
     assert 192 * 1024 < kernel.metadata.shared <= H100_SHARED, kernel.metadata.shared
 
 
-def test_loads_and_dq_go_through_tma(kernel):
+def test_loads_and_dq_go_through_tma(variant):
     """Q, dO, K, V by 4-D TMA boxes (one (batch, head), any strides; a box's 128 bf16
     columns are 256 bytes, past the 128-byte swizzle, so Triton issues it as two copies
     of 64 columns), lse and delta by 1-D boxes, and dQ added into the fp32 accumulator by
-    four 4-D TMA reduce-adds (32 columns each), whose shared source is waited for before
-    the tile is reused."""
+    4-D TMA reduce-adds (four of 32 columns a tile), whose shared source is waited for
+    before the tile is reused. K and V are loaded once; the loader's and the writer's step
+    appears once per loop (twice with the band: unmasked and masked steps; LLVM may
+    unroll a loop over the group's heads, hence the multiples)."""
+    name, kernel, _, _ = variant
+    copies = 2 if _causal(name) else 1
     ops = _ptx_ops(kernel.asm["ptx"])
     loads4d = ops["cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"]
     loads1d = ops["cp.async.bulk.tensor.1d.shared::cluster.global.mbarrier::complete_tx::bytes"]
-    assert (loads4d, loads1d) == (2 * 4, 2), ops
-    assert ops["cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.bulk_group"] == 4, ops
+    adds = ops["cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.bulk_group"]
+    assert loads1d >= 2 * copies and loads4d == 4 + 2 * loads1d, ops  # per step: Q, dO (2 each), lse, delta
+    assert adds >= 4 * copies and adds % 4 == 0, ops
     assert ops["cp.async.bulk.wait_group.read"] >= 1, ops
     assert ops["fence.proxy.async.shared::cta"] >= 4, ops  # dSᵀ and dQ stores, both groups
 
 
-def test_ptxas_neither_serializes_nor_spills_in_the_loop(kernel):
-    """ptxas keeps the wgmmas asynchronous (no C7510-C7515 serialization warning) and the
-    tile loops free of local-memory traffic (a register spilled around the loop is allowed)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = Path(tmp) / "bwd.ptx"
-        ptx.write_text(kernel.asm["ptx"])
-        done = subprocess.run([str(BIN / "ptxas"), "-arch=sm_90a", "-v", str(ptx), "-o", str(Path(tmp) / "a.cubin")],
-                              capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert "serialized" not in done.stderr, done.stderr
-    stack = int(re.search(r"(\d+) bytes stack frame", done.stderr).group(1))
-    assert stack <= 64, done.stderr
-    loops = _tile_loops(_tool("nvdisasm", kernel.asm["cubin"], "-c"))
-    assert len(loops) == 2, [len(loop) for loop in loops]  # one tile loop per consumer group
-    for loop in loops:
+def test_ptxas_neither_serializes_nor_spills_in_the_unmasked_loops(variant):
+    """ptxas keeps the wgmmas asynchronous (no C7510-C7515 warning, e.g. "wgmma serialized")
+    and the unmasked tile loops (one per consumer group) free of local-memory traffic. A
+    causal variant's masked loops (one per group) store nothing there either; they reload
+    a few precomputed wgmma descriptors (at most 16 loads a step)."""
+    name, kernel, sass, stderr = variant
+    assert "serialized" not in stderr and not re.search(r"C751\d", stderr), stderr
+    stack = int(re.search(r"(\d+) bytes stack frame", stderr).group(1))
+    assert stack <= STACK_BUDGET[name], stderr
+    unmasked, masked = _split_loops(sass)
+    assert len(unmasked) == 2, [len(loop) for loop in unmasked]
+    assert len(masked) == (2 if _causal(name) else 0), [len(loop) for loop in masked]
+    for loop in unmasked:
         assert not {"LDL", "STL"} & set(loop), Counter(op for op in loop if op in ("LDL", "STL"))
+    for loop in masked:
+        assert "STL" not in loop and loop.count("LDL") <= 16, Counter(op for op in loop if op in ("LDL", "STL"))
+
+
+def test_masked_step_only_with_the_band(variant):
+    """The band's element mask is one setp + selp a Pᵀ element (inline PTX), 32 a thread
+    per consumer group, in the causal variants only; in SASS the masked loop's 32 FSEL
+    compare against immediates (the mask's index arithmetic folded, not 32 registers of
+    indices), and the masked loop costs at most a third more than the unmasked one."""
+    name, kernel, sass, _ = variant
+    selects = kernel.asm["ptx"].count("selp.f32")
+    unmasked, masked = _split_loops(sass)
+    if not _causal(name):
+        assert selects == 0 and not masked
+        return
+    assert selects == 2 * 32, selects
+    for loop, plain in zip(masked, unmasked):
+        assert loop.count("FSEL") == 32
+        assert len(loop) <= 4 * len(plain) / 3, (len(loop), len(plain))
+
+
+def test_unmasked_loops_keep_milestone_1s_length(variant):
+    """The band and GQA leave the unmasked step as it was: each unmasked loop within 4% of
+    milestone 1's (non-causal MHA) loop, SASS instructions counted (register allocation
+    moves a few address computations between the uniform and the vector datapath)."""
+    name, _, sass, _ = variant
+    reference = max(len(loop) for loop in _split_loops(_compiled("mha")[1])[0])
+    for loop in _split_loops(sass)[0]:
+        assert len(loop) <= 1.04 * reference, (len(loop), reference)
+        assert loop.count("HGMMA") == 32
+
+
+def test_causal_offset_is_clamped_to_the_same_pairs():
+    """The launcher clamps causal_offset to [-Sq, Sk] (int32-safe in the kernel) without
+    changing which pairs are visible."""
+    from ringflash.kernels.gluon.bwd import _kernel_offset
+    for sq, sk in ((128, 256), (256, 128)):
+        i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+        for o in (-10 ** 12, -sq - 1, -sq, -sq + 1, -5, 0, 7, sk - 1, sk, 10 ** 12):
+            clamped = _kernel_offset(o, sq, sk)
+            assert -sq <= clamped <= sk and torch.equal(j <= i + clamped, j <= i + o), (sq, sk, o)
+    assert _kernel_offset(None, 128, 128) == 0
 
 
 # ----------------------------------------------------------------------------- argument checks
 
 
-def _args(b=1, s=256, h=2, d=128, **changes):
+def _args(b=1, s=256, h=2, d=128, sk=None, hkv=None, **changes):
     q = torch.zeros(b, s, h, d, dtype=torch.bfloat16)
-    args = dict(dout=q.clone(), q=q, k=q.clone(), v=q.clone(), lse=torch.zeros(b, h, s),
-                delta=torch.zeros(b, h, s), dq_acc=torch.zeros(b, s, h, d), dk=q.clone(), dv=q.clone(),
+    k = torch.zeros(b, s if sk is None else sk, h if hkv is None else hkv, d, dtype=torch.bfloat16)
+    args = dict(dout=q.clone(), q=q, k=k, v=k.clone(), lse=torch.zeros(b, h, s),
+                delta=torch.zeros(b, h, s), dq_acc=torch.zeros(b, s, h, d), dk=k.clone(), dv=k.clone(),
                 softmax_scale=d ** -0.5)
     args.update(changes)
     return args
 
 
+def _bf16(*shape):
+    return torch.zeros(*shape, dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("changes,error,words", [
     (dict(v=torch.zeros(1, 256, 2, 128, dtype=torch.float16)), TypeError, "v must be bfloat16"),
-    (dict(dq_acc=torch.zeros(1, 256, 2, 128, dtype=torch.bfloat16)), TypeError, "dq_acc must be float32"),
+    (dict(dq_acc=_bf16(1, 256, 2, 128)), TypeError, "dq_acc must be float32"),
     (dict(lse=[0.0]), TypeError, "lse must be a torch.Tensor"),
     (dict(d=64), ValueError, "head_dim must be 128"),
-    (dict(s=192), ValueError, "seqlen must be a positive multiple of 128"),
-    (dict(k=torch.zeros(1, 256, 1, 128, dtype=torch.bfloat16)), ValueError, "k must have q's shape"),
-    (dict(delta=torch.zeros(1, 256, 2)), ValueError, "delta must be (B, H, S)"),
+    (dict(s=192), ValueError, "q's seqlen must be a positive multiple of 128"),
+    (dict(sk=192), ValueError, "k's seqlen must be a positive multiple of 128"),
+    (dict(h=4, hkv=3), ValueError, "k must be (B, Sk, Hkv, D)"),
+    (dict(k=_bf16(2, 256, 2, 128)), ValueError, "k must be (B, Sk, Hkv, D)"),
+    (dict(v=_bf16(1, 256, 1, 128)), ValueError, "v must have k's shape"),
+    (dict(h=4, hkv=2, dk=_bf16(1, 256, 4, 128)), ValueError, "dk must have k's shape"),
+    (dict(dout=_bf16(1, 128, 2, 128)), ValueError, "dout must have q's shape"),
+    (dict(delta=torch.zeros(1, 256, 2)), ValueError, "delta must be (B, H, Sq)"),
     (dict(softmax_scale=float("nan")), ValueError, "softmax_scale must be a positive finite"),
-    (dict(dk=torch.zeros(1, 256, 2, 256, dtype=torch.bfloat16)[..., ::2]), ValueError,
-     "dk must have a contiguous last dimension"),
-    (dict(q=torch.zeros(1, 256, 2, 132, dtype=torch.bfloat16)[..., :128]), ValueError, "q's address and strides"),
+    (dict(causal_offset=True), TypeError, "causal_offset must be an int or None"),
+    (dict(causal_offset=0.0), TypeError, "causal_offset must be an int or None"),
+    (dict(dk=_bf16(1, 256, 2, 256)[..., ::2]), ValueError, "dk must have a contiguous last dimension"),
+    (dict(q=_bf16(1, 256, 2, 132)[..., :128]), ValueError, "q's address and strides"),
     (dict(), ValueError, "runs on a Hopper (sm_90) GPU"),  # all fine but on the CPU
+    (dict(h=8, hkv=2, sk=512, causal_offset=-128), ValueError, "runs on a Hopper (sm_90) GPU"),  # GQA, band
 ])
 def test_arguments_outside_the_kernel_raise_naming_them(changes, error, words):
     pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
     from ringflash.kernels.gluon import attn_bwd_sm90
-    shape = {key: changes.pop(key) for key in ("b", "s", "h", "d") if key in changes}
+    shape = {key: changes.pop(key) for key in ("b", "s", "h", "d", "sk", "hkv") if key in changes}
     with pytest.raises(error, match=re.escape(words)):
         attn_bwd_sm90(**_args(**shape, **changes))

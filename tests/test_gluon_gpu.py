@@ -5,12 +5,17 @@ timeout: a warp-specialized kernel that waits on an mbarrier nobody completes (a
 missing expect or arrive, a wrong phase) hangs the GPU instead of failing, and the
 timeout turns that into a failed test rather than a stuck suite.
 
-Inputs: q, k, v, dout bf16 (B, S, H, 128), non-causal MHA. lse and delta are the
-oracle's (float64 out and lse rounded to fp32), so the kernel is checked alone. The
-yardsticks are tests/test_kernels_gpu.py's: relative Frobenius error against the float64
-oracle within TOL[bf16] (2e-2), and no more than twice the error of the library's own
-Triton backward on the same inputs (or NOISE_FLOOR). dq_acc starts from random values
-and must come back as those plus scale * dQ (the kernel adds); dk and dv start as NaN.
+Inputs: q, dout bf16 (B, Sq, H, 128), k, v (B, Sk, Hkv, 128): milestone 1's non-causal
+MHA, the causal band with offsets (key j seen by query i iff j <= i + o: 0 the diagonal,
++128 / -128 the ring's neighbouring blocks, -100 a diagonal through the middle of Q tiles,
+Sq != Sk, every K tile empty, every pair visible) and GQA / MQA. lse and delta are the
+oracle's (float64 out and lse rounded to fp32; lse -inf for a row that sees no key), so
+the kernel is checked alone. The yardsticks are tests/test_kernels_gpu.py's: relative
+Frobenius error against the float64 oracle within TOL[bf16] (2e-2), and no more than twice
+the error of the library's own Triton backward on the same inputs (or NOISE_FLOOR). dq_acc
+starts from random values and must come back as those plus scale * dQ (the kernel adds),
+untouched exactly on the rows that see no key; dk and dv start as NaN (a K tile no query
+sees must write zeros).
 """
 
 from __future__ import annotations
@@ -27,27 +32,45 @@ import torch
 pytestmark = pytest.mark.gpu
 
 TESTS = Path(__file__).resolve().parent
-TIMEOUT_S = 300  # compile (~10 s, cached afterwards), the float64 oracle at 4k, one launch
+TIMEOUT_S = 300  # compile (~10 s a variant, cached afterwards), the float64 oracle at 4k, one launch
 
-# (batch, seqlen, heads, layout, softmax scale or None for head_dim ** -0.5), smallest first
-CASES = [(1, 128, 4, "contiguous", None), (2, 128, 4, "contiguous", None), (1, 1024, 4, "contiguous", None),
-         (2, 1024, 4, "contiguous", None), (1, 4096, 4, "contiguous", None), (2, 4096, 4, "contiguous", None),
-         (2, 1024, 4, "strided", 0.07)]
+# (batch, Sq, Sk, heads, kv heads, causal offset or None, layout, softmax scale or None for
+# head_dim ** -0.5), smallest first within each group
+CASES = [
+    # milestone 1: non-causal MHA
+    (1, 128, 128, 4, 4, None, "contiguous", None), (2, 128, 128, 4, 4, None, "contiguous", None),
+    (1, 1024, 1024, 4, 4, None, "contiguous", None), (2, 1024, 1024, 4, 4, None, "contiguous", None),
+    (1, 4096, 4096, 4, 4, None, "contiguous", None), (2, 4096, 4096, 4, 4, None, "contiguous", None),
+    (2, 1024, 1024, 4, 4, None, "strided", 0.07),
+    # the causal band
+    (1, 128, 128, 4, 4, 0, "contiguous", None), (1, 1024, 1024, 4, 4, 0, "contiguous", None),
+    (1, 1024, 1024, 4, 4, 128, "contiguous", None), (1, 1024, 1024, 4, 4, -128, "contiguous", None),
+    (2, 1024, 1024, 4, 4, -100, "contiguous", None), (1, 256, 512, 4, 4, 256, "contiguous", None),
+    (1, 512, 256, 4, 4, -256, "contiguous", None), (1, 512, 512, 4, 4, -512, "contiguous", None),
+    (1, 512, 512, 4, 4, 4096, "contiguous", None), (2, 4096, 4096, 4, 4, 0, "contiguous", None),
+    (2, 1024, 1024, 4, 4, 0, "strided", 0.07),
+    # GQA and MQA
+    (2, 1024, 1024, 8, 2, None, "contiguous", None), (2, 1024, 1024, 8, 2, 0, "contiguous", None),
+    (1, 1024, 1024, 8, 2, -128, "contiguous", None), (1, 512, 512, 4, 1, 0, "contiguous", None),
+]
 
 
 def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-IDS = [f"b{b}-s{s}-h{h}-{layout}" + (f"-scale{sc}" if sc else "") for b, s, h, layout, sc in CASES]
+def _id(b, sq, sk, h, hkv, offset, layout, scale) -> str:
+    mask = "full" if offset is None else f"causal{offset:+d}"
+    return f"b{b}-q{sq}-k{sk}-h{h}kv{hkv}-{mask}-{layout}" + (f"-scale{scale}" if scale else "")
 
 
-@pytest.mark.parametrize("b,s,h,layout,scale", CASES, ids=IDS)
-def test_gluon_bwd_matches_oracle(b, s, h, layout, scale):
+@pytest.mark.parametrize("case", CASES, ids=[_id(*c) for c in CASES])
+def test_gluon_bwd_matches_oracle(case):
     if not _hopper():
         pytest.skip("needs an sm_90 (Hopper) GPU")
+    b, sq, offset = case[0], case[1], case[5]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, str(Path(__file__).resolve()), json.dumps([b, s, h, layout, scale])]
+    cmd = [sys.executable, str(Path(__file__).resolve()), json.dumps(list(case))]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=TESTS)
     except subprocess.TimeoutExpired as exc:
@@ -64,32 +87,38 @@ def test_gluon_bwd_matches_oracle(b, s, h, layout, scale):
         err, lib = res["gluon"][name], res["library"][name]
         assert err <= TOL[torch.bfloat16], f"{name}: {report}"
         assert err <= max(2 * lib, NOISE_FLOOR), f"{name}: more than twice the library's error: {report}"
-    assert res["dq_untouched_rows"] == 0 and res["nan"] == 0, res
+    # A query row that sees no key (i + offset < 0) gets no dQ add; every other row gets one.
+    unseen = 0 if offset is None else b * min(max(-offset, 0), sq)
+    assert res["dq_untouched_rows"] == unseen and res["nan"] == 0, res
 
 
 # ----------------------------------------------------------------------------- the child
 
 
-def _inputs(b, s, h, layout, gen):
-    """q, k, v, dout (bf16, CUDA) and empty dk, dv: contiguous, or strided as a layer
-    makes them (q, k, v views of one packed (B, S, 3, H, D) projection; dout heads-major;
-    dk, dv views of one packed (B, S, 2, H, D) buffer)."""
+def _inputs(b, sq, sk, h, hkv, layout, gen):
+    """q, dout (B, Sq, H, D), k, v (B, Sk, Hkv, D) (bf16, CUDA) and empty dk, dv:
+    contiguous, or (MHA, Sq = Sk) strided as a layer makes them (q, k, v views of one
+    packed (B, S, 3, H, D) projection; dout heads-major; dk, dv views of one packed
+    (B, S, 2, H, D) buffer)."""
     d = 128
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16)
 
     if layout == "contiguous":
-        q, k, v, dout = (randn(b, s, h, d) for _ in range(4))
+        q, dout = randn(b, sq, h, d), randn(b, sq, h, d)
+        k, v = randn(b, sk, hkv, d), randn(b, sk, hkv, d)
         dk, dv = torch.empty_like(k), torch.empty_like(v)
     else:
+        assert sq == sk and h == hkv, "the strided layout is one packed MHA projection"
+        s = sq
         q, k, v = randn(b, s, 3, h, d).unbind(2)
         dout = randn(b, h, s, d).transpose(1, 2)
         dk, dv = torch.empty(b, s, 2, h, d, dtype=torch.bfloat16, device="cuda").unbind(2)
     return q, k, v, dout, dk.fill_(float("nan")), dv.fill_(float("nan"))
 
 
-def _child(b, s, h, layout, scale) -> dict:
+def _child(b, sq, sk, h, hkv, offset, layout, scale) -> dict:
     sys.path.insert(0, str(TESTS))
     from oracle import attention_oracle, oracle_grads, rel_err
 
@@ -98,21 +127,22 @@ def _child(b, s, h, layout, scale) -> dict:
     from ringflash.kernels.gluon import attn_bwd_sm90
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, dout, dk, dv = _inputs(b, s, h, layout, gen)
+    q, k, v, dout, dk, dv = _inputs(b, sq, sk, h, hkv, layout, gen)
     scale = 128 ** -0.5 if scale is None else scale
-    out, lse = attention_oracle(q, k, v, softmax_scale=scale)
+    out, lse = attention_oracle(q, k, v, offset, softmax_scale=scale)
     delta = (out * dout.double()).sum(-1).transpose(1, 2).float().contiguous()  # (B, H, S)
     lse = lse.float().contiguous()
-    ref = oracle_grads(q, k, v, dout, softmax_scale=scale)
+    ref = oracle_grads(q, k, v, dout, offset, softmax_scale=scale)
 
     dq0 = torch.randn(q.shape, generator=gen, device="cuda")
     dq_acc = dq0.clone()
-    attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, scale)
+    attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, scale, causal_offset=offset)
     torch.cuda.synchronize()
     dq = dq_acc.double() - dq0.double()
 
     lib = [torch.full(t.shape, float("nan"), device="cuda") for t in (q, k, v)]
-    triton_kernels.bwd(dout, q, k, v, lse, delta, *lib, softmax_scale=scale, mask=PairMask(), accumulate=False)
+    triton_kernels.bwd(dout, q, k, v, lse, delta, *lib, softmax_scale=scale, mask=PairMask.causal(offset),
+                       accumulate=False)
     torch.cuda.synchronize()
     names = ("dq", "dk", "dv")
     return dict(gluon={n: rel_err(g, r) for n, g, r in zip(names, (dq, dk, dv), ref)},
