@@ -1,5 +1,6 @@
-"""Single-GPU kernel benchmark: ringflash ``flash_attn`` against torch SDPA (flash and cuDNN
-backends), forward and forward+backward, side by side in one run.
+"""Single-GPU kernel benchmark: ringflash ``flash_attn`` (its default backward, and with
+deterministic=True) against torch SDPA (flash and cuDNN backends), forward and
+forward+backward, side by side in one run.
 
     python benchmarks/bench_kernel.py               # bf16, batch 1, 32 heads, head_dim 64/128,
                                                     # seqlen 2k..64k, causal and not
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 
 from harness import checks, cli, plots, results, timing
 
-IMPLS = ("ringflash", "sdpa_flash", "sdpa_cudnn")
+IMPLS = ("ringflash", "ringflash_deterministic", "sdpa_flash", "sdpa_cudnn")
 SDPA_BACKENDS = {"sdpa_flash": "FLASH_ATTENTION", "sdpa_cudnn": "CUDNN_ATTENTION"}
 # Defaults of a GPU run, and of a CPU smoke run (small enough to finish in seconds; no cuDNN).
 GPU_DEFAULTS = dict(seqlens="2k,4k,8k,16k,32k,64k", head_dims="64,128", heads=32, dtype="bf16",
@@ -90,6 +91,12 @@ def make_impls(names) -> dict[str, tuple]:
 
         impls["ringflash"] = ("bshd", lambda q, k, v, causal: flash_attn(q, k, v, causal=causal),
                               contextlib.nullcontext)
+    if "ringflash_deterministic" in names:  # the Triton backward wherever the default takes the Gluon one
+        from ringflash.kernels import flash_attn
+
+        impls["ringflash_deterministic"] = (
+            "bshd", lambda q, k, v, causal: flash_attn(q, k, v, causal=causal, deterministic=True),
+            contextlib.nullcontext)
     for name in (n for n in SDPA_BACKENDS if n in names):
         impls[name] = ("bhsd", _sdpa_call, lambda name=name: _sdpa_backend(name))
     return impls
@@ -118,12 +125,12 @@ def sampled_reference(q, k, v, causal: bool, n_rows: int = 128) -> tuple[torch.T
     return rows, (torch.softmax(scores, dim=-1) @ vv).transpose(1, 2)
 
 
-def check_config(impls, inputs, dout, causal, args) -> float:
-    """ringflash's out (and dq, dk, dv) against sdpa_flash's on the same inputs; its relative
-    error of out, or WrongResult. Where SDPA's flash backend cannot run the configuration,
-    an fp32 reference on sampled query rows (forward only)."""
+def check_config(call, inputs, dout, causal, args) -> float:
+    """A ringflash impl's out (and dq, dk, dv) against sdpa_flash's on the same inputs; its
+    relative error of out, or WrongResult. Where SDPA's flash backend cannot run the
+    configuration, an fp32 reference on sampled query rows (forward only)."""
     grads = not args.no_grad_check
-    got = checks.out_and_grads(lambda q, k, v: impls["ringflash"][1](q, k, v, causal), inputs["bshd"],
+    got = checks.out_and_grads(lambda q, k, v: call(q, k, v, causal), inputs["bshd"],
                                dout["bshd"], grads)
     try:
         with _sdpa_backend("sdpa_flash"):
@@ -155,14 +162,14 @@ def measure(name, impls, inputs, dout, causal, device, args, tag) -> tuple[dict,
     """fwd_ms, fwdbwd_ms, error of one impl (timing.time_phases), after ringflash's check."""
     layout, call, context = impls[name]
     guard = None
-    if name == "ringflash":
+    if name.startswith("ringflash"):
         try:
-            guard = check_config(impls, inputs, dout, causal, args)
+            guard = check_config(call, inputs, dout, causal, args)
         except checks.WrongResult:
             raise
         except Exception as exc:  # noqa: BLE001 - ringflash cannot run it: null, go on
             note = f"guard: {checks.short_error(exc)}"
-            print(f"  {tag} ringflash failed in the correctness check: {note}", flush=True)
+            print(f"  {tag} {name} failed in the correctness check: {note}", flush=True)
             return {"fwd_ms": None, "fwdbwd_ms": None, "error": note}, None
         finally:
             timing.free_memory(device)
@@ -219,12 +226,12 @@ def run(args) -> int:
                            "fwdbwd_tflops": timing.tflops(flops["fwdbwd"], res["fwdbwd_ms"]),
                            "heads": args.heads, "batch": args.batch, "dtype": args.dtype,
                            "fwd_ms": res["fwd_ms"], "fwdbwd_ms": res["fwdbwd_ms"]}
-                    if name == "ringflash":
+                    if name.startswith("ringflash"):
                         rec["rel_err_vs_sdpa_flash"] = guard
                     if res["error"]:
                         rec["error"] = res["error"]
                     records.append(rec)
-                    print(f"  {tag:<24} {name:<11} fwd {_f(rec['fwd_tflops'], scale)}  "
+                    print(f"  {tag:<24} {name:<23} fwd {_f(rec['fwd_tflops'], scale)}  "
                           f"fwd+bwd {_f(rec['fwdbwd_tflops'], scale)} {unit}"
                           + (f"  ERROR {res['error']}" if res["error"] else ""), flush=True)
                 del inputs, dout

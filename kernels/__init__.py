@@ -5,11 +5,13 @@ Knows nothing of torch.distributed. By role:
     op.py          ``flash_attn``, the differentiable op (custom op -> autograd -> function)
     pair.py        ``flash_attn_fwd`` / ``flash_attn_bwd`` / ``attn_delta``: one (query block,
                    key block) pair, what the ring calls at every step
+    dispatch.py    which kernels run a call: the one place that chooses
     checks.py      argument checks shared by every entry point
     masks.py       what a pair masks (``PairMask``), block lists, segment ranges
     block_sparse.py, dropout.py   block-mask helpers; the Philox dropout contract
     reference.py   the PyTorch twin of the kernels (CPU)
     triton/        the Triton kernels and their launchers
+    gluon/         Hopper kernels in Gluon (the backward)
 """
 
 from .checks import (SUPPORTED_DTYPES, check_block_mask, check_causal, check_deterministic,

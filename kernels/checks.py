@@ -114,8 +114,7 @@ def check_segment_ids(segment_ids, batch: int, seqlen: int, device: torch.device
 
 
 def check_deterministic(deterministic) -> bool:
-    """A bool; every backward here is deterministic already (two kernels that write each
-    gradient once, without atomics), so both values give the same bits."""
+    """A bool: True asks for gradients with the same bits run to run (kernels/dispatch.py)."""
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {type(deterministic).__name__}")
     return deterministic

@@ -46,7 +46,8 @@ def eager_function(name: str, forward, setup_context, backward) -> type:
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
              band_lo: Optional[int], band_hi: Optional[int],
              segment_ids: Optional[torch.Tensor], dropout_p: float, seed: int,
-             block_mask: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+             block_mask: Optional[torch.Tensor], deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    # deterministic is the backward's (kept by _setup_context)
     return flash_attn_fwd(q, k, v, softmax_scale=softmax_scale,
                           mask=_op_mask(band_lo, band_hi, segment_ids, dropout_p, seed, block_mask))
 
@@ -55,12 +56,13 @@ def _backward_grads(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                     out: torch.Tensor, lse: torch.Tensor, dlse: Optional[torch.Tensor],
                     softmax_scale: float, band_lo: Optional[int], band_hi: Optional[int],
                     segment_ids: Optional[torch.Tensor], dropout_p: float, seed: int,
-                    block_mask: Optional[torch.Tensor]
+                    block_mask: Optional[torch.Tensor], deterministic: bool
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     delta = attn_delta(out, dout, dlse)
     dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (q, k, v))
     return flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale=softmax_scale,
-                          mask=_op_mask(band_lo, band_hi, segment_ids, dropout_p, seed, block_mask))
+                          mask=_op_mask(band_lo, band_hi, segment_ids, dropout_p, seed, block_mask),
+                          deterministic=deterministic)
 
 
 _forward_op = torch.library.custom_op("ringflash::flash_attn_forward", mutates_args=())(_forward)
@@ -68,22 +70,22 @@ _backward_op = torch.library.custom_op("ringflash::flash_attn_backward", mutates
 
 
 @_forward_op.register_fake
-def _(q, k, v, softmax_scale, band_lo, band_hi, segment_ids, dropout_p, seed, block_mask):
+def _(q, k, v, softmax_scale, band_lo, band_hi, segment_ids, dropout_p, seed, block_mask, deterministic):
     b, sq, h, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((b, h, sq), dtype=torch.float32)
 
 
 @_backward_op.register_fake
 def _(dout, q, k, v, out, lse, dlse, softmax_scale, band_lo, band_hi, segment_ids, dropout_p, seed,
-      block_mask):
+      block_mask, deterministic):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, softmax_scale, band_lo, band_hi, segment_ids, dropout_p, seed, block_mask = inputs
+    q, k, v, softmax_scale, band_lo, band_hi, segment_ids, dropout_p, seed, block_mask, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, segment_ids, block_mask)
-    ctx.args = (softmax_scale, band_lo, band_hi, dropout_p, seed)
+    ctx.args = (softmax_scale, band_lo, band_hi, dropout_p, seed, deterministic)
     ctx.set_materialize_grads(False)  # an unused lse's gradient stays None, not zeros
 
 
@@ -98,12 +100,12 @@ def no_double_backward() -> None:
 def _backward(ctx, dout, dlse):
     no_double_backward()
     q, k, v, out, lse, segment_ids, block_mask = ctx.saved_tensors
-    softmax_scale, band_lo, band_hi, dropout_p, seed = ctx.args
+    softmax_scale, band_lo, band_hi, dropout_p, seed, deterministic = ctx.args
     dout = torch.zeros_like(out) if dout is None else dout  # only lse was used
     grads = _backward_grads if eager(dout, q) else _backward_op
     dq, dk, dv = grads(dout, q, k, v, out, lse, dlse, softmax_scale, band_lo, band_hi,
-                       segment_ids, dropout_p, seed, block_mask)
-    return dq, dk, dv, None, None, None, None, None, None, None
+                       segment_ids, dropout_p, seed, block_mask, deterministic)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -142,7 +144,10 @@ def flash_attn(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] 
             [128c, 128c + 128). False blocks are never computed (no load, no FLOP);
             the elements of a True block follow causal, window_size and segment_ids.
             Helpers: ``ringflash.kernels.block_sparse``.
-        deterministic: accepted for compatibility: the backward is always deterministic.
+        deterministic: gradients with the same bits run to run. The default may use, on
+            Hopper, the Gluon backward (kernels/dispatch.py), whose dQ adds tiles in
+            arrival order (last-bit differences run to run; dK, dV are stable); True, or
+            ``torch.use_deterministic_algorithms(True)``, keeps the Triton backward.
 
     Returns:
         out (batch, seqlen_q, heads, head_dim) in q's dtype, and with return_lse the
@@ -162,5 +167,5 @@ def flash_attn(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] 
     segment_ids = check_segment_ids(segment_ids, q.shape[0], q.shape[1], q.device)
     dropout_p, seed = check_dropout(dropout_p, seed)
     forward = _FlashAttn.apply if eager(q, k, v) else _forward_op
-    out, lse = forward(q, k, v, scale, band_lo, band_hi, segment_ids, dropout_p, seed, block_mask)
+    out, lse = forward(q, k, v, scale, band_lo, band_hi, segment_ids, dropout_p, seed, block_mask, deterministic)
     return (out, lse) if return_lse else out

@@ -1,20 +1,14 @@
 """The per-block entry points the ring calls at every step: attention of one (query block,
 key block) pair (``flash_attn_fwd``), its gradients (``flash_attn_bwd``) and ``attn_delta``,
-on the Triton kernels for CUDA tensors and the PyTorch twin elsewhere (``backend``: the one
-place that chooses)."""
+on the kernels kernels/dispatch.py chooses: Triton on CUDA tensors (the Gluon backward on
+Hopper where it serves the call), the PyTorch twin elsewhere."""
 
 from typing import NamedTuple, Optional
 
 import torch
 
-from . import reference
-from . import triton as triton_kernels
+from . import dispatch
 from .masks import BLOCK, NO_MASK, PairMask
-
-
-def backend(t: torch.Tensor):
-    """Triton on CUDA tensors, the PyTorch twin elsewhere."""
-    return triton_kernels if t.is_cuda else reference
 
 
 def _unit_last(t: torch.Tensor) -> bool:
@@ -94,7 +88,7 @@ def flash_attn_fwd(q, k, v, *, softmax_scale: float, mask: Optional[PairMask] = 
         out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     if lse is None:
         lse = torch.empty((b, h, sq), device=q.device, dtype=torch.float32)
-    backend(q).fwd(_rowmajor(q), _rowmajor(k), _rowmajor(v), out, lse, softmax_scale=softmax_scale,
+    dispatch.backend(q).fwd(_rowmajor(q), _rowmajor(k), _rowmajor(v), out, lse, softmax_scale=softmax_scale,
                     mask=mask, accumulate=accumulate, out_partial=out_partial, tail=tail,
                     arrival=arrival)
     return out, lse
@@ -163,7 +157,7 @@ def attn_delta(out: torch.Tensor, dout: torch.Tensor,
     A gradient on lse folds in here: d lse_i / d s_ij = p_ij, which is the same as
     lowering delta_i by dlse_i.
     """
-    delta = backend(out).delta(_rowmajor(out), _rowmajor(dout))
+    delta = dispatch.backend(out).delta(_rowmajor(out), _rowmajor(dout))
     if dlse is not None:
         delta = delta - dlse.float()
     return delta
@@ -214,7 +208,8 @@ def _tails(pair: dict) -> Optional[tuple]:
 def flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float,
                    mask: Optional[PairMask] = None, causal_offset: Optional[int] = None,
                    accumulate: bool = False, dq_partial: Optional[torch.Tensor] = None,
-                   dk_partial: Optional[torch.Tensor] = None, dv_partial: Optional[torch.Tensor] = None):
+                   dk_partial: Optional[torch.Tensor] = None, dv_partial: Optional[torch.Tensor] = None,
+                   deterministic: bool = False):
     """Gradients of one block pair, written (or, with accumulate, added) into dq, dk, dv.
 
     dout, q, dq (B, Sq, H, D); k, v, dk, dv (B, Sk, Hkv, D); lse, delta (B, H, Sq) fp32:
@@ -226,6 +221,9 @@ def flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: floa
         when it is not the gradient itself (same shape and strides), as ``out_partial``.
     q and dout (a dK/dV pass only), or k and v (a dQ pass only), may each be a ``Joined``:
         a sequence in two tensors.
+    deterministic: the same bits run to run (kernels/dispatch.py: the Gluon backward's dQ
+        adds in arrival order; this, or ``torch.use_deterministic_algorithms(True)``,
+        keeps the Triton kernels).
     """
     if (dk is None) != (dv is None):
         raise ValueError("dk and dv are computed together: pass both or neither")
@@ -240,9 +238,15 @@ def flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: floa
         raise ValueError("Joined q and dout are for a dK/dV pass: pass dq=None")
     if k_tails is not None and dk is not None:
         raise ValueError("Joined k and v are for a dQ pass: pass dk=dv=None")
-    dout, q, k, v = (t.first if isinstance(t, Joined) else t for t in (dout, q, k, v))
-    backend(q).bwd(_rowmajor(dout), _rowmajor(q), _rowmajor(k), _rowmajor(v), lse, delta, dq, dk,
-                    dv, softmax_scale=softmax_scale, mask=mask, accumulate=accumulate,
-                    partials=(dq_partial, dk_partial, dv_partial), tails=(q_tails, k_tails))
+    dout, q, k, v = (_rowmajor(t.first if isinstance(t, Joined) else t) for t in (dout, q, k, v))
+    partials, tails = (dq_partial, dk_partial, dv_partial), (q_tails, k_tails)
+    route = dispatch.bwd_route(dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale=softmax_scale, mask=mask,
+                               accumulate=accumulate, partials=partials, tails=tails,
+                               deterministic=deterministic)
+    if route.name == dispatch.GLUON:
+        dispatch.gluon_bwd(dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale=softmax_scale, mask=mask)
+    else:
+        dispatch.backend(q).bwd(dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale=softmax_scale, mask=mask,
+                                accumulate=accumulate, partials=partials, tails=tails)
     return dq, dk, dv
 

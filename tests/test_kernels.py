@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from oracle import (BF16, DTYPE_ID, F16, F32, LSE_TOL, NOISE_FLOOR, TOL, Case, attention_oracle,
                     oracle_grads, rel_err, torch_attention, visible_mask)
 
-from ringflash.kernels import (PairMask, attn_delta, flash_attn, flash_attn_bwd, flash_attn_fwd, op, pair,
+from ringflash.kernels import (PairMask, attn_delta, dispatch, flash_attn, flash_attn_bwd, flash_attn_fwd, op,
                                reference)
 from ringflash.kernels import triton as triton_kernels
 from ringflash.kernels.triton import config, launch
@@ -72,7 +72,7 @@ def use_backend(name: str, monkeypatch) -> str:
     if name == "twin":
         return "cpu"
     if not HAS_CUDA:  # the dispatcher sends CPU tensors to the twin; send them to Triton
-        monkeypatch.setattr(pair, "backend", lambda t: triton_kernels)
+        monkeypatch.setattr(dispatch, "backend", lambda t: triton_kernels)
     return TRITON_DEVICE
 
 
@@ -512,7 +512,7 @@ def test_one_query_row(impl, monkeypatch):
     last dimension of one element, whose stride is anything (the twin's delta used to be
     refused as not contiguous)."""
     if impl == "triton" and not HAS_CUDA:
-        monkeypatch.setattr(pair, "backend", lambda t: triton_kernels)
+        monkeypatch.setattr(dispatch, "backend", lambda t: triton_kernels)
     device = TRITON_DEVICE if impl == "triton" else "cpu"
     case = Case(1, 1, 37, 4, 2, 16)
     q, k, v, dout = (t.requires_grad_() for t in make_inputs(case, F32, device))
@@ -651,6 +651,43 @@ def test_torch_compile_traces_the_op():
     out, lse = compiled(q, k, v)
     out.backward(dout)
     assert_matches_oracle(case, (q, k, v, dout), (out, lse, q.grad, k.grad, v.grad))
+
+
+def test_backward_route_rules(monkeypatch):
+    """kernels/dispatch.py's backward route, read on CPU stand-ins of a Hopper call: the
+    twin off CUDA; on sm_90 the Gluon kernel only where it serves the call, else the
+    Triton kernels with the reason (the stand-ins pass every rule but the device)."""
+    from ringflash.kernels.dispatch import Route, bwd_route
+
+    def call(sq=256, d=128, dtype=torch.bfloat16, dq=True, **kwargs):
+        q = torch.zeros(1, sq, 4, d, dtype=dtype)
+        k = torch.zeros(1, 256, 2, d, dtype=dtype)
+        lse = torch.zeros(1, 4, sq)
+        options = {**dict(softmax_scale=0.1, mask=PairMask.causal(0), accumulate=False), **kwargs}
+        return bwd_route(q, q, k, k, lse, lse, torch.zeros(q.shape) if dq else None, torch.zeros_like(k),
+                         torch.zeros_like(k), **options)
+
+    assert call() == Route("reference")
+    monkeypatch.setattr(dispatch, "capability", lambda t: (9, 0))
+    assert call().why == "attn_bwd_sm90: q is on cpu; this kernel runs on a Hopper (sm_90) GPU"
+    assert call(mask=PairMask()).why == call().why  # no mask
+    assert call(deterministic=True) == Route("triton", "deterministic")
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert call() == Route("triton", "deterministic")
+    finally:
+        torch.use_deterministic_algorithms(False)
+    seg = torch.zeros(1, 256, dtype=torch.int32)
+    for mask in (PairMask(band_lo=-64, band_hi=0), PairMask(q_segments=seg, k_segments=seg),
+                 PairMask(dropout_p=0.1), PairMask(blocks=object()), PairMask(band_hi=0, band_on_positions=True)):
+        assert call(mask=mask).why == "mask: only no mask or the causal band", mask
+    assert "together" in call(dq=False).why
+    assert "running sums" in call(accumulate=True).why
+    assert "head_dim must be 128" in call(d=64).why
+    assert "must be bfloat16" in call(dtype=torch.float16).why
+    assert "multiple of 128" in call(sq=200).why
+    monkeypatch.setattr(dispatch, "capability", lambda t: (8, 0))
+    assert call() == Route("triton", "sm_80, not sm_90")
 
 
 @pytest.mark.parametrize("backend", ["twin", "triton"])

@@ -13,7 +13,7 @@ import pytest
 import torch
 from oracle import F16, F32, TOL, attention_oracle, global_mask, oracle_grads, rel_err
 
-from ringflash.kernels import PairMask, attn_delta, flash_attn, flash_attn_bwd, flash_attn_fwd, masks, pair
+from ringflash.kernels import PairMask, attn_delta, dispatch, flash_attn, flash_attn_bwd, flash_attn_fwd, masks
 from ringflash.kernels import triton as triton_kernels
 from ringflash.kernels.triton import segments as triton_segments
 from ringflash.kernels.masks import pair_positions
@@ -55,7 +55,7 @@ def _impl(name, monkeypatch):
     """Device of implementation ``name``; routes CPU tensors to Triton's interpreter."""
     if name == "triton":
         if not HAS_CUDA:
-            monkeypatch.setattr(pair, "backend", lambda t: triton_kernels)
+            monkeypatch.setattr(dispatch, "backend", lambda t: triton_kernels)
         return "cuda" if HAS_CUDA else "cpu"
     return "cpu"
 

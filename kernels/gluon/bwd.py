@@ -1,9 +1,9 @@
 """A warp-specialized attention backward for Hopper (sm_90), written in Gluon.
 
-Status: compiled for sm_90 on CPU; not yet run on a GPU; not used by flash_attn or the
-ring yet. A FlashAttention-3-style backward: milestone 1 (non-causal MHA) and milestone
-3's causal band and GQA; correctness first (tests/test_gluon_gpu.py, on a GPU), its
-speed later.
+A FlashAttention-3-style backward: non-causal and the causal band, MHA, GQA and MQA.
+``flash_attn``'s default backward on sm_90 where it serves the call (kernels/dispatch.py);
+the ring does not call it yet. Tested against the float64 oracle on an H100
+(tests/test_gluon_gpu.py), compiled for sm_90 on CPU (tests/test_gluon_compile.py).
 
 Shapes served: q, dout (B, Sq, H, 128) and k, v (B, Sk, Hkv, 128), bf16, Hkv dividing H
 (query head h reads kv head h // (H / Hkv): MHA, GQA, MQA), Sq and Sk positive multiples
@@ -425,64 +425,74 @@ def _descriptors(q, k, v, dout, lse, delta, dq_acc):
             rows(dq_acc, m, DQ_COLS.value, gl.float32))
 
 
-def _check(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal_offset) -> None:
-    """Raise TypeError / ValueError, naming the argument, for anything this kernel does
-    not serve (the module's docstring)."""
+def unsupported(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal_offset) -> Optional[Exception]:
+    """Why this kernel cannot take these arguments: a TypeError / ValueError naming the
+    argument (the module's docstring says what it serves), or None. ``dq_acc`` None: not
+    checked (a caller about to allocate it; ``kernels/dispatch.py``)."""
     named = dict(dout=dout, q=q, k=k, v=v, lse=lse, delta=delta, dq_acc=dq_acc, dk=dk, dv=dv)
+    if dq_acc is None:
+        del named["dq_acc"]
     for name, t in named.items():
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"attn_bwd_sm90: {name} must be a torch.Tensor, got {type(t).__name__}")
+            return TypeError(f"attn_bwd_sm90: {name} must be a torch.Tensor, got {type(t).__name__}")
     for name in ("dout", "q", "k", "v", "dk", "dv"):
         if named[name].dtype != torch.bfloat16:
-            raise TypeError(f"attn_bwd_sm90: {name} must be bfloat16, got {named[name].dtype}")
+            return TypeError(f"attn_bwd_sm90: {name} must be bfloat16, got {named[name].dtype}")
     for name in ("lse", "delta", "dq_acc"):
-        if named[name].dtype != torch.float32:
-            raise TypeError(f"attn_bwd_sm90: {name} must be float32, got {named[name].dtype}")
+        if name in named and named[name].dtype != torch.float32:
+            return TypeError(f"attn_bwd_sm90: {name} must be float32, got {named[name].dtype}")
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
             or not math.isfinite(softmax_scale) or softmax_scale <= 0:
-        raise ValueError(f"attn_bwd_sm90: softmax_scale must be a positive finite number, got {softmax_scale!r}")
+        return ValueError(f"attn_bwd_sm90: softmax_scale must be a positive finite number, got {softmax_scale!r}")
     if causal_offset is not None and (isinstance(causal_offset, bool) or not isinstance(causal_offset, int)):
-        raise TypeError(f"attn_bwd_sm90: causal_offset must be an int or None (key j seen by query i iff "
-                        f"j <= i + causal_offset), got {type(causal_offset).__name__}")
+        return TypeError(f"attn_bwd_sm90: causal_offset must be an int or None (key j seen by query i iff "
+                         f"j <= i + causal_offset), got {type(causal_offset).__name__}")
     for name in ("q", "k"):
         if named[name].dim() != 4:
-            raise ValueError(f"attn_bwd_sm90: {name} must be (B, S, H, D), got shape {tuple(named[name].shape)}")
+            return ValueError(f"attn_bwd_sm90: {name} must be (B, S, H, D), got shape {tuple(named[name].shape)}")
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     if d != HEAD_DIM.value:
-        raise ValueError(f"attn_bwd_sm90: q's head_dim must be {HEAD_DIM.value}, got {d}")
+        return ValueError(f"attn_bwd_sm90: q's head_dim must be {HEAD_DIM.value}, got {d}")
     for name, s in (("q", sq), ("k", sk)):
         if s == 0 or s % BLOCK_N.value:
-            raise ValueError(f"attn_bwd_sm90: {name}'s seqlen must be a positive multiple of {BLOCK_N.value}, "
-                             f"got {s}")
+            return ValueError(f"attn_bwd_sm90: {name}'s seqlen must be a positive multiple of {BLOCK_N.value}, "
+                              f"got {s}")
     if k.shape[0] != b or k.shape[3] != d or hkv == 0 or h % hkv:
-        raise ValueError(f"attn_bwd_sm90: k must be (B, Sk, Hkv, D) with q's B = {b}, D = {d} and Hkv dividing "
-                         f"H = {h}, got {tuple(k.shape)}")
+        return ValueError(f"attn_bwd_sm90: k must be (B, Sk, Hkv, D) with q's B = {b}, D = {d} and Hkv dividing "
+                          f"H = {h}, got {tuple(k.shape)}")
     for name, like in (("dout", "q"), ("dq_acc", "q"), ("v", "k"), ("dk", "k"), ("dv", "k")):
-        if tuple(named[name].shape) != tuple(named[like].shape):
-            raise ValueError(f"attn_bwd_sm90: {name} must have {like}'s shape {tuple(named[like].shape)}, got "
-                             f"{tuple(named[name].shape)}")
+        if name in named and tuple(named[name].shape) != tuple(named[like].shape):
+            return ValueError(f"attn_bwd_sm90: {name} must have {like}'s shape {tuple(named[like].shape)}, got "
+                              f"{tuple(named[name].shape)}")
     for name in ("lse", "delta"):
         if tuple(named[name].shape) != (b, h, sq):
-            raise ValueError(f"attn_bwd_sm90: {name} must be (B, H, Sq) = {(b, h, sq)}, got "
-                             f"{tuple(named[name].shape)}")
+            return ValueError(f"attn_bwd_sm90: {name} must be (B, H, Sq) = {(b, h, sq)}, got "
+                              f"{tuple(named[name].shape)}")
     for name, t in named.items():
         if t.device != q.device:
-            raise ValueError(f"attn_bwd_sm90: {name} is on {t.device}, q on {q.device}")
+            return ValueError(f"attn_bwd_sm90: {name} is on {t.device}, q on {q.device}")
         if t.stride(-1) != 1:
-            raise ValueError(f"attn_bwd_sm90: {name} must have a contiguous last dimension, strides {t.stride()}")
-    for name in ("dout", "q", "k", "v", "dq_acc", "dk", "dv"):
+            return ValueError(f"attn_bwd_sm90: {name} must have a contiguous last dimension, strides {t.stride()}")
+    for name in (name for name in ("dout", "q", "k", "v", "dq_acc", "dk", "dv") if name in named):
         t = named[name]
         if t.data_ptr() % 16 or any(st * t.element_size() % 16 for st in t.stride()[:-1]):
-            raise ValueError(f"attn_bwd_sm90: {name}'s address and strides {t.stride()} must be multiples of "
-                             f"16 bytes (TMA)")
+            return ValueError(f"attn_bwd_sm90: {name}'s address and strides {t.stride()} must be multiples of "
+                              f"16 bytes (TMA)")
         if t.stride(1) * BLOCK_N.value >= 2 ** 31:
-            raise ValueError(f"attn_bwd_sm90: {name}'s row stride {t.stride(1)} is too large (offsets "
-                             f"inside a tile are 32-bit)")
+            return ValueError(f"attn_bwd_sm90: {name}'s row stride {t.stride(1)} is too large (offsets "
+                              f"inside a tile are 32-bit)")
     if b * h * sq >= 2 ** 31:
-        raise ValueError(f"attn_bwd_sm90: lse and delta hold {b * h * sq} elements, TMA takes < 2**31")
+        return ValueError(f"attn_bwd_sm90: lse and delta hold {b * h * sq} elements, TMA takes < 2**31")
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
-        raise ValueError(f"attn_bwd_sm90: q is on {q.device}; this kernel runs on a Hopper (sm_90) GPU")
+        return ValueError(f"attn_bwd_sm90: q is on {q.device}; this kernel runs on a Hopper (sm_90) GPU")
+    return None
+
+
+def _check(*args) -> None:
+    error = unsupported(*args)
+    if error is not None:
+        raise error
 
 
 def _kernel_offset(causal_offset, seqlen_q, seqlen_k) -> int:

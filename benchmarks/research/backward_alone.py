@@ -1,0 +1,80 @@
+"""The backward kernels alone on one Hopper GPU: the Gluon backward (kernels/gluon/bwd.py),
+the Triton pair (kernels/triton) and SDPA cuDNN's backward, on the same inputs, with lse
+and delta given (docs/notes/gluon-backward.md, "First timing"):
+
+    python benchmarks/research/backward_alone.py [--seqlens 8192 16384] [--kv-heads 32 8]
+
+bf16, batch 1, 32 heads, head_dim 128, causal and not. Prints one JSON line per
+configuration: milliseconds (triton.testing.do_bench medians), backward TFLOP/s (2.5x the
+forward's FLOPs, halved when causal) and the Gluon gradients' relative error against the
+Triton pair's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
+
+from ringflash.kernels import PairMask
+from ringflash.kernels import triton as triton_kernels
+from ringflash.kernels.gluon import attn_bwd_sm90
+
+HEADS, HEAD_DIM = 32, 128
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def one(seqlen: int, kv_heads: int, causal: bool) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(heads):
+        return torch.randn(1, seqlen, heads, HEAD_DIM, generator=gen, device="cuda").to(torch.bfloat16)
+
+    q, dout, k, v = randn(HEADS), randn(HEADS), randn(kv_heads), randn(kv_heads)
+    scale, offset = HEAD_DIM ** -0.5, 0 if causal else None
+    mask = PairMask.causal(offset)
+    out, lse = torch.empty_like(q), torch.empty(1, HEADS, seqlen, device="cuda")
+    triton_kernels.fwd(q, k, v, out, lse, softmax_scale=scale, mask=mask, accumulate=False)
+    delta = triton_kernels.delta(out, dout)
+    dq_acc, dk, dv = torch.zeros(q.shape, device="cuda"), torch.empty_like(k), torch.empty_like(v)
+    attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, scale, causal_offset=offset)
+    ref = [torch.empty(t.shape, device="cuda") for t in (q, k, v)]
+    triton_kernels.bwd(dout, q, k, v, lse, delta, *ref, softmax_scale=scale, mask=mask, accumulate=False)
+    errors = {name: rel(got, want) for name, got, want in zip(("dq", "dk", "dv"), (dq_acc, dk, dv), ref)}
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    ms = {"gluon": do_bench(lambda: attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, scale,
+                                                  causal_offset=offset)),
+          "triton": do_bench(lambda: triton_kernels.bwd(dout, q, k, v, lse, delta, *grads, softmax_scale=scale,
+                                                        mask=mask, accumulate=False))}
+    leaves = [t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v)]
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        o = F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=kv_heads != HEADS)
+        ms["cudnn"] = do_bench(lambda: torch.autograd.grad(o, leaves, dout.transpose(1, 2), retain_graph=True))
+    flops = 2.5 * 4 * HEADS * seqlen * seqlen * HEAD_DIM / (2 if causal else 1)
+    return dict(seqlen=seqlen, heads=HEADS, kv_heads=kv_heads, causal=causal, ms=ms,
+                bwd_tflops={name: round(flops / t / 1e9, 1) for name, t in ms.items()},
+                gluon_rel_err_vs_triton=errors)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seqlens", type=int, nargs="+", default=[8192, 16384])
+    p.add_argument("--kv-heads", type=int, nargs="+", default=[32, 8])
+    args = p.parse_args()
+    print(f"# {torch.cuda.get_device_name()}", flush=True)
+    for kv_heads in args.kv_heads:
+        for seqlen in args.seqlens:
+            for causal in (False, True):
+                print(json.dumps(one(seqlen, kv_heads, causal)), flush=True)
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""The one place that chooses which kernels run a block pair.
+
+Forward and delta: the Triton kernels on CUDA tensors, the PyTorch twin elsewhere
+(``backend``). The backward takes the first route that serves the call (``bwd_route``):
+
+- ``reference``: tensors off CUDA; the PyTorch twin (CPU, tests).
+- ``gluon_sm90`` (kernels/gluon/bwd.py): a Hopper GPU (sm_90), bf16, head_dim 128, Sq
+  and Sk multiples of 128, no mask or the causal band (``PairMask.causal``), MHA, GQA or
+  MQA; dq, dk and dv in one call, written, not added to running sums (``flash_attn``'s
+  backward; the ring's passes run apart and add: not fused yet); ``deterministic`` off.
+  Why: on one H100 (2026-11-27, 8k-64k tokens, 32 heads, causal and not) forward +
+  backward 0.90-1.03x SDPA cuDNN's, against 0.73-0.82x with the Triton backward
+  (benchmarks/results/kernel_h100.json; docs/performance.md, "The Hopper backward").
+- ``triton``: every other CUDA call: every mask, dtype, head_dim and GPU.
+
+``deterministic=True`` or ``torch.use_deterministic_algorithms(True)`` keeps the Triton
+route: the Gluon kernel adds each CTA's dQ tile into the running dQ in arrival order
+(fp32 adds in L2), so its dQ may differ in the last bits from run to run; the Triton
+backward writes every gradient once (a dQ kernel and a dK/dV kernel) and repeats its
+bits. dK and dV are bit-stable on both routes.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from . import reference
+from . import triton as triton_kernels
+from .masks import PairMask
+
+GLUON = "gluon_sm90"
+
+
+def backend(t: torch.Tensor):
+    """Triton on CUDA tensors, the PyTorch twin elsewhere."""
+    return triton_kernels if t.is_cuda else reference
+
+
+def capability(t: torch.Tensor) -> Optional[tuple[int, int]]:
+    """The compute capability of t's GPU, None off CUDA."""
+    return torch.cuda.get_device_capability(t.device) if t.is_cuda else None
+
+
+class Route(NamedTuple):
+    """``name``: "reference", "gluon_sm90" or "triton"; ``why``: on the Triton route of a
+    CUDA call, why the Gluon kernel does not take it (None otherwise)."""
+
+    name: str
+    why: Optional[str] = None
+
+
+def causal_band(mask: PairMask) -> tuple[bool, Optional[int]]:
+    """(whether ``mask`` is no mask or a causal band on local indices, its offset)."""
+    plain = (mask.band_lo is None and mask.q_segments is None and mask.dropout_p == 0 and mask.blocks is None
+             and not mask.band_on_positions)
+    return plain, mask.band_hi
+
+
+def bwd_route(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask: PairMask,
+              accumulate: bool, partials=(None, None, None), tails=(None, None),
+              deterministic: bool = False) -> Route:
+    """The route of one ``flash_attn_bwd`` call (arguments as there; tails: the Joined
+    second parts, or None)."""
+    arch = capability(q)
+    if arch is None:
+        return Route("reference")
+    plain, offset = causal_band(mask)
+    if deterministic or torch.are_deterministic_algorithms_enabled():
+        why = "deterministic"
+    elif not plain:
+        why = "mask: only no mask or the causal band"
+    elif dq is None or dk is None:
+        why = "dq or dk/dv skipped: the Gluon kernel computes them together"
+    elif accumulate or any(p is not None for p in partials) or any(t is not None for t in tails):
+        why = "adds into running sums or reads Joined parts"
+    elif arch != (9, 0):
+        why = f"sm_{arch[0]}{arch[1]}, not sm_90"
+    else:
+        from .gluon import bwd as gluon_bwd  # Hopper only: the module compiles nothing at import
+
+        error = gluon_bwd.unsupported(dout, q, k, v, lse, delta, None, dk, dv, softmax_scale, offset)
+        why = None if error is None else str(error)
+    return Route("triton", why) if why else Route(GLUON)
+
+
+def gluon_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask: PairMask) -> None:
+    """The ``gluon_sm90`` route: dq (any float dtype) written through an fp32 sum the
+    kernel adds into (dq itself when fp32), dk and dv (bf16) written."""
+    from .gluon import attn_bwd_sm90
+
+    acc = dq.zero_() if dq.dtype == torch.float32 and dq.is_contiguous() else torch.zeros(
+        q.shape, device=q.device, dtype=torch.float32)
+    attn_bwd_sm90(dout, q, k, v, lse, delta, acc, dk, dv, softmax_scale, causal_offset=mask.band_hi)
+    if acc is not dq:
+        dq.copy_(acc)
