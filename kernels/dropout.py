@@ -63,15 +63,12 @@ def keep_scale(p: float) -> float:
 
 
 def _mulhilo(a: int, b: torch.Tensor):
-    """(hi, lo) 32-bit words of the 64-bit product of the constant a and uint32 words b
-    (int64 tensors), without overflowing int64."""
-    a_hi, a_lo = a >> 16, a & 0xFFFF
-    b_hi, b_lo = b >> 16, b & 0xFFFF
-    lo_lo, hi_lo, lo_hi, hi_hi = a_lo * b_lo, a_hi * b_lo, a_lo * b_hi, a_hi * b_hi
-    mid = (lo_lo >> 16) + (hi_lo & 0xFFFF) + (lo_hi & 0xFFFF)
-    hi = hi_hi + (hi_lo >> 16) + (lo_hi >> 16) + (mid >> 16)
-    lo = ((mid & 0xFFFF) << 16) | (lo_lo & 0xFFFF)
-    return hi & _M32, lo
+    """(hi, lo) 32-bit words of the 64-bit product of the 32-bit constant a and uint32 words
+    b (int64 tensors), without overflowing int64: a * b = (a * b_hi) 2^16 + a * b_lo with
+    both partial products below 2^48."""
+    low = a * (b & 0xFFFF)
+    top = a * (b >> 16) + (low >> 16)  # the product >> 16
+    return top >> 16, ((top & 0xFFFF) << 16) | (low & 0xFFFF)
 
 
 def philox(seed: int, c0, c1, c2, c3, rounds: int = ROUNDS):
@@ -87,16 +84,45 @@ def philox(seed: int, c0, c1, c2, c3, rounds: int = ROUNDS):
     return c0, c1, c2, c3
 
 
+def _counters(qp: torch.Tensor, kp: torch.Tensor):
+    """Philox's counter words (c1, c0) of query and key positions, and which of its 16
+    output bytes, 4 * word + byte, decides each pair (qp, kp broadcastable)."""
+    return ((qp >> 4) << 3 | qp & 7, (kp >> 5) << 2 | (kp >> 1) & 3,
+            4 * ((kp >> 3) & 1 | (qp >> 2) & 2) + ((kp & 1) | (kp >> 3) & 2))
+
+
 def keep(seed: int, p: float, batch, head, q_pos, k_pos) -> torch.Tensor:
     """The keep decisions (bool) for broadcastable int64 tensors of batch, query head,
     global query position and global key position."""
-    kp, qp = (torch.as_tensor(x).to(torch.int64) for x in (k_pos, q_pos))
-    words = philox(seed, (kp >> 5) << 2 | (kp >> 1) & 3, (qp >> 4) << 3 | qp & 7, head, batch)
-    w = (kp >> 3) & 1 | (qp >> 2) & 2
+    kp, qp, b, h = (torch.as_tensor(x).to(torch.int64) for x in (k_pos, q_pos, batch, head))
+    if _rows_and_columns(qp, kp, b, h):
+        return _keep_deduplicated(seed, p, b, h, qp.flatten(), kp.flatten())
+    c1, c0, pick = _counters(qp, kp)
+    words = philox(seed, c0, c1, h, b)
+    w = pick >> 2
     word = torch.where(w < 2, torch.where(w == 0, words[0], words[1]),
                        torch.where(w == 2, words[2], words[3]))
-    byte = (word >> (8 * ((kp & 1) | (kp >> 3) & 2))) & 0xFF
-    return byte >= threshold(p)
+    return (word >> (8 * (pick & 3))) & 0xFF >= threshold(p)
+
+
+def _rows_and_columns(qp, kp, b, h) -> bool:
+    """q positions a column (..., Sq, 1), k positions a row (..., n), batch and head constant
+    along both: the shapes the twin and ``dropout_keep_mask`` ask for."""
+    return (qp.dim() >= 2 and qp.shape[-1] == 1 and qp.shape[-2] == qp.numel() and kp.shape[-1] == kp.numel()
+            and all(t.dim() < 2 or t.shape[-2:] == (1, 1) for t in (b, h)))
+
+
+def _keep_deduplicated(seed, p, b, h, qp, kp) -> torch.Tensor:
+    """``keep`` for q positions qp (Sq,) down the rows and k positions kp (n,) along the
+    columns: (*lead, Sq, n). One Philox call decides 16 pairs (those differing only in key
+    bits 0, 3, 4 and query bit 3), so each distinct counter is drawn once and its 16 bytes
+    are picked from: 1/16 of the arithmetic of drawing one per pair, the same bits."""
+    c1, c0, pick = _counters(qp[:, None], kp[None, :])
+    rows, row_of = torch.unique(c1, return_inverse=True)  # (R,), (Sq, 1)
+    cols, col_of = torch.unique(c0, return_inverse=True)  # (C,), (1, n)
+    words = philox(seed, cols, rows[:, None], h, b)  # 4 x (*lead, R, C)
+    kept = torch.stack([(w >> s) & 0xFF for w in words for s in (0, 8, 16, 24)], -1) >= threshold(p)
+    return kept[..., row_of, col_of, pick]
 
 
 def dropout_keep_mask(seed: int, p: float, batch: int, heads: int, seqlen_q: int,

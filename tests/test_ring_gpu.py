@@ -117,9 +117,11 @@ def run_ring(q, k, v, dout, dlse, *, causal, layout, softmax_scale=None):
 
 
 def run_single(q, k, v, dout, dlse, *, causal, softmax_scale=None):
-    """The single-GPU kernel on the full sequence."""
+    """The single-GPU kernel on the full sequence, with the ring's backward kernels (the
+    Triton pair: deterministic=True keeps them where Hopper's default is the Gluon one)."""
     qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
-    out, lse = flash_attn(qs, ks, vs, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+    out, lse = flash_attn(qs, ks, vs, causal=causal, softmax_scale=softmax_scale, return_lse=True,
+                          deterministic=True)
     _backward(out, lse, dout, dlse)
     return {"out": out.detach(), "lse": lse.detach(), "dq": qs.grad, "dk": ks.grad, "dv": vs.grad}
 
