@@ -22,6 +22,7 @@ bits. dK and dV are bit-stable on both routes.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -39,8 +40,14 @@ def backend(t: torch.Tensor):
 
 
 def capability(t: torch.Tensor) -> Optional[tuple[int, int]]:
-    """The compute capability of t's GPU, None off CUDA."""
-    return torch.cuda.get_device_capability(t.device) if t.is_cuda else None
+    """The compute capability of t's GPU, None off CUDA (read once a GPU: the ring asks at
+    every block pair)."""
+    return _capability(t.device.index) if t.is_cuda else None
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 class Route(NamedTuple):
@@ -78,9 +85,9 @@ def bwd_route(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, ma
     elif arch != (9, 0):
         why = f"sm_{arch[0]}{arch[1]}, not sm_90"
     else:
-        from .gluon import bwd as gluon_bwd  # Hopper only: the module compiles nothing at import
+        from .gluon import bwd as kernel  # imported on Hopper only; it compiles nothing at import
 
-        error = gluon_bwd.unsupported(dout, q, k, v, lse, delta, None, dk, dv, softmax_scale, offset)
+        error = kernel.unsupported(dout, q, k, v, lse, delta, None, dk, dv, softmax_scale, offset)
         why = None if error is None else str(error)
     return Route("triton", why) if why else Route(GLUON)
 
