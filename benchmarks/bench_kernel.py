@@ -85,15 +85,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def make_impls(names) -> dict[str, tuple]:
     """name -> (input layout, call(q, k, v, causal), context it runs in)."""
+    from ringflash.kernels import flash_attn
+
     impls = {}
     if "ringflash" in names:
-        from ringflash.kernels import flash_attn
-
         impls["ringflash"] = ("bshd", lambda q, k, v, causal: flash_attn(q, k, v, causal=causal),
                               contextlib.nullcontext)
     if "ringflash_deterministic" in names:  # the Triton backward wherever the default takes the Gluon one
-        from ringflash.kernels import flash_attn
-
         impls["ringflash_deterministic"] = (
             "bshd", lambda q, k, v, causal: flash_attn(q, k, v, causal=causal, deterministic=True),
             contextlib.nullcontext)
