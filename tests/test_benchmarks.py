@@ -225,6 +225,16 @@ def accumulate():  # the ring's accumulating forward beside the plain one, dropo
               len(loop))
 
 
+def ones():  # integer arguments equal to 1 reach a kernel as Python ints (Triton specializes
+    # them): a sequence in two parts whose first part is one row, a dropout threshold of 1
+    q, k, v, dout, out, lse, delta = S._inputs(64, seqlen=256, heads=4, kv_heads=4)
+    with S.compiling() as made:
+        S._joined_launches(q, k, v, dout, out, lse, delta, S._mask(256, 4, sparse=True), False, split=1)
+        S.kernels.fwd(q, k, v, out, lse, softmax_scale=0.125, accumulate=False,
+                      mask=S._mask(256, 4)._replace(dropout_p=1 / 256))
+    print(" ".join(name for name, _ in made))
+
+
 def shared():  # the heaviest variant of each kernel
     for which in ("fwd", "dq", "dkdv"):
         kernel, _ = S.compile_kernel(which, 128, dropout=True, sparse=True, band=True, segments=True)
@@ -241,7 +251,7 @@ for part in sys.argv[1:]:
 '''
 # Two processes side by side, about the same compile work each; the second's accumulate
 # runs last, when the first has compiled (and Triton cached) the plain dropout forward.
-SASS_PROCESSES = (("cli",), ("shared", "accumulate"))
+SASS_PROCESSES = (("cli",), ("shared", "accumulate", "ones"))
 
 
 @pytest.fixture(scope="module")
@@ -386,3 +396,12 @@ def test_tune_kernel_sets_the_tiles_of_one_kernel():
     with tune_kernel.tiles("fwd", cfg):
         assert T.fwd_config(128, torch.bfloat16) == cfg
     assert T.fwd_config(128, torch.bfloat16) == fwd
+
+
+def test_kernels_compile_with_arguments_equal_to_one(sass):
+    """Triton turns an integer argument equal to 1 into a constant (a Python int inside the
+    kernel), which has no ``.to``: the backward of a sequence in two parts whose first part
+    is one row (the document layout at 4 GPUs made one) and dropout of rate 1/256 (drop
+    threshold 1) failed to compile on the GPU while the interpreter, which specializes
+    nothing, ran them."""
+    assert _part(sass, "ones").split() == ["_fwd_kernel", "_dq_kernel", "_dkdv_kernel", "_fwd_kernel"]

@@ -176,13 +176,13 @@ def _configs(world: int, n: int):
     ]
 
 
-def check_document_ring(rank, world, n=32, seed=0, device="cpu", heads_world=1):
-    """Every configuration of _configs, ``n`` tokens a rank, the ring on ``device`` (the
-    oracle on the CPU), on a heads x ring grid of U = ``heads_world``; returns this rank's
-    failures."""
+def check_document_ring(rank, world, n=32, seed=0, device="cpu", heads_world=1, which=slice(None)):
+    """The configurations ``_configs(world, n)[which]`` (all by default), ``n`` tokens a
+    rank, the ring on ``device`` (the oracle on the CPU), on a heads x ring grid of U =
+    ``heads_world``; returns this rank's failures."""
     failures = []
     group = None if heads_world == 1 else _grid(rank, world, heads_world)
-    configs = _configs(world, n)
+    configs = _configs(world, n)[which]
     if heads_world > 1:  # query heads a multiple of U; K/V heads may be fewer (sent to each)
         configs = [c for c in configs if c[4] % heads_world == 0]
     for i, (name, lengths, causal, window, h, hkv, dtype, p) in enumerate(configs):

@@ -1,9 +1,13 @@
 """The ring on CUDA over NCCL, against the float64 oracle and the single-GPU kernel.
 
-Run on 2 and 4 GPUs, every process running pytest:
+Run on 4 and on 2 GPUs, several torchrun worlds at once (tests/run_gpu.py: the tests are
+compile-bound from a cold Triton cache, and the worlds compile different kernels at once):
 
-    NCCL_NVLS_ENABLE=0 timeout 900 torchrun --nproc-per-node=4 \\
-        -m pytest tests/test_ring_gpu.py -x -q -p no:cacheprovider
+    python tests/run_gpu.py --nproc 4 tests/test_ring_gpu.py
+    python tests/run_gpu.py --nproc 2 tests/test_ring_gpu.py
+
+or as one world, every process running pytest (``torchrun --nproc-per-node=4 -m pytest
+tests/test_ring_gpu.py -q``: over 9 minutes from a cold cache on 4 H200s).
 
 Skipped without CUDA or outside torchrun. The module initializes NCCL itself. Every
 rank runs the same tests in the same order, all collectives of a test come before its
@@ -131,6 +135,28 @@ def _not_finite(results: dict, who: str) -> list[str]:
             if not torch.isfinite(t).all()]
 
 
+# Tests that compile the most kernel variants come first: tests/run_gpu.py hands the tests
+# out in file order, and a long test taken last would end the run late.
+
+# ----------------------------------------------------------------------------- heads x ring
+
+
+@pytest.mark.parametrize("heads_world", [2, 4])
+def test_heads_grid_matches_oracle(nccl, heads_world):
+    """The heads x ring grid over NCCL (tests/test_heads.py's cases on CUDA, fp32) at
+    U = heads_world where W allows it ((2, 1) on 2 GPUs; (2, 2) and (4, 1) on 4), the groups
+    given as a pair at U = W and as a 2-D DeviceMesh otherwise."""
+    from test_heads import check_grid
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if heads_world > world or world % heads_world:  # the same on every rank
+        pytest.skip(f"U = {heads_world} needs a multiple of {heads_world} GPUs")
+    how = "pair" if heads_world == world else "mesh"
+    # a ring of one (U = W) has one order whatever the layout: one run (with both, the test
+    # took 146 s on 4 H200s)
+    layouts = ("zigzag", "block_stripe") if heads_world < world else ("zigzag",)
+    _agree(check_grid(rank, world, heads_world, layouts, how=how, device=nccl, tol=TOL[F32]))
+
+
 # ----------------------------------------------------------------------------- small: vs fp64
 
 
@@ -145,12 +171,14 @@ def _oracle_cases(dtype):
     return [(layout, i % 2 == 0, 2 if i % 2 else 4) for i, layout in enumerate(LAYOUTS)]
 
 
-@pytest.mark.parametrize("dtype", [BF16, F16, F32], ids=DTYPE_ID.get)
-def test_ring_matches_fp64_oracle(nccl, dtype):
-    """seqlen_local 512, 4 heads, lse in the loss: the cases of ``_oracle_cases``."""
+@pytest.mark.parametrize("half", [0, 1])
+@pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=DTYPE_ID.get)
+def test_ring_matches_fp64_oracle(nccl, dtype, half):
+    """seqlen_local 512, 4 heads, lse in the loss: the cases of ``_oracle_cases``, every
+    other one (two tests a dtype, which tests/run_gpu.py's worlds run at once)."""
     world = dist.get_world_size()
     failures = []
-    for i, (layout, causal, kv_heads) in enumerate(_oracle_cases(dtype)):
+    for i, (layout, causal, kv_heads) in list(enumerate(_oracle_cases(dtype)))[half::2]:
         q, k, v, dout, dlse = _inputs(1, 512 * world, 4, kv_heads, 128, dtype, nccl, seed=i)
         ring = run_ring(q, k, v, dout, dlse, causal=causal, layout=layout)
         single = run_single(q, k, v, dout, dlse, causal=causal)
@@ -167,6 +195,43 @@ def test_ring_matches_fp64_oracle(nccl, dtype):
                 failures.append(f"{case}: {name} rel err {e_ring:.3g} > {bound:.3g} "
                                 f"(single GPU {e_single:.3g})")
     _agree(failures)
+
+
+# ----------------------------------------------------------------------------- masks
+
+
+# One configuration of tests/test_ring_masks.py per mechanism (the CPU suite runs all 13 at
+# W = 1-4): each further one compiles kernel variants of its own, which a cold run pays for.
+GPU_MASKS = ("docs", "padded", "window-across", "window+docs", "docs-bf16", "dropout+docs")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_masked_ring_matches_oracle(nccl, layout):
+    """Segment ids (random documents, padding), sliding windows across ranks
+    and dropout through the NCCL / copy-engine ring, 384 tokens per rank (several GPU
+    tiles): the checks of tests/test_ring_masks.py on CUDA (``GPU_MASKS``)."""
+    from test_ring_masks import check_masked_ring
+    _agree(check_masked_ring(dist.get_rank(), dist.get_world_size(), layout, n=384, device=nccl,
+                             names=GPU_MASKS))
+
+
+@pytest.mark.parametrize("half", [0, 1])
+def test_document_layout_matches_oracle(nccl, half):
+    """tests/test_documents.py's configurations through NCCL, 384 tokens a rank, every other
+    one (the whole list took 136 s from a cold cache on 4 H200s)."""
+    from test_documents import check_document_ring
+    _agree(check_document_ring(dist.get_rank(), dist.get_world_size(), n=384, device=nccl,
+                               which=slice(half, None, 2)))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "block_stripe"])
+def test_block_sparse_ring_matches_oracle(nccl, layout):
+    """Block masks (random, per-head, local + window, strided + documents, causal with
+    dropout; block_stripe without the window) through the NCCL / copy-engine ring, chunks
+    of 256 tokens: the checks of tests/test_block_sparse.py on CUDA."""
+    from test_block_sparse import check_block_sparse_ring
+    _agree(check_block_sparse_ring(dist.get_rank(), dist.get_world_size(), layout, device=nccl,
+                                   chunk=256))
 
 
 # ----------------------------------------------------------------------------- large: vs single GPU
@@ -252,25 +317,6 @@ def test_ring_bf16_no_worse_than_single_gpu(nccl, layout, causal, kv_heads):
     _agree(failures)
 
 
-# ----------------------------------------------------------------------------- heads x ring
-
-
-def test_heads_grid_matches_oracle(nccl):
-    """The heads x ring grid over NCCL (tests/test_heads.py's cases on CUDA, fp32): every
-    (U, R) with U > 1 that W allows ((2, 1) on 2 GPUs; (2, 2) and (4, 1) on 4), the groups
-    given as a pair at U = W and as a 2-D DeviceMesh otherwise."""
-    from test_heads import check_grid
-    world, rank = dist.get_world_size(), dist.get_rank()
-    failures = []
-    for heads_world in (u for u in (2, 4) if u <= world and world % u == 0):
-        how = "pair" if heads_world == world else "mesh"
-        # a ring of one (U = W) has one order whatever the layout: one run (with both, the test
-        # took 146 s on 4 H200s)
-        layouts = ("zigzag", "block_stripe") if heads_world < world else ("zigzag",)
-        failures += check_grid(rank, world, heads_world, layouts, how=how, device=nccl, tol=TOL[F32])
-    _agree(failures)
-
-
 # ----------------------------------------------------------------------------- past 2**31
 
 
@@ -350,37 +396,3 @@ def test_ranks_disagreeing_on_transport_raise(nccl, monkeypatch):
     if not torch.allclose(out.float(), want.float(), atol=2e-2, rtol=2e-2):
         failures.append("the call after the error is wrong")
     _agree(failures)
-
-
-# ----------------------------------------------------------------------------- masks
-
-
-# One configuration of tests/test_ring_masks.py per mechanism (the CPU suite runs all 13 at
-# W = 1-4): each further one compiles kernel variants of its own, which a cold run pays for.
-GPU_MASKS = ("docs", "padded", "window-across", "window+docs", "docs-bf16", "dropout+docs")
-
-
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_masked_ring_matches_oracle(nccl, layout):
-    """Segment ids (random documents, padding), sliding windows across ranks
-    and dropout through the NCCL / copy-engine ring, 384 tokens per rank (several GPU
-    tiles): the checks of tests/test_ring_masks.py on CUDA (``GPU_MASKS``)."""
-    from test_ring_masks import check_masked_ring
-    _agree(check_masked_ring(dist.get_rank(), dist.get_world_size(), layout, n=384, device=nccl,
-                             names=GPU_MASKS))
-
-
-def test_document_layout_matches_oracle(nccl):
-    """tests/test_documents.py's configurations through NCCL, 384 tokens a rank."""
-    from test_documents import check_document_ring
-    _agree(check_document_ring(dist.get_rank(), dist.get_world_size(), n=384, device=nccl))
-
-
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "block_stripe"])
-def test_block_sparse_ring_matches_oracle(nccl, layout):
-    """Block masks (random, per-head, local + window, strided + documents, causal with
-    dropout; block_stripe without the window) through the NCCL / copy-engine ring, chunks
-    of 256 tokens: the checks of tests/test_block_sparse.py on CUDA."""
-    from test_block_sparse import check_block_sparse_ring
-    _agree(check_block_sparse_ring(dist.get_rank(), dist.get_world_size(), layout, device=nccl,
-                                   chunk=256))

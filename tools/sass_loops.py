@@ -248,10 +248,11 @@ def _matrix():
     yield "joined-arriving", dict(head_dim=128), dict(sparse=True), dict(joined=True, arriving=True)
 
 
-def _joined_launches(q, k, v, dout, out, lse, delta, mask, arriving: bool) -> None:
-    """A sequence held in two tensors (pair.Joined): the forward over joined keys (waiting
-    for the second part with ``arriving``), dQ over joined keys, dK/dV over joined queries."""
-    half = q.shape[1] // 2
+def _joined_launches(q, k, v, dout, out, lse, delta, mask, arriving: bool, split: int | None = None) -> None:
+    """A sequence held in two tensors (pair.Joined), its first part ``split`` rows long (half
+    by default): the forward over joined keys (waiting for the second part with
+    ``arriving``), dQ over joined keys, dK/dV over joined queries."""
+    half = q.shape[1] // 2 if split is None else split
     halves = [(t[:, :half].contiguous(), t[:, half:].contiguous()) for t in (q, k, v, dout)]
     (q1, q2), (k1, k2), (v1, v2), (d1, d2) = halves
     flags = torch.zeros(k.shape[2], dtype=torch.int32) if arriving else None

@@ -40,8 +40,11 @@ def _part(x, y, tail, part):
     tail.y (``pair.Joined``, same strides)."""
     x_part, y_part = x, y
     if part == 1:
-        x_part = _with_ptr(x, tail.x - tail.split.to(tl.int64) * x.stride_s)
-        y_part = _with_ptr(y, tail.y - tail.split.to(tl.int64) * y.stride_s)
+        # tl.cast, not .to: a split of 1 reaches the kernel as a Python int (Triton specializes
+        # integer arguments equal to 1)
+        split = tl.cast(tail.split, tl.int64)
+        x_part = _with_ptr(x, tail.x - split * x.stride_s)
+        y_part = _with_ptr(y, tail.y - split * y.stride_s)
     return x_part, y_part
 
 

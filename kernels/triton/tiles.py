@@ -360,7 +360,7 @@ def _keep(drop, off_b, off_h, qpos, kpos_start, kpos, BLOCK_M: tl.constexpr, BLO
     seed = drop.seed
     head = (off_h + drop.head0).to(tl.uint32)
     batch = off_b.to(tl.uint32)
-    t24 = drop.threshold.to(tl.uint32) << 24
+    t24 = tl.cast(drop.threshold, tl.uint32) << 24  # not .to: a threshold of 1 arrives as an int
     if GROUPED and BLOCK_M >= 16 and BLOCK_N >= 32:
         q = tl.split(tl.permute(qpos.to(tl.uint32).reshape(BLOCK_M // 16, 2, 8), (0, 2, 1)))[0]
         qc = ((q >> 4) << 3) | (q & 7)  # (query bits 4.., query bits 0-2)
