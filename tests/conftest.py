@@ -3,7 +3,8 @@ and the tests of a module that run in spawned gloo worlds grouped by world size.
 
 Triton chooses between compiling and interpreting when a kernel is decorated, i.e. when
 ringflash.kernels is first imported (triton's knobs read the environment lazily), so
-TRITON_INTERPRET must be set before anything imports ringflash.
+TRITON_INTERPRET must be set before anything imports ringflash. The interpreter runs without
+its repeated patching (tests/fast_interpreter.py).
 """
 
 import os
@@ -19,6 +20,8 @@ if not HAS_CUDA:
         raise RuntimeError("ringflash.kernels was imported before tests/conftest.py could set "
                            "TRITON_INTERPRET=1: its Triton kernels are already compiled-mode")
     os.environ["TRITON_INTERPRET"] = "1"
+    import fast_interpreter  # noqa: E402 - after TRITON_INTERPRET is set
+    fast_interpreter.install()
 
 
 def pytest_configure(config):

@@ -65,6 +65,9 @@ def _worker_main(rank: int, world_size: int, port: int, tasks, results, collecti
         import torch.distributed as dist
 
         torch.set_num_threads(1)
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            import fast_interpreter
+            fast_interpreter.install()
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size,
                                 timeout=timedelta(seconds=collective_timeout_s))
