@@ -3,7 +3,7 @@ and SDPA document by document on one GPU, and through the ring against the dense
 ring of the same length and the 1-GPU kernel. Packed documents run through the ring on
 the layout computed from their documents (``ringflash.document_layout``, layout
 "documents") beside the fixed layouts; ring rows carry the steps the ring ran and the
-bytes the busiest rank sent (counted from the schedule: ``bytes_sent``) and their
+bytes the busiest rank sent (the cost model's count of the schedule: ``bytes_sent``) and their
 ``efficiency`` (1-GPU time / (world x ring time)). Beside them: torch's context parallel with
 FlexAttention on the masks of --torch-cp (torch_cp.run_flex_cp; for documents its
 per-document head-tail balancer, which needs lengths in multiples of 2 x world: its row runs
@@ -35,7 +35,6 @@ import torch_cp
 from ringflash import cost
 from ringflash.kernels import band_of_window
 from ringflash.layouts import active_steps
-from ringflash.ring.plan import travelling_rows
 from harness import checks, cli, plots, results, timing
 from harness.timing import timed
 
@@ -127,16 +126,21 @@ def single_gpu(args, device) -> list[dict]:
     return records
 
 
-def bytes_sent(layout, world: int, local_len: int, band, args) -> int:
-    """Bytes the busiest rank sends in one forward+backward, counted from the schedule
-    (``ring.plan.travelling_rows``): at each hop the travelling rows of the shard it passes
-    on, as K/V (bf16) in the forward and again in the backward, and as the running dK/dV sum
-    (fp32) in the backward; segment ids aside."""
-    steps = active_steps(layout, world, local_len, band)
-    sent = travelling_rows(layout, world, local_len, band, True, steps) if steps > 1 else None
-    rows = [sum(local_len if sent is None else sent[(r - s) % world][1] - sent[(r - s) % world][0]
-                for s in range(steps - 1)) for r in range(world)]
-    return max(rows) * 2 * args.heads * args.head_dim * (2 + 2 + 4)
+def cost_mask(mask: str, seqlen: int, args) -> cost.Mask:
+    """The cost model's mask of ``mask`` (causal; "window": args.window back; "documents":
+    this length's ``documents``)."""
+    if mask == "documents":
+        return cost.Mask.documents(documents(seqlen))
+    return cost.Mask(True, (args.window, 0) if mask == "window" else (-1, -1))
+
+
+def bytes_sent(layout, world: int, seqlen: int, mask: cost.Mask, args) -> int:
+    """Bytes the busiest rank sends in one forward+backward: the cost model's count
+    (``cost.link_bytes``, from the schedule's travelling rows: K/V in bf16 in the forward and
+    again in the backward, the running dK/dV sum in fp32), segment ids aside."""
+    per_step = cost.link_bytes(cost.ring_counts(world, seqlen, layout, mask),
+                               cost.Problem(args.heads, args.heads, args.head_dim))
+    return int(per_step.sum(-1).max()) if per_step.dim() == 2 else int(per_step.sum())
 
 
 def ring(args, device, group, world, rank) -> list[dict]:
@@ -162,7 +166,7 @@ def ring(args, device, group, world, rank) -> list[dict]:
                     extra = dict(layout_host_ms=1e3 * (time.perf_counter() - start), split_documents=layout.splits)
                 band = band_of_window(True, kw.get("window_size", (-1, -1)))
                 steps = active_steps(layout, world, seqlen // world, band)
-                extra["bytes_sent_per_rank"] = bytes_sent(layout, world, seqlen // world, band, args)
+                extra["bytes_sent_per_rank"] = bytes_sent(layout, world, seqlen, cost_mask(mask, seqlen, args), args)
                 local = [ringflash.shard(t, 1, layout).requires_grad_() for t in full]
                 rkw = dict(kw, layout=layout)
                 if "segment_ids" in kw:
@@ -230,8 +234,7 @@ def predicted(records: list[dict], world: int, args) -> list[dict]:
     ``records``: its world, seqlen, mask and layout ("documents": document_layout of its documents)."""
     out = []
     for r in [r for r in records if r["impl"] == "ringflash" and r.get("gpus")]:
-        m = (cost.Mask.documents(documents(r["seqlen"])) if r["mask"] == "documents"
-             else cost.Mask(True, (args.window, 0) if r["mask"] == "window" else (-1, -1)))
+        m = cost_mask(r["mask"], r["seqlen"], args)
         layout = r["layout"]
         if layout == "documents":
             layout = ringflash.document_layout(torch.tensor(m.cu_seqlens), r["seqlen"], world=world)
