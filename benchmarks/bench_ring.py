@@ -18,7 +18,7 @@ Throughput is per GPU (per process on the CPU): FLOPs of the global problem / wo
 time, time being the max over ranks of each rank's median. Efficiency = ringflash per-GPU
 TFLOP/s / ringflash_1gpu TFLOP/s, i.e. 1-GPU time / (U x R x time); ringflash_1gpu is
 ``flash_attn``'s default, whose backward on Hopper is the Gluon kernel where it serves the
-call (kernels/dispatch.py) while the ring's is the Triton pair. At the smallest seqlen
+call (kernels/dispatch.py), as the ring's is where it serves every pair of its steps. At the smallest seqlen
 every implementation is checked against ringflash's kernel on the full sequence (out, dq,
 dk, dv); ringflash aborts the run on a mismatch, a peer that mismatches is reported as null.
 

@@ -6,8 +6,10 @@ Forward and delta: the Triton kernels on CUDA tensors, the PyTorch twin elsewher
 - ``reference``: tensors off CUDA; the PyTorch twin (CPU, tests).
 - ``gluon_sm90`` (kernels/gluon/bwd.py): a Hopper GPU (sm_90), bf16, head_dim 128, Sq
   and Sk multiples of 128, no mask or the causal band (``PairMask.causal``), MHA, GQA or
-  MQA; dq, dk and dv in one call, written, not added to running sums (``flash_attn``'s
-  backward; the ring's passes run apart and add: not fused yet); ``deterministic`` off.
+  MQA; dq, dk and dv in one call (``flash_attn``'s backward, and each block pair of the
+  ring's steps where every pair of the step is served: ringflash/ring/rotate.py), written
+  or, with ``accumulate``, added to fp32 sums (dq and dk/dv alike: fp32 running sums,
+  not ``*_partial`` ones); ``deterministic`` off.
   Why: on one H100 (2026-11-27, 8k-64k tokens, 32 heads, causal and not) forward +
   backward 0.90-1.03x SDPA cuDNN's, against 0.73-0.82x with the Triton backward
   (benchmarks/results/kernel_h100.json; docs/performance.md, "The Hopper backward").
@@ -65,6 +67,19 @@ def causal_band(mask: PairMask) -> tuple[bool, Optional[int]]:
     return plain, mask.band_hi
 
 
+def gluon_serves(q: torch.Tensor, k: torch.Tensor, rows_q: int, rows_k: int, mask: PairMask,
+                 deterministic: bool) -> bool:
+    """Whether the Gluon backward serves a block pair of ``rows_q`` query and ``rows_k`` key
+    rows of q's and k's heads, dtype and GPU under ``mask``, judged only from what every rank of
+    a ring agrees on (not strides or addresses, which ``bwd_route`` checks per call): the
+    ring chooses its schedule from this (ringflash/ring/rotate.py), and every rank must
+    choose alike."""
+    return (capability(q) == (9, 0) and not (deterministic or torch.are_deterministic_algorithms_enabled())
+            and causal_band(mask)[0] and q.dtype == torch.bfloat16 and q.shape[-1] == 128
+            and k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0
+            and rows_q > 0 and rows_k > 0 and rows_q % 128 == 0 and rows_k % 128 == 0)
+
+
 def bwd_route(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask: PairMask,
               accumulate: bool, partials=(None, None, None), tails=(None, None),
               deterministic: bool = False) -> Route:
@@ -80,25 +95,33 @@ def bwd_route(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, ma
         why = "mask: only no mask or the causal band"
     elif dq is None or dk is None:
         why = "dq or dk/dv skipped: the Gluon kernel computes them together"
-    elif accumulate or any(p is not None for p in partials) or any(t is not None for t in tails):
-        why = "adds into running sums or reads Joined parts"
+    elif any(p is not None for p in partials) or any(t is not None for t in tails):
+        why = "adds to *_partial sums or reads Joined parts"
+    elif accumulate and dq.dtype != torch.float32:
+        why = "accumulate: the Gluon kernel adds dQ into fp32 sums only"
     elif arch != (9, 0):
         why = f"sm_{arch[0]}{arch[1]}, not sm_90"
     else:
         from .gluon import bwd as kernel  # imported on Hopper only; it compiles nothing at import
 
-        error = kernel.unsupported(dout, q, k, v, lse, delta, None, dk, dv, softmax_scale, offset)
+        error = kernel.unsupported(dout, q, k, v, lse, delta, dq if dq.dtype == torch.float32 else None, dk, dv,
+                                   softmax_scale, offset, accumulate)
         why = None if error is None else str(error)
     return Route("triton", why) if why else Route(GLUON)
 
 
-def gluon_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask: PairMask) -> None:
-    """The ``gluon_sm90`` route: dq (any float dtype) written through an fp32 sum the
-    kernel adds into (dq itself when fp32), dk and dv (bf16) written."""
+def gluon_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask: PairMask,
+              accumulate: bool = False) -> None:
+    """The ``gluon_sm90`` route: dq written through an fp32 sum the kernel adds into (dq
+    itself when fp32: zeroed first unless ``accumulate``), dk and dv (bf16 or fp32)
+    written, or with ``accumulate`` all three added to (fp32 sums; ``bwd_route``)."""
     from .gluon import attn_bwd_sm90
 
-    acc = dq.zero_() if dq.dtype == torch.float32 and dq.is_contiguous() else torch.zeros(
-        q.shape, device=q.device, dtype=torch.float32)
-    attn_bwd_sm90(dout, q, k, v, lse, delta, acc, dk, dv, softmax_scale, causal_offset=mask.band_hi)
+    if dq.dtype == torch.float32:
+        acc = dq if accumulate else dq.zero_()
+    else:
+        acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+    attn_bwd_sm90(dout, q, k, v, lse, delta, acc, dk, dv, softmax_scale, causal_offset=mask.band_hi,
+                  accumulate=accumulate)
     if acc is not dq:
         dq.copy_(acc)

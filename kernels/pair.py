@@ -244,7 +244,8 @@ def flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: floa
                                accumulate=accumulate, partials=partials, tails=tails,
                                deterministic=deterministic)
     if route.name == dispatch.GLUON:
-        dispatch.gluon_bwd(dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale=softmax_scale, mask=mask)
+        dispatch.gluon_bwd(dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale=softmax_scale, mask=mask,
+                           accumulate=accumulate)
     else:
         dispatch.backend(q).bwd(dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale=softmax_scale, mask=mask,
                                 accumulate=accumulate, partials=partials, tails=tails)

@@ -26,6 +26,7 @@ import torch
 from .exchange import TRANSPORTS, Ring
 from .groups import Grid
 from .kernels import SUPPORTED_DTYPES
+from .kernels.dispatch import capability
 from .kernels.masks import BAND_INF, tensor_memo
 from .layouts import layout_code, layout_shown
 
@@ -36,7 +37,8 @@ ENABLED = os.environ.get("RINGFLASH_RANK_CHECK", "1") != "0"
 BAND_FIELDS = ("band_lo (from causal, window_size)", "band_hi (from causal, window_size)")
 _SIGNATURE_FIELDS = ("batch", "seqlen_local", "heads", "head_dim", "kv_heads", "dtype", *BAND_FIELDS,
                      "layout", "softmax_scale", "requires_grad", "transport", "segment_ids given",
-                     "dropout_p", "seed", "block_mask's nonzero blocks", "block_mask's checksum")
+                     "dropout_p", "seed", "block_mask's nonzero blocks", "block_mask's checksum",
+                     "deterministic (or torch.use_deterministic_algorithms)", "GPU architecture")
 # What the ranks of a heads x ring grid compare before their all-to-all (ringflash.heads):
 # the same, transport aside (the ring compares it in its own check).
 GRID_FIELDS = _SIGNATURE_FIELDS
@@ -60,14 +62,23 @@ def _block_digest(blocks) -> list[int]:
     return tensor_memo(blocks, ("digest",), digest)
 
 
-def signature(q, k, band, layout, scale, needs_grad, kind, segments, dropout, blocks=None) -> list[int]:
+def signature(q, k, band, layout, scale, needs_grad, kind, segments, dropout, blocks=None,
+              deterministic: bool = False) -> list[int]:
     """A few integers that every rank of the ring must agree on (``kind``: the transport,
-    None where it is not chosen yet)."""
+    None where it is not chosen yet; ``deterministic``, or torch's deterministic mode, and
+    the GPU's architecture: they choose the backward's schedule, ring/rotate.py)."""
     lo, hi = band
     return [*q.shape, k.shape[2], SUPPORTED_DTYPES.index(q.dtype), -BAND_INF if lo is None else lo,
             BAND_INF if hi is None else hi, layout_code(layout), _float_bits(scale),
             int(needs_grad), -1 if kind is None else TRANSPORTS.index(kind), int(segments is not None), _float_bits(dropout[0]),
-            dropout[1], *_block_digest(blocks)]
+            dropout[1], *_block_digest(blocks),
+            int(deterministic or torch.are_deterministic_algorithms_enabled()), _arch(q)]
+
+
+def _arch(q: torch.Tensor) -> int:
+    """q's GPU architecture as one integer (90: sm_90), -1 off CUDA."""
+    arch = capability(q)
+    return -1 if arch is None else 10 * arch[0] + arch[1]
 
 
 # Every dtype torch has, in a fixed order: a tensor's dtype as one integer (``tensor_row``).
@@ -128,7 +139,7 @@ def check_ranks_agree(ring: Ring, signature: list[int] | None, error: Exception 
 
     ``signature`` is None on a rank whose own checks failed with ``error``: it still joins
     the all-gather, so the other ranks learn of it instead of waiting in the ring.
-    Costs one all-gather of 18 int64 per call on the host (``exchange.host_group``: gloo),
+    Costs one all-gather of 20 int64 per call on the host (``exchange.host_group``: gloo),
     which waits for the other ranks' hosts but not for the GPU (a block mask's checksum
     is reduced on its device the first time the mask is seen). It runs on every call
     rather than once per signature: a rank that skipped it because its own

@@ -114,8 +114,12 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
             (seqlen_local, or seqlen_local / 2 for zigzag) a multiple of 128, and
             "block_stripe" (its shards are whole blocks); "stripe" raises. Helpers:
             ``ringflash.kernels.block_sparse``.
-        deterministic: accepted for compatibility: the ring's backward is always
-            deterministic (fixed summation order, no atomics).
+        deterministic: the backward's bits the same run to run. The default may add
+            dQ in arrival order where the Gluon backward runs the ring's steps (Hopper,
+            bf16, head_dim 128, no mask or causal): dQ may then differ in its last bits
+            between runs (out, lse, dK and dV do not). True, or
+            ``torch.use_deterministic_algorithms(True)``, keeps the Triton kernels, whose
+            sums have a fixed order.
 
     Returns:
         out (batch, seqlen_local, heads, head_dim) in q's dtype: rows of
@@ -124,7 +128,7 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
         in q, k and v.
 
     Memory: beside q, k, v, out and their gradients the ring holds fp32 sums and visiting
-    K/V (48 KiB a local token at 32 heads / 8 kv heads, head_dim 128). Where those would
+    K/V (56 KiB a local token at 32 heads / 8 kv heads, head_dim 128). Where those would
     take more than a quarter of the GPU's memory, the ring runs the heads in chunks of
     whole GQA groups, one after another (the same bits; ``ringflash.heads.memory_chunks``,
     RINGFLASH_HEAD_CHUNKS).
@@ -150,10 +154,10 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
     chunks = heads.memory_chunks(q, k, Ring(group).world) if eager(q, k, v) else 1
     if chunks > 1:  # the ring's buffers of every head at once would not fit: heads in turn
         out, lse = heads.ring_in_chunks(q, k, v, chunks, group, segments, blocks, softmax_scale=scale, band=band,
-                                        layout=layout, dropout=dropout)
+                                        layout=layout, dropout=dropout, deterministic=deterministic)
     else:
         out, lse = ring_attn(q, k, v, segments, softmax_scale=scale, band=band, layout=layout, dropout=dropout,
-                             blocks=blocks, group=group)
+                             blocks=blocks, group=group, deterministic=deterministic)
     return (out, lse) if return_lse else out
 
 
@@ -165,7 +169,7 @@ def _over_grid(args, grid: Grid):
         band, layout, scale, segments, dropout, blocks = _check_local(
             *args, grid.ring_world, grid.heads_world)
         mine = agreement.signature(q, k, band, layout, scale, torch.is_grad_enabled() and any(
-            t.requires_grad for t in args[:3]), None, segments, dropout, blocks)
+            t.requires_grad for t in args[:3]), None, segments, dropout, blocks, args[11])
     except (TypeError, ValueError) as error:
         if not compiling and agreement.ENABLED:
             agreement.agree_on_grid(grid, None, error)
@@ -173,7 +177,7 @@ def _over_grid(args, grid: Grid):
     if not compiling and agreement.ENABLED:
         agreement.agree_on_grid(grid, mine, None)
     return heads.ring_over_heads(q, k, args[2], grid, segments, blocks, softmax_scale=scale, band=band,
-                                 layout=layout, dropout=dropout)
+                                 layout=layout, dropout=dropout, deterministic=args[11])
 
 
 def _check_local_on_every_rank(*args, group):

@@ -36,8 +36,8 @@ RINGFLASH_HEAD_CHUNKS (read at each call) exists to compare the two paths: tests
 to the same bits, benchmarks time what the overlap hides.
 
 Memory (U = 1). The ring's own buffers -- the fp32 dQ sum, the dK/dV sums in flight and
-the slots visiting K/V land in -- grow with the heads a call runs: 48 KiB a local token at
-32 heads / 8 kv heads, head_dim 128, beside the 40 KiB that any exact attention keeps
+the slots visiting K/V land in -- grow with the heads a call runs: 56 KiB a local token at
+32 heads / 8 kv heads, head_dim 128 (48 with the Triton backward), beside the 40 KiB that any exact attention keeps
 (docs/performance.md, "Memory per token"). A ring alone whose buffers would take more
 than ``MEMORY_SHARE`` of the GPU's memory runs its heads in C chunks one after another
 (``memory_chunks``; ``_Sequential``): each chunk's ring holds 1/C of those buffers and
@@ -107,10 +107,11 @@ def head_chunks(entries: int, rows: int) -> int:
 def ring_buffer_bytes(q: torch.Tensor, k: torch.Tensor) -> int:
     """The ring's own buffers at their peak, in the backward of a ring of three ranks or
     more (``ring/rotate.py``), for q (B, S, H, D) and k (B, S, Hkv, D): the fp32 dQ sum,
-    three fp32 dK/dV sums (the running one, the one sent on, the own shard's) and two
-    slots of visiting K/V in k's dtype."""
+    four fp32 dK/dV sums (the running one, the one sent on, the own shard's, and with the
+    fused Gluon kernel a visiting step's own; three with the Triton kernels) and two slots
+    of visiting K/V in k's dtype."""
     tokens, head_dim, kv_heads = q.shape[0] * q.shape[1], q.shape[3], k.shape[2]
-    return tokens * head_dim * (4 * q.shape[2] + 24 * kv_heads + 4 * kv_heads * k.element_size())
+    return tokens * head_dim * (4 * q.shape[2] + 32 * kv_heads + 4 * kv_heads * k.element_size())
 
 
 def memory_chunks(q: torch.Tensor, k: torch.Tensor, world: int, total_memory: Optional[int] = None) -> int:
@@ -120,7 +121,7 @@ def memory_chunks(q: torch.Tensor, k: torch.Tensor, world: int, total_memory: Op
     k). By default the fewest whose share of ``ring_buffer_bytes`` fits ``MEMORY_SHARE``
     of the GPU's memory: 1 for a ring of one, on the CPU, and for every shape that fits,
     which at 32 heads / 8 kv heads, head_dim 128, bf16, on an 80 GB GPU is up to 256k
-    local tokens (12 GiB of buffers; 2 chunks at 512k, 4 at 1M). The choice depends on
+    local tokens (14 GiB of buffers; 2 chunks at 512k, 4 at 1M). The choice depends on
     shapes and the GPU's total memory only; ranks whose GPUs differ in memory may choose
     differently, and the ring's rank check then raises on every rank (the chunks' head
     counts differ). ``total_memory``: the GPU's bytes
@@ -144,9 +145,9 @@ def chunks_for(need: int, total_memory: Optional[int], kv_heads: int, wanted: Op
 
 
 def ring_over_heads(q, k, v, grid: Grid, segments, block_mask, *, softmax_scale: float, band, layout: str,
-                    dropout: tuple):
+                    dropout: tuple, deterministic: bool = False):
     """out (B, L, H, D) and lse (B, H, L) of this rank's tokens: the ring (``ops.ring_attn``'s
-    arguments: softmax_scale, band, layout, dropout (p, seed)) over grid.ring on the
+    arguments: softmax_scale, band, layout, dropout (p, seed), deterministic) over grid.ring on the
     head-split tensors, chunked and overlapped with the exchanges where it can be."""
     world, heads, rank = grid.heads_world, q.shape[2], grid.heads_rank
     per_rank, kv = heads // world, kv_index(heads, k.shape[2], world)
@@ -158,27 +159,28 @@ def ring_over_heads(q, k, v, grid: Grid, segments, block_mask, *, softmax_scale:
         q2 = _ToHeads.apply(q, torch.arange(heads).view(world, per_rank), grid.heads)
         k2, v2 = _ToHeads.apply(k, kv, grid.heads), _ToHeads.apply(v, kv, grid.heads)
         out2, lse2 = ring_attn(q2, k2, v2, segments2, softmax_scale=softmax_scale, band=band, layout=layout,
-                               dropout=(*dropout, rank * per_rank), blocks=blocks[0], group=grid.ring)
+                               dropout=(*dropout, rank * per_rank), blocks=blocks[0], group=grid.ring,
+                               deterministic=deterministic)
         out = _ToSequence.apply(out2, grid.heads, world)
         lse = _ToSequence.apply(rearrange(lse2, "b h s -> b s h"), grid.heads, world)
         return out, rearrange(lse, "b s h -> b h s")
     entries = rearrange(kv, "u (c n) -> u c n", c=chunks).tolist()
     call = _Call(grid.heads, world, tuple(tuple(map(tuple, row)) for row in entries), segments2, blocks,
                  [rank * per_rank + c * per_rank // chunks for c in range(chunks)],
-                 (softmax_scale, *band, layout, None, group_name(grid.ring)), dropout[:2])
+                 (softmax_scale, *band, layout, None, group_name(grid.ring)), dropout[:2], deterministic)
     requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return _Overlapped.apply(q, k, v, call, requires_grad)
 
 
 def ring_in_chunks(q, k, v, chunks: int, group, segments, block_mask, *, softmax_scale: float, band,
-                   layout, dropout: tuple):
+                   layout, dropout: tuple, deterministic: bool = False):
     """out (B, S, H, D) and lse (B, H, S) of the ring alone over ``group`` (``ops.ring_attn``'s
     arguments), its heads in ``chunks`` chunks run one after another (``memory_chunks``)."""
     heads, kv_heads = q.shape[2], k.shape[2]
     m, e = heads // chunks, kv_heads // chunks
     call = _Call(None, 1, (tuple(tuple(range(c * e, (c + 1) * e)) for c in range(chunks)),), segments,
                  [_head_rows(block_mask, c * m, m) for c in range(chunks)], [c * m for c in range(chunks)],
-                 (softmax_scale, *band, layout, None, group_name(group)), dropout[:2])
+                 (softmax_scale, *band, layout, None, group_name(group)), dropout[:2], deterministic)
     requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     return _Sequential.apply(q, k, v, call, requires_grad)
 
@@ -254,7 +256,8 @@ class _Call:
     """One chunked call: the heads group and its size U, the kv entries of each rank and
     chunk (U, C, n), the ring shard's segment ids, each chunk's block mask and first global
     query head, and the ring op's other arguments (softmax_scale, band_lo, band_hi, layout,
-    its spec (None: eager callers pass the layout itself), ring group name; dropout p, seed)."""
+    its spec (None: eager callers pass the layout itself), ring group name; dropout p, seed), and whether the backward
+    must repeat its bits (``deterministic``)."""
 
     group: object
     world: int
@@ -264,6 +267,7 @@ class _Call:
     head0: list
     ring: tuple
     dropout: tuple
+    deterministic: bool = False
 
     @property
     def chunks(self) -> int:
@@ -271,11 +275,12 @@ class _Call:
 
     def forward(self, c: int, q2, k2, v2, requires_grad: bool):
         return ring_attn_forward_impl(q2, k2, v2, self.segments, self.blocks[c], *self.ring, *self.dropout,
-                                      self.head0[c], requires_grad)
+                                      self.head0[c], requires_grad, self.deterministic)
 
     def backward(self, c: int, dout2, q2, k2, v2, out2, lse2, dlse2, kept_kv, kept_segments):
         return ring_attn_backward_impl(dout2, q2, k2, v2, out2, lse2, dlse2, self.segments, self.blocks[c],
-                                       kept_kv, kept_segments, *self.ring, *self.dropout, self.head0[c])
+                                       kept_kv, kept_segments, *self.ring, *self.dropout, self.head0[c],
+                                       self.deterministic)
 
 
 @functools.lru_cache(maxsize=64)

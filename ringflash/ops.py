@@ -64,10 +64,10 @@ def _capturing(t: torch.Tensor) -> bool:
 
 
 def _agreed_ring(q, k, segments, blocks, band, layout, softmax_scale, dropout, requires_grad,
-                 group_name) -> Ring:
+                 group_name, deterministic: bool = False) -> Ring:
     """The ring this call runs on, with its transport, once every rank agrees on the call.
 
-    The agreement check (``agreement.check_ranks_agree``: one all-gather of 18 int64 on the
+    The agreement check (``agreement.check_ranks_agree``: one all-gather of 20 int64 on the
     host, never waiting for the GPU) runs here, inside the op, on every call of a ring of
     more than one rank unless RINGFLASH_RANK_CHECK=0, and except while a CUDA graph is
     being captured: a graph replays GPU work only, and the eager warm-up iterations that
@@ -83,7 +83,7 @@ def _agreed_ring(q, k, segments, blocks, band, layout, softmax_scale, dropout, r
         agreement.check_ranks_agree(ring, None, error)
     if check:
         signature = agreement.signature(q, k, band, layout, softmax_scale, requires_grad, kind, segments,
-                                        dropout, blocks)
+                                        dropout, blocks, deterministic)
         agreement.check_ranks_agree(ring, signature, None)
     if kind == "peer" and ring.world > 1:
         ring = PeerRing(ring.group)
@@ -97,17 +97,18 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              segments: Optional[torch.Tensor], blocks: Optional[torch.Tensor],
              softmax_scale: float, band_lo: Optional[int], band_hi: Optional[int],
              layout: str, layout_spec: Optional[torch.Tensor], group_name: str, dropout_p: float = 0.0, seed: int = 0,
-             dropout_head0: int = 0,
-             requires_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+             dropout_head0: int = 0, requires_grad: bool = False,
+             deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """out (B, S, H, D) in q's dtype and lse (B, H, S) fp32 of this rank's queries against
     every rank's keys, and what the backward keeps (``_kept_shapes``; empty tensors when
     nothing). ``requires_grad`` (will a backward follow?) also enters the agreement check:
-    a rank that skips the backward would leave the others waiting. ``layout_spec``: a layout
-    computed at run time, as a CPU tensor (``layouts.layout_from_spec``)."""
+    a rank that skips the backward would leave the others waiting; so does
+    ``deterministic`` (the backward's: it chooses the backward's schedule). ``layout_spec``:
+    a layout computed at run time, as a CPU tensor (``layouts.layout_from_spec``)."""
     band, dropout = (band_lo, band_hi), (dropout_p, seed, dropout_head0)
     layout = layout_from_spec(layout, layout_spec)
     ring = _agreed_ring(q, k, segments, blocks, band, layout, softmax_scale, dropout, requires_grad,
-                        group_name)
+                        group_name, deterministic)
     keep = keeps_kv(layout, ring.world, requires_grad, blocks is not None)
     out, lse, kept = ring_forward(q, k, v, segments, softmax_scale=softmax_scale,
                                   band=band, dropout=dropout, layout=layout,
@@ -134,7 +135,7 @@ ring_attn_forward = torch.library.custom_op("ringflash::ring_attn_forward", muta
 
 @ring_attn_forward.register_fake
 def _(q, k, v, segments, blocks, softmax_scale, band_lo, band_hi, layout, layout_spec, group_name, dropout_p=0.0,
-      seed=0, dropout_head0=0, requires_grad=False):
+      seed=0, dropout_head0=0, requires_grad=False, deterministic=False):
     b, n, h, _ = q.shape
     # a layout given by its spec (documents) never keeps K/V: it takes no block mask
     keep = layout_spec is None and keeps_kv(layout, ring_of(group_name).world, requires_grad, blocks is not None)
@@ -152,11 +153,12 @@ def _backward_grads(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                     kept_kv: torch.Tensor, kept_segments: torch.Tensor,
                     softmax_scale: float, band_lo: Optional[int], band_hi: Optional[int],
                     layout: str, layout_spec: Optional[torch.Tensor], group_name: str, dropout_p: float = 0.0,
-                    seed: int = 0, dropout_head0: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                    seed: int = 0, dropout_head0: int = 0,
+                    deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """dq (like q) and dK/dV packed as one (2, *k.shape) tensor: an op may not return two
     views of one buffer, which is what the ring's last hop delivers. kept_kv, kept_segments:
     what the forward kept (empty: nothing). The transport is chosen again here, from the
-    same RINGFLASH_TRANSPORT as the forward's."""
+    same RINGFLASH_TRANSPORT as the forward's. deterministic: the same bits run to run."""
     ring = ring_of(group_name)
     if ring.world > 1 and transport(ring.group) == "peer":
         ring = PeerRing(ring.group)
@@ -164,8 +166,7 @@ def _backward_grads(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     return ring_backward(dout.contiguous(), q, k, v, out, lse, dlse, segments,
                          softmax_scale=softmax_scale, band=(band_lo, band_hi),
                          dropout=(dropout_p, seed, dropout_head0), layout=layout_from_spec(layout, layout_spec),
-                         ring=ring, blocks=blocks,
-                         kept=kept)
+                         ring=ring, blocks=blocks, kept=kept, deterministic=deterministic)
 
 
 ring_attn_backward = torch.library.custom_op("ringflash::ring_attn_backward", mutates_args=(),
@@ -174,7 +175,7 @@ ring_attn_backward = torch.library.custom_op("ringflash::ring_attn_backward", mu
 
 @ring_attn_backward.register_fake
 def _(dout, q, k, v, out, lse, dlse, segments, blocks, kept_kv, kept_segments, softmax_scale, band_lo, band_hi,
-      layout, layout_spec, group_name, dropout_p=0.0, seed=0, dropout_head0=0):
+      layout, layout_spec, group_name, dropout_p=0.0, seed=0, dropout_head0=0, deterministic=False):
     return q.new_empty(q.shape), k.new_empty((2, *k.shape))
 
 
@@ -182,12 +183,12 @@ def _(dout, q, k, v, out, lse, dlse, segments, blocks, kept_kv, kept_segments, s
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, segments, blocks, scale, band_lo, band_hi, layout, spec, *args, _requires_grad = inputs
+    q, k, v, segments, blocks, scale, band_lo, band_hi, layout, spec, *args, _requires_grad, deterministic = inputs
     out, lse, kept_kv, kept_segments = output
     ctx.save_for_backward(q, k, v, out, lse, segments, blocks, kept_kv, kept_segments, spec)
     ctx.mark_non_differentiable(kept_kv, kept_segments)
     ctx.args = (scale, band_lo, band_hi, layout)
-    ctx.rest = args  # group_name, dropout (p, seed, head 0)
+    ctx.rest = (*args, deterministic)  # group_name, dropout (p, seed, head 0), deterministic
     ctx.set_materialize_grads(False)  # an unused lse's gradient stays None, not zeros
 
 
@@ -198,7 +199,7 @@ def _backward(ctx, dout, dlse, _dkv=None, _dseg=None):
     grads = _backward_grads if eager(dout, q) else ring_attn_backward
     dq, dkv = grads(dout, q, k, v, out, lse, dlse, segments, blocks, kept_kv, kept_segments, *ctx.args, spec,
                     *ctx.rest)
-    return (dq, dkv[0], dkv[1]) + (None,) * 12
+    return (dq, dkv[0], dkv[1]) + (None,) * 13
 
 
 ring_attn_forward.register_autograd(_backward, setup_context=_setup_context)
@@ -211,13 +212,14 @@ ring_attn_forward_impl, ring_attn_backward_impl = _forward, _backward_grads
 
 
 def ring_attn(q, k, v, segments=None, *, softmax_scale: float, band=(None, None), layout,
-              dropout=(0.0, 0), blocks=None, group=None):
+              dropout=(0.0, 0), blocks=None, group=None, deterministic: bool = False):
     """Differentiable (out, lse) over the ring of ``group`` (already resolved); arguments
     already checked. What ``ring_flash_attn`` calls once its checks passed. ``layout``: a
     layout name, or a layout computed at run time (``ringflash.document_layout``), which the
     ops take as its kind and spec tensor under torch.compile (one graph for every such
     layout of the same sizes) and as itself in eager mode. ``dropout``: (p, seed) or (p,
-    seed, the global index of head 0)."""
+    seed, the global index of head 0). ``deterministic``: the backward's bits the same run to
+    run (it keeps the Triton kernels where the default would take the Gluon one)."""
     requires_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     now = eager(q, k, v)
     forward = _RingAttn.apply if now else ring_attn_forward
@@ -228,7 +230,7 @@ def ring_attn(q, k, v, segments=None, *, softmax_scale: float, band=(None, None)
         spec = None
     p, seed, *head0 = dropout
     out, lse, *_kept = forward(q, k, v, segments, blocks, softmax_scale, *band, layout, spec, name_of(group),
-                               p, seed, head0[0] if head0 else 0, requires_grad)
+                               p, seed, head0[0] if head0 else 0, requires_grad, deterministic)
     return out, lse
 
 

@@ -9,6 +9,16 @@ first call of a helper from each module: ``triton.language.standard``'s ``zeros`
 ``core``, which the kernel's module does not) and otherwise calls the helper as triton does.
 The patches themselves are triton's, unchanged.
 
+It also undoes them: triton restores what a launch patched but not what its helpers did,
+so after one interpreted launch ``triton.language.core`` keeps interpreter versions of
+125 of its builtins, and a Gluon kernel compiled later in the same process fails
+(tests/test_gluon_compile.py after any interpreter test on the same xdist worker, when
+the kernel is not in Triton's cache: "'ir.value' object has no attribute 'dtype'"). The
+outermost launch now saves every attribute a kernel or helper may patch and puts them
+back when it ends. And ``install()`` imports Gluon before any launch: the interpreter
+imports it during its first launch otherwise, while ``triton.language`` is patched, and
+Gluon's modules keep what they saw then ("Did you forget to add @triton.gluon.jit?").
+
 Measured on the 2-core CPU machine (2026-11-27): the six Triton cases of
 tests/test_kernels.py::test_backward_reads_a_sequence_joined_from_two_tensors, 39.3 s ->
 29.6 s. Installed by tests/conftest.py (pytest's processes) and tests/dist_utils.py (the
@@ -18,6 +28,7 @@ spawned gloo ranks) when TRITON_INTERPRET=1; the GPU never runs the interpreter.
 from __future__ import annotations
 
 import functools
+import types
 
 
 def install() -> None:
@@ -27,6 +38,10 @@ def install() -> None:
     import triton
     from triton.runtime import interpreter
 
+    try:  # before any launch (the module's docstring)
+        import triton.experimental.gluon.language  # noqa: F401
+    except ImportError:
+        pass
     if not triton.__version__.startswith("3.6."):
         return
     launch, call = interpreter.GridExecutor.__call__, interpreter.InterpretedFunction.__call__
@@ -36,13 +51,17 @@ def install() -> None:
 
     @functools.wraps(launch)
     def counted_launch(self, *args, **kwargs):
-        if state["depth"] == 0:
+        outermost = state["depth"] == 0
+        if outermost:
             state["patched"] = set()
+            saved = _patch_every_lang(interpreter)
         state["depth"] += 1
         try:
             return launch(self, *args, **kwargs)
         finally:
             state["depth"] -= 1
+            if outermost:
+                saved.restore()
 
     @functools.wraps(call)
     def helper_call(self, *args, **kwargs):
@@ -60,3 +79,13 @@ def install() -> None:
     helper_call._once_per_launch = True
     interpreter.GridExecutor.__call__ = counted_launch
     interpreter.InterpretedFunction.__call__ = helper_call
+
+
+def _patch_every_lang(interpreter):
+    """triton's ``_patch_lang`` for a function that sees both ``triton.language`` and
+    ``triton.language.core``: it patches (and its scope restores) everything a kernel's or
+    a helper's patch touches."""
+    import triton.language as tl
+
+    probe = types.FunctionType((lambda: None).__code__, {"tl": tl, "core": tl.core})
+    return interpreter._patch_lang(probe)

@@ -7,7 +7,9 @@
   with eager, aot_eager and inductor: one frame, forward and backward, equal to eager;
 - a training step (forward, backward, SGD update) captured in one CUDA graph, with each
   transport (NCCL send/recv and the copy-engine ring), replayed on new inputs: the same
-  gradients and parameters as the step run eagerly.
+  gradients and parameters as the step run eagerly;
+- both at head_dim 128 too (bf16, causal: on Hopper the ring's backward is the Gluon
+  kernel at every step).
 
 Skipped without CUDA or outside torchrun; verdicts agreed by an all-reduce (test_ring_gpu).
 """
@@ -27,20 +29,20 @@ pytestmark = pytest.mark.gpu
 D_MODEL, HEADS, KV_HEADS, HEAD_DIM = 256, 4, 2, 64
 
 
-def _params(device, dtype, seed=0):
+def _params(device, dtype, seed=0, head_dim=HEAD_DIM):
     gen = torch.Generator(device=device).manual_seed(seed)  # the same on every rank
-    w_qkv = torch.randn(D_MODEL, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen, device=device)
-    w_out = torch.randn(HEADS * HEAD_DIM, D_MODEL, generator=gen, device=device)
+    w_qkv = torch.randn(D_MODEL, (HEADS + 2 * KV_HEADS) * head_dim, generator=gen, device=device)
+    w_out = torch.randn(HEADS * head_dim, D_MODEL, generator=gen, device=device)
     return [(w_qkv / D_MODEL ** 0.5).to(dtype), (w_out / D_MODEL ** 0.5).to(dtype)]
 
 
-def _block(sp, **attn):
+def _block(sp, head_dim=HEAD_DIM, **attn):
     def block(x, w_qkv, w_out):
         b, n, _ = x.shape
-        qkv = (x @ w_qkv).view(b, n, HEADS + 2 * KV_HEADS, HEAD_DIM)
+        qkv = (x @ w_qkv).view(b, n, HEADS + 2 * KV_HEADS, head_dim)
         q, k, v = qkv.split([HEADS, KV_HEADS, KV_HEADS], dim=2)
         out = sp.attn(q, k, v.contiguous(), causal=True, **attn)
-        y = out.reshape(b, n, HEADS * HEAD_DIM) @ w_out
+        y = out.reshape(b, n, HEADS * head_dim) @ w_out
         return y, y.float().square().mean()
 
     return block
@@ -59,21 +61,25 @@ def _step(fn, sp, x, params):
     return [y.detach(), loss.detach(), *(t.grad for t in leaves)]
 
 
-@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_fullgraph_compile_matches_eager(nccl, backend, dtype):  # noqa: F811 - the fixture
+COMPILE_CASES = [(backend, dtype, 64) for backend in ("eager", "aot_eager", "inductor")
+                 for dtype in (torch.bfloat16, torch.float32)] + [("inductor", torch.bfloat16, 128)]
+
+
+@pytest.mark.parametrize("backend,dtype,head_dim", COMPILE_CASES,
+                         ids=[f"{b}-{'bf16' if d == torch.bfloat16 else 'fp32'}-d{h}" for b, d, h in COMPILE_CASES])
+def test_fullgraph_compile_matches_eager(nccl, backend, dtype, head_dim):  # noqa: F811 - the fixture
     import torch._dynamo
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
     sp = ringflash.SequenceParallel()
-    params = _params(nccl, dtype)
+    params = _params(nccl, dtype, head_dim=head_dim)
     counter = CompileCounterWithBackend(backend)
-    compiled = torch.compile(_block(sp), fullgraph=True, backend=counter)
+    compiled = torch.compile(_block(sp, head_dim), fullgraph=True, backend=counter)
     failures = []
     for seed in range(2):
         x = _x(nccl, dtype, seed)
-        want = _step(_block(sp), sp, x, params)
+        want = _step(_block(sp, head_dim), sp, x, params)
         got = _step(compiled, sp, x, params)
         tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
         for name, a, b in zip(("y", "loss", "dx", "dw_qkv", "dw_out"), got, want):
@@ -84,8 +90,9 @@ def test_fullgraph_compile_matches_eager(nccl, backend, dtype):  # noqa: F811 - 
     _agree(failures)
 
 
-@pytest.mark.parametrize("transport", ["nccl", "peer", "peer-block-sparse"])
-def test_training_step_in_one_cuda_graph(nccl, transport, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("transport,head_dim", [("nccl", 64), ("peer", 64), ("peer-block-sparse", 64),
+                                                ("nccl", 128), ("peer", 128)])
+def test_training_step_in_one_cuda_graph(nccl, transport, head_dim, monkeypatch):  # noqa: F811
     """Forward, backward and an SGD update of the block captured as one CUDA graph after
     eager warm-up on a side stream (NCCL communicators, Triton autotuning and the
     copy-engine buffers are all set up then), replayed on new inputs. peer-block-sparse:
@@ -101,8 +108,8 @@ def test_training_step_in_one_cuda_graph(nccl, transport, monkeypatch):  # noqa:
     if sparse:
         attn["block_mask"] = local_global_block_mask(1024 * dist.get_world_size(), local_blocks=2,
                                                      global_blocks=1, device=nccl)
-    block = _block(sp, **attn)
-    params = [p.requires_grad_() for p in _params(nccl, dtype)]
+    block = _block(sp, head_dim, **attn)
+    params = [p.requires_grad_() for p in _params(nccl, dtype, head_dim=head_dim)]
     x_static = sp.shard(_x(nccl, dtype, 0))
 
     def train_step():

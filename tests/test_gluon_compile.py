@@ -17,8 +17,10 @@ or the CUDA tools it ships (ptxas, cuobjdump, nvdisasm).
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
+import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -41,10 +43,11 @@ VARIANTS = {
     "causal": dict(causal_offset=0),
     "gqa": dict(heads=8, kv_heads=2),
     "gqa-causal": dict(heads=8, kv_heads=2, causal_offset=0),
+    "gqa-causal-add": dict(heads=8, kv_heads=2, causal_offset=0, accumulate=True),  # the ring's: dK/dV added
 }
 # ptxas stack frame allowed per variant (bytes): the masked loop reloads some precomputed
 # wgmma descriptors from the stack (tested below); milestone 1 had 8.
-STACK_BUDGET = {"mha": 64, "causal": 128, "gqa": 64, "gqa-causal": 160}
+STACK_BUDGET = {"mha": 64, "causal": 128, "gqa": 64, "gqa-causal": 160, "gqa-causal-add": 160}
 _COMPILED: dict = {}
 
 
@@ -225,6 +228,20 @@ def test_unmasked_loops_keep_milestone_1s_length(variant):
         assert loop.count("HGMMA") == 32
 
 
+def test_dk_dv_added_only_with_accumulate(variant):
+    """dK and dV leave each consumer group by 64 x 128 element stores; with accumulate
+    (the ring's running sums) each element is first loaded from there (one global load
+    per store, in the epilogue only: none inside the tile loops), and without it the
+    kernel reads nothing from global memory but through TMA."""
+    name, kernel, sass, _ = variant
+    ptx = kernel.asm["ptx"]
+    loads, stores = len(re.findall(r"ld\.global", ptx)), len(re.findall(r"st\.global", ptx))
+    assert stores > 0
+    assert loads == (stores if VARIANTS[name].get("accumulate") else 0), (loads, stores)
+    for loop in (loop for loops in _split_loops(sass) for loop in loops):
+        assert not [op for op in loop if op.startswith("LDG")], "a global load inside a tile loop"
+
+
 def test_causal_offset_is_clamped_to_the_same_pairs():
     """The launcher clamps causal_offset to [-Sq, Sk] (int32-safe in the kernel) without
     changing which pairs are visible."""
@@ -257,6 +274,8 @@ def _bf16(*shape):
 @pytest.mark.parametrize("changes,error,words", [
     (dict(v=torch.zeros(1, 256, 2, 128, dtype=torch.float16)), TypeError, "v must be bfloat16"),
     (dict(dq_acc=_bf16(1, 256, 2, 128)), TypeError, "dq_acc must be float32"),
+    (dict(accumulate=True), TypeError, "dk must be torch.float32 (accumulate adds into fp32 sums)"),
+    (dict(dv=torch.zeros(1, 256, 2, 128, dtype=torch.float16)), TypeError, "dv must be torch.bfloat16 or"),
     (dict(lse=[0.0]), TypeError, "lse must be a torch.Tensor"),
     (dict(d=64), ValueError, "head_dim must be 128"),
     (dict(s=192), ValueError, "q's seqlen must be a positive multiple of 128"),
@@ -274,6 +293,8 @@ def _bf16(*shape):
     (dict(q=_bf16(1, 256, 2, 132)[..., :128]), ValueError, "q's address and strides"),
     (dict(), ValueError, "runs on a Hopper (sm_90) GPU"),  # all fine but on the CPU
     (dict(h=8, hkv=2, sk=512, causal_offset=-128), ValueError, "runs on a Hopper (sm_90) GPU"),  # GQA, band
+    (dict(accumulate=True, dk=torch.zeros(1, 256, 2, 128), dv=torch.zeros(1, 256, 2, 128)), ValueError,
+     "runs on a Hopper (sm_90) GPU"),  # fp32 sums to add into
 ])
 def test_arguments_outside_the_kernel_raise_naming_them(changes, error, words):
     pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
@@ -281,3 +302,33 @@ def test_arguments_outside_the_kernel_raise_naming_them(changes, error, words):
     shape = {key: changes.pop(key) for key in ("b", "s", "h", "d", "sk", "hkv") if key in changes}
     with pytest.raises(error, match=re.escape(words)):
         attn_bwd_sm90(**_args(**shape, **changes))
+
+
+def test_compiles_after_an_interpreted_launch(tmp_path):
+    """A process that ran a Triton kernel in the interpreter (as the CPU suite's workers
+    do) still compiles the Gluon kernel: the interpreter imports Gluon during its first
+    launch, with triton.language patched, unless tests/fast_interpreter.py's install()
+    imported it before (it failed so on an xdist worker). A fresh process (this one has
+    long imported Gluon) and an empty Triton cache (a cached kernel is not compiled)."""
+    script = """
+import os, sys
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, sys.argv[1])
+import fast_interpreter
+fast_interpreter.install()
+import torch
+from ringflash.kernels import PairMask, triton as kernels
+q = torch.randn(1, 64, 2, 32)
+kernels.fwd(q, q, q, torch.empty_like(q), torch.empty(1, 2, 64), softmax_scale=0.1, mask=PairMask.causal(0),
+            accumulate=False, out_partial=None, tail=None, arrival=None)
+from ringflash.kernels.gluon import compile_sm90
+compile_sm90()
+print("compiled")
+"""
+    if not hasattr(gluon_ir.GluonOpBuilder, "create_async_tma_reduce"):
+        pytest.skip("this triton's Gluon builder has no create_async_tma_reduce")
+    tests = str(Path(__file__).resolve().parent)
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", script, tests], capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]

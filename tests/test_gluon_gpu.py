@@ -15,7 +15,8 @@ Frobenius error against the float64 oracle within TOL[bf16] (2e-2), and no more 
 the error of the library's own Triton backward on the same inputs (or NOISE_FLOOR). dq_acc
 starts from random values and must come back as those plus scale * dQ (the kernel adds),
 untouched exactly on the rows that see no key; dk and dv start as NaN (a K tile no query
-sees must write zeros).
+sees must write zeros), or in the "add" cases as random fp32 sums that must come back as
+those plus the gradients (``accumulate=True``: the ring's running dK/dV).
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ CASES = [
     # GQA and MQA
     (2, 1024, 1024, 8, 2, None, "contiguous", None), (2, 1024, 1024, 8, 2, 0, "contiguous", None),
     (1, 1024, 1024, 8, 2, -128, "contiguous", None), (1, 512, 512, 4, 1, 0, "contiguous", None),
+    # accumulate: dK/dV added into fp32 running sums (the ring's steps)
+    (1, 1024, 1024, 4, 4, None, "add", None), (2, 1024, 1024, 8, 2, 0, "add", None),
+    (1, 512, 1024, 4, 4, -256, "add", None),
 ]
 
 
@@ -99,15 +103,17 @@ def _inputs(b, sq, sk, h, hkv, layout, gen):
     """q, dout (B, Sq, H, D), k, v (B, Sk, Hkv, D) (bf16, CUDA) and empty dk, dv:
     contiguous, or (MHA, Sq = Sk) strided as a layer makes them (q, k, v views of one
     packed (B, S, 3, H, D) projection; dout heads-major; dk, dv views of one packed
-    (B, S, 2, H, D) buffer)."""
+    (B, S, 2, H, D) buffer); "add": contiguous, dk and dv random fp32 sums to add into."""
     d = 128
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16)
 
-    if layout == "contiguous":
+    if layout in ("contiguous", "add"):
         q, dout = randn(b, sq, h, d), randn(b, sq, h, d)
         k, v = randn(b, sk, hkv, d), randn(b, sk, hkv, d)
+        if layout == "add":
+            return q, k, v, dout, *(torch.randn(k.shape, generator=gen, device="cuda") for _ in range(2))
         dk, dv = torch.empty_like(k), torch.empty_like(v)
     else:
         assert sq == sk and h == hkv, "the strided layout is one packed MHA projection"
@@ -136,9 +142,13 @@ def _child(b, sq, sk, h, hkv, offset, layout, scale) -> dict:
 
     dq0 = torch.randn(q.shape, generator=gen, device="cuda")
     dq_acc = dq0.clone()
-    attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, scale, causal_offset=offset)
+    add = layout == "add"
+    dk0, dv0 = dk.clone(), dv.clone()
+    attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, scale, causal_offset=offset, accumulate=add)
     torch.cuda.synchronize()
     dq = dq_acc.double() - dq0.double()
+    if add:
+        dk, dv = dk.double() - dk0.double(), dv.double() - dv0.double()
 
     lib = [torch.full(t.shape, float("nan"), device="cuda") for t in (q, k, v)]
     triton_kernels.bwd(dout, q, k, v, lse, delta, *lib, softmax_scale=scale, mask=PairMask.causal(offset),

@@ -261,14 +261,14 @@ def test_head_chunks_keep_whole_kv_entries(monkeypatch):
 
 
 def test_ring_alone_chunks_its_heads_only_when_its_buffers_would_not_fit(monkeypatch):
-    """memory_chunks: the ring's own buffers (48 KiB a local token at 32 / 8 heads, head_dim
+    """memory_chunks: the ring's own buffers (56 KiB a local token at 32 / 8 heads, head_dim
     128, bf16) within a quarter of an 80 GB GPU: none up to 256k local tokens, 2 chunks at
     512k, 4 at 1M (4M tokens over 4 GPUs); never on the CPU or for a ring of one."""
     from ringflash.heads import CHUNKS_ENV, chunks_for, memory_chunks, ring_buffer_bytes
     monkeypatch.delenv(CHUNKS_ENV, raising=False)
     gpu = 81559 * 2 ** 20  # an H100 80GB's total memory
     q, k = torch.empty(1, 1, 32, 128, dtype=torch.bfloat16), torch.empty(1, 1, 8, 128, dtype=torch.bfloat16)
-    assert ring_buffer_bytes(q, k) == 48 * 1024  # fp32 dQ 16 KiB, three fp32 dK/dV sums 24, two K/V slots 8
+    assert ring_buffer_bytes(q, k) == 56 * 1024  # fp32 dQ 16 KiB, four fp32 dK/dV sums 32, two K/V slots 8
     per_token = ring_buffer_bytes(q, k)
     assert [chunks_for(n * per_token, gpu, 8) for n in (2 ** 18, 2 ** 19, 2 ** 20, 2 ** 23)] == [1, 2, 4, 8]
     assert chunks_for(2 ** 20 * per_token, gpu, 1) == 1  # MQA: one kv head, nothing to split

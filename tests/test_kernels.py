@@ -659,13 +659,14 @@ def test_backward_route_rules(monkeypatch):
     Triton kernels with the reason (the stand-ins pass every rule but the device)."""
     from ringflash.kernels.dispatch import Route, bwd_route
 
-    def call(sq=256, d=128, dtype=torch.bfloat16, dq=True, **kwargs):
+    def call(sq=256, d=128, dtype=torch.bfloat16, dq=torch.float32, dkv=None, **kwargs):
         q = torch.zeros(1, sq, 4, d, dtype=dtype)
         k = torch.zeros(1, 256, 2, d, dtype=dtype)
         lse = torch.zeros(1, 4, sq)
         options = {**dict(softmax_scale=0.1, mask=PairMask.causal(0), accumulate=False), **kwargs}
-        return bwd_route(q, q, k, k, lse, lse, torch.zeros(q.shape) if dq else None, torch.zeros_like(k),
-                         torch.zeros_like(k), **options)
+        grads = (torch.zeros(k.shape, dtype=dkv or dtype) for _ in range(2))
+        return bwd_route(q, q, k, k, lse, lse, None if dq is None else torch.zeros(q.shape, dtype=dq), *grads,
+                         **options)
 
     assert call() == Route("reference")
     monkeypatch.setattr(dispatch, "capability", lambda t: (9, 0))
@@ -681,8 +682,13 @@ def test_backward_route_rules(monkeypatch):
     for mask in (PairMask(band_lo=-64, band_hi=0), PairMask(q_segments=seg, k_segments=seg),
                  PairMask(dropout_p=0.1), PairMask(blocks=object()), PairMask(band_hi=0, band_on_positions=True)):
         assert call(mask=mask).why == "mask: only no mask or the causal band", mask
-    assert "together" in call(dq=False).why
-    assert "running sums" in call(accumulate=True).why
+    assert "together" in call(dq=None).why
+    # the ring's steps: dq, dk and dv added into fp32 sums, not *_partial ones
+    assert call(accumulate=True, dkv=torch.float32).why == call().why
+    assert call(dkv=torch.float32).why == call().why  # fp32 dk, dv written
+    assert "dk must be torch.float32 (accumulate adds into fp32 sums)" in call(accumulate=True).why
+    assert "fp32 sums only" in call(accumulate=True, dkv=torch.float32, dq=torch.bfloat16).why
+    assert "*_partial" in call(accumulate=True, partials=(torch.zeros(1), None, None)).why
     assert "head_dim must be 128" in call(d=64).why
     assert "must be bfloat16" in call(dtype=torch.float16).why
     assert "multiple of 128" in call(sq=200).why

@@ -271,6 +271,74 @@ def test_backward_ends_on_the_own_shard_under_the_last_trip(monkeypatch, world, 
     assert ev[:first_wait].count(("dq",)) >= 1 and ("dkv",) not in ev[:first_wait], ev
 
 
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("band", [(None, None), (None, 0)], ids=["full", "causal"])
+def test_fused_backward_hides_every_trip(monkeypatch, world, layout, band):
+    """Where one kernel computes a pair's dQ and dK/dV together (the Gluon backward on
+    Hopper; ``dispatch.gluon_serves`` patched here) every call is fused ("both"): the own
+    step's first piece of key rows runs while the first K/V trip is in flight, each
+    visiting step's kernels run before the wait for the running sum they add to (they
+    write into a buffer of their own), the last sums go home under the own step's second
+    piece. (A ring of two posts other messages than its unfused schedule: every rank
+    chooses alike, from what the rank check compares.)"""
+    from ringflash.kernels import dispatch
+    from ringflash.layouts import active_steps, step_pairs
+    from ringflash.ring import ring_backward
+    n = tokens_per_rank(layout, 1024) if layout != "block_stripe" else 1024
+    q, k, v, out, dout = (torch.randn(1, n, 2, 8) for _ in range(5))
+    lse = torch.randn(1, 2, n)
+    runs = {}
+    for fused in (False, True):
+        fake = _RecordingRing(world)
+        monkeypatch.setattr(dispatch, "gluon_serves", lambda *args, fused=fused: fused)
+        monkeypatch.setattr(ringflash.kernels, "flash_attn_bwd", lambda *args, fake=fake, **kw: fake.events.append(
+            ("both" if args[6] is not None and args[7] is not None else "dq" if args[6] is not None else "dkv",)))
+        dq, dkv = ring_backward(dout, q, k, v, out, lse, None, None, softmax_scale=0.3, band=band, dropout=(0.0, 0),
+                                layout=layout, ring=fake)
+        assert dq.shape == q.shape and dkv.shape == (2, *k.shape)
+        runs[fused] = fake
+    ev, steps = runs[True].events, active_steps(layout, world, n, band)
+    assert {e for e in ev if e[0] != "post" and e[0] != "wait"} == {("both",)}, ev
+    if steps == 1:
+        assert ev == [("both",)] * len(ev), ev
+        return
+    assert ev[:2] == [("post", 1), ("both",)], ev  # the first K/V trip under the own step's first piece
+    last_post = max(i for i, e in enumerate(ev) if e[0] == "post")
+    assert ev[last_post] == ("post", 1 - steps) and ev[last_post + 1] == ("both",) and ev[-1] == ("wait",), ev
+    if all(step_pairs(layout, 0, -s % world, world, n, band) for s in range(steps)):  # rank 0 busy every step
+        for i, e in enumerate(ev):  # every wait follows a kernel: none waits with nothing running
+            if e == ("wait",) and i < len(ev) - 1:
+                assert ev[i - 1] in (("both",), ("wait",)), (i, ev)
+
+
+def check_fused_schedule(rank, world, configs):
+    """check_configs with the fused schedule (every pair's dQ and dK/dV in one call, as
+    the Gluon backward runs them), here on the CPU twin: ``gluon_serves`` patched on."""
+    from ringflash.kernels import dispatch
+    from ringflash.ring import rotate
+    calls = []
+    serves, fused_pass = dispatch.gluon_serves, rotate._Grads.fused_pass
+    dispatch.gluon_serves = lambda *args: True
+    rotate._Grads.fused_pass = lambda self, *args: (calls.append(1), fused_pass(self, *args))
+    try:
+        failures = check_configs(rank, world, configs, seed=31)
+    finally:
+        dispatch.gluon_serves, rotate._Grads.fused_pass = serves, fused_pass
+    return failures + ([] if calls else [f"rank {rank}: no fused pass ran"])
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_fused_schedule_matches_oracle(worlds, world_size):
+    """The fused backward's schedule (own step in two pieces, each visiting step's dK/dV
+    added through a buffer of its own, dQ cast once at the end) against the float64
+    oracle: every layout, causal and not, GQA, lse in the loss, 300 tokens a rank (two
+    pieces of key rows on the own step)."""
+    configs = [RingCase(layout, causal, tokens_per_rank(layout, 300), 4, 2, head_dim=8, use_lse=True)
+               for layout in LAYOUTS for causal in (False, True)]
+    _assert_no_failures(worlds(world_size).run(check_fused_schedule, configs, timeout=120))
+
+
 @pytest.mark.parametrize("mask, early", [("ones", True), ("local", False)])
 def test_ring_of_two_weighs_its_steps_by_the_mask(monkeypatch, mask, early):
     """Under a block mask the ring of two counts each step's work in the mask's blocks: a
@@ -460,6 +528,7 @@ DISAGREEMENTS = {
     "layout": dict(kwargs=dict(layout="stripe")),
     "softmax_scale": dict(kwargs=dict(softmax_scale=0.125)),
     "requires_grad": dict(requires_grad=False),
+    "deterministic (or torch.use_deterministic_algorithms)": dict(kwargs=dict(deterministic=True)),
 }
 
 

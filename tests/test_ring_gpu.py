@@ -110,24 +110,33 @@ def _backward(out, lse, dout, dlse):
     torch.autograd.backward([out, lse], [dout, dlse])
 
 
-def run_ring(q, k, v, dout, dlse, *, causal, layout, softmax_scale=None):
+def run_ring(q, k, v, dout, dlse, *, causal, layout, softmax_scale=None, deterministic=False):
     """Ring forward + backward on this rank's shards; the gathered full-sequence results."""
     ql, kl, vl = (ringflash.shard(t, 1, layout).detach().requires_grad_() for t in (q, k, v))
     out, lse = ringflash.ring_flash_attn(ql, kl, vl, causal=causal, layout=layout,
-                                         softmax_scale=softmax_scale, return_lse=True)
+                                         softmax_scale=softmax_scale, return_lse=True,
+                                         deterministic=deterministic)
     _backward(out, lse, ringflash.shard(dout, 1, layout), ringflash.shard(dlse, 2, layout))
     got = {"out": out.detach(), "lse": lse.detach(), "dq": ql.grad, "dk": kl.grad, "dv": vl.grad}
     return {name: ringflash.unshard(t, 2 if name == "lse" else 1, layout) for name, t in got.items()}
 
 
-def run_single(q, k, v, dout, dlse, *, causal, softmax_scale=None):
-    """The single-GPU kernel on the full sequence, with the ring's backward kernels (the
-    Triton pair: deterministic=True keeps them where Hopper's default is the Gluon one)."""
+def run_single(q, k, v, dout, dlse, *, causal, softmax_scale=None, deterministic=False):
+    """The single-GPU kernel on the full sequence (deterministic=True: the Triton backward
+    where Hopper's default is the Gluon one)."""
     qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
     out, lse = flash_attn(qs, ks, vs, causal=causal, softmax_scale=softmax_scale, return_lse=True,
-                          deterministic=True)
+                          deterministic=deterministic)
     _backward(out, lse, dout, dlse)
     return {"out": out.detach(), "lse": lse.detach(), "dq": qs.grad, "dk": ks.grad, "dv": vs.grad}
+
+
+def single_errors(q, k, v, dout, dlse, errors, *, causal) -> dict:
+    """The single GPU's error per result: the larger of its two backwards' (the Gluon one,
+    which the ring's steps take where it serves them, and the Triton one, which takes the
+    rest); ``errors(results)`` gives one run's errors by name."""
+    runs = [errors(run_single(q, k, v, dout, dlse, causal=causal, deterministic=d)) for d in (False, True)]
+    return {name: max(run[name] for run in runs) for name in NAMES}
 
 
 def _not_finite(results: dict, who: str) -> list[str]:
@@ -181,19 +190,49 @@ def test_ring_matches_fp64_oracle(nccl, dtype, half):
     for i, (layout, causal, kv_heads) in list(enumerate(_oracle_cases(dtype)))[half::2]:
         q, k, v, dout, dlse = _inputs(1, 512 * world, 4, kv_heads, 128, dtype, nccl, seed=i)
         ring = run_ring(q, k, v, dout, dlse, causal=causal, layout=layout)
-        single = run_single(q, k, v, dout, dlse, causal=causal)
         offset = 0 if causal else None
         out, lse = attention_oracle(q, k, v, causal_offset=offset)
         dq, dk, dv = oracle_grads(q, k, v, dout, causal_offset=offset, dlse=dlse)
         want = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
+        single = single_errors(q, k, v, dout, dlse, lambda got: {n: rel_err(got[n], want[n]) for n in NAMES},
+                               causal=causal)
         case = f"W={world} {layout} causal={causal} kv_heads={kv_heads} {DTYPE_ID[dtype]}"
         failures += _not_finite(ring, case)
         for name in NAMES:
-            e_ring, e_single = rel_err(ring[name], want[name]), rel_err(single[name], want[name])
+            e_ring, e_single = rel_err(ring[name], want[name]), single[name]
             bound = min(TOL[dtype], RATIO * e_single + SLACK[dtype])
             if not e_ring <= bound:
                 failures.append(f"{case}: {name} rel err {e_ring:.3g} > {bound:.3g} "
                                 f"(single GPU {e_single:.3g})")
+    _agree(failures)
+
+
+def test_ring_backward_takes_the_gluon_kernel_unless_deterministic(nccl, monkeypatch):
+    """On Hopper, bf16, head_dim 128, causal zigzag GQA: every block pair of the ring's
+    backward runs the Gluon kernel (dQ and dK/dV in one call) by default, and none with
+    deterministic=True, whose gradients repeat their bits; the two agree within bf16
+    rounding (elsewhere: no Gluon call either way)."""
+    from ringflash.kernels import dispatch
+    calls = []
+    gluon_bwd = dispatch.gluon_bwd
+    monkeypatch.setattr(dispatch, "gluon_bwd", lambda *a, **kw: (calls.append(1), gluon_bwd(*a, **kw)))
+    world = dist.get_world_size()
+    q, k, v, dout, dlse = _inputs(1, 1024 * world, 8, 2, 128, BF16, nccl, seed=5)
+    default = run_ring(q, k, v, dout, dlse, causal=True, layout="zigzag")
+    served, calls[:] = len(calls), []
+    runs = [run_ring(q, k, v, dout, dlse, causal=True, layout="zigzag", deterministic=True) for _ in range(2)]
+    failures = [f"deterministic=True ran the Gluon kernel {len(calls)} times"] if calls else []
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    if hopper and served < 3:  # own step: two pieces, then a visiting step at least
+        failures.append(f"the default ran the Gluon kernel {served} times")
+    if not hopper and served:
+        failures.append(f"the Gluon kernel ran on sm_{torch.cuda.get_device_capability()}")
+    for name in NAMES:
+        if not torch.equal(runs[0][name], runs[1][name]):
+            failures.append(f"deterministic=True: {name} differs between two runs")
+        err = rel_err(default[name], runs[0][name])
+        if not err <= 1e-2:
+            failures.append(f"{name}: default and deterministic differ by {err:.3g}")
     _agree(failures)
 
 
@@ -297,10 +336,12 @@ def test_ring_bf16_no_worse_than_single_gpu(nccl, layout, causal, kv_heads):
     q, k, v, dout, dlse = _inputs(1, 4096 * world, 32, kv_heads, 128, BF16, nccl,
                                   seed=100 + BIG_CASES.index((layout, causal, kv_heads)))
     ring = run_ring(q, k, v, dout, dlse, causal=causal, layout=layout)
-    single = run_single(q, k, v, dout, dlse, causal=causal)
+    single = [run_single(q, k, v, dout, dlse, causal=causal, deterministic=d) for d in (False, True)]
     case = f"W={world} N={q.shape[1]} {layout} causal={causal} kv_heads={kv_heads} bf16"
-    failures = _not_finite(ring, f"{case} ring") + _not_finite(single, f"{case} single GPU")
-    errors = oracle_error_sums(q, k, v, dout, dlse, {"ring": ring, "single": single}, causal=causal)
+    failures = _not_finite(ring, f"{case} ring") + sum((_not_finite(s, f"{case} single GPU") for s in single), [])
+    errors = oracle_error_sums(q, k, v, dout, dlse, {"ring": ring, "gluon": single[0], "triton": single[1]},
+                               causal=causal)
+    errors["single"] = {name: max(errors["gluon"][name], errors["triton"][name]) for name in NAMES}
     del ring, single
     torch.cuda.empty_cache()
     for name in NAMES:
@@ -334,12 +375,13 @@ def test_shards_past_2_31_elements(nccl, transport, monkeypatch):
     dout = torch.randn_like(q)
     assert q.numel() > 2 ** 31
     q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
-    out = ringflash.ring_flash_attn(q, k, v, causal=True)
+    # deterministic: the Gluon backward's dQ adds in arrival order, which bit equality cannot allow
+    out = ringflash.ring_flash_attn(q, k, v, causal=True, deterministic=True)
     out.backward(dout)
     failures = []
     for i in (0, b - 1):
         one = [t[i:i + 1].detach().clone().requires_grad_() for t in (q, k, v)]
-        out_i = ringflash.ring_flash_attn(*one, causal=True)
+        out_i = ringflash.ring_flash_attn(*one, causal=True, deterministic=True)
         out_i.backward(dout[i:i + 1])
         for name, big, small in zip(("out", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad),
                                     (out_i, *(t.grad for t in one))):
@@ -358,7 +400,8 @@ def test_shards_past_2_31_elements(nccl, transport, monkeypatch):
 def test_transports_give_the_same_bits(nccl, layout, monkeypatch):
     """The copy-engine ring moves the same bytes as NCCL in the same order: every result,
     forward and backward, is bitwise equal (bf16, GQA, causal, seqlen_local 2048; then a
-    longer call, which grows the symmetric buffers)."""
+    longer call, which grows the symmetric buffers; deterministic, else the Gluon
+    backward's dQ adds in arrival order)."""
     world = dist.get_world_size()
     failures = []
     for n in (2048, 4096):
@@ -366,7 +409,7 @@ def test_transports_give_the_same_bits(nccl, layout, monkeypatch):
         results = {}
         for kind in ("nccl", "peer"):
             monkeypatch.setenv("RINGFLASH_TRANSPORT", kind)
-            results[kind] = run_ring(q, k, v, dout, dlse, causal=True, layout=layout)
+            results[kind] = run_ring(q, k, v, dout, dlse, causal=True, layout=layout, deterministic=True)
         for name in NAMES:
             if not torch.equal(results["nccl"][name], results["peer"][name]):
                 diff = (results["nccl"][name].float() - results["peer"][name].float()).abs().max().item()

@@ -1,8 +1,9 @@
 """A warp-specialized attention backward for Hopper (sm_90), written in Gluon.
 
 A FlashAttention-3-style backward: non-causal and the causal band, MHA, GQA and MQA.
-``flash_attn``'s default backward on sm_90 where it serves the call (kernels/dispatch.py);
-the ring does not call it yet. Tested against the float64 oracle on an H100
+``flash_attn``'s default backward on sm_90 where it serves the call (kernels/dispatch.py),
+and that of every block pair of the ring's steps where it serves them all (dK/dV added
+into the ring's fp32 sums: ``accumulate``; ringflash/ring/rotate.py). Tested against the float64 oracle on an H100
 (tests/test_gluon_gpu.py), compiled for sm_90 on CPU (tests/test_gluon_compile.py).
 
 Shapes served: q, dout (B, Sq, H, 128) and k, v (B, Sk, Hkv, 128), bf16, Hkv dividing H
@@ -13,8 +14,11 @@ an offset, as ``PairMask.causal(o)`` (kernels/masks.py): key j is seen by query 
 j <= i + o, on the pair's local indices (o = q_start - k_start for two blocks of one
 sequence: the ring's pairs). lse (natural log; -inf for a row that sees no key) and
 delta = rowsum(out * dout) are (B, H, Sq) fp32; dq_acc is an fp32 (B, Sq, H, 128) running
-sum the kernel ADDS ``scale * dQ`` into (the ring's); dk and dv (B, Sk, Hkv, 128), bf16,
-are written once (zeros for a key no query sees). Anything else raises a ValueError or
+sum the kernel ADDS ``scale * dQ`` into (the ring's); dk and dv (B, Sk, Hkv, 128), bf16 or
+fp32, are written once (zeros for a key no query sees), or with ``accumulate`` (fp32 only)
+added into: each CTA loads its rows' running sums in its epilogue, so a ring step adds
+into the dK/dV sums it carries without a pass of its own, and every element gets one
+fp32 add in a fixed order (dK/dV stay bit-stable). Anything else raises a ValueError or
 TypeError naming the argument.
 
 The math (kernels/triton/bwd.py's conventions), per K/V tile and Q tile, keys by queries:
@@ -298,10 +302,11 @@ def _consumer_step(i, dk, dv, k_rows, v_rows, k_cols, smem, bars, qk_scale, sm_s
 
 
 @gluon.jit
-def _consumer(descs, smem, bars, tile, out, G: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
+def _consumer(descs, smem, bars, tile, out, G: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+              ADD: gl.constexpr):
     """Consumer warp group G: K/V rows [64 G, 64 G + 64) of the CTA's tile over every
     (query head, Q tile) step, then its dK (scaled) and dV rows stored in the output dtype
-    (zeros after no step)."""
+    (zeros after no step), or with ADD added to the fp32 sums there."""
     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem = smem
     off_b, off_hk, n0, heads, seqlen_q, offset = tile
     dk_ptr, dv_ptr, dk_strides, dv_strides, qk_scale, sm_scale = out
@@ -328,37 +333,42 @@ def _consumer(descs, smem, bars, tile, out, G: gl.constexpr, GROUP: gl.constexpr
     rows = gl.arange(0, 64, gl.SliceLayout(1, mma128))
     cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, mma128))
     row0 = n0 + 64 * G
-    _store_rows(dk_ptr, dk_strides, off_b, row0, off_hk, rows, cols, dk)
-    _store_rows(dv_ptr, dv_strides, off_b, row0, off_hk, rows, cols, dv)
+    _store_rows(dk_ptr, dk_strides, off_b, row0, off_hk, rows, cols, dk, ADD)
+    _store_rows(dv_ptr, dv_strides, off_b, row0, off_hk, rows, cols, dv, ADD)
 
 
 @gluon.jit
-def _store_rows(ptr, strides, off_b, first, off_h, rows, cols, x):
-    """x (64 rows from ``first`` of (batch, head) of a (B, S, H, D) tensor): a 64-bit
-    offset to the first row, 32-bit offsets inside the tile (the launcher bounds them)."""
+def _store_rows(ptr, strides, off_b, first, off_h, rows, cols, x, ADD: gl.constexpr):
+    """x (64 rows from ``first`` of (batch, head) of a (B, S, H, D) tensor) stored, or
+    with ADD added to the fp32 values there: a 64-bit offset to the first row, 32-bit
+    offsets inside the tile (the launcher bounds them)."""
     stride_b, stride_s, stride_h = strides
     base = off_b.to(gl.int64) * stride_b + first.to(gl.int64) * stride_s + off_h.to(gl.int64) * stride_h
     offs = gl.expand_dims(rows * stride_s.to(gl.int32), 1) + gl.expand_dims(cols, 0)
+    if ADD:
+        x = x + gl.load(ptr + base + offs)
     gl.store(ptr + base + offs, x.to(ptr.dtype.element_ty))
 
 
 @gluon.jit
-def _consumer0(descs, smem, bars, tile, out, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
-    _consumer(descs, smem, bars, tile, out, 0, GROUP, CAUSAL)
+def _consumer0(descs, smem, bars, tile, out, GROUP: gl.constexpr, CAUSAL: gl.constexpr, ADD: gl.constexpr):
+    _consumer(descs, smem, bars, tile, out, 0, GROUP, CAUSAL, ADD)
 
 
 @gluon.jit
-def _consumer1(descs, smem, bars, tile, out, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
-    _consumer(descs, smem, bars, tile, out, 1, GROUP, CAUSAL)
+def _consumer1(descs, smem, bars, tile, out, GROUP: gl.constexpr, CAUSAL: gl.constexpr, ADD: gl.constexpr):
+    _consumer(descs, smem, bars, tile, out, 1, GROUP, CAUSAL, ADD)
 
 
 @gluon.jit
 def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, dk_ptr, dv_ptr,
                           dk_stride_b, dk_stride_s, dk_stride_h, dv_stride_b, dv_stride_s, dv_stride_h,
                           heads, kv_heads, seqlen_q, causal_offset, qk_scale, sm_scale, GROUP: gl.constexpr,
-                          CAUSAL: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr):
+                          CAUSAL: gl.constexpr, ADD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                          WORKER_REGS: gl.constexpr):
     """Grid (Sk / 128, B Hkv): K/V tile program_id(0) of (batch, kv head) program_id(1);
-    GROUP = heads / kv_heads query heads a kv head. causal_offset is read only when CAUSAL."""
+    GROUP = heads / kv_heads query heads a kv head. causal_offset is read only when CAUSAL;
+    ADD: dK, dV added to the fp32 sums at dk_ptr, dv_ptr instead of written."""
     bh = gl.program_id(1)
     tile = (bh // kv_heads, bh % kv_heads, gl.program_id(0) * BLOCK_N, heads, seqlen_q, causal_offset)
     # Shared memory, about 193 KB: K, V 64 KB; Q, dO 2 x 2 x 16 KB; dSᵀ 2 x 16 KB; dQ 32 KB.
@@ -393,8 +403,8 @@ def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
     descs = (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc)
     out = (dk_ptr, dv_ptr, (dk_stride_b, dk_stride_s, dk_stride_h), (dv_stride_b, dv_stride_s, dv_stride_h),
            qk_scale, sm_scale)
-    gl.warp_specialize([(_consumer0, (descs, smem, bars, tile, out, GROUP, CAUSAL)),
-                        (_consumer1, (descs, smem, bars, tile, out, GROUP, CAUSAL)),
+    gl.warp_specialize([(_consumer0, (descs, smem, bars, tile, out, GROUP, CAUSAL, ADD)),
+                        (_consumer1, (descs, smem, bars, tile, out, GROUP, CAUSAL, ADD)),
                         (_loader, (descs, smem, bars, tile, GROUP, CAUSAL)),
                         (_dq_writer, (descs, smem, bars, tile, GROUP, CAUSAL))],
                        [4, 1, 1], [CONSUMER_REGS, WORKER_REGS, WORKER_REGS])
@@ -425,7 +435,8 @@ def _descriptors(q, k, v, dout, lse, delta, dq_acc):
             rows(dq_acc, m, DQ_COLS.value, gl.float32))
 
 
-def unsupported(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal_offset) -> Optional[Exception]:
+def unsupported(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal_offset,
+                accumulate: bool = False) -> Optional[Exception]:
     """Why this kernel cannot take these arguments: a TypeError / ValueError naming the
     argument (the module's docstring says what it serves), or None. ``dq_acc`` None: not
     checked (a caller about to allocate it; ``kernels/dispatch.py``)."""
@@ -435,9 +446,14 @@ def unsupported(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal
     for name, t in named.items():
         if not isinstance(t, torch.Tensor):
             return TypeError(f"attn_bwd_sm90: {name} must be a torch.Tensor, got {type(t).__name__}")
-    for name in ("dout", "q", "k", "v", "dk", "dv"):
+    for name in ("dout", "q", "k", "v"):
         if named[name].dtype != torch.bfloat16:
             return TypeError(f"attn_bwd_sm90: {name} must be bfloat16, got {named[name].dtype}")
+    for name in ("dk", "dv"):
+        allowed = (torch.float32,) if accumulate else (torch.bfloat16, torch.float32)
+        if named[name].dtype not in allowed:
+            return TypeError(f"attn_bwd_sm90: {name} must be {' or '.join(str(t) for t in allowed)}"
+                             f"{' (accumulate adds into fp32 sums)' if accumulate else ''}, got {named[name].dtype}")
     for name in ("lse", "delta", "dq_acc"):
         if name in named and named[name].dtype != torch.float32:
             return TypeError(f"attn_bwd_sm90: {name} must be float32, got {named[name].dtype}")
@@ -503,34 +519,36 @@ def _kernel_offset(causal_offset, seqlen_q, seqlen_k) -> int:
 
 
 def attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale: float,
-                  causal_offset: Optional[int] = None):
+                  causal_offset: Optional[int] = None, accumulate: bool = False):
     """The backward of one (query block, key block) pair (head_dim 128, bf16):
-    ``dq_acc += scale * dQ`` (fp32), dk = scale * dK and dv = dV written (bf16).
+    ``dq_acc += scale * dQ`` (fp32), dk = scale * dK and dv = dV written (bf16 or fp32), or
+    with ``accumulate`` added into dk and dv (fp32 sums).
 
     q, dout, dq_acc (B, Sq, H, 128); k, v, dk, dv (B, Sk, Hkv, 128), Hkv dividing H.
     lse (natural log, the FINAL one of these queries) and delta (rowsum(out * dout),
     kernels.attn_delta) are (B, H, Sq) fp32 (copied if not contiguous). causal_offset:
     None sees every key; an int o lets query i see key j iff j <= i + o (PairMask.causal,
     o = q_start - k_start for two blocks of one sequence). Returns (dq_acc, dk, dv)."""
-    _check(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal_offset)
+    _check(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal_offset, accumulate)
     b, sq, h, _ = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     lse, delta = lse.contiguous(), delta.contiguous()
     _attn_bwd_sm90_kernel[(sk // BLOCK_N.value, b * hkv)](
         *_descriptors(q, k, v, dout, lse, delta, dq_acc), dk, dv, dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2), h, hkv, sq, _kernel_offset(causal_offset, sq, sk),
-        softmax_scale * LOG2E, softmax_scale, h // hkv, causal_offset is not None, CONSUMER_REGS, WORKER_REGS,
-        num_warps=NUM_WARPS, maxnreg=MAXNREG)
+        softmax_scale * LOG2E, softmax_scale, h // hkv, causal_offset is not None, bool(accumulate), CONSUMER_REGS,
+        WORKER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)
     return dq_acc, dk, dv
 
 
 def compile_sm90(consumer_regs: int = CONSUMER_REGS, worker_regs: int = WORKER_REGS, maxnreg: int = MAXNREG,
                  causal_offset: Optional[int] = None, heads: int = 4, kv_heads: int = 4, seqlen_q: int = 1024,
-                 seqlen_k: int = 1024):
+                 seqlen_k: int = 1024, accumulate: bool = False):
     """The kernel compiled for sm_90 on any machine, no GPU needed (triton ships ptxas):
     its ``.asm`` holds "ttgir", "ptx", "cubin"; ``.metadata.shared`` its shared memory in
     bytes. Specialized as ``attn_bwd_sm90`` would specialize it on contiguous (1, seqlen_q,
-    heads, 128) q and (1, seqlen_k, kv_heads, 128) k inputs with this causal_offset (CPU
+    heads, 128) q and (1, seqlen_k, kv_heads, 128) k inputs with this causal_offset and
+    accumulate (dk, dv then fp32) (CPU
     stand-ins: only their types, alignments and strides are read; as in a launch, an int
     argument equal to 1, e.g. kv_heads, is compiled in as a constant, and those divisible
     by 16 are marked so)."""
@@ -542,12 +560,13 @@ def compile_sm90(consumer_regs: int = CONSUMER_REGS, worker_regs: int = WORKER_R
     q = torch.zeros(1, seqlen_q, heads, HEAD_DIM.value, dtype=torch.bfloat16)
     k = torch.zeros(1, seqlen_k, kv_heads, HEAD_DIM.value, dtype=torch.bfloat16)
     stats = torch.zeros(1, heads, seqlen_q)
-    values = (*_descriptors(q, k, k, q, stats, stats, torch.zeros(q.shape)), k, k, *k.stride()[:3], *k.stride()[:3],
+    dkv = k.float() if accumulate else k
+    values = (*_descriptors(q, k, k, q, stats, stats, torch.zeros(q.shape)), dkv, dkv, *k.stride()[:3], *k.stride()[:3],
               heads, kv_heads, seqlen_q, _kernel_offset(causal_offset, seqlen_q, seqlen_k), 0.1 * LOG2E, 0.1)
     kernel = _attn_bwd_sm90_kernel
     sig, attrs = {}, {}
-    consts = dict(GROUP=heads // kv_heads, CAUSAL=causal_offset is not None, CONSUMER_REGS=consumer_regs,
-                  WORKER_REGS=worker_regs)
+    consts = dict(GROUP=heads // kv_heads, CAUSAL=causal_offset is not None, ADD=accumulate,
+                  CONSUMER_REGS=consumer_regs, WORKER_REGS=worker_regs)
     for i, (name, value) in enumerate(zip(kernel.arg_names, values)):  # as the JIT's launch would
         sig[name], spec = native_specialize_impl(CUDABackend, value, False, True, True)
         if sig[name] == "constexpr":

@@ -43,6 +43,17 @@ hides the trip home, and the own dK/dV pass adds the arrived sum as it writes; b
 passes run in two halves of key rows (``layouts.step_pieces``), so the first half's sum
 travels while the second is computed. dQ never leaves the rank.
 
+Where one kernel computes a pair's dQ and dK/dV together (the Gluon backward on Hopper:
+bf16, head_dim 128, no mask or causal; ``rotate._fuses`` asks ``dispatch.gluon_serves``
+from what every rank agrees on, so all choose alike) the backward is fused: each pair is
+one call adding dQ into the fp32 dQ and dK/dV into fp32 sums. The own step then runs in
+two halves of key rows, the first under the first K/V trip, the second under the trip
+home; a visiting step adds into a zeroed buffer of its own while the running sum arrives,
+then that buffer into the sum (one add over the rows it touched), so no kernel waits for
+a trip; dQ is cast to q's dtype once at the end. A ring of two takes this rotation too.
+``deterministic=True`` (or torch's deterministic mode) keeps the Triton kernels and the
+schedule above: the Gluon kernel's dQ adds land in arrival order.
+
 A ring of two over contiguous shards under a block mask (``keeps_kv``) keeps the other
 rank's K/V from the forward, which with its own make the whole sequence's (read in place,
 in global order: ``kernels.Joined``). Its backward swaps queries instead (Q, dO, lse,

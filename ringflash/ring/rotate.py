@@ -11,11 +11,11 @@ import torch
 
 from .. import kernels
 from ..exchange import Ring
-from ..kernels import attn_delta
+from ..kernels import attn_delta, dispatch
 from ..layouts import Band, remote_share
 from .gathered import gathered_backward, gathered_forward
 from .plan import pair_mask, schedule_of
-from .rows import Aside, copy_rows, home_cuts, key_rows, uncovered
+from .rows import Aside, add_rows, copy_rows, home_cuts, key_rows, uncovered
 
 
 class _Slots:
@@ -132,15 +132,21 @@ def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout
 
 class _Grads:
     """A backward's block-pair passes and the fp32 dQ sums they add into (``dq``; the last
-    step's pairs write ``dq_out``, in q's dtype, straight from them)."""
+    step's pairs write ``dq_out``, in q's dtype, straight from them, or with ``fused``
+    ``result`` casts the sums once every pass has added into them).
+
+    ``fused``: each pair runs as one call computing dQ and dK/dV together (``fused_pass``),
+    where the Gluon backward serves every pair (``_fuses``); else a step runs a dQ pass and a
+    dK/dV pass apart (the Triton kernels: two kernels a pair either way)."""
 
     def __init__(self, dout, q, lse, delta, segments, *, softmax_scale: float, dropout, plan, blocks,
-                 first_writes: bool):
+                 first_writes: bool, deterministic: bool = False, fused: bool = False):
         self.dout, self.q, self.lse, self.delta, self.segments = dout, q, lse, delta, segments
         self.softmax_scale, self.dropout, self.plan, self.blocks = softmax_scale, dropout, plan, blocks
+        self.deterministic, self.fused = deterministic, fused
         self.n = q.shape[1]
         self.dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-        if not first_writes:
+        if fused or not first_writes:
             self.dq.zero_()
         self.dq_out = self.dq if q.dtype == torch.float32 else torch.empty(q.shape, device=q.device,
                                                                             dtype=q.dtype)
@@ -159,7 +165,19 @@ class _Grads:
                                self.lse[:, :, pair.q], self.delta[:, :, pair.q],
                                None if dq is None else dq[:, pair.q], dk, dv, softmax_scale=self.softmax_scale,
                                mask=pair_mask(pair, self.segments, seg, self.dropout, self.plan, self.blocks),
-                               accumulate=not write, **partials)
+                               accumulate=not write, deterministic=self.deterministic, **partials)
+
+    def fused_pass(self, pairs, kv, seg, dest) -> None:
+        """A step's pairs, one call each: dQ added into the fp32 dq, dK/dV into the fp32
+        packed sums ``dest`` (2, B, rows, Hkv, D), zeroed by the caller where they start."""
+        for pair in pairs:
+            self.pair(pair, kv, seg, False, dq=self.dq, dkv=dest)
+
+    def result(self) -> torch.Tensor:
+        """dq in q's dtype, once every pass has run (a fused backward casts its sums here)."""
+        if self.fused and self.dq_out is not self.dq:
+            self.dq_out.copy_(self.dq)
+        return self.dq_out
 
     def dq_pass(self, pairs, kv, seg, write: bool, last: bool) -> None:
         """A step's dQ passes into the fp32 dq. The last step's pairs write dq in q's dtype
@@ -195,9 +213,10 @@ class _Grads:
 
 def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: float, band: Band,
                   dropout: tuple, layout: str, ring: Ring,
-                  blocks: Optional[torch.Tensor] = None, kept=None):
+                  blocks: Optional[torch.Tensor] = None, kept=None, deterministic: bool = False):
     """Returns dq (like q) and dk, dv of this rank's shards packed as one (2, *k.shape)
-    tensor in k's dtype. kept: what ``ring_forward`` kept, or None."""
+    tensor in k's dtype. kept: what ``ring_forward`` kept, or None. deterministic: the
+    same bits run to run (``kernels.flash_attn_bwd``: keeps the Triton kernels)."""
     n = q.shape[1]
     steps, schedule, first_writes, plan, pieces, own_apart, sent = schedule_of(ring, layout, n, band, dropout,
                                                                                blocks)
@@ -205,28 +224,65 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
     if kept is not None and steps == 2:
         return gathered_backward(dout, q, k, v, lse, delta, segments, kept, softmax_scale=softmax_scale,
                                  band=band, dropout=dropout, ring=ring, plan=plan, blocks=blocks)
+    # With the fused kernel the own step runs in two pieces of key rows: the first hides
+    # the first K/V trip, the second the trip home of the last sums (``_rotate``).
+    own_pieces = pieces(0, home_cuts(n)) if steps > 1 else (schedule[0],)
+    fused = _fuses(q, k, (*own_pieces, *schedule[1:]), segments, dropout, plan, blocks, deterministic)
     grads = _Grads(dout, q, lse, delta, segments, softmax_scale=softmax_scale, dropout=dropout, plan=plan,
-                   blocks=blocks, first_writes=first_writes)
+                   blocks=blocks, first_writes=first_writes, deterministic=deterministic, fused=fused)
     own = ((k, v), segments)
     slots = _Slots(k, segments, ring, steps, sent)
-    # The own shard's dQ first: it needs nothing in flight, so it hides the first K/V trip.
-    kv_pending = slots.send_own(k, v, segments) if steps > 1 else []
-    grads.dq_pass(schedule[0], *own, first_writes, steps == 1)
+    if steps == 1:
+        dkv = _one_step(grads, k, own, schedule[0], first_writes)
+        return grads.result(), dkv
+    # The own shard's dQ first (fused: its first piece): it needs nothing in flight, so it
+    # hides the first K/V trip.
+    kv_pending = slots.send_own(k, v, segments)
+    sums = None
+    if grads.fused:  # the own shard's fp32 dK/dV sum starts here (``_rotate``'s ``sums``)
+        sums = ring.buffer("grads", (3, 2 * k.numel()), torch.float32, k.device)
+        grads.fused_pass(own_pieces[0], *own, sums[2].view(2, *k.shape).zero_())
+    else:
+        grads.dq_pass(schedule[0], *own, first_writes, False)
     ring.wait(kv_pending)
-    if steps == 1:  # pairs adding into one key row add in fp32, then round once
-        overlapping = uncovered([pair.k for pair in schedule[0]], n) is None
-        sums = torch.empty((2, *k.shape), device=k.device, dtype=torch.float32 if overlapping else k.dtype)
-        grads.dkv_pass(schedule[0], *own, sums)
-        return grads.dq_out, sums.to(k.dtype)
     # Two active steps (a ring of two) take ``_home_first`` where no rank's own pairs overlap
     # in key rows and every rank's remote step is at least half its own step (a sliding
     # window's sliver of a remote step would not hide the trip; the own dK/dV pass of
-    # ``_rotate`` does), and whole shards travel.
-    if steps == 2 and own_apart and sent is None and (
+    # ``_rotate`` does), and whole shards travel; not with the fused kernel, which adds
+    # each pair's dK/dV into fp32 sums as ``_rotate`` keeps them.
+    if not grads.fused and steps == 2 and own_apart and sent is None and (
             remote_share(layout, ring.world, n, band) if plan is None
             else plan.remote_share(band, blocks)) >= 0.5:
-        return grads.dq_out, _home_first(grads, ring, k, own, slots.at(1), schedule, pieces)
-    return grads.dq_out, _rotate(grads, ring, k, own, slots, schedule, steps)
+        return grads.result(), _home_first(grads, ring, k, own, slots.at(1), schedule, pieces)
+    dkv = _rotate(grads, ring, k, own, slots, schedule, steps, sums, own_pieces[1:])
+    return grads.result(), dkv
+
+
+def _fuses(q, k, steps, segments, dropout, plan, blocks, deterministic: bool) -> bool:
+    """Whether the Gluon backward serves every pair of ``steps`` (lists of pairs), judged
+    from what every rank agrees on (``dispatch.gluon_serves``), so that all ranks choose
+    the same schedule."""
+    n = q.shape[1]
+    pairs = [pair for step in steps for pair in step]
+    return bool(pairs) and all(
+        dispatch.gluon_serves(q, k, len(range(n)[pair.q]), len(range(n)[pair.k]),
+                              pair_mask(pair, segments, segments, dropout, plan, blocks), deterministic)
+        for pair in pairs)
+
+
+def _one_step(grads: _Grads, k, own, pairs, first_writes: bool) -> torch.Tensor:
+    """dK/dV of a ring whose shards never travel (one rank, or masks that keep to the own
+    shard), after its dQ: pairs adding into one key row add in fp32, then round once (the
+    fused kernel adds into fp32 sums)."""
+    overlapping = uncovered([pair.k for pair in pairs], grads.n) is None
+    fp32 = overlapping or grads.fused
+    sums = torch.empty((2, *k.shape), device=k.device, dtype=torch.float32 if fp32 else k.dtype)
+    if grads.fused:
+        grads.fused_pass(pairs, *own, sums.zero_())
+    else:
+        grads.dq_pass(pairs, *own, first_writes, True)
+        grads.dkv_pass(pairs, *own, sums)
+    return sums.to(k.dtype)
 
 
 def _home_first(grads: _Grads, ring: Ring, k, own, cur, schedule, pieces) -> torch.Tensor:
@@ -254,16 +310,25 @@ def _home_first(grads: _Grads, ring: Ring, k, own, cur, schedule, pieces) -> tor
     return dkv
 
 
-def _rotate(grads: _Grads, ring: Ring, k, own, slots: _Slots, schedule, steps: int) -> torch.Tensor:
+def _rotate(grads: _Grads, ring: Ring, k, own, slots: _Slots, schedule, steps: int,
+            sums: Optional[torch.Tensor] = None, own_last=()) -> torch.Tensor:
     """dK/dV of the rotation: each visiting shard's running fp32 sum travels one step behind
-    its K/V, and arrives home while the own shard's dK/dV pass runs."""
+    its K/V, and arrives home while the own shard's dK/dV pass runs.
+
+    With the fused kernel (``grads.fused``) a visiting step adds its pairs' dK/dV into a
+    zeroed buffer of its own (``fresh``) while the running sum arrives, then that buffer
+    into the sum (one add over the key rows the step touches): no kernel waits for a
+    trip; the own shard's sum (``sums[2]``, given, holding the own step's first piece) then
+    takes the own step's other pieces, ``own_last``, last, hiding the trip home."""
     dkv = torch.empty((2, *k.shape), device=k.device, dtype=k.dtype)
     # Packed (dk, dv) sums in fp32: `running` belongs to the shard this step computes and
     # arrives from r-1 during the step (the shard of step 1 starts its sum here); `sending`
     # belongs to the shard of the step before and leaves for r+1; `mine` is the own
     # shard's part. The first two hold the travelling rows of their shard (``_Slots``).
-    sums = ring.buffer("grads", (3, 2 * k.numel()), torch.float32, k.device)
+    sums = ring.buffer("grads", (3, 2 * k.numel()), torch.float32, k.device) if sums is None else sums
     mine = sums[2].view(2, *k.shape)
+    fresh = None if not grads.fused or steps < 3 else torch.empty(2 * k.numel(), device=k.device,
+                                                                  dtype=torch.float32)
 
     running = sending = None
     for step in range(1, steps):
@@ -274,15 +339,28 @@ def _rotate(grads: _Grads, ring: Ring, k, own, slots: _Slots, schedule, steps: i
         # dK/dV pass adds into) and the next K/V (needed by the next step only).
         grads_pending = [] if step == 1 else ring.exchange((sending, running))
         kv_pending = pass_on(ring, (kv, seg), slots.at(step + 1)) if step + 1 < steps else []
-        # dQ needs nothing in flight, so it runs while the running dK/dV arrives; dK/dV
-        # then add straight into it, only in the key rows this step touches.
-        grads.dq_pass(pairs, kv, seg, False, step == steps - 1)
-        ring.wait(grads_pending)
-        if step == 1:
-            grads.dkv_pass(pairs, kv, seg, running)
+        if grads.fused:
+            if step == 1:  # the sum starts here
+                grads.fused_pass(pairs, kv, seg, running.zero_())
+            elif not pairs:  # nothing to add on this rank: the sum passes through
+                ring.wait(grads_pending)
+            else:
+                touched = _key_span(pairs, running.shape[2])
+                part = slots.packed(fresh, (ring.rank - step) % ring.world)
+                copy_rows(part, None, touched, 2)
+                grads.fused_pass(pairs, kv, seg, part)
+                ring.wait(grads_pending)
+                add_rows(running, part, touched, 2)
         else:
-            for pair in pairs:
-                grads.pair(pair, kv, seg, False, dkv=running)
+            # dQ needs nothing in flight, so it runs while the running dK/dV arrives; dK/dV
+            # then add straight into it, only in the key rows this step touches.
+            grads.dq_pass(pairs, kv, seg, False, step == steps - 1)
+            ring.wait(grads_pending)
+            if step == 1:
+                grads.dkv_pass(pairs, kv, seg, running)
+            else:
+                for pair in pairs:
+                    grads.pair(pair, kv, seg, False, dkv=running)
         ring.wait(kv_pending)
         sending = running
     # The own shard's dK/dV last, into a buffer of its own, while the last remote sum goes
@@ -291,10 +369,20 @@ def _rotate(grads: _Grads, ring: Ring, k, own, slots: _Slots, schedule, steps: i
     # (local masks, packed documents), hides the one fp32 trip.
     home = slots.packed(sums[steps % 2], ring.rank)
     home_pending = ring.exchange((sending, home), shift=1 - steps)
-    grads.dkv_pass(schedule[0], *own, mine)
+    if grads.fused:
+        for pairs in own_last:
+            grads.fused_pass(pairs, *own, mine)
+    else:
+        grads.dkv_pass(schedule[0], *own, mine)
     ring.wait(home_pending)
     rows = slots.rows(ring.rank)
     if rows != slice(None):  # the rows that stayed are the own pass's alone
         dkv.copy_(mine)
     torch.add(mine[:, :, rows], home, out=dkv[:, :, rows])  # the fp32 sum rounded once
     return dkv
+
+
+def _key_span(pairs, rows: int) -> slice:
+    """The key rows from the first to the last that ``pairs`` touch (of ``rows``)."""
+    spans = [range(rows)[pair.k] for pair in pairs]
+    return slice(min(r.start for r in spans), max(r.stop for r in spans))

@@ -40,6 +40,12 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor, rows: slice, dim: int) -> No
             piece.copy_(source)
 
 
+def add_rows(dst: torch.Tensor, src: torch.Tensor, rows: slice, dim: int) -> None:
+    """dst[rows] += src[rows] along ``dim``, in contiguous pieces (as ``copy_rows``)."""
+    for piece, source in zip(dst.flatten(0, dim - 1)[:, rows], src.flatten(0, dim - 1)[:, rows]):
+        piece.add_(source)
+
+
 def home_cuts(n: int) -> tuple[int, ...]:
     """Where a ring of two cuts its dK/dV passes and the trip home: at the multiple of BLOCK
     nearest half the rank's n rows (not below 2 BLOCK rows)."""
