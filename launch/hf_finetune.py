@@ -14,7 +14,9 @@ ln(vocab) only through attention half a sequence back, mostly into other ranks' 
 What sequence parallelism takes, with ringflash.hf:
 - ``ringflash.hf.register()`` once, and ``attn_implementation="ring_attn"``;
 - ``sp = ringflash.SequenceParallel((mesh, "sp"))``: the ring of ranks holding one set of
-  sequences, and the layout they are split by (zigzag);
+  sequences, and the layout they are split by ("auto": zigzag for these unpacked
+  sequences; batches whose position_ids pack documents would get the layout computed from
+  them);
 - every step, ``model(**ringflash.hf.prepare_batch(sp, ids, labels=ids, num_items_in_batch=N))``
   with N the labelled tokens of the WHOLE global batch: each rank's loss is its own token
   losses over N, so the SUM over all ranks of losses and of gradients is the unsharded

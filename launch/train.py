@@ -26,7 +26,7 @@ A binding is one "fact" token (key k's values are tokens of their own), written
 ``--queries`` query tokens Q(k) among the noise; the label at a query is the value of k,
 and only queries are scored. Answers never appear in the sequence, so every query must
 retrieve a fact from the first half, on average half the sequence back (and, once
-sharded, mostly from another rank): the loss falls below the chance level
+sharded by zigzag, mostly from another rank): the loss falls below the chance level
 ln(values-per-key) only through long-range attention. Accuracy is reported beside it.
 ``--facts-end`` and ``--queries-start`` move the two regions (fractions of a document,
 0.5 both by default): with 0.25 and 0.75 the facts fill the first quarter, the queries
@@ -43,8 +43,14 @@ runs at the final length) when the job has a wall-clock limit.
 
 Sequence parallelism: the global batch of ``--batch-size`` sequences of ``--seqlen``
 tokens is split over dp = world / sp replicas; the sp ranks of a replica each hold
-seqlen / sp tokens of every sequence (``ringflash.shard`` with ``--layout``) and run
-the ring over their group. Each rank's loss is its own token-loss sum divided by the
+seqlen / sp tokens of every sequence and run the ring over their group. Which tokens is
+``--layout``: by default (auto) the layout computed from the documents a sequence packs
+(``ringflash.document_layout``: each document whole on one rank where the balance
+allows, the ring moving only those that cross ranks; one per --curriculum length),
+zigzag for ``--documents 1``; or a named layout at every length. One
+``ringflash.SequenceParallel`` per length carries the layout to both the data
+(``sp.shard``) and the attention (the layers' ``layout=`` per call), so the two never
+differ. Each rank's loss is its own token-loss sum divided by the
 number of scored tokens in the WHOLE global batch; the gradients are then SUMMED over
 all ranks, which gives every rank the exact gradient of the global mean (see
 ringflash/layer.py). Results equal single-process training on full sequences up to
@@ -96,7 +102,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import ringflash  # noqa: E402
-from ringflash.layer import RingSelfAttention, all_reduce_gradients, broadcast_parameters  # noqa: E402
+from ringflash.layer import all_reduce_gradients, broadcast_parameters  # noqa: E402
 
 IGNORE = -100
 CKPT_PATTERN = re.compile(r"^step_(\d{8})\.pt$")
@@ -135,7 +141,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = p.add_argument_group("sequence parallelism")
     g.add_argument("--seqlen", type=int, default=None,
                    help="GLOBAL tokens per sequence (a multiple of 2 x sp for zigzag, sp for "
-                        "stripe); default 512")
+                        "stripe and documents, 128 x sp for block_stripe); default 512")
     g.add_argument("--batch-size", type=int, default=None,
                    help="sequences per step, all data-parallel replicas together; default 8 "
                         "(with --curriculum: of the stages that name no batch size)")
@@ -143,10 +149,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a length curriculum instead of --seqlen and --steps: stages "
                         "[BATCHx]SEQLEN:STEPS, comma-separated, e.g. 16x8k:400,4x32k:150,1x128k:300 "
                         "(k: 1024 tokens); the last stage is the final length")
-    g.add_argument("--layout", default="zigzag", choices=("documents", *ringflash.LAYOUTS),
-                   help="which tokens each rank of a ring holds; documents: the layout computed "
-                        "from the packed documents (ringflash.document_layout; zigzag for one). "
-                        "zigzag by default, so that the recall crosses ranks")
+    g.add_argument("--layout", default="auto", choices=("auto", "documents", *ringflash.LAYOUTS),
+                   help="which tokens each rank of a ring holds. auto (the default): documents "
+                        "when --documents packs several a sequence, else zigzag. documents: the "
+                        "layout computed from the packed documents (ringflash.document_layout), "
+                        "one per --curriculum length: each document whole on one rank where the "
+                        "balance allows, so most recall stays on its rank; zigzag for one "
+                        "document. A named layout is used at every length (zigzag: every "
+                        "document split over the ring, so that the recall crosses ranks)")
     g.add_argument("--sp-size", type=int, default=0,
                    help="ranks in one ring (sequence-parallel group); 0: the whole world. "
                         "The other factor of the world size is data parallelism")
@@ -163,7 +173,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g = p.add_argument_group("task (synthetic key-value recall)")
     g.add_argument("--documents", type=int, default=2,
                    help="documents packed into every sequence, each its own recall instance of "
-                        "seqlen/documents tokens; attention is masked at their boundaries")
+                        "seqlen/documents tokens; attention is masked at their boundaries, and "
+                        "with several the default --layout is the one computed from them")
     g.add_argument("--num-keys", type=int, default=2, help="keys bound to a value in every document")
     g.add_argument("--values-per-key", type=int, default=16,
                    help="values each key can take; chance loss is ln(values-per-key)")
@@ -229,6 +240,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.steps = sum(stage.steps for stage in stages)
     args.seqlen = 512 if args.seqlen is None else args.seqlen
     args.steps = 150 if args.steps is None else args.steps
+    if args.layout == "auto":  # what the run uses (a checkpoint records it, metrics report it)
+        args.layout = "documents" if args.documents > 1 else "zigzag"
     for name in ("seqlen", "batch_size", "d_model", "layers", "heads", "kv_heads", "steps",
                  "ckpt_every", "keep_ckpts", "log_every", "num_keys", "values_per_key", "queries"):
         if getattr(args, name) < 1:
@@ -295,24 +308,25 @@ def stage_of_step(stages: list[Stage], step: int) -> int:
     return len(stages) - 1
 
 
-def check_stages(args, stages: list[Stage], d) -> list["Task"]:
-    """Every stage's task; ValueError naming the stage's flag unless its task fits its length
-    and its length and batch size suit the layout, the ring and data parallelism."""
-    if args.layout == "documents" and len({stage.seqlen for stage in stages}) > 1:
-        raise ValueError("--layout documents computes one layout for one sequence length; "
-                         "give --curriculum stages of one length or a named --layout")
-    tasks = []
+def check_stages(args, stages: list[Stage], d) -> tuple[list["Task"], list[ringflash.SequenceParallel]]:
+    """Every stage's task and sequence parallelism (``stage_parallel``: its layout for its
+    length); ValueError naming the stage's flag unless its task fits its length and its
+    length and batch size suit the layout, the ring and data parallelism."""
+    tasks, parallels = [], []
     for i, stage in enumerate(stages):
         where = f"--curriculum stage {i + 1} ({stage})" if args.curriculum else f"--seqlen {stage.seqlen}"
         if stage.batch_size % d.dp_size:
             raise ValueError(f"{where}: the batch size {stage.batch_size} must be a multiple of "
                              f"the number of data-parallel replicas {d.dp_size}")
         try:
-            tasks.append(Task.from_args(args, stage.seqlen))
-            ringflash.positions(stage.seqlen, layout=sp_layout(args, d.sp_group), group=d.sp_group)
+            task = Task.from_args(args, stage.seqlen)
+            sp = stage_parallel(args, task, d.sp_group)
+            sp.positions(stage.seqlen)  # the layout splits this length over the ring
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from exc
-    return tasks
+        tasks.append(task)
+        parallels.append(sp)
+    return tasks, parallels
 
 
 # ----------------------------------------------------------------------------- the task
@@ -395,6 +409,11 @@ class Task:
         parts = [self._document(g) for _ in range(self.documents)]
         return torch.cat([t for t, _ in parts]), torch.cat([l for _, l in parts])
 
+    def cu_seqlens(self) -> torch.Tensor:
+        """(documents + 1,) int64 bounds of the documents every sequence packs (flash_attn's
+        varlen format): document d holds tokens [cu[d], cu[d + 1])."""
+        return torch.arange(self.documents + 1) * self.doc_len
+
     def segment_ids(self) -> torch.Tensor | None:
         """(seqlen,) int32 document ids of every sequence, or None for one document."""
         if self.documents == 1:
@@ -431,59 +450,67 @@ class Task:
 
 
 class Block(nn.Module):
-    def __init__(self, args, group):
+    def __init__(self, args, sp: ringflash.SequenceParallel):
         super().__init__()
         d = args.d_model
         self.norm1 = nn.RMSNorm(d)
-        self.attn = RingSelfAttention(d, args.heads, args.kv_heads, causal=True,
-                                      layout=sp_layout(args, group), group=group, rope_base=args.rope_base,
-                                      dropout_p=args.attn_dropout)
+        self.attn = sp.self_attention(d, args.heads, args.kv_heads, causal=True,
+                                      rope_base=args.rope_base, dropout_p=args.attn_dropout)
         self.norm2 = nn.RMSNorm(d)
         self.mlp = nn.Sequential(nn.Linear(d, args.mlp_ratio * d, bias=False), nn.GELU(),
                                  nn.Linear(args.mlp_ratio * d, d, bias=False))
 
-    def forward(self, x, segment_ids=None, dropout_seed=None):
-        x = x + self.attn(self.norm1(x), segment_ids=segment_ids, dropout_seed=dropout_seed)
+    def forward(self, x, segment_ids=None, dropout_seed=None, layout=None):
+        x = x + self.attn(self.norm1(x), segment_ids=segment_ids, dropout_seed=dropout_seed,
+                          layout=layout)
         return x + self.mlp(self.norm2(x))
 
 
 class RingLM(nn.Module):
     """Decoder-only LM on this rank's tokens (batch, seqlen_local) -> logits (.., vocab)."""
 
-    def __init__(self, args, vocab_size: int, group=None):
+    def __init__(self, args, vocab_size: int, sp: ringflash.SequenceParallel | None = None):
         super().__init__()
+        sp = ringflash.SequenceParallel() if sp is None else sp
         self.embed = nn.Embedding(vocab_size, args.d_model)
         nn.init.normal_(self.embed.weight, std=0.02)
-        self.blocks = nn.ModuleList(Block(args, group) for _ in range(args.layers))
+        self.blocks = nn.ModuleList(Block(args, sp) for _ in range(args.layers))
         self.norm = nn.RMSNorm(args.d_model)
         self.head = nn.Linear(args.d_model, vocab_size, bias=False)
         self.head.weight = self.embed.weight  # tied
 
-    def forward(self, tokens, segment_ids=None, dropout_seed=None):
-        """dropout_seed: an int; layer i's attention dropout uses dropout_seed + i."""
+    def forward(self, tokens, segment_ids=None, dropout_seed=None, layout=None):
+        """dropout_seed: an int; layer i's attention dropout uses dropout_seed + i. layout:
+        the layout ``tokens`` were sharded with (``sp.layout`` of the SequenceParallel that
+        sharded them; default: that of the model's construction, the final length's)."""
         x = self.embed(tokens)
         for i, block in enumerate(self.blocks):
-            x = block(x, segment_ids, None if dropout_seed is None else dropout_seed + i)
+            x = block(x, segment_ids, None if dropout_seed is None else dropout_seed + i, layout)
         return self.head(self.norm(x))
 
 
-def sp_layout(args, group=None):
-    """The layout of --layout: a name, or for "documents" the layout computed from the
-    documents every sequence packs (--documents of seqlen / documents tokens each; zigzag
-    for one document, which that layout would split as zigzag does)."""
-    if args.layout != "documents":
-        return args.layout
-    if args.documents == 1:
-        return "zigzag"
-    cu_seqlens = torch.arange(args.documents + 1) * (args.seqlen // args.documents)
-    return ringflash.document_layout(cu_seqlens, args.seqlen, group)
+def stage_parallel(args, task: Task, group=None) -> ringflash.SequenceParallel:
+    """The sequence parallelism of sequences of ``task.seqlen`` tokens: the ring of
+    ``group`` and the layout of --layout, for "documents" (or "auto") the layout computed
+    from the documents every sequence packs (``SequenceParallel.for_documents``; zigzag
+    for one document). It shards the batches of that length (``local_batch``) and gives
+    the model's attention their layout (``RingLM.forward``'s ``layout``)."""
+    follows_documents = args.layout in ("auto", "documents")
+    sp = ringflash.SequenceParallel(group, layout="auto" if follows_documents else args.layout)
+    return sp.for_documents(task.cu_seqlens(), task.seqlen)
 
 
-def build_model(args, task: Task, group=None) -> RingLM:
-    """The model with parameters drawn from --seed (the same on every rank)."""
+def layout_label(layout) -> str:
+    """A layout in words, for logs and metrics: its name, or "documents"."""
+    return layout if isinstance(layout, str) else "documents"
+
+
+def build_model(args, task: Task, sp: ringflash.SequenceParallel | None = None) -> RingLM:
+    """The model with parameters drawn from --seed (the same on every rank); its attention
+    layers run over ``sp``'s group, by default with ``sp``'s layout (None: one process)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(args.seed)
-        return RingLM(args, task.vocab_size, group)
+        return RingLM(args, task.vocab_size, sp)
 
 
 def make_optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
@@ -537,8 +564,9 @@ def setup_distributed(args) -> Dist:
     if args.batch_size % d.dp_size and not args.curriculum:  # check_stages names the stage
         raise ValueError(f"--batch-size {args.batch_size} must be a multiple of the number of "
                          f"data-parallel replicas {d.dp_size}")
-    if 1 < d.sp_size < d.world:
-        # Consecutive ranks share a ring: with sp <= GPUs per node it stays on NVLink.
+    if d.sp_size < d.world:
+        # Consecutive ranks share a ring: with sp <= GPUs per node it stays on NVLink. With
+        # --sp-size 1 each rank is a ring of one (pure data parallelism), not the world.
         d.sp_group, _ = dist.new_subgroups(group_size=d.sp_size)
     return d
 
@@ -785,35 +813,35 @@ def dropout_seed(args, step: int) -> int | None:
     return int.from_bytes(digest, "little")
 
 
-def local_batch(task: Task, step: int, batch_size: int, args, d: Dist):
-    """This rank's shard of the global batch of ``step`` (``batch_size`` sequences of
-    task.seqlen tokens): tokens, labels and segment ids (None for one document)."""
+def local_batch(task: Task, sp: ringflash.SequenceParallel, step: int, batch_size: int, d: Dist):
+    """This rank's shard (``sp.shard``) of the global batch of ``step`` (``batch_size``
+    sequences of task.seqlen tokens): tokens, labels and segment ids (None for one document)."""
     per_replica = batch_size // d.dp_size
     first = d.dp_rank * per_replica
     tokens, labels = task.batch(step, range(first, first + per_replica))
-    shard = dict(dim=1, layout=sp_layout(args, d.sp_group), group=d.sp_group)
-    tokens = ringflash.shard(tokens.to(d.device), **shard)
-    labels = ringflash.shard(labels.to(d.device), **shard)
+    tokens, labels = sp.shard(tokens.to(d.device)), sp.shard(labels.to(d.device))
     segments = task.segment_ids()
     if segments is not None:  # every row packs the same documents
-        segments = ringflash.shard(segments.expand(tokens.shape[0], -1).to(d.device), **shard)
+        segments = sp.shard(segments.expand(tokens.shape[0], -1).to(d.device))
     return tokens, labels, segments
 
 
-def train_step(model, optimizer, task: Task, batch_size: int, step: int, args, d: Dist,
-               autocast_dtype, signals: StopSignals | None = None, out_of_time: bool = False):
-    """One optimizer step on the global batch of ``step``; returns the loss, accuracy and
+def train_step(model, optimizer, task: Task, sp: ringflash.SequenceParallel, batch_size: int,
+               step: int, args, d: Dist, autocast_dtype, signals: StopSignals | None = None,
+               out_of_time: bool = False):
+    """One optimizer step on the global batch of ``step``, split by ``sp`` (the stage's
+    ``stage_parallel``: data and attention alike); returns the loss, accuracy and
     gradient norm (before clipping) of the global batch, whether any rank has received a
     stop signal (``signals``) and whether any rank is ``out_of_time``: all identical on
     every rank. The two flags ride on the all-reduce of the statistics, so agreeing on
     them costs nothing."""
-    tokens, labels, segments = local_batch(task, step, batch_size, args, d)
+    tokens, labels, segments = local_batch(task, sp, step, batch_size, d)
     scored = batch_size * task.scored_per_sequence()  # in the WHOLE global batch
 
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, args)
     with torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=autocast_dtype is not None):
-        logits = model(tokens, segments, dropout_seed(args, step))
+        logits = model(tokens, segments, dropout_seed(args, step), layout=sp.layout)
     logits = logits.float().flatten(0, 1)
     labels = labels.flatten()
     loss_sum = F.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="sum")
@@ -837,15 +865,16 @@ def train_step(model, optimizer, task: Task, batch_size: int, step: int, args, d
 
 
 @torch.no_grad()
-def evaluate(model, task: Task, batch_size: int, args, d: Dist, autocast_dtype) -> tuple[float, float]:
+def evaluate(model, task: Task, sp: ringflash.SequenceParallel, batch_size: int, args, d: Dist,
+             autocast_dtype) -> tuple[float, float]:
     """Loss and accuracy over --eval-steps batches of ``task`` that no training step draws
-    (steps -1, -2, ...), forward only; identical on every rank."""
+    (steps -1, -2, ...), split by ``sp``, forward only; identical on every rank."""
     model.eval()
     totals = torch.zeros(2, device=d.device)
     for i in range(1, args.eval_steps + 1):
-        tokens, labels, segments = local_batch(task, -i, batch_size, args, d)
+        tokens, labels, segments = local_batch(task, sp, -i, batch_size, d)
         with torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=autocast_dtype is not None):
-            logits = model(tokens, segments)
+            logits = model(tokens, segments, layout=sp.layout)
         logits, labels = logits.float().flatten(0, 1), labels.flatten()
         totals[0] += F.cross_entropy(logits, labels, ignore_index=IGNORE, reduction="sum")
         totals[1] += ((logits.argmax(-1) == labels) & (labels != IGNORE)).sum()
@@ -867,13 +896,14 @@ def run(args) -> dict | None:
                 dist.destroy_process_group()
 
 
-def describe_stage(index: int, stages: list[Stage], task: Task, sp_size: int) -> str:
+def describe_stage(index: int, stages: list[Stage], task: Task, sp: ringflash.SequenceParallel) -> str:
     first = sum(stage.steps for stage in stages[:index]) + 1
     stage = stages[index]
     return (f"stage {index + 1}/{len(stages)}: {stage.batch_size} x {stage.seqlen} tokens/step, "
             f"steps {first}-{first + stage.steps - 1}; per document {task.queries} queries, "
             f"each fact {task.fact_copies}x, answers >= {task.min_answer_distance} "
-            f"tokens back ({stage.seqlen // sp_size} tokens of a sequence per rank)")
+            f"tokens back ({stage.seqlen // sp.world} tokens of a sequence per rank, "
+            f"layout {layout_label(sp.layout)})")
 
 
 def window_means(entries: list[dict]) -> tuple[float | None, float | None, int]:
@@ -885,13 +915,14 @@ def window_means(entries: list[dict]) -> tuple[float | None, float | None, int]:
     return (sum(h["loss"] for h in last) / window, sum(h["acc"] for h in last) / window, window)
 
 
-def stage_summaries(stages: list[Stage], tasks: list[Task], history: list, start: int) -> list[dict]:
-    """Per stage: its shape and task, the steps run, the mean loss and accuracy of its last
-    steps, and global tokens/s over the steps this invocation ran (start excluded: those
+def stage_summaries(stages: list[Stage], tasks: list[Task], parallels: list, history: list,
+                    start: int) -> list[dict]:
+    """Per stage: its shape, layout and task, the steps run, the mean loss and accuracy of its
+    last steps, and global tokens/s over the steps this invocation ran (start excluded: those
     came from a checkpoint), the first of the stage and of the invocation left out (JIT,
     caches, allocator growth) unless nothing else is left."""
     out = []
-    for i, (stage, task) in enumerate(zip(stages, tasks)):
+    for i, (stage, task, sp) in enumerate(zip(stages, tasks, parallels)):
         entries = [h for h in history if stage_of_step(stages, h["step"]) == i]
         ran = [h for h in entries if h["step"] > start and "seconds" in h]
         timed = [h for h in ran if not h.get("first")] or ran
@@ -899,6 +930,7 @@ def stage_summaries(stages: list[Stage], tasks: list[Task], history: list, start
         loss, acc, window = window_means(entries)
         out.append({
             "batch_size": stage.batch_size, "seqlen": stage.seqlen, "steps": stage.steps,
+            "layout": layout_label(sp.layout),
             "first_step": sum(s.steps for s in stages[:i]) + 1, "steps_run": len(entries),
             "queries": task.queries, "fact_copies": task.fact_copies,
             "min_answer_distance": task.min_answer_distance,
@@ -912,11 +944,12 @@ def stage_summaries(stages: list[Stage], tasks: list[Task], history: list, start
 def _train(args, d: Dist, signals: StopSignals | None = None) -> dict | None:
     is_main = d.rank == 0
     stages = stages_of(args)
-    tasks = check_stages(args, stages, d)  # ValueError naming the stage before anything runs
+    # ValueError naming the stage before anything runs; one SequenceParallel per stage.
+    tasks, parallels = check_stages(args, stages, d)
     task = tasks[-1]  # the final length (every stage has the same vocabulary)
     autocast_dtype = {"auto": torch.bfloat16 if d.device.type == "cuda" else None,
                       "float32": None, "bfloat16": torch.bfloat16}[args.dtype]
-    model = build_model(args, task, d.sp_group).to(d.device)
+    model = build_model(args, task, parallels[-1]).to(d.device)
     broadcast_parameters(model)  # same seed everywhere already; this makes it a guarantee
     optimizer = make_optimizer(model, args)
 
@@ -947,7 +980,7 @@ def _train(args, d: Dist, signals: StopSignals | None = None) -> dict | None:
             index = stage_of_step(stages, step)
             timed_steps, timed_s = 0, 0.0
             if len(stages) > 1:
-                progress.write(describe_stage(index, stages, tasks[index], d.sp_size))
+                progress.write(describe_stage(index, stages, tasks[index], parallels[index]))
         stage = stages[index]
         # Out of time if the step after this one would end past the budget, both estimated
         # to take as long as the last step that was not a stage's first (those compile);
@@ -955,8 +988,8 @@ def _train(args, d: Dist, signals: StopSignals | None = None) -> dict | None:
         late = bool(args.time_budget_s) and time.monotonic() - START + 2 * estimate >= args.time_budget_s
         t0 = time.perf_counter()
         loss, acc, grad_norm, stop, out_of_time = train_step(
-            model, optimizer, tasks[index], stage.batch_size, step, args, d, autocast_dtype,
-            signals, late)
+            model, optimizer, tasks[index], parallels[index], stage.batch_size, step, args, d,
+            autocast_dtype, signals, late)
         step_s = time.perf_counter() - t0  # stats.tolist() synchronized the device
         if not first:
             estimate = step_s
@@ -996,14 +1029,14 @@ def _train(args, d: Dist, signals: StopSignals | None = None) -> dict | None:
     evaluation = None
     if args.eval_steps and stopped_by is None:  # a preempted job leaves at once
         t0 = time.perf_counter()
-        loss, acc = evaluate(model, task, args.batch_size, args, d, autocast_dtype)
+        loss, acc = evaluate(model, task, parallels[-1], args.batch_size, args, d, autocast_dtype)
         evaluation = {"seqlen": args.seqlen, "batch_size": args.batch_size, "steps": args.eval_steps,
                       "scored": args.eval_steps * args.batch_size * task.scored_per_sequence(),
                       "loss": loss, "accuracy": acc, "seconds": time.perf_counter() - t0}
         progress.write(f"eval: {args.eval_steps} x {args.batch_size} sequences of {args.seqlen} "
                        f"tokens never trained on, {evaluation['scored']:,} queries: loss {loss:.4f}  "
                        f"acc {acc:.3f}")
-    summaries = stage_summaries(stages, tasks, history, start)
+    summaries = stage_summaries(stages, tasks, parallels, history, start)
     last = summaries[-1]  # the final length
     losses = [h["loss"] for h in history]
     metrics = {

@@ -49,7 +49,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from . import agreement, api
 from .groups import resolve_grid
 from .kernels import SUPPORTED_DTYPES, check_causal, check_deterministic, check_dropout, check_window
-from .layouts import DEFAULT_LAYOUT, check_layout, check_local_length
+from .layouts import DEFAULT_LAYOUT, check_layout, check_local_length, layout_code
 
 
 # ----------------------------------------------------------------------------- rotary embeddings
@@ -93,7 +93,8 @@ class RingSelfAttention(nn.Module):
             ringflash function, "contiguous", "stripe", "block_stripe", or a
             ``ringflash.document_layout``); inputs must have been sharded
             with the same layout (``ringflash.shard(x, dim=1, layout=layout, group=group)``,
-            or build the layer with ``SequenceParallel.self_attention``, which cannot differ).
+            or build the layer with ``SequenceParallel.self_attention``, which cannot differ),
+            unless forward is given the layout of its shards (``layout=``).
         group: the sequence-parallel process group (None: the world; without an
             initialized process group the layer is plain single-device attention), or a
             DeviceMesh: 1-D, or ``(mesh, dim)``; or a heads x ring grid (a 2-D DeviceMesh
@@ -103,9 +104,10 @@ class RingSelfAttention(nn.Module):
         window_size: (left, right) sliding window on global positions, -1 = unbounded
             (see ``ring_flash_attn``).
         dropout_p: attention dropout, applied in training mode only.
-        deterministic: accepted for compatibility (the backward always is).
+        deterministic: the backward's bits the same run to run (``ring_flash_attn``'s: the
+            default may add dQ in arrival order on Hopper).
 
-    forward(x, positions=None, segment_ids=None, dropout_seed=None, block_mask=None):
+    forward(x, positions=None, segment_ids=None, dropout_seed=None, block_mask=None, layout=None):
         x: (batch, seqlen_local, d_model), this rank's tokens; the same shape on every rank.
         positions: optional (seqlen_local,) int64 global positions of those tokens;
             default ``ringflash.positions(seqlen_local * world, layout, group)``. With
@@ -116,6 +118,11 @@ class RingSelfAttention(nn.Module):
             draws one from torch's default generator (``ring_flash_attn``'s ``seed``).
         block_mask: optional bool (heads or 1, N / 128, N / 128) block-sparse mask over
             GLOBAL token blocks, the same tensor on every rank (``ring_flash_attn``'s).
+        layout: the layout ``x`` was sharded with, for this call only (default: the
+            layer's): a batch whose layout is computed from its own documents, e.g. one
+            ``ringflash.document_layout`` per sequence length of a curriculum, or
+            ``SequenceParallel.for_documents(...).layout``. It gives the default positions
+            and the ring's schedule, over the layer's group.
         Returns (batch, seqlen_local, d_model).
 
     Parameters are NOT synchronized by the layer: start every rank from the same values
@@ -148,7 +155,7 @@ class RingSelfAttention(nn.Module):
         self.layout = check_layout(layout)
         self.window_size = check_window(window_size)
         self.dropout_p, _ = check_dropout(dropout_p, 0)
-        check_deterministic(deterministic)
+        self.deterministic = check_deterministic(deterministic)
         self.group = resolve_grid(group)
         self.rope_base = float(rope_base)
         factory = dict(device=device, dtype=dtype)
@@ -164,35 +171,40 @@ class RingSelfAttention(nn.Module):
                 f"causal={self.causal}, layout={self.layout!r}, window_size={self.window_size}, "
                 f"dropout_p={self.dropout_p}")
 
-    def local_positions(self, seqlen_local: int, device=None) -> torch.Tensor:
-        """Global positions of this rank's ``seqlen_local`` tokens under the layer's layout."""
-        return api.positions(seqlen_local * self.group.world, layout=self.layout, group=self.group,
+    def local_positions(self, seqlen_local: int, device=None, layout=None) -> torch.Tensor:
+        """Global positions of this rank's ``seqlen_local`` tokens under ``layout`` (default:
+        the layer's)."""
+        return api.positions(seqlen_local * self.group.world,
+                             layout=self.layout if layout is None else layout, group=self.group,
                              device=device)
 
-    def _rotary(self, seqlen_local: int, positions: Optional[torch.Tensor], device):
+    def _rotary(self, seqlen_local: int, positions: Optional[torch.Tensor], device, layout=None):
         if positions is not None:
             if positions.shape != (seqlen_local,):
                 raise ValueError(f"positions must have shape ({seqlen_local},), "
                                  f"got {tuple(positions.shape)}")
             return rotary_cos_sin(positions.to(device), self.head_dim, self.rope_base)
-        key = (seqlen_local, self.group.world, str(device))
+        layout = self.layout if layout is None else layout
+        key = (seqlen_local, self.group.world, str(device), layout_code(layout))
         if self._rotary_cache[0] != key:
-            pos = self.local_positions(seqlen_local, device)
+            pos = self.local_positions(seqlen_local, device, layout)
             self._rotary_cache = (key, *rotary_cos_sin(pos, self.head_dim, self.rope_base))
         return self._rotary_cache[1:]
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 segment_ids: Optional[torch.Tensor] = None, dropout_seed: Optional[int] = None,
-                block_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """(B, S_local, H, D) x (B, S_local, Hkv, D) -> (B, S_local, H, D) over the ring."""
+                block_mask: Optional[torch.Tensor] = None, layout=None) -> torch.Tensor:
+        """(B, S_local, H, D) x (B, S_local, Hkv, D) -> (B, S_local, H, D) over the ring, whose
+        shards follow ``layout`` (default: the layer's)."""
         dropout_p = self.dropout_p if self.training else 0.0
         return api.ring_flash_attn(q, k, v, causal=self.causal, group=self.group,
-                                   layout=self.layout, segment_ids=segment_ids,
-                                   window_size=self.window_size, dropout_p=dropout_p,
-                                   seed=dropout_seed if dropout_p else None, block_mask=block_mask)
+                                   layout=self.layout if layout is None else layout,
+                                   segment_ids=segment_ids, window_size=self.window_size,
+                                   dropout_p=dropout_p, seed=dropout_seed if dropout_p else None,
+                                   block_mask=block_mask, deterministic=self.deterministic)
 
-    def _check_input(self, x) -> None:
-        """TypeError/ValueError naming ``x`` unless it can be this rank's tokens."""
+    def _check_input(self, x, layout) -> None:
+        """TypeError/ValueError naming ``x`` unless it can be this rank's tokens of ``layout``."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.dtype not in SUPPORTED_DTYPES:
@@ -200,28 +212,29 @@ class RingSelfAttention(nn.Module):
                             f"got {x.dtype}")
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must be (batch, seqlen_local, {self.d_model}), got {tuple(x.shape)}")
-        check_local_length(x.shape[1], self.layout, "x", self.group.heads_world)
+        check_local_length(x.shape[1], layout, "x", self.group.heads_world)
 
-    def _project(self, x: torch.Tensor, positions: Optional[torch.Tensor]):
+    def _project(self, x: torch.Tensor, positions: Optional[torch.Tensor], layout):
         """q (B, S_local, H, D) and k, v (B, S_local, Hkv, D) of x (B, S_local, d_model), q and
-        k rotated at their global positions."""
-        self._check_input(x)
+        k rotated at their global positions (under ``layout`` unless ``positions`` are given)."""
+        self._check_input(x, layout)
         b, n, _ = x.shape
         h, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.qkv_proj(x).view(b, n, h + 2 * hkv, d).split([h, hkv, hkv], dim=2)
-        cos, sin = self._rotary(n, positions, x.device)
+        cos, sin = self._rotary(n, positions, x.device, layout)
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v.contiguous()
 
     def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None,
                 segment_ids: Optional[torch.Tensor] = None, dropout_seed: Optional[int] = None,
-                block_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                block_mask: Optional[torch.Tensor] = None, layout=None) -> torch.Tensor:
         try:
-            q, k, v = self._project(x, positions)
+            layout = self.layout if layout is None else check_layout(layout)
+            q, k, v = self._project(x, positions, layout)
         except Exception as error:  # noqa: BLE001 - whatever it is, the other ranks must hear of it
             # The other ranks are already in the ring's rank check: join it, as a rank that
             # rejected its arguments, so they raise too instead of waiting for this one.
             agreement.raise_on_every_rank(self.group, error)
-        out = self._attend(q, k, v, segment_ids, dropout_seed, block_mask)
+        out = self._attend(q, k, v, segment_ids, dropout_seed, block_mask, layout=layout)
         return self.out_proj(out.flatten(2))
 
 

@@ -1,7 +1,7 @@
 """``SequenceParallel``: the sequence sharding of a model in one object.
 
-    sp = ringflash.SequenceParallel(group, layout="zigzag")   # group: None, a ProcessGroup,
-                                                              # a 1-D DeviceMesh or (mesh, "sp")
+    sp = ringflash.SequenceParallel(group)          # group: None, a ProcessGroup, a 1-D
+                                                    # DeviceMesh or (mesh, "sp"); layout "auto"
     ids = sp.shard(input_ids)                       # this rank's tokens (dim 1)
     pos = sp.positions(input_ids.shape[1])          # their global positions (rotary)
     labels = sp.shift_labels(input_ids)             # shifted on the WHOLE sequence, then sharded
@@ -11,6 +11,13 @@
 
 Everything that depends on which tokens a rank holds takes the group and the layout
 from the object, so data and attention cannot be split two different ways.
+
+The layout. ``layout="auto"`` (the default) is zigzag, except for a sequence that packs
+several documents: ``sp.for_documents(cu_seqlens, seqlen)`` (which ``ringflash.hf.prepare_batch``
+calls for packed ``position_ids``) then gives a SequenceParallel over the same group with
+the layout computed from those documents (``ringflash.document_layout``), to shard that
+sequence and run its attention. A layout named here (``"zigzag"``, ``"block_stripe"``, ...,
+or a document layout) is pinned: ``for_documents`` returns the object itself.
 
 The loss. The unsharded model's loss is the mean over the N labelled tokens of the
 global batch, L = (1/N) sum_r S_r, S_r being the sum of the token losses on rank r.
@@ -28,11 +35,15 @@ import torch
 import torch.nn.functional as F
 
 from . import agreement, api
+from .documents import document_layout
 from .groups import resolve_grid
 from .layer import RingSelfAttention, all_reduce_gradients
-from .layouts import DEFAULT_LAYOUT, check_layout
+from .layouts import DEFAULT_LAYOUT, LAYOUTS, check_layout
 
 IGNORE_INDEX = -100
+# SequenceParallel's default layout: zigzag, or for a sequence packing several documents
+# the layout computed from them (``SequenceParallel.for_documents``).
+AUTO_LAYOUT = "auto"
 _LOSS_FIELDS = agreement.tensor_fields("loss")  # what reduce_loss's ranks compare
 
 
@@ -45,23 +56,55 @@ class SequenceParallel:
             index of an n-D mesh: the ring. Or two dimensions, a 2-D DeviceMesh or a pair
             ``(head_group, ring_group)``: an all-to-all over heads (U ranks) x the ring (R
             ranks), the sequence split over U x R (``ringflash.heads``).
-        layout: "zigzag" (the default of every ringflash function), "contiguous",
-            "stripe", "block_stripe" (packed documents), or a layout computed from one
-            packed sequence's documents (``ringflash.document_layout``); see
-            ``ringflash.shard``.
+        layout: "auto" (the default): "zigzag" (the default of every ringflash function),
+            except for a sequence that packs several documents, which ``for_documents``
+            (and ``ringflash.hf.prepare_batch`` with packed position_ids) splits by the
+            layout computed from them. Or a pinned layout, used for every sequence:
+            "zigzag", "contiguous", "stripe", "block_stripe" (``ringflash.DOCUMENTS_LAYOUT``:
+            rows packing different documents), or a layout computed from one packed
+            sequence's documents (``ringflash.document_layout``); see ``ringflash.shard``.
 
-    Tensors are split along ``dim`` (default 1, the sequence of (batch, seq, ...)); the
-    global length must be a multiple of W (2W for zigzag, 128 W for block_stripe).
+    ``layout`` is the layout the methods use ("zigzag" for "auto"), ``auto`` whether it was
+    left to the data. Tensors are split along ``dim`` (default 1, the sequence of (batch,
+    seq, ...)); the global length must be a multiple of W (2W for zigzag, 128 W for
+    block_stripe).
     """
 
-    def __init__(self, group=None, layout: str = DEFAULT_LAYOUT):
+    def __init__(self, group=None, layout=AUTO_LAYOUT):
         self.grid = resolve_grid(group)
         self.group = self.grid if self.grid.heads_world > 1 else self.grid.ring
-        self.layout = check_layout(layout)
+        self.auto = isinstance(layout, str) and layout == AUTO_LAYOUT
+        try:
+            self.layout = DEFAULT_LAYOUT if self.auto else check_layout(layout)
+        except ValueError:
+            raise ValueError(f"layout must be {AUTO_LAYOUT!r}, one of {LAYOUTS} or a "
+                             f"ringflash.document_layout, got {layout!r}") from None
         self.grid.world  # noqa: B018 - a rank outside the group(s) is told now
 
     def __repr__(self) -> str:
-        return f"SequenceParallel(world={self.world}, rank={self.rank}, layout={self.layout!r})"
+        layout = f"{AUTO_LAYOUT!r} ({self.layout!r} unless documents)" if self.auto else repr(self.layout)
+        return f"SequenceParallel(world={self.world}, rank={self.rank}, layout={layout})"
+
+    def for_documents(self, cu_seqlens, seqlen: int) -> "SequenceParallel":
+        """The SequenceParallel of one sequence of ``seqlen`` GLOBAL tokens that packs the
+        documents of ``cu_seqlens`` (flash_attn's varlen format: document d holds tokens
+        [cu_seqlens[d], cu_seqlens[d + 1]); tokens from cu_seqlens[-1] on are padding), or
+        rows that all pack them.
+
+        With layout "auto" and more than one document: a new SequenceParallel over the same
+        group whose layout is ``ringflash.document_layout(cu_seqlens, seqlen, group)``;
+        shard that sequence with it and run its attention with it (``attn``, or
+        ``RingSelfAttention(...)(x, layout=its.layout)``), with segment ids that split its
+        documents at least as finely. Otherwise (a pinned layout, or one document) this
+        object itself. Local: every rank computes the same layout from the same arguments.
+        Raises ValueError for invalid cu_seqlens or a seqlen not a multiple of the ring's
+        size."""
+        if not self.auto:
+            return self
+        bounds = api.check_cu_seqlens(cu_seqlens, api.positive_int(seqlen, "seqlen"))
+        if bounds.numel() <= 2:  # one document (and padding): nothing to keep whole
+            return self
+        return SequenceParallel(self.group, document_layout(bounds, seqlen, self.group))
 
     @property
     def rank(self) -> int:

@@ -5,6 +5,11 @@
   and W=4: logits (gathered), loss (summed over ranks), every parameter gradient (summed);
   padded batches labelled the HF way (left, right, mixed; Llama, Qwen2, Phi3), packed
   batches, sliding windows, a moved copy of the batch, inputs_embeds, evaluation.
+- Packed position_ids under SequenceParallel's default layout ("auto"): the batch is split
+  by the layout computed from its documents (not zigzag) and equals, at W=2 (a document
+  cut between two ranks) and W=4 (documents split over every rank), the unsharded model
+  run on each document alone: logits, loss, every gradient. A pinned layout is kept; rows
+  packing different documents raise naming position_ids.
 - launch/hf_finetune.py at W=2 trains exactly like the unsharded model (--reference).
 - The whole model with ring attention compiles with fullgraph=True into one graph.
 - Generation runs inside ringflash.hf.unsharded (the same greedy tokens).
@@ -23,6 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install -e '.[hf]' or '.[test]')")
@@ -30,6 +36,7 @@ transformers = pytest.importorskip(
 import ringflash  # noqa: E402
 import ringflash.hf  # noqa: E402
 from oracle import rel_err  # noqa: E402
+from ringflash.documents import DocumentLayout  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5  # fp32, relative Frobenius error
@@ -195,6 +202,86 @@ def test_unpadded_single_sequences_need_no_segments():
     assert ringflash.hf.segment_ids_of(torch.arange(16).expand(2, 16), torch.ones_like(ids)) is None
     seg = ringflash.hf.segment_ids_of(torch.tensor([[0, 1, 2, 0, 1, 5]]), torch.tensor([[1, 1, 1, 1, 1, 0]]))
     assert seg.tolist() == [[0, 0, 0, 1, 1, -1]]
+
+
+# Documents packed into every row, by world size: at W=2 the short one is cut between the
+# ranks; at W=4 the long ones are split over every rank.
+PACKINGS = {2: [5, 14, 13], 4: [5, 30, 29]}
+
+
+def packed_batch_matches_unsharded(rank, world):
+    """Rows that pack the same documents (position_ids restarting at each) prepared with
+    SequenceParallel's default layout: (what the batch was split by, {what: rel err} of
+    logits, loss and summed gradients against the unsharded model run on each document
+    alone, the loss over the whole rows' shifted labels as the model computes it)."""
+    reference, model = tiny_models()
+    lengths = PACKINGS[world]
+    seqlen = sum(lengths)
+    ids, labels = _batch(seqlen)
+    sp = ringflash.SequenceParallel()
+    batch = ringflash.hf.prepare_batch(sp, ids, labels=labels,
+                                       position_ids=torch.cat([torch.arange(n) for n in lengths])[None])
+    split = batch[ringflash.hf.CONTEXT_KEY].sp
+    got = model(**batch)
+    got.loss.backward()
+    sp.reduce_gradients(model.parameters())
+    bounds = torch.tensor([0, *lengths]).cumsum(0).tolist()
+    logits = torch.cat([reference(input_ids=ids[:, a:b]).logits for a, b in zip(bounds, bounds[1:])], dim=1)
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+    loss.backward()
+    errs = {"logits": rel_err(split.unshard(got.logits.detach()), logits),
+            "loss": rel_err(sp.reduce_loss(got.loss), loss)}
+    ref_params = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        errs[f"grad {name}"] = rel_err(p.grad, ref_params[name].grad)
+    layout = split.layout
+    facts = {"documents": layout.bounds.tolist() if isinstance(layout, DocumentLayout) else layout,
+             "crossing": sorted(getattr(layout, "shared", ())),
+             "its tokens": torch.equal(batch["input_ids"], ids[:, split.positions(seqlen)]),
+             "zigzag's tokens": torch.equal(batch["input_ids"], ringflash.shard(ids, layout="zigzag"))}
+    return facts, errs
+
+
+@pytest.mark.parametrize("world_size", [2, 4], ids=["W2", "W4"])
+def test_packed_batch_takes_the_document_layout_and_matches_unsharded(worlds, world_size):
+    per_rank = worlds(world_size).run(packed_batch_matches_unsharded, timeout=180)
+    lengths = PACKINGS[world_size]
+    failures = []
+    for rank, (facts, errs) in enumerate(per_rank):
+        assert facts["documents"] == torch.tensor([0, *lengths]).cumsum(0).tolist(), facts
+        assert facts["crossing"] and facts["its tokens"], facts
+        failures += [f"rank {rank}: {what} rel err {err:.3g}" for what, err in errs.items() if not err <= TOL]
+    assert not all(facts["zigzag's tokens"] for facts, _ in per_rank), "split as zigzag"
+    assert not failures, "\n".join(failures)
+
+
+def test_packed_position_ids_choose_the_document_layout_unless_one_is_pinned():
+    """Which SequenceParallel a prepared batch is split by (``batch[CONTEXT_KEY].sp``)."""
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    packed = torch.cat([torch.arange(6), torch.arange(10)]).expand(2, 16)
+
+    def split(sp, position_ids=packed, **kwargs):
+        batch = ringflash.hf.prepare_batch(sp, ids, position_ids=position_ids, **kwargs)
+        return batch[ringflash.hf.CONTEXT_KEY].sp
+
+    auto = ringflash.SequenceParallel()
+    assert isinstance(split(auto).layout, DocumentLayout)
+    assert split(auto).layout.bounds.tolist() == [0, 6, 16]
+    # Padding that ends every row is the layout's padding; padding of one row only is not.
+    ends = torch.tensor([[1] * 12 + [0] * 4, [1] * 14 + [0] * 2])
+    assert split(auto, attention_mask=ends).layout.bounds.tolist() == [0, 6, 14]
+    pinned = ringflash.SequenceParallel(layout="zigzag")
+    assert split(pinned) is pinned
+    # No packing: padding alone, or transformers' positions of left padding, keep sp as it is.
+    left = torch.tensor([[0] * 4 + [1] * 12, [1] * 16])
+    assert split(auto, None, attention_mask=left) is auto
+    assert split(auto, (left.cumsum(-1) - 1).masked_fill(left == 0, 1), attention_mask=left) is auto
+    # Rows packing different documents: one layout of documents cannot serve them.
+    other = torch.stack([packed[0], torch.cat([torch.arange(8), torch.arange(8)])])
+    with pytest.raises(ValueError, match=r"position_ids: row 1 starts a document at token 8, inside "
+                                         r"a document of row 0: the rows pack different documents"):
+        split(auto, other)
+    assert split(pinned, other) is pinned
 
 
 @pytest.mark.parametrize("position_ids", [torch.arange(7), torch.arange(8)[None, None],

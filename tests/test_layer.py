@@ -6,7 +6,8 @@ distributed cases run in one spawned gloo world per world size (tests/dist_utils
 every rank shards the same full input, runs the layer, backpropagates its shard of
 the same upstream gradient and sums the parameter gradients over the group
 (``all_reduce_gradients``); the gathered output, input gradient and parameter
-gradients must match the reference for every layout, causal or not.
+gradients must match the reference for every layout, causal or not. A layout given per
+call (``layer(x, layout=...)``) computes what a layer built with it does.
 """
 
 from __future__ import annotations
@@ -197,6 +198,39 @@ def test_layer_matches_reference_world2(world2_results, layout, causal):
     assert errs.pop("rank_spread") == 0.0, "ranks ended with different parameters or gradients"
     bad = {k: v for k, v in errs.items() if not v < TOL}
     assert not bad, f"relative errors above {TOL}: {bad}"
+
+
+def per_call_layouts(rank, world, seqlen=48):
+    """One layer built with zigzag, called on shards of a document layout and of zigzag in
+    turn (``layout=`` per call): {case: (equal to a layer built with that layout, bitwise;
+    gathered output)}, and the output when the layout is left out for the document shards."""
+    cu = torch.tensor([0, 7, 30, 48])
+    docs = ringflash.document_layout(cu, seqlen)
+    x, _ = _inputs(2, seqlen, 48)
+    layer = _make("zigzag", True)
+    out = {}
+    for case, layout in (("zigzag", None), ("documents", docs), ("zigzag again", "zigzag")):
+        built = layout or "zigzag"
+        seg = ringflash.segment_ids_from_cu_seqlens(cu, seqlen, layout=built).expand(2, -1)
+        x_local = ringflash.shard(x, layout=built)
+        got = layer(x_local, segment_ids=seg, layout=layout)
+        want = _make(built, True)(x_local, segment_ids=seg)
+        out[case] = (torch.equal(got, want), ringflash.unshard(got.detach(), layout=built))
+    seg = ringflash.segment_ids_from_cu_seqlens(cu, seqlen, layout=docs).expand(2, -1)
+    wrong = layer(ringflash.shard(x, layout=docs), segment_ids=seg)  # shards of docs, run as zigzag
+    return out, ringflash.unshard(wrong.detach(), layout=docs)
+
+
+@pytest.mark.world(2)
+def test_layout_given_per_call(worlds):
+    """The per-call layout reaches the positions, the checks and the ring (and the rotary
+    cache does not serve one layout's angles to another at the same length); leaving it
+    out for shards of another layout changes the answer, so the comparison is not vacuous."""
+    for rank, (out, wrong) in enumerate(worlds(2).run(per_call_layouts, timeout=120)):
+        assert all(same for same, _ in out.values()), (rank, {k: v[0] for k, v in out.items()})
+        zigzag = out["zigzag"][1]
+        assert _rel(out["documents"][1], zigzag) < TOL and torch.equal(out["zigzag again"][1], zigzag)
+        assert _rel(wrong, zigzag) > 1e-2, rank
 
 
 @pytest.mark.world(4)

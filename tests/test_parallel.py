@@ -1,6 +1,8 @@
 """SequenceParallel, DeviceMesh groups, one default layout, the differentiable unshard.
 
-- Every function that takes a layout defaults to the same one (zigzag).
+- Every function that takes a layout defaults to the same one (zigzag); SequenceParallel's
+  "auto" is zigzag but for a sequence packing several documents (``for_documents``), which
+  gets the layout computed from them; a layout given to it is pinned.
 - A 2 x 2 DeviceMesh of a gloo world of 4 ("dp", "sp"): the mesh dimension, given as
   mesh["sp"] or (mesh, "sp"), works wherever a group does (ring_flash_attn, shard,
   unshard, positions, RingSelfAttention, all_reduce_gradients, SequenceParallel) and
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 
 import ringflash
 from oracle import rel_err
+from ringflash.documents import DocumentLayout
 
 
 def test_one_default_layout():
@@ -45,6 +48,28 @@ def test_sequence_parallel_fixes_group_and_layout():
             sp.self_attention(16, 2, **{name: value})
     assert sp.self_attention(16, 2).layout == "stripe"
     assert (sp.world, sp.rank) == (1, 0)
+
+
+def test_auto_layout_follows_the_documents_and_a_named_one_is_pinned():
+    sp = ringflash.SequenceParallel()
+    assert sp.auto and sp.layout == "zigzag" and "'auto'" in repr(sp)
+    cu = torch.tensor([0, 5, 12])  # two documents, then padding
+    docs = sp.for_documents(cu, 16)
+    assert docs is not sp and not docs.auto and docs.group is sp.group
+    assert isinstance(docs.layout, DocumentLayout) and docs.layout.bounds.tolist() == [0, 5, 12]
+    assert docs.layout.name == ringflash.document_layout(cu, 16).name
+    assert docs.for_documents(torch.tensor([0, 8, 16]), 16) is docs  # now pinned
+    assert sp.for_documents(torch.tensor([0, 16]), 16) is sp  # one document: zigzag
+    assert sp.for_documents(torch.tensor([0, 9]), 16) is sp  # one document and padding
+    for layout in ("zigzag", "block_stripe", docs.layout):
+        pinned = ringflash.SequenceParallel(layout=layout)
+        assert not pinned.auto and pinned.for_documents(cu, 16) is pinned
+    with pytest.raises(ValueError, match="'auto'.*diagonal"):
+        ringflash.SequenceParallel(layout="diagonal")
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        sp.for_documents(torch.tensor([0, 20]), 16)
+    with pytest.raises(ValueError, match="seqlen"):
+        sp.for_documents(cu, 0)
 
 
 def test_unshard_backward_is_the_shard_of_the_gradient_world_of_one():

@@ -15,6 +15,11 @@
   on 2 ranks equals the single-process one stage for stage and writes per-stage metrics and
   the evaluation at the final length, and --time-budget-s ends training early but still
   evaluates at the final length.
+- --layout: packed documents get the layout computed from them by default (auto), one per
+  curriculum length, a named layout wins; a two-length curriculum on it over 2 ranks, one
+  document crossing ranks at each length, equals the single-process run.
+
+Most runs pin --layout zigzag (SMALL), so that every document crosses ranks.
 
 Each torchrun job runs in its own session and is killed as a whole on timeout.
 """
@@ -36,8 +41,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import ringflash
 from oracle import rel_err as _rel
+from ringflash.documents import DocumentLayout
 from ringflash.layer import RingSelfAttention
+from ringflash.layouts import global_positions
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "launch" / "train.py"
@@ -45,7 +53,8 @@ STEPS = 6
 SMALL = ["--seqlen", "64", "--batch-size", "2", "--d-model", "32", "--layers", "2",
          "--heads", "4", "--kv-heads", "2", "--num-keys", "2", "--values-per-key", "4",
          "--queries", "4", "--noise-tokens", "8", "--steps", str(STEPS), "--warmup", "2",
-         "--lr", "1e-3", "--grad-clip", "1.0", "--ckpt-every", "2", "--no-progress"]
+         "--lr", "1e-3", "--grad-clip", "1.0", "--ckpt-every", "2", "--no-progress",
+         "--layout", "zigzag"]
 
 
 def load_train_module():
@@ -77,8 +86,8 @@ def torchrun(args, nproc=2, timeout=90):
     return proc.returncode, out
 
 
-def _final_params(ckpt_dir):
-    state = torch.load(Path(ckpt_dir) / f"step_{STEPS:08d}.pt", weights_only=False)
+def _final_params(ckpt_dir, step=STEPS):
+    state = torch.load(Path(ckpt_dir) / f"step_{step:08d}.pt", weights_only=False)
     return state["model"]
 
 
@@ -92,9 +101,10 @@ def ring_run(tmp_path_factory):
     return json.loads((tmp / "metrics.json").read_text()), tmp / "ckpt"
 
 
-def plain_attention(self, q, k, v, segment_ids=None, dropout_seed=None, block_mask=None):
+def plain_attention(self, q, k, v, segment_ids=None, dropout_seed=None, block_mask=None, layout=None):
     """torch's attention on the full sequence, K/V heads repeated for GQA, causal within
-    each document of ``segment_ids`` (the training job passes no block mask)."""
+    each document of ``segment_ids`` (the training job passes no block mask; one process
+    holds every token in order, whatever the layout)."""
     assert block_mask is None
     group = q.shape[2] // k.shape[2]
     n = q.shape[1]
@@ -177,13 +187,26 @@ def test_ring_training_matches_single_process(ring_run, reference):
 
 def test_data_x_sequence_parallel_grid_matches_single_process(reference, tmp_path):
     """4 ranks as 2 replicas x rings of 2 (--sp-size 2), on the layout computed from the
-    documents (each of the two documents whole on one rank of a ring)."""
+    documents over each ring's subgroup (each of the two documents whole on one rank of a
+    ring)."""
     rc, out = torchrun([*SMALL, "--sp-size", "2", "--layout", "documents", "--ckpt-dir",
                         str(tmp_path / "ckpt"), "--metrics-out", str(tmp_path / "m.json")],
                        nproc=4)
     assert rc == 0, out[-4000:]
     metrics = json.loads((tmp_path / "m.json").read_text())
     assert (metrics["world_size"], metrics["dp_size"], metrics["sp_size"]) == (4, 2, 2)
+    _assert_matches_reference(metrics, tmp_path / "ckpt", reference)
+
+
+def test_data_parallel_alone_matches_single_process(reference, tmp_path):
+    """2 ranks as 2 replicas of rings of one (--sp-size 1): each rank attends over its own
+    sequences only. (The world was taken for the ring here once: a ring over both
+    replicas' different sequences, losses off from the first step.)"""
+    rc, out = torchrun([*SMALL, "--sp-size", "1", "--ckpt-dir", str(tmp_path / "ckpt"), "--metrics-out",
+                        str(tmp_path / "m.json")], nproc=2)
+    assert rc == 0, out[-4000:]
+    metrics = json.loads((tmp_path / "m.json").read_text())
+    assert (metrics["world_size"], metrics["dp_size"], metrics["sp_size"]) == (2, 2, 1)
     _assert_matches_reference(metrics, tmp_path / "ckpt", reference)
 
 
@@ -455,9 +478,37 @@ def test_stage_the_layout_cannot_split_is_refused():
     args = train.parse_args([*CURRICULUM, "--curriculum", "2x16:1,2x64:1", "--fact-copies", "16"])
     with pytest.raises(ValueError, match=r"--curriculum stage 1 \(2x16:1\): documents of 8 tokens are too short"):
         train.run(args)
-    args = train.parse_args([*CURRICULUM, "--layout", "documents"])
-    with pytest.raises(ValueError, match="--layout documents computes one layout for one sequence length"):
-        train.run(args)
+
+
+def test_packed_documents_get_their_layout_by_default():
+    """--layout auto (the default) is "documents" when --documents packs several a sequence,
+    zigzag for one; a named layout wins. With a curriculum, every length gets the layout
+    of its own documents (one SequenceParallel per stage carries it to data and attention)."""
+    train = load_train_module()
+    layout_of = lambda *argv: train.parse_args(list(argv)).layout  # noqa: E731
+    assert layout_of() == "documents"  # --documents 2 by default
+    assert layout_of("--documents", "1") == "zigzag"
+    assert layout_of("--layout", "block_stripe") == "block_stripe"
+    assert layout_of("--layout", "zigzag", "--documents", "4") == "zigzag"
+    assert layout_of("--layout", "documents", "--documents", "1") == "documents"
+    assert layout_of("--layout", "auto", "--documents", "3") == "documents"
+    with pytest.raises(SystemExit):
+        train.parse_args(["--layout", "diagonal"])
+
+    args = train.parse_args(without(CURRICULUM, "--layout"))
+    stages = train.stages_of(args)
+    tasks, parallels = train.check_stages(args, stages, train.Dist())
+    assert [sp.layout.seqlen for sp in parallels] == [32, 64]
+    for task, sp in zip(tasks, parallels):
+        assert isinstance(sp.layout, DocumentLayout), sp
+        assert sp.layout.bounds.tolist() == [0, task.seqlen // 2, task.seqlen]
+        assert torch.equal(sp.positions(task.seqlen), torch.arange(task.seqlen))  # one rank
+    one = train.parse_args([*without(CURRICULUM, "--layout"), "--documents", "1"])
+    _, parallels = train.check_stages(one, train.stages_of(one), train.Dist())
+    assert [sp.layout for sp in parallels] == ["zigzag", "zigzag"]
+    named = train.parse_args([*CURRICULUM, "--layout", "stripe"])
+    _, parallels = train.check_stages(named, train.stages_of(named), train.Dist())
+    assert [sp.layout for sp in parallels] == ["stripe", "stripe"]
 
 
 def test_stage_the_ring_cannot_split_is_refused():
@@ -491,6 +542,46 @@ def test_curriculum_run_matches_single_process_and_writes_stages(tmp_path):
     torch.testing.assert_close(m["losses"], losses, rtol=1e-5, atol=0)
     torch.testing.assert_close(m["grad_norms"], grad_norms, rtol=1e-5, atol=0)
     assert max(m["losses"][-2:]) < m["losses"][0]
+
+
+# Three documents a sequence over 2 ranks: too even to keep whole on a rank each, so the
+# layout computed from them splits each over both ranks (attention crosses ranks) without
+# being zigzag's split of the whole sequence.
+DOCUMENTS_CURRICULUM = [*without(CURRICULUM, "--layout", "--curriculum"), "--curriculum",
+                        "4x48:4,2x96:4", "--documents", "3"]
+
+
+def test_curriculum_on_the_document_layout_matches_single_process(tmp_path):
+    """No --layout: the default for packed documents, one layout per length (48 and 96
+    tokens), over 2 ranks; losses, gradient norms and final parameters equal those of one
+    process on whole sequences, and the evaluation at the final length runs on it too."""
+    train = load_train_module()
+    args = train.parse_args(DOCUMENTS_CURRICULUM)
+    for stage in train.stages_of(args):  # the premise: documents cross ranks, not as zigzag
+        task = train.Task.from_args(args, stage.seqlen)
+        planned = ringflash.document_layout(task.cu_seqlens(), stage.seqlen, world=2)
+        assert planned.shared, planned
+        assert not torch.equal(planned.positions(stage.seqlen, 0, 2),
+                               global_positions(stage.seqlen, "zigzag", 0, 2))
+
+    rc, out = torchrun([*DOCUMENTS_CURRICULUM, "--ckpt-dir", str(tmp_path / "ckpt"),
+                        "--metrics-out", str(tmp_path / "m.json")])
+    assert rc == 0, out[-4000:]
+    assert "(24 tokens of a sequence per rank, layout documents)" in out, out[-4000:]
+    assert "(48 tokens of a sequence per rank, layout documents)" in out, out[-4000:]
+    m = json.loads((tmp_path / "m.json").read_text())
+    assert m["layout"] == "documents" and [s["layout"] for s in m["stages"]] == ["documents"] * 2
+    assert m["seqlens"] == [48] * 4 + [96] * 4 and m["eval"]["seqlen"] == 96
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(RingSelfAttention, "_attend", plain_attention)
+        losses, grad_norms, params = single_process_reference(train, DOCUMENTS_CURRICULUM)
+    torch.testing.assert_close(m["losses"], losses, rtol=1e-5, atol=0)
+    torch.testing.assert_close(m["grad_norms"], grad_norms, rtol=1e-5, atol=0)
+    ring_params = _final_params(tmp_path / "ckpt", step=8)
+    init = train.build_model(args, train.Task.from_args(args)).state_dict()
+    for name, p in params.items():
+        assert _rel(ring_params[name], p) < 1e-5, name
+        assert _rel(p, init[name]) > 1e-3, f"{name} hardly moved: the comparison would be vacuous"
 
 
 def test_time_budget_stops_training_and_still_evaluates_at_the_final_length(tmp_path, monkeypatch):

@@ -26,6 +26,11 @@ part of everything the model needs:
   no mask of its own for them (``attention_mask=None``), so a mask the model is handed
   directly is rejected instead of being dropped. Padded queries and targets get no loss
   (``padded_labels``);
+- the layout: with ``SequenceParallel``'s default layout "auto", a batch whose rows pack
+  the same documents is split by the layout computed from them (``ringflash.document_layout``:
+  whole documents on one rank, the ring moving only the ones that cross ranks), any other
+  batch by zigzag; a layout given to SequenceParallel is used for every batch. The
+  batch's own split is ``batch[CONTEXT_KEY].sp`` (gather outputs with its ``unshard``);
 - ``use_cache=False`` and the context the attention function runs with (its key is
   ``CONTEXT_KEY``).
 

@@ -18,8 +18,10 @@ CONTEXT_KEY = "ringflash_context"
 
 class RingContext:
     """What the attention function needs beyond q, k, v (the batch's ``CONTEXT_KEY``): the
-    sharding, the position_ids the model must be called with, and the segment ids of
-    padding and packed documents (None: one unpadded sequence per row).
+    sharding (``sp``: the SequenceParallel this batch was split by, whose layout may be the
+    one computed from the batch's documents), the position_ids the model must be called
+    with, and the segment ids of padding and packed documents (None: one unpadded sequence
+    per row).
 
     It survives the batch being moved or copied (``batch.to(device)``, the Trainer's
     ``_prepare_inputs``, accelerate's dataloader): frameworks pass the object through and
@@ -86,6 +88,41 @@ def segment_ids_of(position_ids: torch.Tensor, attention_mask: Optional[torch.Te
     return segments
 
 
+def _shared_documents(segments: torch.Tensor) -> Optional[torch.Tensor]:
+    """cu_seqlens (int64, CPU) of the documents that every row of a batch packs, from its
+    segment ids (batch, seqlen) (``segment_ids_of``: -1 at padding), or None when no row
+    packs more than one document. A boundary wherever some row starts a document; the
+    padding that ends every row is the layout's padding. A row may be padded where
+    another holds a document (padding sees nothing, whatever the layout). ValueError
+    naming position_ids when a row starts a document inside another row's document: the
+    rows pack different documents, which one layout computed from documents cannot serve.
+    One host synchronization when the ids are on a GPU."""
+    seg = segments.cpu()
+    real = seg >= 0
+    continues = torch.zeros_like(real)  # token p belongs to the document of token p - 1
+    continues[:, 1:] = real[:, 1:] & (seg[:, 1:] == seg[:, :-1])
+    starts = real & ~continues
+    if not bool((starts.sum(-1) > 1).any()):
+        return None
+    cuts = starts.any(0)
+    cuts[0] = False
+    crossed = continues & cuts
+    if bool(crossed.any()):
+        inside, at = (int(i) for i in crossed.nonzero()[0])
+        starter = int(starts[:, at].nonzero()[0])
+        raise ValueError(
+            f"position_ids: row {starter} starts a document at token {at}, inside a document of "
+            f"row {inside}: the rows pack different documents. SequenceParallel's layout 'auto' "
+            "splits a packed batch by the layout computed from its documents "
+            "(ringflash.document_layout), which serves rows that pack the same documents: pack "
+            "every row alike (or one row a batch), or pin a layout, e.g. "
+            "SequenceParallel(group, layout=ringflash.DOCUMENTS_LAYOUT) ('block_stripe', "
+            "balanced whatever the documents)")
+    end = int(real.any(0).nonzero().max()) + 1
+    return torch.cat([torch.zeros(1, dtype=torch.int64), cuts.nonzero().flatten(),
+                      torch.tensor([end])])
+
+
 def padded_labels(labels: torch.Tensor, attention_mask: torch.Tensor,
                   ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """``labels`` (batch, seqlen, unshifted) with no loss where a query or its target is
@@ -139,9 +176,15 @@ def prepare_batch(sp: SequenceParallel, input_ids: Optional[torch.Tensor] = None
     """This rank's keyword arguments for ``model(**batch)``; see the module docstring.
 
     Args:
-        sp: the sequence-parallel group and layout.
+        sp: the sequence-parallel group and layout. With its layout "auto" (the
+            default) and ``position_ids`` that pack several documents in a row, the batch
+            is split by the layout computed from those documents
+            (``sp.for_documents``, ``ringflash.document_layout``): every row must then
+            pack the same documents (ValueError naming position_ids otherwise; padding
+            may differ). A layout given to SequenceParallel is used as it is.
         input_ids: (batch, seqlen) of the WHOLE sequences, the same on every rank;
-            seqlen a multiple of W (2W for zigzag, 128 W for block_stripe).
+            seqlen a multiple of W (2W for zigzag, 128 W for block_stripe; W for a
+            layout computed from the documents).
         labels: (batch, seqlen) unshifted, as for the unsharded model (``ignore_index``
             where no loss is wanted), or None for no loss. With an attention_mask, padded
             queries and targets get no loss (``padded_labels``).
@@ -158,7 +201,10 @@ def prepare_batch(sp: SequenceParallel, input_ids: Optional[torch.Tensor] = None
             few integers): ranks given different batches raise, on every rank.
 
     A padded or packed batch is never run without its mask: it reaches the ring as
-    segment ids.
+    segment ids. The batch's ``CONTEXT_KEY`` holds the SequenceParallel it was split by
+    (``batch[CONTEXT_KEY].sp``: ``sp`` itself, or one with the layout computed from the
+    documents); gather the model's outputs with it, e.g.
+    ``batch[CONTEXT_KEY].sp.unshard(out.logits)``.
     """
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("give exactly one of input_ids (batch, seqlen) and inputs_embeds "
@@ -185,6 +231,10 @@ def prepare_batch(sp: SequenceParallel, input_ids: Optional[torch.Tensor] = None
         _check_same_batch(sp, {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask,
                                "position_ids": position_ids})
     segments = segment_ids_of(position_ids, attention_mask)
+    if sp.auto and segments is not None:  # a pinned layout is used as it is
+        documents = _shared_documents(segments)
+        if documents is not None:
+            sp = sp.for_documents(documents, seqlen)
 
     local_positions = sp.shard(position_ids).to(device)
     context = RingContext(sp, local_positions,
