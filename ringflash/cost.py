@@ -1,11 +1,11 @@
 """A cost model of the ring, on the CPU and exact in what it counts: per rank and per ring
-step, the visible (query, key) pairs, the kernel tiles they touch and the bytes each link
-carries, for any world size W, global length N, layout and mask (causal, a sliding
-window, packed documents); then a time per rank and an efficiency from a few measured
-constants (``Costs``), and a bound for a layout built from the documents
-(``document_bound``). benchmarks/predict_scaling.py prints its calibration against the
-committed measurements and its predictions for W = 8-64 (docs/performance.md, "Cost
-model").
+step, the visible (query, key) pairs, the kernel tiles they touch, the kernel calls the
+step runs and the rows their programs cover, and the bytes each link carries, for any
+world size W, global length N, layout and mask (causal, a sliding window, packed
+documents); then a time per rank and an efficiency from a few measured constants
+(``Costs``), and a bound for a layout built from the documents (``document_bound``).
+benchmarks/predict_scaling.py prints its calibration against the committed measurements
+and its predictions for W = 8-64 (docs/performance.md, "Cost model").
 
 What is counted (``ring_counts``), from the layout's own positions
 (``layouts.global_positions``): query q sees the keys [lo(q), hi(q)] of the sequence
@@ -18,14 +18,20 @@ units (stripe) is counted token by token. A query tile (128 local rows) touches 
 between its rows' first and last visible key row, as the kernels iterate them; a tile is
 full when every row sees every key of it (no mask applied), partial otherwise.
 
-What the ring runs (rotate.py): ``steps`` = the steps the band (causal, window) leaves
-anything to on some rank (``layouts.active_steps``: document boundaries do not shorten the
-ring); each step runs every query and key tile of the shard once (the forward's running
-out, the dQ and dK/dV passes, visible keys or not), and each step but the last sends the
-K/V shard one hop in the forward, again in the backward, and a running fp32 dK/dV sum --
-as the rows of it that travel where shards travel cut (``ring.plan.travelling_rows``). A
-layout computed from the documents (``ringflash.document_layout``) runs its own steps:
-only those its crossing documents need, each over the rows of its pairs (``_cut_steps``).
+What the ring runs (ring/plan.py, ring/rotate.py), from its own schedule: ``steps`` = the
+steps the layout leaves anything to on some rank (``layouts.active_steps``: for a fixed
+layout the band, causal or window; document boundaries do not shorten its ring; a layout
+computed from the documents runs only the steps its crossing documents need); at each step
+the layout's block pairs (``layouts.step_pairs``), one kernel call each in the forward, the
+dQ pass and the dK/dV pass, whose programs run over the pair's query rows (forward, dQ) or
+key rows (dK/dV), visible keys or not; cut to the rows that travel where shards travel cut
+(``ring.plan.travelling_rows``). Each step but the last brings the next K/V shard (with its
+segment ids) in the forward and again in the backward, and from the third step on the
+backward's running fp32 dK/dV sum of the step's shard; after the last step that sum goes
+home under the own shard's dK/dV pass (``rotate._rotate``); a ring of two whose whole
+shards travel and whose remote step is large takes the sum home early, in two pieces
+(``rotate._home_first``; ``RingCounts.early_home``). ``rank_times`` lays these out pass by
+pass (``_timeline``).
 """
 
 from __future__ import annotations
@@ -40,8 +46,9 @@ from einops import rearrange
 from .kernels.masks import BLOCK
 from .api import check_cu_seqlens
 from .kernels import band_of_window
-from .layouts import active_steps, global_positions, layout_of, step_pairs
+from .layouts import active_steps, global_positions, keys_within, layout_of, remote_share, step_pairs
 from .ring.plan import travelling_rows
+from .ring.rows import home_cuts, uncovered
 
 # Counting token by token (a layout whose shards are not whole 128-token units) holds
 # world x seqlen numbers; past this it raises rather than run for minutes.
@@ -72,32 +79,50 @@ class Mask(NamedTuple):
 
 class Costs(NamedTuple):
     """The time model's constants, for 32 heads of head_dim 128 in bf16 (compute scales with
-    heads x head_dim, bytes with kv_heads x head_dim x dtype bytes). Forward+backward:
+    heads x head_dim, bytes with kv_heads x head_dim x dtype bytes). Forward+backward, each
+    pass taking its share (``PASS_SHARES``) of a tile's and of a row's time:
 
     tile_ms: one fully visible 128 x 128 tile (all heads).
     partial: a partly visible tile's time over a full one's (the mask is applied).
-    row_ms: per 128 rows of the shard per step: what every tile program pays whatever it
-        sees (loading Q, merging the running out, the dQ and dK/dV passes' reads and fp32
+    row_ms: per 128 rows a step's kernel calls run over (the forward and dQ passes over the
+        pairs' query rows, dK/dV over their key rows): what every tile program pays
+        whatever it sees (loading its rows, merging the running out, the passes' fp32
         read-modify-writes).
-    step_ms: per step: launches and the step's synchronization.
-    link_gbps: bytes a link carries beside the kernels, GB/s (copy engines)."""
+    step_ms: per step: what the step's launches cost beyond their programs (a pass split at
+        a step boundary pays a launch's ramp and tail and the merge of its partial sums).
+    link_gbps: bytes a link carries beside the kernels, GB/s (copy engines).
+    message_ms: per exchange, beside its bytes: the copy-engine transport's barriers of the
+        group before and after the copies (``exchange.PeerRing``), paid where the exchange
+        is not hidden behind the kernels it runs beside."""
 
     tile_ms: float
     partial: float
     row_ms: float
     step_ms: float
     link_gbps: float
+    message_ms: float = 0.0
 
 
-# Fitted by ``python benchmarks/predict_scaling.py --fit`` (2026-11-26) to the 1-GPU times and
-# ring efficiencies of benchmarks/results/masks_h100x2.json (2 x H100, 2026-11-25) and the
-# 4 x H100 efficiencies measured 2026-11-26 (QUOTED_H100X4 in benchmarks/predict_scaling.py),
-# rms error 4.8%. link_gbps is held, not fitted:
-# the copy engines' 393 GB/s beside the kernels on 2 x H100 (docs/notes/ring-of-two.md, "The ring
-# of two at 32k"). row_ms is about 2x what the passes' bytes take at the H100's 3.35 TB/s
-# (about 22 MB per 128 rows). The 2 x H200 rows (masks_h200x2.json) are predicted with the same
-# constants within 7% (its kernels run at the H100's speed: masks_h200.json).
-H100 = Costs(tile_ms=1.902e-3, partial=1.196, row_ms=1.297e-2, step_ms=0.0621, link_gbps=393.0)
+# The forward's, the dQ pass's and the dK/dV pass's shares of a tile's and a row's time,
+# measured, not fitted: the forward is 0.21-0.24 (mean 0.227) of one GPU's forward+backward in
+# the committed mask runs (fwd_ms / fwdbwd_ms of every ringflash_1gpu record of masks_*.json),
+# and dQ 0.37-0.40 of the backward in the kernel-by-kernel traces and launch sweeps
+# (docs/notes/host-time.md, "Kernel by kernel" and "What a split launch costs").
+PASS_SHARES = (0.23, 0.29, 0.48)
+
+# Fitted by ``python benchmarks/predict_scaling.py --fit`` (2026-11-27) to every committed 2- and
+# 4-GPU mask row the script reads (masks_h100x2.json, masks_h100x2_512k.json, masks_h200x2.json,
+# masks_h200x4.json: their ring efficiencies and 1-GPU times) and the 4 x H100 efficiencies
+# quoted in it, rms error 3.4%; every row within 8.9%. partial is held at 1 (a partly visible
+# tile runs the products of a full one and applies the mask; fitted, it goes to 0.78 for 0.03
+# points less rms error) and link_gbps at the copy engines' 393 GB/s beside the kernels on
+# 2 x H100 (docs/notes/ring-of-two.md, "The ring of two at 32k"; fitted, it comes back at 393).
+# step_ms, 0.40 ms, is of the order a pass split at a step boundary was measured to cost on one
+# H100 (forward +0.20-0.29, dQ +0.24-0.26, dK/dV +0.05-0.10 ms: docs/notes/ring-of-two.md, "What
+# splitting a launch costs"); message_ms, 0.24 ms, of two group barriers (the 2 x H100 trace of
+# the same note: the copies "behind a 0.11 ms barrier", and an exchange has two). H100 and H200
+# share them: their kernels run at one speed (masks_h200.json).
+H100 = Costs(tile_ms=2.005e-3, partial=1.0, row_ms=8.597e-3, step_ms=0.4031, link_gbps=393.0, message_ms=0.2446)
 
 
 class RingCounts(NamedTuple):
@@ -108,11 +133,16 @@ class RingCounts(NamedTuple):
     touched: 128 x 128 (query tile, key tile) pairs holding any visible pair.
     full: those of ``touched`` whose every pair is visible.
     steps: the steps the ring runs (``layouts.active_steps``); later steps are empty.
-    rows: None where every step runs its passes over the whole shard; else [rank, step]
-        the rows they run over (a layout computed from the documents: the pieces of the
-        documents that cross ranks).
+    calls: the kernel calls the step runs in each pass: its block pairs
+        (``layouts.step_pairs``, as the ring's schedule has them).
+    q_blocks, k_blocks: the 128-row blocks of query rows (forward and dQ passes) and of key
+        rows (dK/dV) the step's kernel calls run programs over: over its pairs, ceil(rows / 128)
+        each, cut to the rows that travel where shards travel cut.
     received: None where whole shards travel; else [rank, step] the K/V rows the rank
         receives during the step (``ring.plan.travelling_rows``).
+    early_home: the backward takes a ring of two's early trip home (``rotate._home_first``):
+        two steps, whole shards, no rank's own pairs overlapping in key rows and every remote
+        step at least half its own step (``layouts.remote_share``); the rotation otherwise.
     """
 
     world: int
@@ -122,8 +152,11 @@ class RingCounts(NamedTuple):
     touched: torch.Tensor
     full: torch.Tensor
     steps: int
-    rows: Optional[torch.Tensor] = None
+    calls: Optional[torch.Tensor] = None
+    q_blocks: Optional[torch.Tensor] = None
+    k_blocks: Optional[torch.Tensor] = None
     received: Optional[torch.Tensor] = None
+    early_home: bool = False
 
     @property
     def local_len(self) -> int:
@@ -342,45 +375,47 @@ def ring_counts(world: int, seqlen: int, layout: str, mask: Mask = Mask()) -> Ri
     touched, full = _tiles(shards, rows)
     counts = RingCounts(world, seqlen, name, _by_step(_visible(shards, rows)), _by_step(touched),
                         _by_step(full), _band_steps(shards, seqlen, mask))
-    return _cut_steps(counts, layout_of(layout), mask) if world > 1 else counts
+    if world == 1:  # one kernel call a pass over the whole sequence
+        blocks = torch.full((1, 1), -(-seqlen // BLOCK), dtype=torch.long)
+        return counts._replace(calls=torch.ones(1, 1, dtype=torch.long), q_blocks=blocks, k_blocks=blocks)
+    return _scheduled(counts, layout_of(layout), mask)
 
 
-def _covered(slices, n: int) -> int:
-    """How many of n rows the slices (which may overlap) cover."""
-    total = end = 0
-    for a, b in sorted((r.start, r.stop) for r in (range(n)[part] for part in slices)):
-        if b > end:
-            total, end = total + b - max(a, end), b
-    return total
-
-
-def _cut_steps(counts: RingCounts, layout, mask: Mask) -> RingCounts:
-    """The counts with what travels where shards travel cut (``ring.plan.travelling_rows``:
-    K/V rows received per rank and step), and for a layout computed from the documents
-    (``ringflash.document_layout``, whose documents must be the mask's) its own steps: the
-    ring runs only those some crossing document needs, each over the rows of its pairs."""
+def _scheduled(counts: RingCounts, layout, mask: Mask) -> RingCounts:
+    """The counts with the ring's schedule (``ring.plan.schedule_of``): its steps (a layout
+    computed from the documents, ``ringflash.document_layout``, whose documents must be the
+    mask's, runs only those its crossing documents need), each step's block pairs and the
+    rows their programs run over, cut to the rows that travel from the second step on where
+    shards travel cut (``ring.plan.travelling_rows``: then also the K/V rows received per
+    rank and step), and which backward runs (``early_home``, as ``rotate.ring_backward``
+    decides it for the Triton backward)."""
     world, n = counts.world, counts.local_len
     band = band_of_window(mask.causal, mask.window)
     documents = hasattr(layout, "shared")
     steps = active_steps(layout, world, n, band) if documents else counts.steps
     sent = travelling_rows(layout, world, n, band, True, steps) if steps > 1 else None
-    if sent is None and not documents:
-        return counts
-    received = torch.zeros(world, world, dtype=torch.long)
+    calls, q_blocks, k_blocks = (torch.zeros(world, world, dtype=torch.long) for _ in range(3))
     for rank in range(world):
-        for s in range(steps - 1):  # the shard of step s + 1 arrives during step s
-            lo, hi = (0, n) if sent is None else sent[(rank - s - 1) % world]
-            received[rank, s] = hi - lo
-    rows = None
-    if documents:
-        rows = torch.zeros(world, world, dtype=torch.long)
+        for s in range(steps):
+            src = (rank - s) % world
+            pairs = step_pairs(layout, rank, src, world, n, band, True, None)  # travelling_rows's cache key
+            if s and sent is not None and sent[src] != (0, n):
+                pairs = [part for pair in pairs if (part := keys_within(pair, *sent[src], n)) is not None]
+            calls[rank, s] = len(pairs)
+            q_blocks[rank, s] = sum(-(-len(range(n)[pair.q]) // BLOCK) for pair in pairs)
+            k_blocks[rank, s] = sum(-(-len(range(n)[pair.k]) // BLOCK) for pair in pairs)
+    received = None
+    if sent is not None or documents:
+        received = torch.zeros(world, world, dtype=torch.long)
         for rank in range(world):
-            rows[rank, 0] = n
-            for s in range(1, steps):
-                pairs = step_pairs(layout, rank, (rank - s) % world, world, n, band)
-                q, k = (_covered([getattr(p, side) for p in pairs], n) for side in ("q", "k"))
-                rows[rank, s] = (q + k + 1) // 2
-    return counts._replace(steps=steps, rows=rows, received=received)
+            for s in range(steps - 1):  # the shard of step s + 1 arrives during step s
+                lo, hi = (0, n) if sent is None else sent[(rank - s - 1) % world]
+                received[rank, s] = hi - lo
+    early_home = (steps == 2 and sent is None and remote_share(layout, world, n, band) >= 0.5 and all(
+        uncovered([pair.k for pair in step_pairs(layout, rank, rank, world, n, band, True, None)], n) is not None
+        for rank in range(world)))
+    return counts._replace(steps=steps, calls=calls, q_blocks=q_blocks, k_blocks=k_blocks, received=received,
+                           early_home=early_home)
 
 
 # ----------------------------------------------------------------------------- bytes and time
@@ -419,27 +454,94 @@ def link_bytes(counts: RingCounts, problem: Problem = Problem()) -> torch.Tensor
     return out
 
 
-def step_times(counts: RingCounts, costs: Costs,
-               problem: Problem = Problem()) -> tuple[torch.Tensor, torch.Tensor]:
-    """(compute, comm), ms of a forward+backward: compute (W, W) [rank, step] from the tiles
-    and the rows of the shard (0 past the steps run), comm (W,) from ``link_bytes``. The
-    constants may be 0-dim tensors (``fit`` differentiates through this)."""
+def pass_times(counts: RingCounts, costs: Costs,
+               problem: Problem = Problem()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(forward, dQ, dK/dV), ms, each (W, W) [rank, step] (0 past the steps run): the step's
+    tiles at ``tile_ms`` (times ``partial`` where partly visible) and the rows its kernel calls
+    run over at ``row_ms`` (query rows in the forward and dQ passes, key rows in dK/dV), each
+    pass its share of both (``PASS_SHARES``). The constants may be 0-dim tensors (``fit``
+    differentiates through this)."""
     scale = problem.heads * problem.head_dim / _REF_WIDTH
-    partial = (counts.touched - counts.full).double()
     run = (torch.arange(counts.world) < counts.steps).double()
-    rows = counts.local_len if counts.rows is None else counts.rows
-    compute = scale * run * (costs.tile_ms * (counts.full.double() + costs.partial * partial)
-                             + costs.row_ms * -(-rows // BLOCK))
-    comm = link_bytes(counts, problem).double() / (costs.link_gbps * 1e6)
-    return compute, comm
+    tiles = costs.tile_ms * (counts.full.double() + costs.partial * (counts.touched - counts.full).double())
+    q, k = counts.q_blocks.double(), counts.k_blocks.double()
+    return tuple(scale * share * run * (tiles + costs.row_ms * rows) for share, rows in zip(PASS_SHARES, (q, q, k)))
+
+
+def _received(counts: RingCounts) -> torch.Tensor:
+    """(W, W) [rank, step] float64: the K/V rows that arrive during the step (the next shard)."""
+    if counts.received is not None:
+        return counts.received.double()
+    out = torch.zeros(counts.world, counts.world, dtype=torch.float64)
+    out[:, :counts.steps - 1] = counts.local_len
+    return out
+
+
+def transfer_times(counts: RingCounts, costs: Costs,
+                   problem: Problem = Problem()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(kv, sums, home), ms of the exchanges a rank waits for, each its bytes at ``link_gbps``
+    plus ``message_ms``: kv (W, W) [rank, step], the next shard's K/V (and segment ids) that
+    arrive during the step, in the forward and again in the backward; sums (W, W), the
+    running fp32 dK/dV sum of the step's shard, arriving during backward steps 2 on; home
+    (W,), the rank's own shard's sum coming home after the last step (rows as the shards
+    travel: ``RingCounts.received``)."""
+    world, steps = counts.world, counts.steps
+    kv_row = kv_bytes(1, problem) + (4 if problem.segments else 0)
+    sum_row = problem.kv_heads * problem.head_dim * 2 * 4
+    received = _received(counts)
+    sums = torch.zeros_like(received)
+    sums[:, 2:steps] = received[:, 1:steps - 1]  # the shard of step s arrived during step s - 1
+    own = received[(torch.arange(world) + 1) % world, 0]  # the rows of rank r's shard that travel
+
+    def ms(rows: torch.Tensor, row_bytes: int) -> torch.Tensor:
+        return rows * row_bytes / (costs.link_gbps * 1e6) + costs.message_ms * (rows > 0)
+
+    return ms(received, kv_row), ms(sums, sum_row), ms(own, sum_row)
+
+
+def _timeline(fwd, dq, dkv, kv, sums, home, steps: int) -> torch.Tensor:
+    """(R,) ms of a forward+backward through the rotation (``rotate.ring_forward``,
+    ``rotate._rotate``), pass by pass over the steps run, from (R, S) pass and transfer times
+    and (R,) ``home``: forward step s runs its kernels while the next shard arrives; the
+    backward runs the own shard's dQ pass while the first shard arrives, then at each later
+    step its dQ pass while the running dK/dV sum arrives and its dK/dV pass once it has, the
+    next shard arriving behind the sum on the same copy engine; and last the own shard's
+    dK/dV pass while its sum comes home."""
+    forward = torch.maximum(fwd, kv)[:, :steps].sum(1)
+    later = torch.maximum(torch.maximum(dq, sums) + dkv, sums + kv)[:, 1:steps].sum(1)
+    return forward + torch.maximum(dq[:, 0], kv[:, 0]) + later + torch.maximum(dkv[:, 0], home)
+
+
+def _early_home(fwd, dq, dkv, kv, home, costs: Costs, n: int) -> torch.Tensor:
+    """(2,) ms of a forward+backward of a ring of two through ``rotate._home_first``: the own
+    dQ pass while the shard arrives; the remote dK/dV pass in two pieces of key rows
+    (``ring.rows.home_cuts``), each piece's sum leaving for home once computed (one message
+    each, one after the other); the remote dQ pass; the own dK/dV pass in the same two
+    pieces, each once its piece of the sum is home."""
+    cuts = home_cuts(n)
+    a = cuts[0] / n if cuts else 1.0
+    trip = home - costs.message_ms  # the bytes
+    first = a * dkv[:, 1] + a * trip + costs.message_ms
+    second = torch.maximum(dkv[:, 1], first) + ((1 - a) * trip + costs.message_ms if cuts else 0)
+    own = torch.maximum(dkv[:, 1] + dq[:, 1], first) + a * dkv[:, 0]
+    own = torch.maximum(own, second) + (1 - a) * dkv[:, 0]
+    return torch.maximum(fwd[:, 0], kv[:, 0]) + fwd[:, 1] + torch.maximum(dq[:, 0], kv[:, 0]) + own
 
 
 def rank_times(counts: RingCounts, costs: Costs, problem: Problem = Problem()) -> torch.Tensor:
-    """(W,) ms of a forward+backward per rank: over the steps run, each step's compute or its
-    transfer, whichever is longer (the transfer of step s brings the shard of step s + 1
-    while step s computes), plus ``step_ms`` a step. The ring takes its slowest rank's."""
-    compute, comm = step_times(counts, costs, problem)
-    return torch.maximum(compute, comm).sum(1) + counts.steps * costs.step_ms
+    """(W,) ms of a forward+backward per rank, pass by pass as the ring schedules them
+    (``_timeline``; a ring of two taking its sums home early: ``_early_home``), plus
+    ``step_ms`` a step. A transfer hides behind the kernels it runs beside, and what it
+    outlasts them by is waited for. The ring takes its slowest rank's, each rank's time its
+    own: the coupling of one rank's steps to the others' through the group's barriers is not
+    charged (docs/performance.md, "Cost model", its limits)."""
+    fwd, dq, dkv = pass_times(counts, costs, problem)
+    kv, sums, home = transfer_times(counts, costs, problem)
+    if counts.early_home:
+        times = _early_home(fwd, dq, dkv, kv, home, costs, counts.local_len)
+    else:
+        times = _timeline(fwd, dq, dkv, kv, sums, home, counts.steps)
+    return times + counts.steps * costs.step_ms
 
 
 def efficiency(ring: RingCounts, one: RingCounts, costs: Costs = H100, problem: Problem = Problem()):
@@ -449,30 +551,41 @@ def efficiency(ring: RingCounts, one: RingCounts, costs: Costs = H100, problem: 
     return ratio if isinstance(costs.tile_ms, torch.Tensor) else float(ratio)
 
 
-def fit(one_gpu: Sequence[tuple], rings: Sequence[tuple], link_gbps: float, start: Costs = H100,
-        iters: int = 600) -> tuple[Costs, float]:
-    """(the constants, their rms relative error): tile_ms, partial, row_ms and step_ms fitted
-    to measurements, ``link_gbps`` held. one_gpu: (counts at world 1, Problem, measured ms);
-    rings: (ring counts, counts at world 1, Problem, measured efficiency). Least squares on
-    the log of predicted over measured (1-GPU times and ring efficiencies alike), by Adam on
-    the constants' logs from ``start``: the max() of compute and transfer is piecewise linear."""
-    logs = torch.tensor([math.log(v) for v in start[:4]], dtype=torch.float64, requires_grad=True)
-    opt = torch.optim.Adam([logs], lr=0.03)
+FITTED = ("tile_ms", "row_ms", "step_ms", "message_ms")
+
+
+def fit(one_gpu: Sequence[tuple], rings: Sequence[tuple], start: Costs = H100, fitted: Sequence[str] = FITTED,
+        iters: int = 300) -> tuple[Costs, float]:
+    """(the constants, their rms relative error): the constants named in ``fitted`` fitted to
+    measurements, the others held at ``start``'s. one_gpu: (counts at world 1, Problem,
+    measured ms); rings: (ring counts, counts at world 1, Problem, measured efficiency).
+    Least squares on the log of predicted over measured (1-GPU times and ring efficiencies
+    alike), on the constants' logs (each must start positive) from ``start``: Adam, then
+    L-BFGS from where it stopped (the max() of kernels and transfers is piecewise linear)."""
+    names = list(fitted)
+    logs = torch.tensor([math.log(getattr(start, name)) for name in names], dtype=torch.float64,
+                        requires_grad=True)
 
     def errors() -> torch.Tensor:
-        costs = Costs(*logs.exp(), link_gbps)
+        costs = start._replace(**dict(zip(names, logs.exp())))
         out = [torch.log(rank_times(c, costs, p)[0] / ms) for c, p, ms in one_gpu]
         out += [torch.log(efficiency(ring, one, costs, p) / eff) for ring, one, p, eff in rings]
         return torch.stack(out)
 
-    for _ in range(iters):
+    def loss() -> torch.Tensor:
         opt.zero_grad()
-        loss = errors().square().mean()
-        loss.backward()
-        opt.step()
+        value = errors().square().mean()
+        value.backward()
+        return value
+
+    opt = torch.optim.Adam([logs], lr=0.03)
+    for _ in range(iters):
+        opt.step(loss)
+    opt = torch.optim.LBFGS([logs], lr=0.5, max_iter=200, line_search_fn="strong_wolfe")
+    opt.step(loss)
     with torch.no_grad():
         rms = float(errors().square().mean().sqrt())
-    return Costs(*(float(v) for v in logs.detach().exp()), link_gbps), rms
+    return start._replace(**{name: float(v) for name, v in zip(names, logs.detach().exp())}), rms
 
 
 # ----------------------------------------------------------------------------- a layout from the documents
@@ -529,23 +642,35 @@ def _assign(world: int, n: int, lengths: list[int], spread: float):
 
 
 def _bound_times(world: int, n: int, assignment, costs: Costs, problem: Problem) -> list[float]:
+    """Each rank's ms (``document_bound``): step 0 its whole documents' tiles and one pass over
+    its n rows, plus the steps of the split documents it holds a piece of, their passes and
+    transfers added step by step (one exchange a step carrying them all), through the
+    rotation (``_timeline``)."""
     whole, split, pieces = assignment
     scale = problem.heads * problem.head_dim / _REF_WIDTH
     times = []
     for r in range(world):
         rings = [(_split_ring(*split[d]), i) for d, i in pieces[r]]
-        steps = [0.0] * max([1] + [ring.steps for ring, _ in rings])
-        comm = [0.0] * len(steps)
+        steps = max([1] + [ring.steps for ring, _ in rings])
+        passes = torch.zeros(3, 1, steps, dtype=torch.float64)
+        trips = torch.zeros(3, 1, steps, dtype=torch.float64)  # bytes' ms: kv, sums, and home at step 0
         touched, full = _packed_tiles(whole[r])
-        steps[0] = scale * (costs.tile_ms * (full + costs.partial * (touched - full))
-                            + costs.row_ms * -(-n // BLOCK))
+        tiles = costs.tile_ms * (full + costs.partial * (touched - full))
+        passes[:, 0, 0] = torch.tensor([scale * share * (tiles + costs.row_ms * -(-n // BLOCK))
+                                        for share in PASS_SHARES])
         for ring, i in rings:
-            compute, hop = step_times(ring, costs, problem)
-            compute[:, 0] -= scale * costs.row_ms * -(-ring.local_len // BLOCK)  # in the rank's pass
-            for s in range(ring.steps):
-                steps[s] += float(compute[i, s])
-                comm[s] += float(hop[s])
-        times.append(sum(max(c, t) for c, t in zip(steps, comm)) + len(steps) * costs.step_ms)
+            fwd, dq, dkv = pass_times(ring, costs, problem)
+            own = ring.q_blocks[i, 0], ring.q_blocks[i, 0], ring.k_blocks[i, 0]
+            for p, (part, blocks, share) in enumerate(zip((fwd, dq, dkv), own, PASS_SHARES)):
+                part[i, 0] -= scale * share * costs.row_ms * blocks  # its rows are in the rank's pass
+                passes[p, 0, :ring.steps] += part[i, :ring.steps]
+            kv, sums, home = transfer_times(ring, costs, problem)
+            for t, (part, msg) in enumerate(zip((kv[i], sums[i], home[i:i + 1]),
+                                                (kv[i] > 0, sums[i] > 0, home[i:i + 1] > 0))):
+                trips[t, 0, :part.numel()] += part - costs.message_ms * msg
+        kv, sums = (t + costs.message_ms * (t > 0) for t in trips[:2])
+        home = trips[2, :, 0] + costs.message_ms * (trips[2, :, 0] > 0)
+        times.append(float(_timeline(*passes, kv, sums, home, steps)[0]) + steps * costs.step_ms)
     return times
 
 

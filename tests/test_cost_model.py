@@ -1,8 +1,10 @@
 """The cost model (ringflash.cost) against brute force: every count it makes per rank and
 ring step equals a dense boolean mask's (tests/oracle.py's ``global_mask`` on the global
 positions each rank holds, ``layouts.global_positions``), its steps equal the ring's
-(``layouts.active_steps``); bytes per link, efficiency 1 on one rank, the document bound,
-and benchmarks/predict_scaling.py on a tiny configuration."""
+(``layouts.active_steps``), its kernel calls and their rows the ring's own schedule's
+(``ring.plan.schedule_of``) and cover every visible pair; bytes per link, the time model's
+schedule in its limits (free transfers, free kernels), efficiency 1 on one rank, the
+document bound, and benchmarks/predict_scaling.py on a tiny configuration."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -18,7 +21,8 @@ from oracle import global_mask
 import ringflash
 from ringflash import cost
 from ringflash.kernels.masks import BLOCK, band_of_window
-from ringflash.layouts import LAYOUTS, active_steps, global_positions
+from ringflash.layouts import LAYOUTS, active_steps, global_positions, remote_share
+from ringflash.ring.plan import schedule_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,6 +67,50 @@ def _brute(world: int, seqlen: int, layout: str, mask: cost.Mask):
     return out
 
 
+class _Rank(NamedTuple):
+    """What ``schedule_of`` reads of a ring: its size and the rank."""
+
+    world: int
+    rank: int
+
+
+def _schedule(world: int, seqlen: int, layout, mask: cost.Mask):
+    """(calls, q_blocks, k_blocks) (W, W) [rank, step] and whether ``rotate.ring_backward``
+    takes the early trip home (the Triton backward, no block mask), from the ring's own
+    schedule rank by rank."""
+    n, band = seqlen // world, band_of_window(mask.causal, mask.window)
+    out = [torch.zeros(world, world, dtype=torch.long) for _ in range(3)]
+    for rank in range(world):
+        schedule = schedule_of(_Rank(world, rank), layout, n, band, (0.0, 0), None)
+        for s, pairs in enumerate(schedule.pairs):
+            out[0][rank, s] = len(pairs)
+            out[1][rank, s] = sum(-(-len(range(n)[pair.q]) // BLOCK) for pair in pairs)
+            out[2][rank, s] = sum(-(-len(range(n)[pair.k]) // BLOCK) for pair in pairs)
+    early = (schedule.steps == 2 and schedule.own_apart and schedule.sent is None
+             and remote_share(layout, world, n, band) >= 0.5)
+    return (*out, early)
+
+
+def _check_schedule(counts: cost.RingCounts, world: int, seqlen: int, layout, mask: cost.Mask, name: str) -> None:
+    """The counts' kernel calls and rows are the ring's schedule's, and cover what the dense
+    mask shows visible at each step (a step without calls sees nothing)."""
+    if world == 1:
+        assert counts.calls.tolist() == [[1]] and counts.early_home is False, name
+        assert counts.q_blocks.tolist() == counts.k_blocks.tolist() == [[-(-seqlen // BLOCK)]], name
+        return
+    calls, q_blocks, k_blocks, early = _schedule(world, seqlen, layout, mask)
+    assert torch.equal(counts.calls, calls) and counts.early_home == early, name
+    assert torch.equal(counts.q_blocks, q_blocks) and torch.equal(counts.k_blocks, k_blocks), name
+    dense = _dense(seqlen, mask)
+    pos = [global_positions(seqlen, layout, r, world) for r in range(world)]
+    for r in range(world):
+        for s in range(world):
+            part = dense[pos[r]][:, pos[(r - s) % world]]
+            assert counts.calls[r, s] > 0 or not part.any(), name
+            assert counts.q_blocks[r, s] >= -(-int(part.any(1).sum()) // BLOCK), name
+            assert counts.k_blocks[r, s] >= -(-int(part.any(0).sum()) // BLOCK), name
+
+
 def _cases():
     for world in (1, 2, 3, 4):
         for layout in LAYOUTS:
@@ -84,6 +132,7 @@ def test_counts_equal_the_dense_mask(world, layout, seqlen):
         assert torch.equal(counts.full, full), name
         band = band_of_window(mask.causal, mask.window)
         assert counts.steps == (active_steps(layout, world, seqlen // world, band) if world > 1 else 1), name
+        _check_schedule(counts, world, seqlen, layout, mask, name)
 
 
 def test_layouts_differ_in_where_the_tiles_go_not_how_many():
@@ -130,10 +179,39 @@ def test_efficiency_and_times():
     bs = cost.ring_counts(4, seqlen, "block_stripe", mask)
     contiguous = cost.ring_counts(4, seqlen, "contiguous", mask)
     assert 0 < cost.efficiency(contiguous, one) < cost.efficiency(bs, one) < 1
-    compute, comm = cost.step_times(bs, cost.H100)
-    assert compute.shape == (4, 4) and comm.shape == (4,) and comm[-1] == 0
+    passes = cost.pass_times(bs, cost.H100)
+    kv, sums, home = cost.transfer_times(bs, cost.H100)
+    assert all(p.shape == (4, 4) for p in passes) and kv.shape == sums.shape == (4, 4) and home.shape == (4,)
+    assert bool((kv[:, -1] == 0).all()) and bool((sums[:, :2] == 0).all()) and bool((sums[:, 2:] > 0).all())
     slow = cost.H100._replace(link_gbps=1.0)  # every step waits for its transfer
     assert cost.efficiency(bs, one, slow) < 0.1
+
+
+@pytest.mark.parametrize("world,layout,mask", [(4, "block_stripe", "causal"), (4, "contiguous", "window"),
+                                               (3, "zigzag", "documents"), (2, "zigzag", "causal"),
+                                               (2, "contiguous", "window")])
+def test_the_schedule_in_its_limits(world, layout, mask):
+    """Free transfers: a rank's time is its passes' and a fixed cost a step. Free kernels:
+    its transfers', as the rotation waits for them: every forward hop, in the backward the
+    first hop, then each step's running sum followed by the next shard, then the trip home;
+    a ring of two taking its sums home early (whole shards): the hop each way and the trip
+    home in two messages."""
+    seqlen = 1536 * world
+    mask = MASKS[mask]
+    counts = cost.ring_counts(world, seqlen, layout, mask)
+    problem = cost.Problem(segments=mask.cu_seqlens is not None)
+    free = cost.H100._replace(link_gbps=float("inf"), message_ms=0.0)
+    compute = sum(cost.pass_times(counts, free, problem)).sum(1) + counts.steps * free.step_ms
+    assert torch.allclose(cost.rank_times(counts, free, problem), compute)
+    idle = cost.H100._replace(tile_ms=0.0, row_ms=0.0, step_ms=0.0)
+    kv, sums, home = cost.transfer_times(counts, idle, problem)
+    steps = counts.steps
+    if counts.early_home:
+        want = 2 * kv[:, 0] + home + idle.message_ms
+    else:
+        want = kv.sum(1) + kv[:, 0] + (sums + kv)[:, 1:steps].sum(1) + home
+    assert steps > 1 and torch.allclose(cost.rank_times(counts, idle, problem), want)
+    assert counts.early_home == (world == 2 and layout == "zigzag")
 
 
 def test_document_bound():
@@ -210,7 +288,8 @@ def test_document_layout_counts_its_own_steps_and_rows(world):
     n = seqlen // world
     assert ring.steps == active_steps(layout, world, n, (None, 0)) and ring.steps > 1
     assert int(ring.visible.sum()) == int(one.visible.sum())
-    assert bool((ring.rows[:, 0] == n).all()) and bool((ring.rows[:, 1:ring.steps] < n).all())
+    _check_schedule(ring, world, seqlen, layout, mask, "documents")
+    assert bool((ring.calls[:, 0] == 1).all()) and bool((ring.q_blocks[:, 0] == n // BLOCK).all())
     sent = travelling_rows(layout, world, n, (None, 0), True, ring.steps)
     want = [[0 if sent is None and s >= ring.steps - 1 else (n if sent is None else
              sent[(r - s - 1) % world][1] - sent[(r - s - 1) % world][0]) if s < ring.steps - 1 else 0
