@@ -27,7 +27,7 @@ import torch
 from bench_masks import documents
 import ringflash
 from harness import cli, results
-from ringflash import cost
+from ringflash import cost, cost_bound
 
 WINDOW = 4096
 # 4 x H100, 2026-11-26 (`torchrun --nproc-per-node=4 benchmarks/bench_masks.py --ring` on the
@@ -121,7 +121,7 @@ def predictions(worlds: list[int], seqlens: list[int], costs: cost.Costs) -> lis
             row = dict(mask=mask, seqlen=seqlen, layout=layout + (" (bound)" if layout == "documents" else ""))
             for world in worlds:
                 if layout == "documents":  # the model's bound for a layout built from the documents
-                    bound = cost.document_bound(world, seqlen, documents(seqlen), costs, problem)
+                    bound = cost_bound.document_bound(world, seqlen, documents(seqlen), costs, problem)
                     eff, steps = bound["efficiency"], None
                 elif layout == "document_layout":  # ringflash.document_layout, counted token by token
                     if world * seqlen > cost.TOKENWISE_LIMIT:

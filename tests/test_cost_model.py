@@ -19,7 +19,7 @@ import torch
 
 from oracle import global_mask
 import ringflash
-from ringflash import cost
+from ringflash import cost, cost_bound
 from ringflash.kernels.masks import BLOCK, band_of_window
 from ringflash.layouts import LAYOUTS, active_steps, global_positions, remote_share
 from ringflash.ring.plan import schedule_of
@@ -150,7 +150,7 @@ def test_layouts_differ_in_where_the_tiles_go_not_how_many():
 def test_packed_tiles_equal_the_counts():
     for lengths in ([5, 300, 1, 1, 1000, 229], [128, 256], [1, 127], [4000, 3, 3165]):
         counts = cost.ring_counts(1, sum(lengths), "contiguous", cost.Mask.documents(lengths))
-        assert cost._packed_tiles(lengths) == (int(counts.touched.sum()), int(counts.full.sum()))
+        assert cost_bound._packed_tiles(lengths) == (int(counts.touched.sum()), int(counts.full.sum()))
 
 
 def test_bytes_per_link():
@@ -220,7 +220,7 @@ def test_document_bound():
     cases = (([20000] + [1000] * 45 + [1, 535], True), ([40000, 1, 5000, 3000, 2000, 1000, 14535], False))
     for lengths, splits in cases:
         seqlen = sum(lengths)
-        bound = cost.document_bound(4, seqlen, lengths)
+        bound = cost_bound.document_bound(4, seqlen, lengths)
         one = cost.ring_counts(1, seqlen, "contiguous", cost.Mask.documents(lengths))
         ring = cost.ring_counts(4, seqlen, "block_stripe", cost.Mask.documents(lengths))
         ours = cost.efficiency(ring, one, problem=cost.Problem(segments=True))
