@@ -5,6 +5,8 @@ whole sequence, forward and forward+backward, side by side in one run.
     torchrun --nproc-per-node=4 benchmarks/bench_ring.py              # seqlen 32k, 64k
     torchrun --nproc-per-node=4 benchmarks/bench_ring.py --add-128k   # and 128k
     torchrun --nproc-per-node=4 benchmarks/bench_ring.py --profile-only --profile trace.json
+    torchrun --nproc-per-node=4 benchmarks/bench_ring.py --profile-only --profile trace.json \
+        --profile-mask documents --profile-heads-parallel 4 --profile-seqlen 128k   # one grid call
     torchrun --nproc-per-node=2 benchmarks/bench_ring.py --device cpu   # smoke test, gloo
     torchrun --nproc-per-node=4 benchmarks/bench_ring.py --heads-parallel 1 2 4 --seqlens 128k \\
         --masks causal documents --impls ringflash,ringflash_1gpu,torch_cp_cudnn --bench-name mesh
@@ -119,9 +121,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also write a chrome trace of one ringflash fwd+bwd to PATH (rank r>0: PATH.rank<r>)")
     p.add_argument("--profile-only", action="store_true", help="with --profile: skip the benchmark")
     p.add_argument("--profile-seqlen", default="64k", help="global seqlen of the profiled call")
-    p.add_argument("--profile-layout", default=None, choices=LAYOUTS,
-                   help="default: first of --causal-layouts / --noncausal-layouts")
+    p.add_argument("--profile-layout", default=None, choices=sorted(set(LAYOUTS + DOCUMENT_LAYOUTS)),
+                   help="default: first of --causal-layouts / --noncausal-layouts / --document-layouts")
     p.add_argument("--profile-noncausal", action="store_true", help="profile the non-causal case")
+    p.add_argument("--profile-mask", default=None, choices=MASKS,
+                   help="mask of the profiled call (default: causal, or none with --profile-noncausal)")
+    p.add_argument("--profile-heads-parallel", type=int, default=1,
+                   help="U of the profiled call's U x (world / U) grid (1: the ring alone)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: a smoke test of the script over gloo (small sizes, fp32, seconds)")
     args = p.parse_args(argv)
@@ -613,16 +619,23 @@ def benchmark(args, ctx: Ctx, save=None) -> list[dict]:
 
 def profile(args, ctx: Ctx) -> None:
     api = ringflash_api()
-    causal = not args.profile_noncausal
-    layout = args.profile_layout or (args.causal_layouts if causal else args.noncausal_layouts)[0]
-    cfg = Cfg(args.batch, args.profile_seqlen, args.heads, args.heads, args.head_dim, "causal" if causal else "none")
+    mask = args.profile_mask or ("none" if args.profile_noncausal else "causal")
+    layouts = {"none": args.noncausal_layouts, "causal": args.causal_layouts, "documents": args.document_layouts}
+    name = args.profile_layout or layouts[mask][0]
+    cfg = Cfg(args.batch, args.profile_seqlen, args.heads, args.heads, args.head_dim, mask)
+    group = ctx.grid(args.profile_heads_parallel)
+    layout = layout_of(cfg, name, group)
     full = make_full(cfg, cli.DTYPES[args.dtype], ctx.device, args.seed)
-    q, k, v, do = (api.shard(t, dim=1, layout=layout, group=ctx.group) for t in full)
+    q, k, v, do = (api.shard(t, dim=1, layout=layout, group=group) for t in full)
+    ids = segment_ids(cfg, ctx.device)
+    seg = None if ids is None else api.shard(ids, dim=1, layout=layout, group=group)
     del full
     step = traces.fwd_bwd_step(
-        lambda *qkv: api.ring_flash_attn(*qkv, causal=causal, group=ctx.group, layout=layout), (q, k, v), do)
+        lambda *qkv: api.ring_flash_attn(*qkv, causal=cfg.causal, group=group, layout=layout, segment_ids=seg),
+        (q, k, v), do)
     traces.profile_call(step, device=ctx.device, group=ctx.group, path=args.profile,
-                        title=f"ringflash fwd+bwd, {cfg.tag}, layout {layout}, {ctx.world} rank(s)")
+                        title=f"ringflash fwd+bwd, {cfg.tag}, {mask}, layout {name}, "
+                              f"grid {args.profile_heads_parallel} x {ctx.world // args.profile_heads_parallel}")
 
 
 def _plot_label(rec: dict) -> str:

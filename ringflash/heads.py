@@ -28,10 +28,13 @@ compute stream, not the host, wait), runs chunk c's ring while later chunks trav
 sends chunk c's out and lse home while chunk c + 1 computes; the backward posts every
 chunk's dout (and dlse) at once and sends chunk c's dq, dk, dv home while chunk c + 1's
 ring backward runs: one autograd Function (``_Overlapped``) that calls the ring op's
-forward and backward itself, in its own order. What stays exposed is the first chunk's trip
-out and the last chunk's trip home. C = 1 (nothing to split, RINGFLASH_HEAD_CHUNKS=1, or
-under torch.compile, which traces the exchanges as functional collectives and orders them
-itself) takes the composed path: differentiable exchanges around the ring's autograd op.
+forward and backward itself, in its own order. The copies into the send buffers and from
+the arrived results to their heads run on a side stream, beside the kernels, and where U
+divides the kv heads no kv head is picked or summed, only rearranged. What stays exposed is
+the first chunk's trip out, the last chunk's trip home, and a tail of each chunk's
+launches. C = 1 (nothing to split, RINGFLASH_HEAD_CHUNKS=1, or under torch.compile,
+which traces the exchanges as functional collectives and orders them itself) takes the
+composed path: differentiable exchanges around the ring's autograd op.
 RINGFLASH_HEAD_CHUNKS (read at each call) exists to compare the two paths: tests hold them
 to the same bits, benchmarks time what the overlap hides.
 
@@ -49,10 +52,11 @@ the ring op runs every head at once (README, support matrix).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -64,7 +68,10 @@ from .kernels.masks import tensor_memo
 from .ops import ring_attn, ring_attn_backward_impl, ring_attn_forward_impl
 
 CHUNKS_ENV = "RINGFLASH_HEAD_CHUNKS"
-MAX_CHUNKS = 4  # exposed exchange ~ 1/C of it; more chunks: smaller kernels, C x the ring's fixed costs
+# Exposed exchange ~ 1/C of it, but every chunk's launches end on a tail of their own: on 4 x
+# H200 at 128k, 2 chunks ran level with or ahead of 4 on every grid, mask and head count
+# measured (docs/performance.md, "Copies aside").
+MAX_CHUNKS = 2
 MIN_CHUNK_ROWS = 1 << 16  # query rows x heads of one chunk's kernels (B U L H / U / C): a full GPU
 MEMORY_SHARE = 0.25  # of a GPU's memory, the most a ring alone's own buffers take before it chunks
 
@@ -156,8 +163,9 @@ def ring_over_heads(q, k, v, grid: Grid, segments, block_mask, *, softmax_scale:
     blocks = [_head_rows(block_mask, rank * per_rank + c * per_rank // chunks, per_rank // chunks)
               for c in range(chunks)]
     if chunks == 1:
-        q2 = _ToHeads.apply(q, torch.arange(heads).view(world, per_rank), grid.heads)
-        k2, v2 = _ToHeads.apply(k, kv, grid.heads), _ToHeads.apply(v, kv, grid.heads)
+        whole_groups = per_rank % (heads // k.shape[2]) == 0  # each kv head to one rank, in order
+        q2 = _ToHeads.apply(q, torch.arange(heads).view(world, per_rank), grid.heads, True)
+        k2, v2 = (_ToHeads.apply(x, kv, grid.heads, whole_groups) for x in (k, v))
         out2, lse2 = ring_attn(q2, k2, v2, segments2, softmax_scale=softmax_scale, band=band, layout=layout,
                                dropout=(*dropout, rank * per_rank), blocks=blocks[0], group=grid.ring,
                                deterministic=deterministic)
@@ -202,19 +210,24 @@ def _head_rows(block_mask: Optional[torch.Tensor], start: int, count: int) -> Op
 class _ToHeads(torch.autograd.Function):
     """x (B, L, Hx, D) -> (B, U L, n, D): rank u gets heads index[u] of every rank's L
     tokens, in order of rank. The gradient goes back through the opposite exchange and
-    sums over the ranks (and entries) that read a head."""
+    sums over the ranks (and entries) that read a head. ``in_order``: index lists every
+    head once, in order (query heads; kv heads where every rank reads whole GQA groups), so
+    nothing is picked or summed (a Python bool: torch.compile traces no comparison)."""
 
     @staticmethod
-    def forward(ctx, x, index, group):
+    def forward(ctx, x, index, group, in_order: bool):
         ctx.group, ctx.index, ctx.heads = group, index, x.shape[2]
-        picked = x[:, :, index.flatten().to(x.device)]
+        ctx.in_order = in_order
+        picked = x if ctx.in_order else x[:, :, index.flatten().to(x.device)]
         return _exchange(picked, group, index.shape[0], "b l (u n) d -> u b l n d", "u b l n d -> b (u l) n d")
 
     @staticmethod
     def backward(ctx, grad):
         back = _exchange(grad, ctx.group, ctx.index.shape[0], "b (u l) n d -> u b l n d", "u b l n d -> b l (u n) d")
+        if ctx.in_order:
+            return back, None, None, None
         dx = back.new_zeros(*back.shape[:2], ctx.heads, back.shape[3])
-        return dx.index_add_(2, ctx.index.flatten().to(grad.device), back), None, None
+        return dx.index_add_(2, ctx.index.flatten().to(grad.device), back), None, None, None
 
 
 class _ToSequence(torch.autograd.Function):
@@ -284,18 +297,74 @@ class _Call:
 
 
 @functools.lru_cache(maxsize=64)
-def _entries(kv: tuple, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """kv entries (U, C, n) on ``device``, flat in order (c, u, n) (what each chunk sends)
-    and (u, c, n) (where each returned gradient adds), made once: a host-to-device copy
-    waits for the GPU."""
+def _kv_picks(kv: tuple, device: torch.device) -> Optional[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
+    """None where the kv entries (U, C, n) are the kv heads in order (u, c, n): each kv head
+    goes to one rank and a chunk's are consecutive (U divides Hkv), so a rearrangement sends
+    them and puts their gradients back. Else (per chunk, the kv heads it sends in order
+    (u, n); all entries in order (u, c, n), where the returned gradients add, in one pass as
+    the unchunked call adds them), on ``device``, made once: a host-to-device copy waits
+    for the GPU."""
     index = torch.tensor(kv)
-    return (rearrange(index, "u c n -> (c u n)").to(device), rearrange(index, "u c n -> (u c n)").to(device))
+    if torch.equal(index.flatten(), torch.arange(index.numel())):
+        return None
+    return (tuple(rearrange(index[:, c], "u n -> (u n)").to(device) for c in range(index.shape[1])),
+            rearrange(index, "u c n -> (u c n)").to(device))
+
+
+def _chunk_of(x: torch.Tensor, c: int, call: "_Call", picks=None) -> torch.Tensor:
+    """Chunk c of x (B, L, Hx, D) for every heads rank, (U, B, L, n, D) contiguous: its query
+    heads (``picks`` None on query heads), or the kv entries it sends (``_kv_picks``)."""
+    if picks is None:
+        return rearrange(x, "b l (u c n) d -> c u b l n d", u=call.world, c=call.chunks)[c].contiguous()
+    return rearrange(x.index_select(2, picks[0][c]), "b l (u n) d -> u b l n d", u=call.world).contiguous()
 
 
 def _post(send: torch.Tensor, recv: torch.Tensor, group) -> tuple:
     """Start the all-to-all of ``send`` (U, ...) into ``recv``: (its work, and the two
     tensors, kept alive until ``_wait``)."""
     return dist.all_to_all_single(recv, send, group=group, async_op=True), send, recv
+
+
+@functools.lru_cache(maxsize=None)
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+@contextlib.contextmanager
+def _aside(device: torch.device):
+    """Work queued within on a stream of its own (CUDA), after the current stream's work so
+    far: the copies into and out of the all-to-alls' buffers, which then run beside the
+    attention kernels instead of between them. ``_rejoin`` orders the current stream after
+    it. On the CPU, the work runs in order."""
+    if device.type != "cuda":
+        yield
+        return
+    side, current = _side_stream(device), torch.cuda.current_stream(device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        yield
+
+
+def _rejoin(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).wait_stream(_side_stream(device))
+
+
+def _post_chunks(sends: Callable[[int], list], device: torch.device, call: "_Call") -> tuple[list, list]:
+    """Post every chunk's all-to-alls, chunk 0's first: ``sends`` makes chunk c's tensors,
+    copied out aside (``_aside``) so that chunk 0 leaves before the later chunks are
+    copied and its kernels start while they are. Returns (what each chunk posted, each
+    chunk's received tensors, for the current stream once it has waited for them)."""
+    posted, recvs = [], []
+    current = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    with _aside(device):
+        for c in range(call.chunks):
+            out = sends(c)
+            recvs.append([torch.empty_like(s) for s in out])
+            for r in recvs[-1] if current is not None else ():
+                r.record_stream(current)  # made aside, read by the kernels
+            posted.append([_post(s, r, call.group) for s, r in zip(out, recvs[-1])])
+    return posted, recvs
 
 
 def _send_home(t: torch.Tensor, split: str, recv: torch.Tensor, call: "_Call") -> tuple:
@@ -308,6 +377,17 @@ def _wait(posted) -> None:
         work.wait()
 
 
+def _land(posted: list, place, device: torch.device) -> list:
+    """Once ``posted`` has arrived, ``place()`` copies what it brought to where it belongs,
+    aside: the current stream goes on with the next chunk's kernels. Returns ``posted``,
+    whose tensors the caller keeps until it has called ``_rejoin`` (the current stream may
+    reuse their memory only once the transfers are done)."""
+    with _aside(device):
+        _wait(posted)
+        place()
+    return posted
+
+
 class _Overlapped(torch.autograd.Function):
     """out (B, L, H, D), lse (B, H, L) of ``ring_over_heads``, chunk by chunk (the module's
     docstring): chunk c holds query heads [c m, (c + 1) m) of every rank's share, m = H / U / C."""
@@ -315,29 +395,30 @@ class _Overlapped(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, call: _Call, requires_grad: bool):
         world, chunks = call.world, call.chunks
-        to_chunks, _ = _entries(call.kv, q.device)
-        sends = (rearrange(q, "b l (u c m) d -> c u b l m d", u=world, c=chunks).contiguous(),
-                 *(rearrange(x.index_select(2, to_chunks), "b l (c u n) d -> c u b l n d", c=chunks, u=world)
-                   .contiguous() for x in (k, v)))
-        recvs = [torch.empty_like(s) for s in sends]
-        posted = [[_post(s[c], r[c], call.group) for s, r in zip(sends, recvs)] for c in range(chunks)]
+        picks = _kv_picks(call.kv, q.device)
+        posted, recvs = _post_chunks(lambda c: (_chunk_of(q, c, call), *(_chunk_of(x, c, call, picks)
+                                                                             for x in (k, v))), q.device, call)
         b, n, h, d = q.shape
-        out_home = q.new_empty((chunks, world, b, n, h // world // chunks, d))
-        lse_home = q.new_empty((chunks, world, b, h // world // chunks, n), dtype=torch.float32)
-        home, saved = [], []
+        out = q.new_empty(q.shape)
+        lse = q.new_empty((b, h, n), dtype=torch.float32)
+        out_at = rearrange(out, "b l (u c m) d -> c u b l m d", u=world, c=chunks)
+        lse_at = rearrange(lse, "b (u c m) l -> c u b m l", u=world, c=chunks)
+        saved, homes = [], []
         for c in range(chunks):
             _wait(posted[c])
-            q2, k2, v2 = (rearrange(r[c], "u b l n d -> b (u l) n d") for r in recvs)
+            q2, k2, v2 = (rearrange(r, "u b l n d -> b (u l) n d") for r in recvs[c])
             out2, lse2, kept_kv, kept_segments = call.forward(c, q2, k2, v2, requires_grad)
-            home += [_send_home(out2, "b (u l) m d -> u b l m d", out_home[c], call),
-                     _send_home(lse2, "b m (u l) -> u b m l", lse_home[c], call)]
+            out_home = out2.new_empty(out_at[c].shape)
+            lse_home = lse2.new_empty(lse_at[c].shape)
+            homes += _land([_send_home(out2, "b (u l) m d -> u b l m d", out_home, call),
+                            _send_home(lse2, "b m (u l) -> u b m l", lse_home, call)],
+                           functools.partial(_copy_pairs, ((out_at[c], out_home), (lse_at[c], lse_home))), q.device)
             saved += [q2, k2, v2, out2, lse2, kept_kv, kept_segments]
-        _wait(home)
+        _rejoin(q.device)
         ctx.save_for_backward(*saved)
         ctx.call, ctx.shape, ctx.kv_heads = call, q.shape, k.shape[2]
         ctx.set_materialize_grads(False)  # an unused lse's gradient stays None, as the ring op's
-        return (rearrange(out_home, "c u b l m d -> b l (u c m) d"),
-                rearrange(lse_home, "c u b m l -> b (u c m) l"))
+        return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
@@ -346,29 +427,45 @@ class _Overlapped(torch.autograd.Function):
         world, chunks = call.world, call.chunks
         q2, k2 = saved[:2]  # chunk 0's: the shapes and dtypes of every chunk's
         dout = q2.new_zeros(ctx.shape) if dout is None else dout  # only lse was used
-        sends = [rearrange(dout, "b l (u c m) d -> c u b l m d", u=world, c=chunks).contiguous()]
-        if dlse is not None:
-            sends.append(rearrange(dlse, "b (u c m) l -> c u b m l", u=world, c=chunks).contiguous())
-        recvs = [torch.empty_like(s) for s in sends]
-        posted = [[_post(s[c], r[c], call.group) for s, r in zip(sends, recvs)] for c in range(chunks)]
+        posted, recvs = _post_chunks(lambda c: [_chunk_of(dout, c, call)] + (
+            [] if dlse is None else
+            [rearrange(dlse, "b (u c m) l -> c u b m l", u=world, c=chunks)[c].contiguous()]), dout.device, call)
         b, n = ctx.shape[:2]
-        dq_home = q2.new_empty((chunks, world, b, n, *q2.shape[2:]))
-        dkv_home = k2.new_empty((chunks, world, 2, b, n, *k2.shape[2:]))
-        home = []
+        picks = _kv_picks(call.kv, dout.device)
+        dq = q2.new_empty(ctx.shape)
+        dq_at = rearrange(dq, "b l (u c m) d -> c u b l m d", u=world, c=chunks)
+        dkv = k2.new_empty((2, b, n, ctx.kv_heads, k2.shape[-1]))
+        dkv_homes = None if picks is None else k2.new_empty((chunks, world, 2, b, n, *k2.shape[2:]))
+        homes = []
         for c in range(chunks):
             _wait(posted[c])
-            dout2 = rearrange(recvs[0][c], "u b l m d -> b (u l) m d")
-            dlse2 = None if dlse is None else rearrange(recvs[1][c], "u b m l -> b m (u l)")
+            dout2 = rearrange(recvs[c][0], "u b l m d -> b (u l) m d")
+            dlse2 = None if dlse is None else rearrange(recvs[c][1], "u b m l -> b m (u l)")
             q2, k2, v2, out2, lse2, kept_kv, kept_segments = saved[7 * c:7 * c + 7]
             dq2, dkv2 = call.backward(c, dout2, q2, k2, v2, out2, lse2, dlse2, kept_kv, kept_segments)
-            home += [_send_home(dq2, "b (u l) m d -> u b l m d", dq_home[c], call),
-                     _send_home(dkv2, "t b (u l) n d -> u t b l n d", dkv_home[c], call)]
-        _wait(home)
-        dq = rearrange(dq_home, "c u b l m d -> b l (u c m) d")
-        dkv = rearrange(dkv_home, "c u t b l n d -> t b l (u c n) d")
-        _, to_heads = _entries(call.kv, dout.device)
-        dk, dv = (dkv.new_zeros((b, n, ctx.kv_heads, dkv.shape[-1])).index_add_(2, to_heads, g) for g in dkv)
-        return dq, dk, dv, None, None
+            dq_home = dq2.new_empty(dq_at[c].shape)
+            dkv_home = dkv2.new_empty((world, *dkv2.shape[:2], n, *dkv2.shape[3:])) if picks is None else dkv_homes[c]
+            homes += _land([_send_home(dq2, "b (u l) m d -> u b l m d", dq_home, call),
+                            _send_home(dkv2, "t b (u l) n d -> u t b l n d", dkv_home, call)],
+                           functools.partial(_place_chunk, c, dq_at, dq_home, dkv, dkv_home, picks is None, call),
+                           dout.device)
+        _rejoin(dout.device)
+        if picks is not None:  # kv heads read on several ranks: their gradients summed
+            dkv.zero_().index_add_(3, picks[1], rearrange(dkv_homes, "c u t b l n d -> t b l (u c n) d"))
+        return dq, dkv[0], dkv[1], None, None
+
+
+def _copy_pairs(pairs) -> None:
+    for dst, src in pairs:
+        dst.copy_(src)
+
+
+def _place_chunk(c: int, dq_at, dq_home, dkv, dkv_home, in_order: bool, call: _Call) -> None:
+    """Chunk c's gradients, arrived from every heads rank: dq into its heads, and where each
+    kv head went to one rank (``_kv_picks``), dK/dV into the kv heads the chunk read."""
+    dq_at[c].copy_(dq_home)
+    if in_order:
+        rearrange(dkv, "t b l (u c n) d -> c u t b l n d", u=call.world, c=call.chunks)[c].copy_(dkv_home)
 
 
 # ----------------------------------------------------------------------------- one after another (U = 1)

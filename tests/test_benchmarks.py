@@ -117,6 +117,19 @@ def test_bench_ring_cpu_smoke_under_torchrun(tmp_path, results_untouched):
     assert "per GPU" not in out and "TF/GPU" not in out and "TFLOP/s/GPU" not in out
 
 
+def test_bench_ring_profiles_a_grid_call_with_documents(tmp_path, results_untouched):
+    # --profile on the heads x ring grid (U = 2 over 2 gloo ranks) with packed documents:
+    # every rank writes its trace, rank 0 prints the breakdown; no results file.
+    trace = tmp_path / "trace.json"
+    out = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                "--max-restarts=0", str(BENCH / "bench_ring.py"), "--device", "cpu", "--profile-only",
+                "--profile", str(trace), "--profile-mask", "documents", "--profile-heads-parallel", "2",
+                "--profile-seqlen", "512", "--heads", "4"], tmp_path)
+    assert trace.exists() and (tmp_path / "trace.rank1.json").exists()
+    assert "docs" in out and "grid 2 x 1" in out and "From the trace" in out
+    assert not list(tmp_path.glob("ringflash-bench-*/*.json"))
+
+
 def test_bench_masks_ring_cpu_smoke_under_torchrun(tmp_path, results_untouched):
     # Packed documents at 512 tokens over 2 gloo ranks: the ring's rows with their
     # efficiency and the cost model's rows. torch CP's FlexAttention row is left out here:

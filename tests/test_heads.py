@@ -245,11 +245,30 @@ def test_chunked_heads_give_the_unchunked_bits(worlds, world_size, heads_world):
     assert not failures, "\n".join(failures[:20])
 
 
+def test_kv_heads_are_picked_only_where_a_rank_shares_them():
+    """Where U divides the kv heads, every kv head goes to one rank and a chunk's are
+    consecutive: the chunked path only rearranges them (no pick, no summed gradient)."""
+    from einops import rearrange
+    from ringflash.heads import _kv_picks, kv_index
+    cpu = torch.device("cpu")
+
+    def entries(kv):  # (U, C, n) as the call keeps them: nested tuples
+        return tuple(tuple(map(tuple, row)) for row in kv.tolist())
+
+    for heads, kv_heads, u, chunks in [(32, 32, 4, 2), (32, 8, 4, 2), (32, 8, 2, 4), (8, 8, 2, 1)]:
+        kv = rearrange(kv_index(heads, kv_heads, u), "u (c n) -> u c n", c=chunks)
+        assert _kv_picks(entries(kv), cpu) is None, (heads, kv_heads, u)
+    for heads, kv_heads, u in [(8, 1, 2), (8, 2, 4), (4, 1, 4), (12, 2, 4)]:  # MQA, kv_heads < U
+        kv = kv_index(heads, kv_heads, u)[:, None]
+        picks = _kv_picks(entries(kv), cpu)
+        assert picks is not None and picks[1].tolist() == kv.flatten().tolist(), (heads, kv_heads, u)
+
+
 def test_head_chunks_keep_whole_kv_entries(monkeypatch):
     from ringflash.heads import CHUNKS_ENV, MIN_CHUNK_ROWS, head_chunks
     monkeypatch.delenv(CHUNKS_ENV, raising=False)
     big = 4 * MIN_CHUNK_ROWS
-    assert [head_chunks(n, big) for n in (1, 2, 3, 4, 6, 8, 16)] == [1, 2, 3, 4, 3, 4, 4]
+    assert [head_chunks(n, big) for n in (1, 2, 3, 4, 6, 8, 16)] == [1, 2, 1, 2, 2, 2, 2]
     assert head_chunks(16, MIN_CHUNK_ROWS) == 1 and head_chunks(16, 2 * MIN_CHUNK_ROWS) == 2  # small calls
     monkeypatch.setenv(CHUNKS_ENV, "8")
     assert head_chunks(16, 0) == 8 and head_chunks(6, 0) == 6 and head_chunks(1, 0) == 1
