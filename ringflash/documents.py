@@ -7,8 +7,12 @@ moves a whole K/V shard for a slice of pairs that shrinks as 1 / W^2
 wherever the balance allows, so most of the attention needs no communication at all:
 
 1. A document longer than a shard (n = seqlen / W tokens), or with more visible causal
-   pairs than ``spread`` x a rank's share, is split zigzag over the W ranks (2W chunks;
-   rank r holds chunks r and 2W - 1 - r): every rank gets the same tokens and pairs of it.
+   pairs than ``spread`` x a rank's share, is split. Zigzag over the W ranks (2W chunks;
+   rank r holds chunks r and 2W - 1 - r): every rank gets the same tokens and pairs of it,
+   and the ring runs W steps. Or in consecutive pieces over consecutive ranks in ring order
+   (``_cut_in_ring_order``, heaviest first), each rank filled up to a share of its pairs
+   (``_FILLS``): a piece's queries see only the pieces before it, k pieces need k - 1 hops,
+   and a document over two ranks one hop, as the pour's cuts do.
 2. The other documents, heaviest first (at most ``_PLACED_PER_RANK`` x W of them), go whole
    to the rank with room for them (keeping n / ``_RESERVE`` free) whose projected load is least: its pairs so far, plus
    what its remaining room will bring at the density (pairs per token) of what is left.
@@ -16,21 +20,25 @@ wherever the balance allows, so most of the attention needs no communication at 
    ranks' remaining room in ring order 0, 1, ..., W - 1: a document cut there starts on rank
    r and ends on rank r + 1, one ring step away.
 
-``spread`` is chosen per call: the fewest split documents whose busiest rank is within
-``_BALANCED`` of the mean, else the most even of the candidates (``_SPREADS``).
+``spread`` and the way of splitting are chosen per call (``_made``): of the candidates whose
+busiest rank is within ``_BALANCED`` of the mean (for each way, the one of the fewest split
+documents, ``_SPREADS``), the one whose ring runs the fewest steps (zigzag where they tie);
+else the most even. On 4 ranks at 128k this takes the ring from 4 steps to 2
+(docs/notes/documents.md, "Documents cut in ring order").
 
 A rank holds its tokens in increasing global position. Under causal (or full) attention
 its own step is then one kernel call over the shard (key row <= query row; the segment
 ids tell documents apart); the other steps compute only the pieces of the documents that
 cross ranks (``DocumentLayout.pairs``), and the ring runs only as far as they reach
-(``layouts.active_steps``): 2 steps when no document is split zigzag (the one hop hides
-behind the own step), W otherwise.
+(``layouts.active_steps``; ``DocumentLayout.steps``): 2 steps when every crossing document
+spans two neighbours (the one hop hides behind the own step), W where one is split zigzag.
 """
 
 from __future__ import annotations
 
 import bisect
 import hashlib
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -50,6 +58,10 @@ _PLACED_PER_RANK = 64
 # Placing leaves every rank 1 / _RESERVE of its shard for the pour: a document the pour cuts
 # then reaches the next rank, not one further on.
 _RESERVE = 16
+# Cutting a document in ring order fills a rank up to one of these shares of its pairs (each a
+# candidate: which one balances depends on the documents); whole documents and the pour bring
+# it to its share.
+_FILLS = (0.97, 0.9, 0.8)
 
 
 class Piece(NamedTuple):
@@ -101,9 +113,42 @@ def _rank_work(bounds: list[int], runs: list[Piece]) -> int:
     return total
 
 
-def _assign(bounds: torch.Tensor, seqlen: int, world: int, spread: float) -> tuple[list[list[Piece]], int]:
-    """Each rank's runs for one ``spread`` (module docstring, steps 1-3), and the number of
-    documents split zigzag."""
+def _cut_in_ring_order(start: int, length: int, limit: float, reserve: int, spans: list, room: list,
+                       load: list) -> None:
+    """Document [start, start + length) in consecutive pieces over consecutive ranks in ring
+    order from the rank with the most room, each piece as long as its rank's room (less
+    ``reserve`` for the pour) and its load up to ``limit`` pairs allow (a piece of rows
+    a..b-1 of the document adds the causal pairs of those rows); a rank with nothing to
+    spare is passed by, and what is left once every rank was visited goes on wherever
+    there is room."""
+    world = len(room)
+    r = max(range(world), key=lambda q: (room[q], -load[q], -q))
+    at, end, visits = start, start + length, 0
+
+    def pairs(x: int) -> int:  # the causal pairs of the document's first x rows
+        return x * (x + 1) // 2
+
+    while at < end:
+        take = min(end - at, room[r])
+        if visits < world:  # the rows and pairs this rank can take
+            take = min(take, max(room[r] - reserve, 0))
+            spare = int(limit - load[r])
+            if spare < pairs(at + take - start) - pairs(at - start):
+                rows = (math.isqrt(8 * max(pairs(at - start) + spare, 0) + 1) - 1) // 2
+                take = max(0, min(take, start + rows - at))
+        if take:
+            spans[r].append((at, take))
+            room[r] -= take
+            load[r] += pairs(at + take - start) - pairs(at - start)
+            at += take
+        r, visits = (r + 1) % world, visits + 1
+
+
+def _assign(bounds: torch.Tensor, seqlen: int, world: int, spread: float,
+            fill: Optional[float] = None) -> tuple[list[list[Piece]], int]:
+    """Each rank's runs for one ``spread`` (module docstring, steps 1-3), the documents to
+    split cut zigzag (``fill`` None) or in pieces over consecutive ranks, each filled up to
+    ``fill`` x its share of the pairs; and the number of documents split."""
     n = seqlen // world
     lengths = (bounds[1:] - bounds[:-1]).tolist()
     starts = bounds[:-1].tolist()
@@ -113,9 +158,13 @@ def _assign(bounds: torch.Tensor, seqlen: int, world: int, spread: float) -> tup
     room, load = [n] * world, [0.0] * world
     placed = [False] * len(lengths)
     rotate, splits = 0, 0
-    for d, length in enumerate(lengths):  # 1. zigzag over every rank
-        if length == 0 or (length <= n and work[d] <= spread * share):
-            continue
+    reserve = n // _RESERVE  # room kept for the pour on every rank, so that it never skips one
+    heavy = [d for d, length in enumerate(lengths) if length > n or (length and work[d] > spread * share)]
+    for d in sorted(heavy, key=lambda d: -work[d]) if fill else ():  # 1. in ring order
+        _cut_in_ring_order(starts[d], lengths[d], fill * share, reserve, spans, room, load)
+        placed[d], splits = True, splits + 1
+    for d in () if fill else heavy:  # 1. zigzag over every rank
+        length = lengths[d]
         base, extra = divmod(length, world)
         per = [base + ((r - rotate) % world < extra) for r in range(world)]
         rotate = (rotate + extra) % world  # the ranks that take the odd tokens take turns
@@ -132,7 +181,6 @@ def _assign(bounds: torch.Tensor, seqlen: int, world: int, spread: float) -> tup
     rest = [d for d in range(len(lengths)) if not placed[d] and lengths[d] > 0]
     stream_tokens = seqlen - sum(n - r for r in room)
     stream_work = sum(work[d] for d in rest)
-    reserve = n // _RESERVE  # room kept for the pour on every rank, so that it never skips one
     for d in sorted(rest, key=lambda d: -work[d])[:_PLACED_PER_RANK * world]:  # 2. whole
         length = lengths[d]
         density = stream_work / max(stream_tokens, 1)
@@ -164,6 +212,40 @@ def _assign(bounds: torch.Tensor, seqlen: int, world: int, spread: float) -> tup
     return [_spans_to_runs(s) for s in spans], splits
 
 
+def _shared_pieces(bounds: list[int], runs: list[list[Piece]]) -> dict[int, dict[int, list[Piece]]]:
+    """{document: {rank: its pieces there}} of the documents on more than one rank. Only a
+    run's first and last documents can reach past it."""
+    def doc_at(position: int) -> int:  # -1: padding
+        return -1 if position >= bounds[-1] else bisect.bisect_right(bounds, position) - 1
+
+    candidates = {doc_at(p) for rank in runs for run in rank for p in (run.start, run.start + run.length - 1)} - {-1}
+    shared = {}
+    for d in sorted(candidates):
+        lo, hi = bounds[d], bounds[d + 1]
+        pieces = {}
+        for r, rank in enumerate(runs):
+            mine = [Piece(max(lo, run.start), min(hi, run.start + run.length) - max(lo, run.start),
+                          run.local + max(lo, run.start) - run.start)
+                    for run in rank if run.start < hi and lo < run.start + run.length]
+            if mine:
+                pieces[r] = mine
+        if len(pieces) > 1:
+            shared[d] = pieces
+    return shared
+
+
+def _steps(shared: dict, world: int) -> int:
+    """The ring steps causal attention runs over ranks holding ``shared`` pieces: 1, plus the
+    farthest hop from a rank holding a piece of a crossing document to a rank holding a
+    piece whose queries see it (``layouts.active_steps`` counts the same from the pairs)."""
+    far = 0
+    for pieces in shared.values():
+        first = {r: min(p.start for p in ps) for r, ps in pieces.items()}
+        last = {r: max(p.start + p.length for p in ps) for r, ps in pieces.items()}
+        far = max([far] + [(q - k) % world for q in pieces for k in pieces if k != q and first[k] < last[q]])
+    return far + 1
+
+
 class DocumentLayout(Layout):
     """A layout computed from one packed sequence's documents (``document_layout``): each
     rank's tokens as runs of consecutive positions (``runs``), and for every document that
@@ -186,35 +268,16 @@ class DocumentLayout(Layout):
         # torch.compile, so a new layout of the same sizes needs no new graph.
         self.spec = torch.tensor([seqlen, world, *self._bounds], dtype=torch.int64)
         self._positions = [_positions(rank) for rank in runs]
-        self.shared = self._shared_pieces()
+        self.shared = _shared_pieces(self._bounds, runs)
 
     def __repr__(self) -> str:
         return (f"DocumentLayout(seqlen={self.seqlen}, world={self.world}, documents={len(self.bounds) - 1}, "
                 f"split={self.splits})")
 
-    def _doc_at(self, position: int) -> int:
-        """The document holding ``position`` (-1: padding)."""
-        ends = self._bounds
-        return -1 if position >= ends[-1] else bisect.bisect_right(ends, position) - 1
-
-    def _shared_pieces(self) -> dict[int, dict[int, list[Piece]]]:
-        """{document: {rank: its pieces there}} of the documents on more than one rank. Only a
-        run's first and last documents can reach past it."""
-        candidates = {self._doc_at(p) for rank in self.runs for run in rank
-                      for p in (run.start, run.start + run.length - 1)} - {-1}
-        shared = {}
-        for d in sorted(candidates):
-            lo, hi = self._bounds[d], self._bounds[d + 1]
-            pieces = {}
-            for r, rank in enumerate(self.runs):
-                mine = [Piece(max(lo, run.start), min(hi, run.start + run.length) - max(lo, run.start),
-                              run.local + max(lo, run.start) - run.start)
-                        for run in rank if run.start < hi and lo < run.start + run.length]
-                if mine:
-                    pieces[r] = mine
-            if len(pieces) > 1:
-                shared[d] = pieces
-        return shared
+    @property
+    def steps(self) -> int:
+        """The ring steps causal attention over this layout runs (``_steps``)."""
+        return _steps(self.shared, self.world)
 
     # ------------------------------------------------------------------ Layout's rules
 
@@ -322,19 +385,26 @@ def _keep(key: tuple, layout: DocumentLayout) -> DocumentLayout:
     return layout
 
 
-def _made(bounds: torch.Tensor, seqlen: int, world: int) -> DocumentLayout:
-    """``document_layout`` once its arguments are checked."""
+def _made(bounds: torch.Tensor, seqlen: int, world: int, fills: tuple = _FILLS) -> DocumentLayout:
+    """``document_layout`` once its arguments are checked: for each way of splitting (zigzag;
+    in ring order at each of ``fills``) the candidates of ``_SPREADS`` up to the first
+    balanced one; of the balanced candidates the one of the fewest ring steps (the first
+    where they tie: zigzag), else the most even. ``fills=()``: zigzag only, the layout
+    before documents were cut in ring order (the cost model's calibration counts the
+    layout its measured rows ran)."""
     best: Optional[tuple] = None
     listed = bounds.tolist()
-    for spread in _SPREADS:
-        runs, splits = _assign(bounds, seqlen, world, spread)
-        loads = [_rank_work(listed, rank) for rank in runs]
-        mean = max(sum(loads) / world, 1)
-        worst = max(loads) / mean
-        if best is None or worst < best[0] - 1e-9:
-            best = (worst, runs, splits, spread)
-        if worst <= _BALANCED:
-            break
+    for way, fill in enumerate((None, *fills)):
+        for spread in _SPREADS:
+            runs, splits = _assign(bounds, seqlen, world, spread, fill)
+            loads = [_rank_work(listed, rank) for rank in runs]
+            worst = max(loads) / max(sum(loads) / world, 1)
+            key = ((0, _steps(_shared_pieces(listed, runs), world), way) if worst <= _BALANCED
+                   else (1, round(worst, 9), way))
+            if best is None or key < best[0]:
+                best = (key, runs, splits, spread)
+            if worst <= _BALANCED:
+                break
     _, runs, splits, spread = best
     layout = DocumentLayout(bounds, seqlen, world, runs, splits, spread)
     return remember(_keep(tuple(layout.spec.tolist()), layout))
