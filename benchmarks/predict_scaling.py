@@ -27,7 +27,7 @@ import torch
 from bench_masks import documents
 import ringflash
 from harness import cli, results
-from ringflash import cost, cost_bound, documents
+from ringflash import cost, cost_bound
 
 WINDOW = 4096
 # 4 x H100, 2026-11-26 (`torchrun --nproc-per-node=4 benchmarks/bench_masks.py --ring` on the
@@ -76,7 +76,7 @@ def counted(rows: list[dict]) -> None:
         layout = r["layout"]
         if layout == "documents":  # the layout bench_masks.py computed from the same documents,
             # as it was when these rows were measured: split documents zigzag only
-            layout = documents._made(torch.tensor(m.cu_seqlens), r["seqlen"], r["gpus"], fills=())
+            layout = ringflash.documents._made(torch.tensor(m.cu_seqlens), r["seqlen"], r["gpus"], fills=())
         r["ring"] = cost.ring_counts(r["gpus"], r["seqlen"], layout, m)
         r["one"] = cost.ring_counts(1, r["seqlen"], "contiguous", m)
         r["problem"] = cost.Problem(segments=m.cu_seqlens is not None)
