@@ -345,8 +345,8 @@ def document_layout(cu_seqlens, seqlen: int, group=None, *, world: Optional[int]
     and the ring's rank check compares it. seqlen must be a multiple of the ring's size.
     ``world``: the ring's size, to plan a layout without a process group (cost model,
     tests); with a group, it must be the group's. Block masks are not served with it
-    (ValueError). Host time (one core, no GPU): 1-9 ms at 32k-1M tokens over 2 ranks, up
-    to 11 ms over 8, 8-58 ms over 64.
+    (ValueError). Host time (one core, no GPU, bench_masks.py's documents, 2026-11-27):
+    1-17 ms at 32k-1M tokens over 2 ranks, 4-25 ms over 8, 31-105 ms over 64.
     """
     seqlen = positive_int(seqlen, "seqlen")
     bounds = check_cu_seqlens(cu_seqlens, seqlen)
@@ -389,12 +389,15 @@ def _made(bounds: torch.Tensor, seqlen: int, world: int, fills: tuple = _FILLS) 
     """``document_layout`` once its arguments are checked: for each way of splitting (zigzag;
     in ring order at each of ``fills``) the candidates of ``_SPREADS`` up to the first
     balanced one; of the balanced candidates the one of the fewest ring steps (the first
-    where they tie: zigzag), else the most even. ``fills=()``: zigzag only, the layout
+    where they tie: zigzag), else the most even; none past a balanced candidate of two steps
+    or fewer (always, on two ranks). ``fills=()``: zigzag only, the layout
     before documents were cut in ring order (the cost model's calibration counts the
     layout its measured rows ran)."""
     best: Optional[tuple] = None
     listed = bounds.tolist()
     for way, fill in enumerate((None, *fills)):
+        if best is not None and best[0][:2] <= (0, 2):  # balanced in one hop: nothing to gain
+            break
         for spread in _SPREADS:
             runs, splits = _assign(bounds, seqlen, world, spread, fill)
             loads = [_rank_work(listed, rank) for rank in runs]
