@@ -69,6 +69,22 @@ def test_shards_hold_every_token_once_in_order(world, seed):
     assert len(crossing) <= layout.splits + (world - 1), "only split documents and the pour's cuts cross"
 
 
+@pytest.mark.parametrize("world", [2, 3, 5, 8])
+def test_every_way_of_splitting_holds_every_token_once(world):
+    """Every candidate ``_made`` weighs (zigzag, and cut in ring order at each fill, at every
+    spread) gives each rank exactly its n tokens, every token once, in increasing order."""
+    from ringflash.documents import _FILLS, _SPREADS, _assign
+    seqlen = 1024 * world
+    for seed in range(4):
+        cu = torch.tensor([0, *_lognormal_sigma(seqlen - 37, 256, 1.5, seed)]).cumsum(0)  # 37 padding
+        for fill in (None, *_FILLS):
+            for spread in _SPREADS:
+                runs, _ = _assign(cu, seqlen, world, spread, fill)
+                held = [torch.cat([torch.arange(r.start, r.start + r.length) for r in rank]) for rank in runs]
+                assert all(h.numel() == seqlen // world and bool((h[1:] > h[:-1]).all()) for h in held)
+                assert torch.equal(torch.cat(held).sort().values, torch.arange(seqlen)), (seed, fill, spread)
+
+
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_balanced_on_lognormal_documents(world):
     """Causal pairs per rank within 6% of the mean (block_stripe's own balance is within 2%
