@@ -12,7 +12,8 @@ masks_h200x2.json and masks_h200x4.json against the 1-GPU row of the same run, a
 bench_masks.py builds them: documents of log-normal lengths (its own generator, seed 0),
 causal within each; window: causal, 4096 keys back. bf16, 32 heads, head_dim 128, batch 1.
 Efficiency = 1-GPU time / (W x ring time). ``--fit`` fits the model's constants to all of them
-(``cost.FITTED``; the rest held at ``cost.H100``'s).
+(``cost.FITTED``; the rest held at ``cost.H100``'s). Also checked, not fitted to: the ring-alone
+rows on packed documents of bench_ring.py's grid runs (``MESH_MEASURED``).
 Nothing is written unless --out says where.
 """
 
@@ -37,6 +38,9 @@ QUOTED_H100X4 = [("documents", 32768, "block_stripe", 0.74), ("documents", 13107
                  ("window", 32768, "contiguous", 0.79), ("window", 131072, "contiguous", 0.87),
                  ("causal", 131072, "zigzag", 0.97)]
 MEASURED = ("masks_h100x2.json", "masks_h100x2_512k.json", "masks_h200x2.json", "masks_h200x4.json")
+# bench_ring.py's grid runs, whose ring-alone rows on packed documents are the same draw and
+# layout (2026-11-27); checked against, not fitted to (the constants predate them).
+MESH_MEASURED = ("mesh_h200x2.json", "mesh_h200x4.json")
 PREDICT = [("causal", "zigzag"), ("documents", "block_stripe"), ("documents", "contiguous"),
            ("window", "contiguous"), ("window", "block_stripe"), ("documents", "document_layout"),
            ("documents", "documents")]
@@ -63,6 +67,13 @@ def measured_rows() -> list[dict]:
                 rows.append(dict(source=name, device=data["meta"]["device"], gpus=r["gpus"], mask=r["mask"],
                                  seqlen=r["seqlen"], layout=r["layout"], one_ms=t1,
                                  measured=t1 / (r["gpus"] * r["fwdbwd_ms"])))
+    for name in MESH_MEASURED:  # the ring alone (U = 1) on packed documents, MHA, beside its 1-GPU row
+        data = results.load_results(results.RESULTS_DIR / name)
+        mha = [r for r in data["records"] if r["mask"] == "documents" and r.get("kv_heads") == r.get("heads")]
+        one = {r["seqlen"]: r["fwdbwd_ms"] for r in mha if r["impl"] == "ringflash_1gpu"}
+        rows += [dict(source=name, device=data["meta"]["device"], gpus=r["gpus"], mask="documents",
+                      seqlen=r["seqlen"], layout=r["layout"], one_ms=one[r["seqlen"]], measured=r["efficiency"])
+                 for r in mha if r["impl"] == "ringflash" and r.get("heads_parallel") == 1 and r["seqlen"] in one]
     h100 = {(r["mask"], r["seqlen"]): r["one_ms"] for r in rows if r["source"] == MEASURED[0]}
     rows += [dict(source="4 x H100, quoted", device="4 x H100 (2026-11-26)", gpus=4, mask=m, seqlen=n, layout=lay,
                   one_ms=h100[(m, n)], measured=eff) for m, n, lay, eff in QUOTED_H100X4]
@@ -86,9 +97,10 @@ def refit(rows: list[dict]) -> cost.Costs:
     """The constants fitted to every measured row: its ring efficiency, and each run's 1-GPU
     time of every (mask, seqlen) (the quoted 4 x H100 rows borrow masks_h100x2.json's)."""
     ones = {(r["source"], r["mask"], r["seqlen"]): r for r in rows if r["source"] in MEASURED}.values()
+    fitted = [r for r in rows if r["source"] not in MESH_MEASURED]
     costs, rms = cost.fit([(r["one"], r["problem"], r["one_ms"]) for r in ones],
-                          [(r["ring"], r["one"], r["problem"], r["measured"]) for r in rows])
-    print(f"fitted {', '.join(cost.FITTED)} on {len(rows)} ring rows and {len(ones)} 1-GPU times "
+                          [(r["ring"], r["one"], r["problem"], r["measured"]) for r in fitted])
+    print(f"fitted {', '.join(cost.FITTED)} on {len(fitted)} ring rows and {len(ones)} 1-GPU times "
           f"(rms error {rms:.3f}): {costs}\n")
     return costs
 
