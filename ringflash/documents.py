@@ -389,8 +389,8 @@ def _made(bounds: torch.Tensor, seqlen: int, world: int, fills: tuple = _FILLS) 
     """``document_layout`` once its arguments are checked: for each way of splitting (zigzag;
     in ring order at each of ``fills``) the candidates of ``_SPREADS`` up to the first
     balanced one; of the balanced candidates the one of the fewest ring steps (the first
-    where they tie: zigzag), else the most even; none past a balanced candidate of two steps
-    or fewer (always, on two ranks). ``fills=()``: zigzag only, the layout
+    where they tie: zigzag), else the most even; no more are tried once one is balanced in
+    two steps or fewer (on two ranks: once one is balanced). ``fills=()``: zigzag only, the layout
     before documents were cut in ring order (the cost model's calibration counts the
     layout its measured rows ran)."""
     best: Optional[tuple] = None
