@@ -9,17 +9,18 @@ Forward and delta: the Triton kernels on CUDA tensors, the PyTorch twin elsewher
   MQA; dq, dk and dv in one call (``flash_attn``'s backward, and each block pair of the
   ring's steps where every pair of the step is served: ringflash/ring/rotate.py), written
   or, with ``accumulate``, added to fp32 sums (dq and dk/dv alike: fp32 running sums,
-  not ``*_partial`` ones); ``deterministic`` off.
+  not ``*_partial`` ones).
   Why: on one H100 (2026-11-27, 8k-64k tokens, 32 heads, causal and not) forward +
   backward 0.90-1.03x SDPA cuDNN's, against 0.73-0.82x with the Triton backward
   (benchmarks/results/kernel_h100.json; docs/performance.md, "The Hopper backward").
 - ``triton``: every other CUDA call: every mask, dtype, head_dim and GPU.
 
-``deterministic=True`` or ``torch.use_deterministic_algorithms(True)`` keeps the Triton
-route: the Gluon kernel adds each CTA's dQ tile into the running dQ in arrival order
-(fp32 adds in L2), so its dQ may differ in the last bits from run to run; the Triton
-backward writes every gradient once (a dQ kernel and a dK/dV kernel) and repeats its
-bits. dK and dV are bit-stable on both routes.
+By default the Gluon kernel adds each CTA's dQ tile into the running dQ in arrival order
+(fp32 adds in L2), so its dQ may differ in the last bits from run to run.
+``deterministic=True`` or ``torch.use_deterministic_algorithms(True)`` makes it add them
+in a fixed order of K tiles (``attn_bwd_sm90(deterministic=True)``): the same bits run to
+run. The Triton backward writes every gradient once (a dQ kernel and a dK/dV kernel) and
+repeats its bits either way; dK and dV are bit-stable on both routes.
 """
 
 from __future__ import annotations
@@ -74,8 +75,7 @@ def gluon_serves(q: torch.Tensor, k: torch.Tensor, rows_q: int, rows_k: int, mas
     a ring agrees on (not strides or addresses, which ``bwd_route`` checks per call): the
     ring chooses its schedule from this (ringflash/ring/rotate.py), and every rank must
     choose alike."""
-    return (capability(q) == (9, 0) and not (deterministic or torch.are_deterministic_algorithms_enabled())
-            and causal_band(mask)[0] and q.dtype == torch.bfloat16 and q.shape[-1] == 128
+    return (capability(q) == (9, 0) and causal_band(mask)[0] and q.dtype == torch.bfloat16 and q.shape[-1] == 128
             and k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0
             and rows_q > 0 and rows_k > 0 and rows_q % 128 == 0 and rows_k % 128 == 0)
 
@@ -89,9 +89,7 @@ def bwd_route(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, ma
     if arch is None:
         return Route("reference")
     plain, offset = causal_band(mask)
-    if deterministic or torch.are_deterministic_algorithms_enabled():
-        why = "deterministic"
-    elif not plain:
+    if not plain:
         why = "mask: only no mask or the causal band"
     elif dq is None or dk is None:
         why = "dq or dk/dv skipped: the Gluon kernel computes them together"
@@ -102,7 +100,7 @@ def bwd_route(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, ma
     elif arch != (9, 0):
         why = f"sm_{arch[0]}{arch[1]}, not sm_90"
     else:
-        from .gluon import bwd as kernel  # imported on Hopper only; it compiles nothing at import
+        from .gluon import launch as kernel  # imported on Hopper only; it compiles nothing at import
 
         error = kernel.unsupported(dout, q, k, v, lse, delta, dq if dq.dtype == torch.float32 else None, dk, dv,
                                    softmax_scale, offset, accumulate)
@@ -111,10 +109,12 @@ def bwd_route(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, ma
 
 
 def gluon_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask: PairMask,
-              accumulate: bool = False) -> None:
+              accumulate: bool = False, deterministic: bool = False) -> None:
     """The ``gluon_sm90`` route: dq written through an fp32 sum the kernel adds into (dq
     itself when fp32: zeroed first unless ``accumulate``), dk and dv (bf16 or fp32)
-    written, or with ``accumulate`` all three added to (fp32 sums; ``bwd_route``)."""
+    written, or with ``accumulate`` all three added to (fp32 sums; ``bwd_route``).
+    deterministic (or ``torch.use_deterministic_algorithms(True)``): dQ's adds in a fixed
+    order."""
     from .gluon import attn_bwd_sm90
 
     if dq.dtype == torch.float32:
@@ -122,6 +122,7 @@ def gluon_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, ma
     else:
         acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     attn_bwd_sm90(dout, q, k, v, lse, delta, acc, dk, dv, softmax_scale, causal_offset=mask.band_hi,
-                  accumulate=accumulate)
+                  accumulate=accumulate,
+                  deterministic=deterministic or torch.are_deterministic_algorithms_enabled())
     if acc is not dq:
         dq.copy_(acc)

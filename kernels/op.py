@@ -147,7 +147,8 @@ def flash_attn(q, k, v, *, causal: bool = False, softmax_scale: Optional[float] 
         deterministic: gradients with the same bits run to run. The default may use, on
             Hopper, the Gluon backward (kernels/dispatch.py), whose dQ adds tiles in
             arrival order (last-bit differences run to run; dK, dV are stable); True, or
-            ``torch.use_deterministic_algorithms(True)``, keeps the Triton backward.
+            ``torch.use_deterministic_algorithms(True)``, makes it add them in a fixed
+            order of key tiles.
 
     Returns:
         out (batch, seqlen_q, heads, head_dim) in q's dtype, and with return_lse the

@@ -222,8 +222,8 @@ def flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: floa
     q and dout (a dK/dV pass only), or k and v (a dQ pass only), may each be a ``Joined``:
         a sequence in two tensors.
     deterministic: the same bits run to run (kernels/dispatch.py: the Gluon backward's dQ
-        adds in arrival order; this, or ``torch.use_deterministic_algorithms(True)``,
-        keeps the Triton kernels).
+        adds in arrival order by default; this, or ``torch.use_deterministic_algorithms(True)``,
+        makes it add them in a fixed order).
     """
     if (dk is None) != (dv is None):
         raise ValueError("dk and dv are computed together: pass both or neither")
@@ -245,7 +245,7 @@ def flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: floa
                                deterministic=deterministic)
     if route.name == dispatch.GLUON:
         dispatch.gluon_bwd(dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale=softmax_scale, mask=mask,
-                           accumulate=accumulate)
+                           accumulate=accumulate, deterministic=deterministic)
     else:
         dispatch.backend(q).bwd(dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale=softmax_scale, mask=mask,
                                 accumulate=accumulate, partials=partials, tails=tails)

@@ -118,8 +118,8 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
             dQ in arrival order where the Gluon backward runs the ring's steps (Hopper,
             bf16, head_dim 128, no mask or causal): dQ may then differ in its last bits
             between runs (out, lse, dK and dV do not). True, or
-            ``torch.use_deterministic_algorithms(True)``, keeps the Triton kernels, whose
-            sums have a fixed order.
+            ``torch.use_deterministic_algorithms(True)``, makes the Gluon backward add
+            them in a fixed order of key tiles (the Triton kernels' sums always have one).
 
     Returns:
         out (batch, seqlen_local, heads, head_dim) in q's dtype: rows of

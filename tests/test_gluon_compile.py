@@ -44,10 +44,15 @@ VARIANTS = {
     "gqa": dict(heads=8, kv_heads=2),
     "gqa-causal": dict(heads=8, kv_heads=2, causal_offset=0),
     "gqa-causal-add": dict(heads=8, kv_heads=2, causal_offset=0, accumulate=True),  # the ring's: dK/dV added
+    # deterministic: dQ adds in a fixed order of K tiles (causal: the masked steps first)
+    "mha-det": dict(deterministic=True),
+    "causal-det": dict(causal_offset=0, deterministic=True),
+    "gqa-causal-add-det": dict(heads=8, kv_heads=2, causal_offset=0, accumulate=True, deterministic=True),
 }
 # ptxas stack frame allowed per variant (bytes): the masked loop reloads some precomputed
 # wgmma descriptors from the stack (tested below); milestone 1 had 8.
-STACK_BUDGET = {"mha": 64, "causal": 128, "gqa": 64, "gqa-causal": 160, "gqa-causal-add": 160}
+STACK_BUDGET = {"mha": 64, "causal": 128, "gqa": 64, "gqa-causal": 160, "gqa-causal-add": 160, "mha-det": 64,
+                "causal-det": 128, "gqa-causal-add-det": 160}
 _COMPILED: dict = {}
 
 
@@ -178,7 +183,14 @@ def test_loads_and_dq_go_through_tma(variant):
     adds = ops["cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.bulk_group"]
     assert loads1d >= 2 * copies and loads4d == 4 + 2 * loads1d, ops  # per step: Q, dO (2 each), lse, delta
     assert adds >= 4 * copies and adds % 4 == 0, ops
-    assert ops["cp.async.bulk.wait_group.read"] >= 1, ops
+    ptx = kernel.asm["ptx"]
+    if VARIANTS[name].get("deterministic"):  # each add waits its turn, lands, then passes the turn on
+        assert ops["cp.async.bulk.wait_group.read"] == 0, ops
+        assert ptx.count("ld.global.acquire.gpu.b32") == 2 * ptx.count("red.release.gpu.global.add.s32") > 0
+        assert ptx.count("cp.async.bulk.wait_group 0;") == ptx.count("red.release.gpu.global.add.s32")
+    else:
+        assert ops["cp.async.bulk.wait_group.read"] >= 1, ops
+        assert "acquire" not in ptx and "release" not in ptx
     assert ops["fence.proxy.async.shared::cta"] >= 4, ops  # dSᵀ and dQ stores, both groups
 
 
@@ -234,8 +246,9 @@ def test_dk_dv_added_only_with_accumulate(variant):
     per store, in the epilogue only: none inside the tile loops), and without it the
     kernel reads nothing from global memory but through TMA."""
     name, kernel, sass, _ = variant
-    ptx = kernel.asm["ptx"]
-    loads, stores = len(re.findall(r"ld\.global", ptx)), len(re.findall(r"st\.global", ptx))
+    ptx = kernel.asm["ptx"]  # (not counting the deterministic kernel's counter loads)
+    loads = len(re.findall(r"ld\.global(?!\.acquire)", ptx))
+    stores = len(re.findall(r"st\.global", ptx))
     assert stores > 0
     assert loads == (stores if VARIANTS[name].get("accumulate") else 0), (loads, stores)
     for loop in (loop for loops in _split_loops(sass) for loop in loops):
@@ -245,7 +258,7 @@ def test_dk_dv_added_only_with_accumulate(variant):
 def test_causal_offset_is_clamped_to_the_same_pairs():
     """The launcher clamps causal_offset to [-Sq, Sk] (int32-safe in the kernel) without
     changing which pairs are visible."""
-    from ringflash.kernels.gluon.bwd import _kernel_offset
+    from ringflash.kernels.gluon.launch import _kernel_offset
     for sq, sk in ((128, 256), (256, 128)):
         i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
         for o in (-10 ** 12, -sq - 1, -sq, -sq + 1, -5, 0, 7, sk - 1, sk, 10 ** 12):

@@ -56,6 +56,14 @@ CASES = [
     # accumulate: dK/dV added into fp32 running sums (the ring's steps)
     (1, 1024, 1024, 4, 4, None, "add", None), (2, 1024, 1024, 8, 2, 0, "add", None),
     (1, 512, 1024, 4, 4, -256, "add", None),
+    # deterministic: dQ adds in a fixed order of K tiles (bits repeat); more K tiles than a
+    # dispatch round (16) and more CTAs than SMs in the larger ones
+    (1, 1024, 1024, 4, 4, None, "det", None), (2, 4096, 4096, 4, 4, None, "det", None),
+    (1, 1024, 1024, 4, 4, 0, "det", None), (2, 4096, 4096, 4, 4, 0, "det", None),
+    (1, 8192, 8192, 4, 4, 0, "det", None), (2, 1024, 1024, 4, 4, -100, "det", None),
+    (1, 256, 512, 4, 4, 256, "det", None), (1, 512, 256, 4, 4, -256, "det", None),
+    (1, 512, 512, 4, 4, -512, "det", None), (2, 1024, 1024, 8, 2, 0, "det", None),
+    (1, 512, 512, 4, 1, 0, "det", None), (1, 2048, 2048, 8, 2, None, "det", None),
 ]
 
 
@@ -94,6 +102,8 @@ def test_gluon_bwd_matches_oracle(case):
     # A query row that sees no key (i + offset < 0) gets no dQ add; every other row gets one.
     unseen = 0 if offset is None else b * min(max(-offset, 0), sq)
     assert res["dq_untouched_rows"] == unseen and res["nan"] == 0, res
+    if case[6] == "det":  # a second run from the same dq_acc: the same bits
+        assert res["repeats"], res
 
 
 # ----------------------------------------------------------------------------- the child
@@ -103,13 +113,14 @@ def _inputs(b, sq, sk, h, hkv, layout, gen):
     """q, dout (B, Sq, H, D), k, v (B, Sk, Hkv, D) (bf16, CUDA) and empty dk, dv:
     contiguous, or (MHA, Sq = Sk) strided as a layer makes them (q, k, v views of one
     packed (B, S, 3, H, D) projection; dout heads-major; dk, dv views of one packed
-    (B, S, 2, H, D) buffer); "add": contiguous, dk and dv random fp32 sums to add into."""
+    (B, S, 2, H, D) buffer); "add": contiguous, dk and dv random fp32 sums to add into;
+    "det": contiguous, run with ``deterministic``."""
     d = 128
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16)
 
-    if layout in ("contiguous", "add"):
+    if layout in ("contiguous", "add", "det"):
         q, dout = randn(b, sq, h, d), randn(b, sq, h, d)
         k, v = randn(b, sk, hkv, d), randn(b, sk, hkv, d)
         if layout == "add":
@@ -142,10 +153,17 @@ def _child(b, sq, sk, h, hkv, offset, layout, scale) -> dict:
 
     dq0 = torch.randn(q.shape, generator=gen, device="cuda")
     dq_acc = dq0.clone()
-    add = layout == "add"
+    add, det = layout == "add", layout == "det"
     dk0, dv0 = dk.clone(), dv.clone()
-    attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, scale, causal_offset=offset, accumulate=add)
+    attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, scale, causal_offset=offset, accumulate=add,
+                  deterministic=det)
     torch.cuda.synchronize()
+    repeats = None
+    if det:
+        again = dq0.clone()
+        attn_bwd_sm90(dout, q, k, v, lse, delta, again, torch.empty_like(dk), torch.empty_like(dv), scale,
+                      causal_offset=offset, deterministic=True)
+        repeats = bool(torch.equal(again, dq_acc))
     dq = dq_acc.double() - dq0.double()
     if add:
         dk, dv = dk.double() - dk0.double(), dv.double() - dv0.double()
@@ -157,7 +175,7 @@ def _child(b, sq, sk, h, hkv, offset, layout, scale) -> dict:
     names = ("dq", "dk", "dv")
     return dict(gluon={n: rel_err(g, r) for n, g, r in zip(names, (dq, dk, dv), ref)},
                 library={n: rel_err(g, r) for n, g, r in zip(names, lib, ref)},
-                dq_untouched_rows=int((dq.abs().amax(dim=(-1, -2)) == 0).sum()),
+                dq_untouched_rows=int((dq.abs().amax(dim=(-1, -2)) == 0).sum()), repeats=repeats,
                 nan=int(sum(torch.isnan(t).sum() for t in (dq_acc, dk, dv))))
 
 

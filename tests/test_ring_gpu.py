@@ -121,13 +121,19 @@ def run_ring(q, k, v, dout, dlse, *, causal, layout, softmax_scale=None, determi
     return {name: ringflash.unshard(t, 2 if name == "lse" else 1, layout) for name, t in got.items()}
 
 
-def run_single(q, k, v, dout, dlse, *, causal, softmax_scale=None, deterministic=False):
-    """The single-GPU kernel on the full sequence (deterministic=True: the Triton backward
-    where Hopper's default is the Gluon one)."""
+def run_single(q, k, v, dout, dlse, *, causal, softmax_scale=None, triton=False):
+    """The single-GPU kernel on the full sequence (triton=True: the Triton backward where
+    Hopper's default is the Gluon one)."""
+    from ringflash.kernels import dispatch
     qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
-    out, lse = flash_attn(qs, ks, vs, causal=causal, softmax_scale=softmax_scale, return_lse=True,
-                          deterministic=deterministic)
-    _backward(out, lse, dout, dlse)
+    out, lse = flash_attn(qs, ks, vs, causal=causal, softmax_scale=softmax_scale, return_lse=True)
+    route = dispatch.bwd_route
+    if triton:
+        dispatch.bwd_route = lambda *args, **kwargs: dispatch.Route("triton", "the test asks for it")
+    try:
+        _backward(out, lse, dout, dlse)
+    finally:
+        dispatch.bwd_route = route
     return {"out": out.detach(), "lse": lse.detach(), "dq": qs.grad, "dk": ks.grad, "dv": vs.grad}
 
 
@@ -135,7 +141,7 @@ def single_errors(q, k, v, dout, dlse, errors, *, causal) -> dict:
     """The single GPU's error per result: the larger of its two backwards' (the Gluon one,
     which the ring's steps take where it serves them, and the Triton one, which takes the
     rest); ``errors(results)`` gives one run's errors by name."""
-    runs = [errors(run_single(q, k, v, dout, dlse, causal=causal, deterministic=d)) for d in (False, True)]
+    runs = [errors(run_single(q, k, v, dout, dlse, causal=causal, triton=t)) for t in (False, True)]
     return {name: max(run[name] for run in runs) for name in NAMES}
 
 
@@ -207,11 +213,11 @@ def test_ring_matches_fp64_oracle(nccl, dtype, half):
     _agree(failures)
 
 
-def test_ring_backward_takes_the_gluon_kernel_unless_deterministic(nccl, monkeypatch):
+def test_ring_backward_takes_the_gluon_kernel(nccl, monkeypatch):
     """On Hopper, bf16, head_dim 128, causal zigzag GQA: every block pair of the ring's
-    backward runs the Gluon kernel (dQ and dK/dV in one call) by default, and none with
-    deterministic=True, whose gradients repeat their bits; the two agree within bf16
-    rounding (elsewhere: no Gluon call either way)."""
+    backward runs the Gluon kernel (dQ and dK/dV in one call), by default and with
+    deterministic=True (its dQ adds in a fixed order), whose gradients repeat their bits;
+    the two agree within bf16 rounding (elsewhere: no Gluon call either way)."""
     from ringflash.kernels import dispatch
     calls = []
     gluon_bwd = dispatch.gluon_bwd
@@ -221,12 +227,13 @@ def test_ring_backward_takes_the_gluon_kernel_unless_deterministic(nccl, monkeyp
     default = run_ring(q, k, v, dout, dlse, causal=True, layout="zigzag")
     served, calls[:] = len(calls), []
     runs = [run_ring(q, k, v, dout, dlse, causal=True, layout="zigzag", deterministic=True) for _ in range(2)]
-    failures = [f"deterministic=True ran the Gluon kernel {len(calls)} times"] if calls else []
     hopper = torch.cuda.get_device_capability() == (9, 0)
-    if hopper and served < 3:  # own step: two pieces, then a visiting step at least
-        failures.append(f"the default ran the Gluon kernel {served} times")
-    if not hopper and served:
-        failures.append(f"the Gluon kernel ran on sm_{torch.cuda.get_device_capability()}")
+    failures = []
+    for who, n in (("the default", served), ("deterministic=True", len(calls) // 2)):
+        if hopper and n < 3:  # own step: two pieces, then a visiting step at least
+            failures.append(f"{who} ran the Gluon kernel {n} times a backward")
+        if not hopper and n:
+            failures.append(f"the Gluon kernel ran on sm_{torch.cuda.get_device_capability()}")
     for name in NAMES:
         if not torch.equal(runs[0][name], runs[1][name]):
             failures.append(f"deterministic=True: {name} differs between two runs")
@@ -336,7 +343,7 @@ def test_ring_bf16_no_worse_than_single_gpu(nccl, layout, causal, kv_heads):
     q, k, v, dout, dlse = _inputs(1, 4096 * world, 32, kv_heads, 128, BF16, nccl,
                                   seed=100 + BIG_CASES.index((layout, causal, kv_heads)))
     ring = run_ring(q, k, v, dout, dlse, causal=causal, layout=layout)
-    single = [run_single(q, k, v, dout, dlse, causal=causal, deterministic=d) for d in (False, True)]
+    single = [run_single(q, k, v, dout, dlse, causal=causal, triton=t) for t in (False, True)]
     case = f"W={world} N={q.shape[1]} {layout} causal={causal} kv_heads={kv_heads} bf16"
     failures = _not_finite(ring, f"{case} ring") + sum((_not_finite(s, f"{case} single GPU") for s in single), [])
     errors = oracle_error_sums(q, k, v, dout, dlse, {"ring": ring, "gluon": single[0], "triton": single[1]},
@@ -375,7 +382,8 @@ def test_shards_past_2_31_elements(nccl, transport, monkeypatch):
     dout = torch.randn_like(q)
     assert q.numel() > 2 ** 31
     q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
-    # deterministic: the Gluon backward's dQ adds in arrival order, which bit equality cannot allow
+    # deterministic: by default the Gluon backward's dQ adds in arrival order, which bit
+    # equality cannot allow
     out = ringflash.ring_flash_attn(q, k, v, causal=True, deterministic=True)
     out.backward(dout)
     failures = []

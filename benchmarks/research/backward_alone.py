@@ -1,13 +1,15 @@
 """The backward kernels alone on one Hopper GPU: the Gluon backward (kernels/gluon/bwd.py),
-the Triton pair (kernels/triton) and SDPA cuDNN's backward, on the same inputs, with lse
-and delta given (docs/notes/gluon-backward.md, "First timing"):
+default and ``deterministic``, the Triton pair (kernels/triton) and SDPA cuDNN's backward,
+on the same inputs, with lse and delta given (docs/notes/gluon-backward.md, "First timing"
+and "A deterministic order for dQ"):
 
-    python benchmarks/research/backward_alone.py [--seqlens 8192 16384] [--kv-heads 32 8]
+    python benchmarks/research/backward_alone.py [--seqlens 8192 16384] [--kv-heads 32 8] [--det-rounds 16]
 
 bf16, batch 1, 32 heads, head_dim 128, causal and not. Prints one JSON line per
 configuration: milliseconds (triton.testing.do_bench medians), backward TFLOP/s (2.5x the
-forward's FLOPs, halved when causal) and the Gluon gradients' relative error against the
-Triton pair's.
+forward's FLOPs, halved when causal), the Gluon gradients' relative error against the
+Triton pair's, and whether two deterministic runs gave the same dQ bits (``det_repeats``).
+``--det-rounds``: the deterministic kernel timed at each of these ``launch.DET_ROUND``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from triton.testing import do_bench
 from ringflash.kernels import PairMask
 from ringflash.kernels import triton as triton_kernels
 from ringflash.kernels.gluon import attn_bwd_sm90
+from ringflash.kernels.gluon import launch as gluon_launch
 
 HEADS, HEAD_DIM = 32, 128
 
@@ -31,7 +34,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def one(seqlen: int, kv_heads: int, causal: bool) -> dict:
+def one(seqlen: int, kv_heads: int, causal: bool, det_rounds=(16,)) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def randn(heads):
@@ -53,6 +56,16 @@ def one(seqlen: int, kv_heads: int, causal: bool) -> dict:
                                                   causal_offset=offset)),
           "triton": do_bench(lambda: triton_kernels.bwd(dout, q, k, v, lse, delta, *grads, softmax_scale=scale,
                                                         mask=mask, accumulate=False))}
+    repeats = []
+    for det_round in det_rounds:
+        gluon_launch.DET_ROUND = det_round
+        runs = [torch.zeros(q.shape, device="cuda") for _ in range(2)]
+        for acc in runs:
+            attn_bwd_sm90(dout, q, k, v, lse, delta, acc, dk, dv, scale, causal_offset=offset, deterministic=True)
+        repeats.append(bool(torch.equal(runs[0], runs[1])))
+        errors[f"dq_det{det_round}"] = rel(runs[0], ref[0])
+        ms[f"gluon_det{det_round}"] = do_bench(lambda: attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, scale,
+                                                                     causal_offset=offset, deterministic=True))
     leaves = [t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v)]
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         o = F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=kv_heads != HEADS)
@@ -60,19 +73,20 @@ def one(seqlen: int, kv_heads: int, causal: bool) -> dict:
     flops = 2.5 * 4 * HEADS * seqlen * seqlen * HEAD_DIM / (2 if causal else 1)
     return dict(seqlen=seqlen, heads=HEADS, kv_heads=kv_heads, causal=causal, ms=ms,
                 bwd_tflops={name: round(flops / t / 1e9, 1) for name, t in ms.items()},
-                gluon_rel_err_vs_triton=errors)
+                gluon_rel_err_vs_triton=errors, det_repeats=all(repeats))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seqlens", type=int, nargs="+", default=[8192, 16384])
     p.add_argument("--kv-heads", type=int, nargs="+", default=[32, 8])
+    p.add_argument("--det-rounds", type=int, nargs="+", default=[gluon_launch.DET_ROUND])
     args = p.parse_args()
     print(f"# {torch.cuda.get_device_name()}", flush=True)
     for kv_heads in args.kv_heads:
         for seqlen in args.seqlens:
             for causal in (False, True):
-                print(json.dumps(one(seqlen, kv_heads, causal)), flush=True)
+                print(json.dumps(one(seqlen, kv_heads, causal, args.det_rounds)), flush=True)
                 torch.cuda.empty_cache()
 
 

@@ -4,7 +4,8 @@ A FlashAttention-3-style backward: non-causal and the causal band, MHA, GQA and 
 ``flash_attn``'s default backward on sm_90 where it serves the call (kernels/dispatch.py),
 and that of every block pair of the ring's steps where it serves them all (dK/dV added
 into the ring's fp32 sums: ``accumulate``; ringflash/ring/rotate.py). Tested against the float64 oracle on an H100
-(tests/test_gluon_gpu.py), compiled for sm_90 on CPU (tests/test_gluon_compile.py).
+(tests/test_gluon_gpu.py), compiled for sm_90 on CPU (tests/test_gluon_compile.py); its
+host side (checks, descriptors, launch) is kernels/gluon/launch.py.
 
 Shapes served: q, dout (B, Sq, H, 128) and k, v (B, Sk, Hkv, 128), bf16, Hkv dividing H
 (query head h reads kv head h // (H / Hkv): MHA, GQA, MQA), Sq and Sk positive multiples
@@ -43,7 +44,8 @@ tile (``_q_tiles``). Four partitions (``gl.warp_specialize``):
 - one dQ writer warp (``_dq_writer``): the shared fp32 dQ tile TMA-reduce-added
   (``cp.reduce.async.bulk.tensor ... .add``) into dq_acc, so CTAs of the same (batch,
   head) sum their dQ without atomics in registers. The order of those adds is arrival
-  order: dQ is not bit-deterministic run to run.
+  order by default (dQ's last bits may differ run to run); with ``DETERMINISTIC`` the
+  K tiles add in increasing order (counters, acquire / release: "deterministic dQ" below).
 
 Causal band: with K/V outer, a CTA skips the Q tiles none of its keys is seen by: its Q
 range starts at the tile of query n0 - o (the first that sees key n0) and runs to the end.
@@ -71,30 +73,19 @@ test, tests/test_gluon_compile.py).
 
 from __future__ import annotations
 
-import math
-from typing import Optional
-
-import torch
-import triton
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-LOG2E = math.log2(math.e)
 # Tile constants, read by the kernels (hence constexpr; the host reads their .value).
 HEAD_DIM = gl.constexpr(128)
 BLOCK_N = gl.constexpr(128)  # K/V rows a CTA owns (two consumer groups of 64)
 BLOCK_M = gl.constexpr(64)  # Q rows a step
 DQ_COLS = gl.constexpr(32)  # columns of one dQ TMA box: 32 fp32 = 128 bytes, the widest a 128-byte swizzle takes
 STAGES = gl.constexpr(2)  # Q/dO/lse/delta stages, and dSᵀ buffers
-NUM_WARPS = 4  # the default partition: consumer group 0
-MAXNREG = 168  # 12 warps (4 + 4 + 1 + 1, padded to warp groups) share 64K registers
-CONSUMER_REGS = 240  # 2 x 128 threads x 240 + 128 x 24 <= 65536
-WORKER_REGS = 24
 
 
 @builtin
@@ -138,10 +129,11 @@ def _q_tiles(n0, offset, seqlen_q, CAUSAL: gl.constexpr):
 
 
 @gluon.jit
-def _loader(descs, smem, bars, tile, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
+def _loader(descs, smem, bars, tile, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr):
     """One warp: K and V once (even for an empty Q range: the consumers wait for them),
     then per (query head, Q tile) Q + lse (q_ready) and dO + delta (do_ready) into the
-    stage both consumers last released (qdo_empty)."""
+    stage both consumers last released (qdo_empty). DETERMINISTIC: the unmasked steps in
+    ``_load_unmasked``'s other order."""
     q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc = descs
     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem = smem
     kv_ready, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty = bars
@@ -150,16 +142,36 @@ def _loader(descs, smem, bars, tile, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
     tma.async_copy_global_to_shared(k_desc, [off_b, n0, off_hk, 0], kv_ready, k_smem)
     tma.async_copy_global_to_shared(v_desc, [off_b, n0, off_hk, 0], kv_ready, v_smem)
     first, split, end = _q_tiles(n0, offset, seqlen_q, CAUSAL)
-    t = 0
-    for g in range(GROUP):  # the unmasked steps, every head's, then the masked ones
-        for m in range(split, end):
-            _load_step(t, off_b, off_hk * GROUP + g, m, heads, seqlen_q, descs, smem, bars)
-            t += 1
+    _load_unmasked(split, end, off_b, off_hk, heads, seqlen_q, descs, smem, bars, GROUP, DETERMINISTIC)
     if CAUSAL:
-        for m in range(first, split):
+        _load_masked(GROUP * (end - split), first, split, off_b, off_hk, heads, seqlen_q, descs, smem, bars, GROUP)
+
+
+@gluon.jit
+def _load_unmasked(split, end, off_b, off_hk, heads, seqlen_q, descs, smem, bars, GROUP: gl.constexpr,
+                   DETERMINISTIC: gl.constexpr):
+    """The unmasked steps, from step 0: (head, Q tile) for tiles [split, end), head outer;
+    DETERMINISTIC: (Q tile, head) for tiles end - 1 down to split, tile outer, so that every
+    K tile of a (batch, kv head) reaches Q tile m at the same step, whichever its first tile
+    (the deterministic dQ's order, below)."""
+    if DETERMINISTIC:
+        for i in range(end - split):
             for g in range(GROUP):
-                _load_step(t, off_b, off_hk * GROUP + g, m, heads, seqlen_q, descs, smem, bars)
-                t += 1
+                _load_step(i * GROUP + g, off_b, off_hk * GROUP + g, end - 1 - i, heads, seqlen_q, descs, smem, bars)
+    else:
+        for g in range(GROUP):
+            for m in range(split, end):
+                _load_step(g * (end - split) + m - split, off_b, off_hk * GROUP + g, m, heads, seqlen_q, descs,
+                           smem, bars)
+
+
+@gluon.jit
+def _load_masked(t0, first, split, off_b, off_hk, heads, seqlen_q, descs, smem, bars, GROUP: gl.constexpr):
+    """The masked steps from step t0: (Q tile, head) for tiles [first, split), tile outer."""
+    for m in range(first, split):
+        for g in range(GROUP):
+            _load_step(t0 + (m - first) * GROUP + g, off_b, off_hk * GROUP + g, m, heads, seqlen_q, descs, smem,
+                       bars)
 
 
 @gluon.jit
@@ -182,36 +194,117 @@ def _load_step(t, off_b, off_h, m, heads, seqlen_q, descs, smem, bars):
 
 
 @gluon.jit
-def _dq_writer(descs, smem, bars, tile, GROUP: gl.constexpr, CAUSAL: gl.constexpr):
+def _dq_writer(descs, smem, bars, tile, turns, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+               DETERMINISTIC: gl.constexpr):
     """One warp: per (query head, Q tile), once both consumers filled the shared dQ tile
     (dq_full), add it into that head's rows of dq_acc by TMA, and hand the tile back
-    (dq_empty) once TMA has read it."""
-    q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc = descs
-    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem = smem
-    kv_ready, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty = bars
-    off_b, off_hk, n0, heads, seqlen_q, offset = tile
-    first, split, end = _q_tiles(n0, offset, seqlen_q, CAUSAL)
-    t = 0
-    for g in range(GROUP):  # the loader's order
-        for m in range(split, end):
-            _write_step(t, off_b, off_hk * GROUP + g, m, dq_desc, dq_smem, dq_full, dq_empty)
-            t += 1
+    (dq_empty) once TMA has read it. DETERMINISTIC: each add waits for its turn
+    (``_wait_for``: K tiles in increasing order) and the tile goes back once the add has
+    landed. The loader's order."""
+    first, split, end = _q_tiles(tile[2], tile[5], tile[4], CAUSAL)
+    _write_unmasked(split, end, descs, smem, bars, tile, turns, GROUP, DETERMINISTIC)
     if CAUSAL:
-        for m in range(first, split):
-            for g in range(GROUP):
-                _write_step(t, off_b, off_hk * GROUP + g, m, dq_desc, dq_smem, dq_full, dq_empty)
-                t += 1
+        _write_masked(GROUP * (end - split), first, split, descs, smem, bars, tile, turns, GROUP, DETERMINISTIC)
 
 
 @gluon.jit
-def _write_step(t, off_b, off_h, m, dq_desc, dq_smem, dq_full, dq_empty):
-    """Step t: the shared dQ tile added into Q tile m of query head off_h of dq_acc."""
+def _write_unmasked(split, end, descs, smem, bars, tile, turns, GROUP: gl.constexpr, DETERMINISTIC: gl.constexpr):
+    """_load_unmasked's steps."""
+    if DETERMINISTIC:
+        for i in range(end - split):
+            for g in range(GROUP):
+                _write_step(i * GROUP + g, g, end - 1 - i, descs, smem, bars, tile, turns, GROUP, DETERMINISTIC)
+    else:
+        for g in range(GROUP):
+            for m in range(split, end):
+                _write_step(g * (end - split) + m - split, g, m, descs, smem, bars, tile, turns, GROUP, DETERMINISTIC)
+
+
+@gluon.jit
+def _write_masked(t0, first, split, descs, smem, bars, tile, turns, GROUP: gl.constexpr, DETERMINISTIC: gl.constexpr):
+    """_load_masked's steps."""
+    for m in range(first, split):
+        for g in range(GROUP):
+            _write_step(t0 + (m - first) * GROUP + g, g, m, descs, smem, bars, tile, turns, GROUP, DETERMINISTIC)
+
+
+@gluon.jit
+def _write_step(t, g, m, descs, smem, bars, tile, turns, GROUP: gl.constexpr, DETERMINISTIC: gl.constexpr):
+    """Step t: the shared dQ tile added into Q tile m of query head off_hk * GROUP + g."""
+    dq_desc, dq_smem, dq_full, dq_empty = descs[6], smem[7], bars[5], bars[6]
+    off_b, off_hk, n0, heads, seqlen_q, offset = tile
+    off_h = off_hk * GROUP + g
     mbarrier.wait(dq_full, t & 1)
+    if DETERMINISTIC:
+        flag = turns + (off_b * heads + off_h) * (seqlen_q // BLOCK_M) + m
+        _wait_for(flag, n0 // BLOCK_N)  # the K tiles add in increasing order
     for c in gl.static_range(HEAD_DIM // DQ_COLS):
         _tma_reduce_add(dq_desc, [off_b, m * BLOCK_M, off_h, c * DQ_COLS],
                         dq_smem.index(c).reshape(dq_desc.block_type.shape))
-    tma.store_wait(0)  # the tile was read (not that the adds landed: the grid's end sees to that)
+    if DETERMINISTIC:
+        _landed_then_pass(flag)
+    else:
+        tma.store_wait(0)  # the tile was read (not that the adds landed: the grid's end sees to that)
     mbarrier.arrive(dq_empty, count=1)
+
+
+# ----------------------------------------------------------------------------- deterministic dQ
+#
+# With ``deterministic`` every Q tile's dQ adds come in increasing order of K tiles,
+# whatever the CTAs' timing: an int32 counter per (batch, query head, Q tile) holds how many
+# adds landed; K tile j waits until it reads j (an acquire load, spun on), adds, waits until
+# its bulk adds are complete (not only read), and increments the counter (a release). The
+# K tiles seeing some query of a Q tile are 0 .. J without the band and with it (key j is
+# seen from query j - offset on, so a tile seen by K tile J is seen by every K tile below),
+# so the turn of K tile j is j. A CTA only ever waits for CTAs dispatched before it
+# (the kernel's grid), so the oldest unfinished CTA never waits and the grid cannot
+# deadlock. The unmasked steps walk the Q tiles downwards from the last one (tile outer,
+# heads inner), so K tiles j - 1 and j reach a Q tile at the same step: under the band the
+# lower K tile has more tiles ahead of it, but they lie at the walk's end. Each K tile's
+# masked steps come last, where the K tiles below it have passed or are passing its
+# diagonal tiles (an offset that puts a diagonal across two K tiles within one Q tile, not
+# a multiple of 64 off one of 128, makes the upper tile wait for the lower one's end).
+
+
+@gluon.jit
+def _lanes():
+    return gl.arange(0, 32, gl.BlockedLayout([1], [32], [1], [0]))
+
+
+@gluon.jit
+def _min(a, b):  # (gl.min is a jit function of triton.language that the CPU suite's interpreter patches)
+    return gl.minimum(a, b)
+
+
+@gluon.jit
+def _read_acquire(ptrs):
+    """The int32 every lane reads at the same address, as one scalar: an acquire load at
+    GPU scope."""
+    seen = gl.inline_asm_elementwise("ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptrs], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+    return gl.reduce(seen, 0, _min)
+
+
+@gluon.jit
+def _wait_for(flag, turn):
+    """Spin (every lane of the warp) until the int32 at ``flag`` reads ``turn``: the adds
+    counted there are then visible to what this warp issues next."""
+    ptrs = flag + _lanes() * 0
+    seen = _read_acquire(ptrs)
+    while seen != turn:
+        seen = _read_acquire(ptrs)
+
+
+@gluon.jit
+def _landed_then_pass(flag):
+    """Wait until this thread's bulk adds are complete (``cp.async.bulk.wait_group 0``: the
+    writes performed, not only the shared tile read), sync the warp (whichever lane issued
+    them), then lane 0 adds 1 to the counter with release semantics at GPU scope."""
+    lanes = _lanes()
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p; cp.async.bulk.wait_group 0; bar.warp.sync -1; setp.eq.s32 p, $1, 0; "
+        "@p red.release.gpu.global.add.s32 [$2], 1; mov.b32 $0, 0; }",
+        "=r,r,l", [lanes, flag + lanes * 0], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -320,21 +413,39 @@ def _consumer(descs, smem, bars, tile, out, G: gl.constexpr, GROUP: gl.constexpr
     dv = gl.zeros([64, HEAD_DIM], gl.float32, mma128)
     mbarrier.wait(bars[0], 0)  # kv_ready (also before an empty range: no exit under a TMA in flight)
     first, split, end = _q_tiles(n0, offset, seqlen_q, CAUSAL)
-    # The unmasked steps first, every head's: the non-causal kernel's loop, whatever the band.
+    operands = (k_rows, v_rows, k_cols, qk_scale, sm_scale)
+    # The unmasked steps first, every head's: the non-causal kernel's loop, whatever the band,
+    # then the masked ones, (tile, head) for tiles [first, split), in a loop of their own.
     # (The other way round, values hoisted for both loops spill in the unmasked loop.)
-    t0 = GROUP * (end - split)
-    for t in range(t0):
-        dk, dv = _consumer_step(t, dk, dv, k_rows, v_rows, k_cols, smem, bars, qk_scale, sm_scale, 0, G, False)
-    if CAUSAL:  # then the masked ones, (tile, head) for tiles [first, split), in a loop of their own
-        diag0 = offset + first * BLOCK_M - n0 - 64 * G
-        for j in range(GROUP * (split - first)):
-            dk, dv = _consumer_step(t0 + j, dk, dv, k_rows, v_rows, k_cols, smem, bars, qk_scale, sm_scale,
-                                    diag0 + (j // GROUP) * BLOCK_M, G, True)
+    dk, dv = _consume_unmasked(GROUP * (end - split), dk, dv, operands, smem, bars, G)
+    if CAUSAL:
+        dk, dv = _consume_masked(GROUP * (end - split), GROUP * (split - first), offset + first * BLOCK_M - n0 - 64 * G,
+                                 dk, dv, operands, smem, bars, G, GROUP)
     rows = gl.arange(0, 64, gl.SliceLayout(1, mma128))
     cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, mma128))
     row0 = n0 + 64 * G
     _store_rows(dk_ptr, dk_strides, off_b, row0, off_hk, rows, cols, dk, ADD)
     _store_rows(dv_ptr, dv_strides, off_b, row0, off_hk, rows, cols, dv, ADD)
+
+
+@gluon.jit
+def _consume_unmasked(steps, dk, dv, operands, smem, bars, G: gl.constexpr):
+    """Steps 0 .. steps - 1, unmasked."""
+    k_rows, v_rows, k_cols, qk_scale, sm_scale = operands
+    for t in range(steps):
+        dk, dv = _consumer_step(t, dk, dv, k_rows, v_rows, k_cols, smem, bars, qk_scale, sm_scale, 0, G, False)
+    return dk, dv
+
+
+@gluon.jit
+def _consume_masked(t0, steps, diag0, dk, dv, operands, smem, bars, G: gl.constexpr, GROUP: gl.constexpr):
+    """Steps t0 .. t0 + steps - 1, masked: (Q tile, head), the diagonal one Q tile further
+    every GROUP steps."""
+    k_rows, v_rows, k_cols, qk_scale, sm_scale = operands
+    for j in range(steps):
+        dk, dv = _consumer_step(t0 + j, dk, dv, k_rows, v_rows, k_cols, smem, bars, qk_scale, sm_scale,
+                                diag0 + (j // GROUP) * BLOCK_M, G, True)
+    return dk, dv
 
 
 @gluon.jit
@@ -363,14 +474,23 @@ def _consumer1(descs, smem, bars, tile, out, GROUP: gl.constexpr, CAUSAL: gl.con
 @gluon.jit
 def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, dk_ptr, dv_ptr,
                           dk_stride_b, dk_stride_s, dk_stride_h, dv_stride_b, dv_stride_s, dv_stride_h,
-                          heads, kv_heads, seqlen_q, causal_offset, qk_scale, sm_scale, GROUP: gl.constexpr,
-                          CAUSAL: gl.constexpr, ADD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                          WORKER_REGS: gl.constexpr):
-    """Grid (Sk / 128, B Hkv): K/V tile program_id(0) of (batch, kv head) program_id(1);
-    GROUP = heads / kv_heads query heads a kv head. causal_offset is read only when CAUSAL;
-    ADD: dK, dV added to the fp32 sums at dk_ptr, dv_ptr instead of written."""
+                          heads, kv_heads, seqlen_q, causal_offset, qk_scale, sm_scale, dq_turns,
+                          GROUP: gl.constexpr, CAUSAL: gl.constexpr, ADD: gl.constexpr,
+                          DETERMINISTIC: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr):
+    """Grid (R, B Hkv, Sk / (128 R)): K/V tile program_id(0) + R program_id(2) of (batch, kv
+    head) program_id(1). R = Sk / 128, one round, by default; DETERMINISTIC: rounds of R
+    (16, or fewer where they do not divide Sk / 128) K tiles of every (batch, kv head) in
+    turn. Blocks are dispatched in the order of x, then y, then z, so a CTA waits only for
+    CTAs dispatched before it (its K tile's predecessors), and a wave of 132 CTAs holds
+    about 132 / R heads: the chain of adds one Q tile waits through within a wave is R
+    long, not the whole wave (and under the band the longest CTAs, the lowest K tiles,
+    still start first). GROUP = heads / kv_heads query heads a kv head. causal_offset is
+    read only when CAUSAL; ADD: dK, dV added to the fp32 sums at dk_ptr, dv_ptr instead of
+    written; dq_turns (DETERMINISTIC only): (B, H, Sq / 64) int32 zeros, the dQ adds'
+    counters."""
     bh = gl.program_id(1)
-    tile = (bh // kv_heads, bh % kv_heads, gl.program_id(0) * BLOCK_N, heads, seqlen_q, causal_offset)
+    n0 = (gl.program_id(0) + gl.program_id(2) * gl.num_programs(0)) * BLOCK_N
+    tile = (bh // kv_heads, bh % kv_heads, n0, heads, seqlen_q, causal_offset)
     # Shared memory, about 193 KB: K, V 64 KB; Q, dO 2 x 2 x 16 KB; dSᵀ 2 x 16 KB; dQ 32 KB.
     dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_COLS], gl.float32)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.bfloat16)
@@ -405,174 +525,6 @@ def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
            qk_scale, sm_scale)
     gl.warp_specialize([(_consumer0, (descs, smem, bars, tile, out, GROUP, CAUSAL, ADD)),
                         (_consumer1, (descs, smem, bars, tile, out, GROUP, CAUSAL, ADD)),
-                        (_loader, (descs, smem, bars, tile, GROUP, CAUSAL)),
-                        (_dq_writer, (descs, smem, bars, tile, GROUP, CAUSAL))],
+                        (_loader, (descs, smem, bars, tile, GROUP, CAUSAL, DETERMINISTIC)),
+                        (_dq_writer, (descs, smem, bars, tile, dq_turns, GROUP, CAUSAL, DETERMINISTIC))],
                        [4, 1, 1], [CONSUMER_REGS, WORKER_REGS, WORKER_REGS])
-
-
-# ----------------------------------------------------------------------------- host side
-
-
-def _layout(block, dtype):
-    return gl.NVMMASharedLayout.get_default_for(block, dtype)
-
-
-def _descriptors(q, k, v, dout, lse, delta, dq_acc):
-    """TMA descriptors: (B, S, H, D) tensors through their own strides in boxes of one
-    (batch, head) and BLOCK_M (q, dout, dq_acc) or BLOCK_N (k, v) rows; lse and delta
-    (contiguous) as flat vectors read BLOCK_M at a time."""
-
-    def rows(t, n, cols=HEAD_DIM.value, dtype=gl.bfloat16):
-        block = [1, n, 1, cols]
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _layout(block, dtype))
-
-    def flat(t):
-        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-        return TensorDescriptor(t, [t.numel()], [1], [BLOCK_M.value], layout)
-
-    m, n = BLOCK_M.value, BLOCK_N.value
-    return (rows(q, m), rows(k, n), rows(v, n), rows(dout, m), flat(lse), flat(delta),
-            rows(dq_acc, m, DQ_COLS.value, gl.float32))
-
-
-def unsupported(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal_offset,
-                accumulate: bool = False) -> Optional[Exception]:
-    """Why this kernel cannot take these arguments: a TypeError / ValueError naming the
-    argument (the module's docstring says what it serves), or None. ``dq_acc`` None: not
-    checked (a caller about to allocate it; ``kernels/dispatch.py``)."""
-    named = dict(dout=dout, q=q, k=k, v=v, lse=lse, delta=delta, dq_acc=dq_acc, dk=dk, dv=dv)
-    if dq_acc is None:
-        del named["dq_acc"]
-    for name, t in named.items():
-        if not isinstance(t, torch.Tensor):
-            return TypeError(f"attn_bwd_sm90: {name} must be a torch.Tensor, got {type(t).__name__}")
-    for name in ("dout", "q", "k", "v"):
-        if named[name].dtype != torch.bfloat16:
-            return TypeError(f"attn_bwd_sm90: {name} must be bfloat16, got {named[name].dtype}")
-    for name in ("dk", "dv"):
-        allowed = (torch.float32,) if accumulate else (torch.bfloat16, torch.float32)
-        if named[name].dtype not in allowed:
-            return TypeError(f"attn_bwd_sm90: {name} must be {' or '.join(str(t) for t in allowed)}"
-                             f"{' (accumulate adds into fp32 sums)' if accumulate else ''}, got {named[name].dtype}")
-    for name in ("lse", "delta", "dq_acc"):
-        if name in named and named[name].dtype != torch.float32:
-            return TypeError(f"attn_bwd_sm90: {name} must be float32, got {named[name].dtype}")
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
-            or not math.isfinite(softmax_scale) or softmax_scale <= 0:
-        return ValueError(f"attn_bwd_sm90: softmax_scale must be a positive finite number, got {softmax_scale!r}")
-    if causal_offset is not None and (isinstance(causal_offset, bool) or not isinstance(causal_offset, int)):
-        return TypeError(f"attn_bwd_sm90: causal_offset must be an int or None (key j seen by query i iff "
-                         f"j <= i + causal_offset), got {type(causal_offset).__name__}")
-    for name in ("q", "k"):
-        if named[name].dim() != 4:
-            return ValueError(f"attn_bwd_sm90: {name} must be (B, S, H, D), got shape {tuple(named[name].shape)}")
-    b, sq, h, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    if d != HEAD_DIM.value:
-        return ValueError(f"attn_bwd_sm90: q's head_dim must be {HEAD_DIM.value}, got {d}")
-    for name, s in (("q", sq), ("k", sk)):
-        if s == 0 or s % BLOCK_N.value:
-            return ValueError(f"attn_bwd_sm90: {name}'s seqlen must be a positive multiple of {BLOCK_N.value}, "
-                              f"got {s}")
-    if k.shape[0] != b or k.shape[3] != d or hkv == 0 or h % hkv:
-        return ValueError(f"attn_bwd_sm90: k must be (B, Sk, Hkv, D) with q's B = {b}, D = {d} and Hkv dividing "
-                          f"H = {h}, got {tuple(k.shape)}")
-    for name, like in (("dout", "q"), ("dq_acc", "q"), ("v", "k"), ("dk", "k"), ("dv", "k")):
-        if name in named and tuple(named[name].shape) != tuple(named[like].shape):
-            return ValueError(f"attn_bwd_sm90: {name} must have {like}'s shape {tuple(named[like].shape)}, got "
-                              f"{tuple(named[name].shape)}")
-    for name in ("lse", "delta"):
-        if tuple(named[name].shape) != (b, h, sq):
-            return ValueError(f"attn_bwd_sm90: {name} must be (B, H, Sq) = {(b, h, sq)}, got "
-                              f"{tuple(named[name].shape)}")
-    for name, t in named.items():
-        if t.device != q.device:
-            return ValueError(f"attn_bwd_sm90: {name} is on {t.device}, q on {q.device}")
-        if t.stride(-1) != 1:
-            return ValueError(f"attn_bwd_sm90: {name} must have a contiguous last dimension, strides {t.stride()}")
-    for name in (name for name in ("dout", "q", "k", "v", "dq_acc", "dk", "dv") if name in named):
-        t = named[name]
-        if t.data_ptr() % 16 or any(st * t.element_size() % 16 for st in t.stride()[:-1]):
-            return ValueError(f"attn_bwd_sm90: {name}'s address and strides {t.stride()} must be multiples of "
-                              f"16 bytes (TMA)")
-        if t.stride(1) * BLOCK_N.value >= 2 ** 31:
-            return ValueError(f"attn_bwd_sm90: {name}'s row stride {t.stride(1)} is too large (offsets "
-                              f"inside a tile are 32-bit)")
-    if b * h * sq >= 2 ** 31:
-        return ValueError(f"attn_bwd_sm90: lse and delta hold {b * h * sq} elements, TMA takes < 2**31")
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
-        return ValueError(f"attn_bwd_sm90: q is on {q.device}; this kernel runs on a Hopper (sm_90) GPU")
-    return None
-
-
-def _check(*args) -> None:
-    error = unsupported(*args)
-    if error is not None:
-        raise error
-
-
-def _kernel_offset(causal_offset, seqlen_q, seqlen_k) -> int:
-    """causal_offset clamped to [-Sq, Sk] (the same visible pairs: past Sk - 1 every key is
-    seen, below -(Sq - 1) none), so the kernel's int32 index arithmetic cannot overflow;
-    0 without the band (not read)."""
-    return 0 if causal_offset is None else max(-seqlen_q, min(causal_offset, seqlen_k))
-
-
-def attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale: float,
-                  causal_offset: Optional[int] = None, accumulate: bool = False):
-    """The backward of one (query block, key block) pair (head_dim 128, bf16):
-    ``dq_acc += scale * dQ`` (fp32), dk = scale * dK and dv = dV written (bf16 or fp32), or
-    with ``accumulate`` added into dk and dv (fp32 sums).
-
-    q, dout, dq_acc (B, Sq, H, 128); k, v, dk, dv (B, Sk, Hkv, 128), Hkv dividing H.
-    lse (natural log, the FINAL one of these queries) and delta (rowsum(out * dout),
-    kernels.attn_delta) are (B, H, Sq) fp32 (copied if not contiguous). causal_offset:
-    None sees every key; an int o lets query i see key j iff j <= i + o (PairMask.causal,
-    o = q_start - k_start for two blocks of one sequence). Returns (dq_acc, dk, dv)."""
-    _check(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal_offset, accumulate)
-    b, sq, h, _ = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    lse, delta = lse.contiguous(), delta.contiguous()
-    _attn_bwd_sm90_kernel[(sk // BLOCK_N.value, b * hkv)](
-        *_descriptors(q, k, v, dout, lse, delta, dq_acc), dk, dv, dk.stride(0), dk.stride(1), dk.stride(2),
-        dv.stride(0), dv.stride(1), dv.stride(2), h, hkv, sq, _kernel_offset(causal_offset, sq, sk),
-        softmax_scale * LOG2E, softmax_scale, h // hkv, causal_offset is not None, bool(accumulate), CONSUMER_REGS,
-        WORKER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)
-    return dq_acc, dk, dv
-
-
-def compile_sm90(consumer_regs: int = CONSUMER_REGS, worker_regs: int = WORKER_REGS, maxnreg: int = MAXNREG,
-                 causal_offset: Optional[int] = None, heads: int = 4, kv_heads: int = 4, seqlen_q: int = 1024,
-                 seqlen_k: int = 1024, accumulate: bool = False):
-    """The kernel compiled for sm_90 on any machine, no GPU needed (triton ships ptxas):
-    its ``.asm`` holds "ttgir", "ptx", "cubin"; ``.metadata.shared`` its shared memory in
-    bytes. Specialized as ``attn_bwd_sm90`` would specialize it on contiguous (1, seqlen_q,
-    heads, 128) q and (1, seqlen_k, kv_heads, 128) k inputs with this causal_offset and
-    accumulate (dk, dv then fp32) (CPU
-    stand-ins: only their types, alignments and strides are read; as in a launch, an int
-    argument equal to 1, e.g. kv_heads, is compiled in as a constant, and those divisible
-    by 16 are marked so)."""
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import CUDABackend
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    q = torch.zeros(1, seqlen_q, heads, HEAD_DIM.value, dtype=torch.bfloat16)
-    k = torch.zeros(1, seqlen_k, kv_heads, HEAD_DIM.value, dtype=torch.bfloat16)
-    stats = torch.zeros(1, heads, seqlen_q)
-    dkv = k.float() if accumulate else k
-    values = (*_descriptors(q, k, k, q, stats, stats, torch.zeros(q.shape)), dkv, dkv, *k.stride()[:3], *k.stride()[:3],
-              heads, kv_heads, seqlen_q, _kernel_offset(causal_offset, seqlen_q, seqlen_k), 0.1 * LOG2E, 0.1)
-    kernel = _attn_bwd_sm90_kernel
-    sig, attrs = {}, {}
-    consts = dict(GROUP=heads // kv_heads, CAUSAL=causal_offset is not None, ADD=accumulate,
-                  CONSUMER_REGS=consumer_regs, WORKER_REGS=worker_regs)
-    for i, (name, value) in enumerate(zip(kernel.arg_names, values)):  # as the JIT's launch would
-        sig[name], spec = native_specialize_impl(CUDABackend, value, False, True, True)
-        if sig[name] == "constexpr":
-            consts[name] = spec  # an int equal to 1
-        elif isinstance(spec, str) and spec:
-            attrs[(i,)] = CUDABackend.parse_attr(spec)  # e.g. tt.divisibility 16
-    sig.update({name: "constexpr" for name in consts})
-    return triton.compile(GluonASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=NUM_WARPS, maxnreg=maxnreg))

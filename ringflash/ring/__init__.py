@@ -51,8 +51,9 @@ two halves of key rows, the first under the first K/V trip, the second under the
 home; a visiting step adds into a zeroed buffer of its own while the running sum arrives,
 then that buffer into the sum (one add over the rows it touched), so no kernel waits for
 a trip; dQ is cast to q's dtype once at the end. A ring of two takes this rotation too.
-``deterministic=True`` (or torch's deterministic mode) keeps the Triton kernels and the
-schedule above: the Gluon kernel's dQ adds land in arrival order.
+By default the Gluon kernel's dQ adds land in arrival order; ``deterministic=True`` (or
+torch's deterministic mode) makes it add them in a fixed order of key tiles, on the same
+fused schedule.
 
 A ring of two over contiguous shards under a block mask (``keeps_kv``) keeps the other
 rank's K/V from the forward, which with its own make the whole sequence's (read in place,

@@ -1,0 +1,204 @@
+"""The host side of the Gluon Hopper backward (kernels/gluon/bwd.py): its argument checks
+(``unsupported``), TMA descriptors and launch (``attn_bwd_sm90``), and its compile for
+sm_90 on any machine (``compile_sm90``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .bwd import BLOCK_M, BLOCK_N, DQ_COLS, HEAD_DIM, _attn_bwd_sm90_kernel
+
+LOG2E = math.log2(math.e)
+NUM_WARPS = 4  # the default partition: consumer group 0
+MAXNREG = 168  # 12 warps (4 + 4 + 1 + 1, padded to warp groups) share 64K registers
+CONSUMER_REGS = 240  # 2 x 128 threads x 240 + 128 x 24 <= 65536
+WORKER_REGS = 24
+DET_ROUND = 16  # deterministic: K tiles of a head dispatched together (the kernel's grid)
+
+
+def _layout(block, dtype):
+    return gl.NVMMASharedLayout.get_default_for(block, dtype)
+
+
+def _descriptors(q, k, v, dout, lse, delta, dq_acc):
+    """TMA descriptors: (B, S, H, D) tensors through their own strides in boxes of one
+    (batch, head) and BLOCK_M (q, dout, dq_acc) or BLOCK_N (k, v) rows; lse and delta
+    (contiguous) as flat vectors read BLOCK_M at a time."""
+
+    def rows(t, n, cols=HEAD_DIM.value, dtype=gl.bfloat16):
+        block = [1, n, 1, cols]
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _layout(block, dtype))
+
+    def flat(t):
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+        return TensorDescriptor(t, [t.numel()], [1], [BLOCK_M.value], layout)
+
+    m, n = BLOCK_M.value, BLOCK_N.value
+    return (rows(q, m), rows(k, n), rows(v, n), rows(dout, m), flat(lse), flat(delta),
+            rows(dq_acc, m, DQ_COLS.value, gl.float32))
+
+
+def unsupported(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal_offset,
+                accumulate: bool = False) -> Optional[Exception]:
+    """Why this kernel cannot take these arguments: a TypeError / ValueError naming the
+    argument (the module's docstring says what it serves), or None. ``dq_acc`` None: not
+    checked (a caller about to allocate it; ``kernels/dispatch.py``)."""
+    named = dict(dout=dout, q=q, k=k, v=v, lse=lse, delta=delta, dq_acc=dq_acc, dk=dk, dv=dv)
+    if dq_acc is None:
+        del named["dq_acc"]
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            return TypeError(f"attn_bwd_sm90: {name} must be a torch.Tensor, got {type(t).__name__}")
+    for name in ("dout", "q", "k", "v"):
+        if named[name].dtype != torch.bfloat16:
+            return TypeError(f"attn_bwd_sm90: {name} must be bfloat16, got {named[name].dtype}")
+    for name in ("dk", "dv"):
+        allowed = (torch.float32,) if accumulate else (torch.bfloat16, torch.float32)
+        if named[name].dtype not in allowed:
+            return TypeError(f"attn_bwd_sm90: {name} must be {' or '.join(str(t) for t in allowed)}"
+                             f"{' (accumulate adds into fp32 sums)' if accumulate else ''}, got {named[name].dtype}")
+    for name in ("lse", "delta", "dq_acc"):
+        if name in named and named[name].dtype != torch.float32:
+            return TypeError(f"attn_bwd_sm90: {name} must be float32, got {named[name].dtype}")
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
+            or not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        return ValueError(f"attn_bwd_sm90: softmax_scale must be a positive finite number, got {softmax_scale!r}")
+    if causal_offset is not None and (isinstance(causal_offset, bool) or not isinstance(causal_offset, int)):
+        return TypeError(f"attn_bwd_sm90: causal_offset must be an int or None (key j seen by query i iff "
+                         f"j <= i + causal_offset), got {type(causal_offset).__name__}")
+    for name in ("q", "k"):
+        if named[name].dim() != 4:
+            return ValueError(f"attn_bwd_sm90: {name} must be (B, S, H, D), got shape {tuple(named[name].shape)}")
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    if d != HEAD_DIM.value:
+        return ValueError(f"attn_bwd_sm90: q's head_dim must be {HEAD_DIM.value}, got {d}")
+    for name, s in (("q", sq), ("k", sk)):
+        if s == 0 or s % BLOCK_N.value:
+            return ValueError(f"attn_bwd_sm90: {name}'s seqlen must be a positive multiple of {BLOCK_N.value}, "
+                              f"got {s}")
+    if k.shape[0] != b or k.shape[3] != d or hkv == 0 or h % hkv:
+        return ValueError(f"attn_bwd_sm90: k must be (B, Sk, Hkv, D) with q's B = {b}, D = {d} and Hkv dividing "
+                          f"H = {h}, got {tuple(k.shape)}")
+    for name, like in (("dout", "q"), ("dq_acc", "q"), ("v", "k"), ("dk", "k"), ("dv", "k")):
+        if name in named and tuple(named[name].shape) != tuple(named[like].shape):
+            return ValueError(f"attn_bwd_sm90: {name} must have {like}'s shape {tuple(named[like].shape)}, got "
+                              f"{tuple(named[name].shape)}")
+    for name in ("lse", "delta"):
+        if tuple(named[name].shape) != (b, h, sq):
+            return ValueError(f"attn_bwd_sm90: {name} must be (B, H, Sq) = {(b, h, sq)}, got "
+                              f"{tuple(named[name].shape)}")
+    for name, t in named.items():
+        if t.device != q.device:
+            return ValueError(f"attn_bwd_sm90: {name} is on {t.device}, q on {q.device}")
+        if t.stride(-1) != 1:
+            return ValueError(f"attn_bwd_sm90: {name} must have a contiguous last dimension, strides {t.stride()}")
+    for name in (name for name in ("dout", "q", "k", "v", "dq_acc", "dk", "dv") if name in named):
+        t = named[name]
+        if t.data_ptr() % 16 or any(st * t.element_size() % 16 for st in t.stride()[:-1]):
+            return ValueError(f"attn_bwd_sm90: {name}'s address and strides {t.stride()} must be multiples of "
+                              f"16 bytes (TMA)")
+        if t.stride(1) * BLOCK_N.value >= 2 ** 31:
+            return ValueError(f"attn_bwd_sm90: {name}'s row stride {t.stride(1)} is too large (offsets "
+                              f"inside a tile are 32-bit)")
+    if b * h * sq >= 2 ** 31:
+        return ValueError(f"attn_bwd_sm90: lse and delta hold {b * h * sq} elements, TMA takes < 2**31")
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return ValueError(f"attn_bwd_sm90: q is on {q.device}; this kernel runs on a Hopper (sm_90) GPU")
+    return None
+
+
+def _check(*args) -> None:
+    error = unsupported(*args)
+    if error is not None:
+        raise error
+
+
+def _kernel_offset(causal_offset, seqlen_q, seqlen_k) -> int:
+    """causal_offset clamped to [-Sq, Sk] (the same visible pairs: past Sk - 1 every key is
+    seen, below -(Sq - 1) none), so the kernel's int32 index arithmetic cannot overflow;
+    0 without the band (not read)."""
+    return 0 if causal_offset is None else max(-seqlen_q, min(causal_offset, seqlen_k))
+
+
+def attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale: float,
+                  causal_offset: Optional[int] = None, accumulate: bool = False, deterministic: bool = False):
+    """The backward of one (query block, key block) pair (head_dim 128, bf16):
+    ``dq_acc += scale * dQ`` (fp32), dk = scale * dK and dv = dV written (bf16 or fp32), or
+    with ``accumulate`` added into dk and dv (fp32 sums). ``deterministic``: the dQ adds
+    into each Q tile come in a fixed order of K tiles (counters in a (B, H, Sq / 64) int32
+    buffer allocated here), so dq_acc's bits repeat run to run; dk and dv repeat theirs
+    either way.
+
+    q, dout, dq_acc (B, Sq, H, 128); k, v, dk, dv (B, Sk, Hkv, 128), Hkv dividing H.
+    lse (natural log, the FINAL one of these queries) and delta (rowsum(out * dout),
+    kernels.attn_delta) are (B, H, Sq) fp32 (copied if not contiguous). causal_offset:
+    None sees every key; an int o lets query i see key j iff j <= i + o (PairMask.causal,
+    o = q_start - k_start for two blocks of one sequence). Returns (dq_acc, dk, dv)."""
+    _check(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal_offset, accumulate)
+    b, sq, h, _ = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    lse, delta = lse.contiguous(), delta.contiguous()
+    # the dQ adds' counters; without deterministic any pointer (not read)
+    turns = torch.zeros(b * h * (sq // BLOCK_M.value), dtype=torch.int32, device=q.device) if deterministic else lse
+    _attn_bwd_sm90_kernel[_grid(sk // BLOCK_N.value, b * hkv, deterministic)](
+        *_descriptors(q, k, v, dout, lse, delta, dq_acc), dk, dv, dk.stride(0), dk.stride(1), dk.stride(2),
+        dv.stride(0), dv.stride(1), dv.stride(2), h, hkv, sq, _kernel_offset(causal_offset, sq, sk),
+        softmax_scale * LOG2E, softmax_scale, turns, h // hkv, causal_offset is not None, bool(accumulate),
+        bool(deterministic), CONSUMER_REGS, WORKER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)
+    return dq_acc, dk, dv
+
+
+def _grid(k_tiles: int, heads: int, deterministic: bool) -> tuple[int, int, int]:
+    """(R, heads, k_tiles / R): rounds of R K tiles of every head (the kernel's docstring);
+    one round by default, DET_ROUND or the largest power of two below it dividing k_tiles
+    when deterministic."""
+    rounds = DET_ROUND
+    while k_tiles % rounds:
+        rounds //= 2
+    rounds = rounds if deterministic else k_tiles
+    return rounds, heads, k_tiles // rounds
+
+
+def compile_sm90(consumer_regs: int = CONSUMER_REGS, worker_regs: int = WORKER_REGS, maxnreg: int = MAXNREG,
+                 causal_offset: Optional[int] = None, heads: int = 4, kv_heads: int = 4, seqlen_q: int = 1024,
+                 seqlen_k: int = 1024, accumulate: bool = False, deterministic: bool = False):
+    """The kernel compiled for sm_90 on any machine, no GPU needed (triton ships ptxas):
+    its ``.asm`` holds "ttgir", "ptx", "cubin"; ``.metadata.shared`` its shared memory in
+    bytes. Specialized as ``attn_bwd_sm90`` would specialize it on contiguous (1, seqlen_q,
+    heads, 128) q and (1, seqlen_k, kv_heads, 128) k inputs with this causal_offset,
+    accumulate (dk, dv then fp32) and deterministic (CPU
+    stand-ins: only their types, alignments and strides are read; as in a launch, an int
+    argument equal to 1, e.g. kv_heads, is compiled in as a constant, and those divisible
+    by 16 are marked so)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    q = torch.zeros(1, seqlen_q, heads, HEAD_DIM.value, dtype=torch.bfloat16)
+    k = torch.zeros(1, seqlen_k, kv_heads, HEAD_DIM.value, dtype=torch.bfloat16)
+    stats = torch.zeros(1, heads, seqlen_q)
+    dkv = k.float() if accumulate else k
+    values = (*_descriptors(q, k, k, q, stats, stats, torch.zeros(q.shape)), dkv, dkv, *k.stride()[:3], *k.stride()[:3],
+              heads, kv_heads, seqlen_q, _kernel_offset(causal_offset, seqlen_q, seqlen_k), 0.1 * LOG2E, 0.1,
+              torch.zeros(heads * seqlen_q // BLOCK_M.value, dtype=torch.int32) if deterministic else stats)
+    kernel = _attn_bwd_sm90_kernel
+    sig, attrs = {}, {}
+    consts = dict(GROUP=heads // kv_heads, CAUSAL=causal_offset is not None, ADD=accumulate,
+                  DETERMINISTIC=deterministic, CONSUMER_REGS=consumer_regs, WORKER_REGS=worker_regs)
+    for i, (name, value) in enumerate(zip(kernel.arg_names, values)):  # as the JIT's launch would
+        sig[name], spec = native_specialize_impl(CUDABackend, value, False, True, True)
+        if sig[name] == "constexpr":
+            consts[name] = spec  # an int equal to 1
+        elif isinstance(spec, str) and spec:
+            attrs[(i,)] = CUDABackend.parse_attr(spec)  # e.g. tt.divisibility 16
+    sig.update({name: "constexpr" for name in consts})
+    return triton.compile(GluonASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=NUM_WARPS, maxnreg=maxnreg))
