@@ -1,8 +1,10 @@
 """The ring's cost model (ringflash.cost) against the measured rows, then its prediction for
 W = 8-64 ranks at 512k-4M tokens: why packed documents lose efficiency with block_stripe as
-W grows, and what a layout built from the documents could reach (a bound from the model).
+W grows, and what a layout built from the documents could reach (a bound from the model);
+then the heads x ring grid's model (ringflash.cost_grid) against the measured grid rows,
+and which grid (U, R) keeps packed documents fastest at W = 8-64 over nodes of 8 GPUs.
 
-    python benchmarks/predict_scaling.py                       # both tables, CPU, ~6 min on 2 cores
+    python benchmarks/predict_scaling.py                       # every table, CPU, ~3 min on 2 cores
     python benchmarks/predict_scaling.py --fit                 # refit the constants first
     python benchmarks/predict_scaling.py --out /tmp/pred.json  # also the records (impl "cost_model")
 
@@ -13,22 +15,33 @@ bench_masks.py builds them: documents of log-normal lengths (its own generator, 
 causal within each; window: causal, 4096 keys back. bf16, 32 heads, head_dim 128, batch 1.
 Efficiency = 1-GPU time / (W x ring time). ``--fit`` fits the model's constants to all of them
 (``cost.FITTED``; the rest held at ``cost.H100``'s). Also checked, not fitted to: the ring-alone
-rows on packed documents of bench_ring.py's grid runs (``MESH_MEASURED``).
+rows on packed documents of bench_ring.py's grid runs (``MESH_MEASURED``), and the ring rows
+of ``CURRENT_LAYOUT`` (measured with the document layout as it is now, and counted so).
+
+The grid (``ringflash.cost_grid``): every grid row (U > 1) of ``MESH_MEASURED``, its
+efficiency, its all-to-alls timed alone (``alltoall_ms``: what ``cost_grid.NVLINK`` is fitted
+to, ``--fit`` refits it) and what the grid exposes over its ring alone (``exposed_comm_ms``:
+a test of the model's overlap rule, not fitted). Then for W = --worlds at --seqlens, the same
+packed documents, 32 heads over 8 and over 32 kv heads: the ring alone on the documents'
+layout and each grid (U, W / U), U in 2, 4, 8, on that layout over its ring; a heads group
+within one node of --node-gpus GPUs, the ring across nodes at --internode-gbps a GPU.
 Nothing is written unless --out says where.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from bench_masks import documents
 import ringflash
 from harness import cli, results
-from ringflash import cost, cost_bound
+from ringflash import cost, cost_bound, cost_grid
 
 WINDOW = 4096
 # 4 x H100, 2026-11-26 (`torchrun --nproc-per-node=4 benchmarks/bench_masks.py --ring` on the
@@ -41,9 +54,36 @@ MEASURED = ("masks_h100x2.json", "masks_h100x2_512k.json", "masks_h200x2.json", 
 # bench_ring.py's grid runs, whose ring-alone rows on packed documents are the same draw and
 # layout (2026-11-27); checked against, not fitted to (the constants predate them).
 MESH_MEASURED = ("mesh_h200x2.json", "mesh_h200x4.json")
+# bench_masks.py --ring on the tree of 85a2f25 (2026-11-27), after documents could be cut in ring
+# order: its documents rows are counted with the layout as ringflash.document_layout builds it
+# now; checked against, not fitted to.
+CURRENT_LAYOUT = ("masks_h200x2_documents.json",)
+# The grid runs (MESH_MEASURED's meta.runs) on trees whose document layout is today's: their
+# rows are counted so too.
+CURRENT_LAYOUT_COMMITS = ("85a2f25f6afd0b9315a03360e615a66144d8442d",)
+
+
+def _current_layout(name: str, data: dict, record: dict) -> bool:
+    """Whether ``record`` of results file ``name`` ran with the document layout as it is now."""
+    runs = data["meta"].get("runs")
+    return name in CURRENT_LAYOUT or (runs is not None and runs[record.get("run", 0)].get("commit")
+                                      in CURRENT_LAYOUT_COMMITS)
+# The grid table's query heads / kv heads, and the heads-group sizes it weighs.
+GRID_HEADS = ((32, 8), (32, 32))
+GRID_UNITS = (2, 4, 8)
 PREDICT = [("causal", "zigzag"), ("documents", "block_stripe"), ("documents", "contiguous"),
            ("window", "contiguous"), ("window", "block_stripe"), ("documents", "document_layout"),
            ("documents", "documents")]
+
+
+@functools.lru_cache(maxsize=None)
+def documents_ring(world: int, seqlen: int) -> Optional[cost.RingCounts]:
+    """The counts of ``ringflash.document_layout``'s ring of ``world`` ranks on the documents of
+    ``seqlen`` tokens, counted token by token (None past world x seqlen = 2^26); kept, as the
+    grid table's rings over R ranks are the same whatever U."""
+    if world * seqlen > cost.TOKENWISE_LIMIT:
+        return None
+    return cost_grid.grid_ring(world, 1, seqlen, "documents", mask_of("documents", seqlen))
 
 
 def mask_of(mask: str, seqlen: int) -> cost.Mask:
@@ -58,7 +98,7 @@ def measured_rows() -> list[dict]:
     """Each measured ring row: source, device, gpus, mask, seqlen, layout, measured efficiency,
     and the 1-GPU ms of its run."""
     rows = []
-    for name in MEASURED:
+    for name in MEASURED + CURRENT_LAYOUT:
         data = results.load_results(results.RESULTS_DIR / name)
         one = {(r["mask"], r["seqlen"]): r["fwdbwd_ms"] for r in data["records"] if r["impl"] == "ringflash_1gpu"}
         for r in data["records"]:
@@ -66,13 +106,15 @@ def measured_rows() -> list[dict]:
                 t1 = one[(r["mask"], r["seqlen"])]
                 rows.append(dict(source=name, device=data["meta"]["device"], gpus=r["gpus"], mask=r["mask"],
                                  seqlen=r["seqlen"], layout=r["layout"], one_ms=t1,
-                                 measured=t1 / (r["gpus"] * r["fwdbwd_ms"])))
+                                 measured=t1 / (r["gpus"] * r["fwdbwd_ms"]),
+                                 current_layout=_current_layout(name, data, r)))
     for name in MESH_MEASURED:  # the ring alone (U = 1) on packed documents, MHA, beside its 1-GPU row
         data = results.load_results(results.RESULTS_DIR / name)
         mha = [r for r in data["records"] if r["mask"] == "documents" and r.get("kv_heads") == r.get("heads")]
         one = {r["seqlen"]: r["fwdbwd_ms"] for r in mha if r["impl"] == "ringflash_1gpu"}
         rows += [dict(source=name, device=data["meta"]["device"], gpus=r["gpus"], mask="documents",
-                      seqlen=r["seqlen"], layout=r["layout"], one_ms=one[r["seqlen"]], measured=r["efficiency"])
+                      seqlen=r["seqlen"], layout=r["layout"], one_ms=one[r["seqlen"]], measured=r["efficiency"],
+                      current_layout=_current_layout(name, data, r))
                  for r in mha if r["impl"] == "ringflash" and r.get("heads_parallel") == 1 and r["seqlen"] in one]
     h100 = {(r["mask"], r["seqlen"]): r["one_ms"] for r in rows if r["source"] == MEASURED[0]}
     rows += [dict(source="4 x H100, quoted", device="4 x H100 (2026-11-26)", gpus=4, mask=m, seqlen=n, layout=lay,
@@ -86,8 +128,10 @@ def counted(rows: list[dict]) -> None:
         m = mask_of(r["mask"], r["seqlen"])
         layout = r["layout"]
         if layout == "documents":  # the layout bench_masks.py computed from the same documents,
-            # as it was when these rows were measured: split documents zigzag only
-            layout = ringflash.documents._made(torch.tensor(m.cu_seqlens), r["seqlen"], r["gpus"], fills=())
+            # as it was when these rows were measured: split documents zigzag only, or where
+            # ``current_layout`` as it is now
+            now = {} if r.get("current_layout") else dict(fills=())
+            layout = ringflash.documents._made(torch.tensor(m.cu_seqlens), r["seqlen"], r["gpus"], **now)
         r["ring"] = cost.ring_counts(r["gpus"], r["seqlen"], layout, m)
         r["one"] = cost.ring_counts(1, r["seqlen"], "contiguous", m)
         r["problem"] = cost.Problem(segments=m.cu_seqlens is not None)
@@ -97,7 +141,7 @@ def refit(rows: list[dict]) -> cost.Costs:
     """The constants fitted to every measured row: its ring efficiency, and each run's 1-GPU
     time of every (mask, seqlen) (the quoted 4 x H100 rows borrow masks_h100x2.json's)."""
     ones = {(r["source"], r["mask"], r["seqlen"]): r for r in rows if r["source"] in MEASURED}.values()
-    fitted = [r for r in rows if r["source"] not in MESH_MEASURED]
+    fitted = [r for r in rows if r["source"] not in MESH_MEASURED + CURRENT_LAYOUT]
     costs, rms = cost.fit([(r["one"], r["problem"], r["one_ms"]) for r in ones],
                           [(r["ring"], r["one"], r["problem"], r["measured"]) for r in fitted])
     print(f"fitted {', '.join(cost.FITTED)} on {len(fitted)} ring rows and {len(ones)} 1-GPU times "
@@ -111,7 +155,7 @@ def calibration(rows: list[dict], costs: cost.Costs) -> list[dict]:
         r["one_predicted_ms"] = float(cost.rank_times(r["one"], costs, r["problem"])[0])
         r["error"] = r["predicted"] / r["measured"] - 1
     print("calibration: measured against predicted efficiency, forward+backward (the constants are "
-          "fitted to every row)")
+          f"fitted to every row but those of {', '.join(MESH_MEASURED + CURRENT_LAYOUT)})")
     print(results.format_table(rows, [("source", "source"), ("gpus", "W"), ("mask", "mask"),
                                       ("seqlen", "seqlen", cli.fmt_size), ("layout", "layout"),
                                       ("measured", "measured", ".3f"), ("predicted", "predicted", ".3f"),
@@ -137,11 +181,10 @@ def predictions(worlds: list[int], seqlens: list[int], costs: cost.Costs) -> lis
                     bound = cost_bound.document_bound(world, seqlen, documents(seqlen), costs, problem)
                     eff, steps = bound["efficiency"], None
                 elif layout == "document_layout":  # ringflash.document_layout, counted token by token
-                    if world * seqlen > cost.TOKENWISE_LIMIT:
+                    ring = documents_ring(world, seqlen)
+                    if ring is None:
                         row[f"W={world}"] = float("nan")
                         continue
-                    built = ringflash.document_layout(torch.tensor(m.cu_seqlens), seqlen, world=world)
-                    ring = cost.ring_counts(world, seqlen, built, m)
                     eff, steps = cost.efficiency(ring, one, costs, problem), ring.steps
                 else:
                     ring = cost.ring_counts(world, seqlen, layout, m)
@@ -159,12 +202,131 @@ def predictions(worlds: list[int], seqlens: list[int], costs: cost.Costs) -> lis
     return records
 
 
+def grid_rows(keep=lambda record: True) -> list[dict]:
+    """Each measured grid row (U > 1) of ``MESH_MEASURED`` whose record ``keep`` keeps: source,
+    device, world, U, R, chunks, mask, seqlen, layout, heads, measured efficiency, alltoall_ms
+    and exposed_ms as measured; with the counts of its ring over R ranks and at world 1
+    (``counted``: documents on the layout then built), its Problem, and ``timed``: the
+    exchanges its all-to-alls were timed on alone (bench_ring.py's ``_alltoall_ms``: the
+    unchunked call's, no segment ids)."""
+    rows = []
+    for name in MESH_MEASURED:
+        data = results.load_results(results.RESULTS_DIR / name)
+        for r in data["records"]:
+            if (r["impl"] != "ringflash" or r.get("heads_parallel", 1) < 2 or r.get("fwdbwd_ms") is None
+                    or not keep(r)):
+                continue
+            rows.append(dict(source=name, device=data["meta"]["device"], gpus=r["ring"], world=r["gpus"],
+                             heads_parallel=r["heads_parallel"], ring_world=r["ring"], chunks=r["head_chunks"],
+                             mask=r["mask"], seqlen=r["seqlen"], layout=r["layout"],
+                             heads=f"{r['heads']}/{r['kv_heads']}", measured=r["efficiency"],
+                             alltoall_ms=r["alltoall_ms"], exposed_ms=r["exposed_comm_ms"],
+                             current_layout=_current_layout(name, data, r)))
+    counted(rows)  # "gpus": the ring's R ranks; "ring": its counts
+    for r in rows:
+        heads, kv_heads = map(int, r["heads"].split("/"))
+        r["problem"] = r["problem"]._replace(heads=heads, kv_heads=kv_heads)
+        r["timed"] = cost_grid.exchanges(r["heads_parallel"], r["ring_world"], r["seqlen"],
+                                         r["problem"]._replace(segments=False), 1)
+    return rows
+
+
+def grid_calibration(rows: list[dict], costs: cost.Costs, grid: cost_grid.GridCosts, refit: bool):
+    """Prints the all-to-all constants fitted to the rows' ``alltoall_ms`` (each measured
+    configuration once), and per grid row the measured against predicted efficiency, the
+    all-to-alls alone, and the time exposed over the ring alone. Returns (the grid constants
+    in use: the fitted ones where ``refit``, else ``grid``; the records)."""
+    timed = {(r["source"], r["heads_parallel"], r["ring_world"], r["seqlen"], r["heads"], r["mask"]): r for r in rows}
+    fitted, rms = cost_grid.fit_alltoall([(r["timed"], r["alltoall_ms"]) for r in timed.values()], grid)
+    grid = fitted if refit else grid
+    print(f"\nall-to-all fitted to the alltoall_ms of {len(timed)} measured configurations: "
+          f"{fitted.alltoall_gbps:.1f} GB/s a rank + {fitted.alltoall_ms:.4f} ms a call, rms error {rms:.3f} "
+          f"(in use: {grid.alltoall_gbps:.1f} GB/s + {grid.alltoall_ms:.4f} ms)")
+    for r in rows:
+        times = cost_grid.grid_times(r["ring"], r["heads_parallel"], r["problem"], costs, grid, r["chunks"])
+        r["predicted"] = cost_grid.efficiency_of(times, r["one"], costs, r["problem"])
+        r["error"] = r["predicted"] / r["measured"] - 1
+        r["alltoall_predicted"] = sum(cost_grid.exchange_ms(x, grid) for x in r["timed"])
+        r["alltoall_error"] = r["alltoall_predicted"] / r["alltoall_ms"] - 1
+        r["exposed_predicted"] = times.exposed_ms
+    print("grid calibration: efficiency measured against predicted (the ring's constants unchanged), the "
+          "all-to-alls of one unchunked call alone (fitted) and what the grid exposes over its ring alone "
+          "(ms, not fitted)")
+    print(results.format_table(rows, [
+        ("source", "source"), ("heads_parallel", "U"), ("ring_world", "R"), ("chunks", "C"), ("mask", "mask"),
+        ("seqlen", "seqlen", cli.fmt_size), ("heads", "heads"), ("measured", "measured", ".3f"),
+        ("predicted", "predicted", ".3f"), ("error", "error", "+.1%"), ("alltoall_ms", "a2a", ".2f"),
+        ("alltoall_predicted", "a2a model", ".2f"), ("alltoall_error", "a2a error", "+.1%"),
+        ("exposed_ms", "exposed", ".2f"), ("exposed_predicted", "exposed model", ".2f")]))
+    worst = max(rows, key=lambda r: abs(r["error"]))
+    rms = (sum(r["error"] ** 2 for r in rows) / len(rows)) ** 0.5
+    print(f"largest efficiency error {worst['error']:+.1%} ({worst['source']}, ({worst['heads_parallel']}, "
+          f"{worst['ring_world']}), {worst['mask']}, {cli.fmt_size(worst['seqlen'])}, heads {worst['heads']}, "
+          f"C = {worst['chunks']}); rms {rms:.1%}")
+    return grid, [dict(impl="cost_model", layout=r["layout"], mask=r["mask"], seqlen=r["seqlen"], gpus=r["world"],
+                       heads_parallel=r["heads_parallel"], ring=r["ring_world"], head_chunks=r["chunks"],
+                       heads=r["problem"].heads, kv_heads=r["problem"].kv_heads,
+                       predicted_efficiency=r["predicted"], measured_efficiency=r["measured"],
+                       predicted_alltoall_ms=r["alltoall_predicted"], measured_alltoall_ms=r["alltoall_ms"],
+                       predicted_exposed_ms=r["exposed_predicted"], measured_exposed_ms=r["exposed_ms"],
+                       measured_on=r["device"], measured_in=r["source"]) for r in rows]
+
+
+def grid_predictions(worlds: list[int], seqlens: list[int], costs: cost.Costs, grid: cost_grid.GridCosts) -> list[dict]:
+    """Per W, seqlen and GRID_HEADS: the predicted efficiency on the packed documents of the
+    ring alone with one link speed on every hop (cost's, as ``predictions``), and of the ring
+    alone (U = 1) and each grid (U, W / U), U in GRID_UNITS dividing the heads and W, on the
+    documents' layout over the ring, with ``grid``'s links (a heads group within a node, the
+    ring across nodes where W > node_gpus); which is best. nan (-) past R x seqlen = 2^26."""
+    records, table = [], []
+    for seqlen in seqlens:
+        one = cost.ring_counts(1, seqlen, "contiguous", mask_of("documents", seqlen))
+        for heads, kv_heads in GRID_HEADS:
+            problem = cost.Problem(heads=heads, kv_heads=kv_heads, segments=True)
+            for world in worlds:
+                ring = documents_ring(world, seqlen)
+                row = dict(world=world, seqlen=seqlen, heads=f"{heads}/{kv_heads}",
+                           one_link=float("nan") if ring is None else cost.efficiency(ring, one, costs, problem))
+                for u in (1,) + GRID_UNITS:
+                    if heads % u or world % u or u > grid.node_gpus:
+                        continue
+                    ring = documents_ring(world // u, seqlen)
+                    if ring is None:
+                        row[f"U={u}"] = float("nan")
+                        continue
+                    times = cost_grid.grid_times(ring, u, problem, costs, grid)
+                    row[f"U={u}"] = eff = cost_grid.efficiency_of(times, one, costs, problem)
+                    records.append(dict(impl="cost_model", layout="document_layout", mask="documents", seqlen=seqlen,
+                                        gpus=world, heads_parallel=u, ring=world // u, head_chunks=times.chunks,
+                                        heads=heads, kv_heads=kv_heads, predicted_efficiency=eff,
+                                        node_gpus=grid.node_gpus, internode_gbps=grid.internode_gbps))
+                best = max(((row[f"U={u}"], u) for u in (1,) + GRID_UNITS if row.get(f"U={u}", float("nan")) > 0),
+                           default=None)
+                if best is not None:
+                    row.update(best=f"({best[1]}, {world // best[1]})", best_efficiency=best[0])
+                table.append(row)
+    print(f"\npredicted efficiency of the grid on packed documents (the layout from the documents over the "
+          f"ring; one link: the ring alone, every hop at {costs.link_gbps:g} GB/s as in the table above; the "
+          f"rest: a heads group within a node of {grid.node_gpus} GPUs, all-to-all at "
+          f"{grid.alltoall_gbps:g} GB/s + {grid.alltoall_ms:g} ms a call, the ring's hops at "
+          f"{grid.internode_gbps:g} GB/s where W > {grid.node_gpus}; - past R x seqlen = 2^26)")
+    print(results.format_table(table, [("world", "W"), ("seqlen", "seqlen", cli.fmt_size), ("heads", "heads"),
+                                       ("one_link", "ring, one link", ".2f"), ("U=1", "(1, W)", ".2f")]
+                               + [(f"U={u}", f"({u}, W/{u})", ".2f") for u in GRID_UNITS]
+                               + [("best", "best"), ("best_efficiency", "best eff", ".2f")]))
+    return records
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=cli.HelpFormatter)
     p.add_argument("--worlds", nargs="+", default=["8,16,32,64"], help="ranks to predict for")
     p.add_argument("--seqlens", nargs="+", default=["512k,1m,2m,4m"], help="global lengths to predict for")
     p.add_argument("--fit", action="store_true", help="refit the constants to the measured rows first")
     p.add_argument("--no-calibration", action="store_true", help="skip the measured rows")
+    p.add_argument("--node-gpus", type=int, default=cost_grid.NVLINK.node_gpus,
+                   help="GPUs a node: a heads group lies within one, the ring spans nodes beyond")
+    p.add_argument("--internode-gbps", type=float, default=cost_grid.NVLINK.internode_gbps,
+                   help="the ring's link across nodes, GB/s a GPU (50: one 400 Gb/s InfiniBand NIC a GPU)")
     p.add_argument("--out", default=None, metavar="PATH", help="write the records as JSON here (a .json path)")
     args = p.parse_args(argv)
     worlds = sorted({int(w) for v in args.worlds for w in str(v).split(",") if w.strip()})
@@ -177,10 +339,16 @@ def main(argv=None):
             costs = refit(rows)
         records += calibration(rows, costs)
     records += predictions(worlds, seqlens, costs)
-    print(f"\nconstants: {costs}; {time.time() - start:.1f} s on the CPU")
+    grid = cost_grid.NVLINK._replace(node_gpus=args.node_gpus, internode_gbps=args.internode_gbps)
+    if not args.no_calibration:
+        grid, measured = grid_calibration(grid_rows(), costs, grid, args.fit)
+        records += measured
+    records += grid_predictions(worlds, seqlens, costs, grid)
+    print(f"\nconstants: {costs}; {grid}; {time.time() - start:.1f} s on the CPU")
     if args.out:
         path = Path(args.out)
-        meta = dict(results.collect_meta(None), costs=costs._asdict(), model="ringflash.cost")
+        meta = dict(results.collect_meta(None), costs=costs._asdict(), grid_costs=grid._asdict(),
+                    model="ringflash.cost, ringflash.cost_grid")
         print(f"wrote {results.write_results(path.stem, meta, records, path.parent)}")
 
 

@@ -3,7 +3,8 @@ step, the visible (query, key) pairs, the kernel tiles they touch, the kernel ca
 step runs and the rows their programs cover, and the bytes each link carries, for any
 world size W, global length N, layout and mask (causal, a sliding window, packed
 documents); then a time per rank and an efficiency from a few measured constants
-(``Costs``); ``ringflash.cost_bound`` adds a bound for a layout built from the documents.
+(``Costs``); ``ringflash.cost_bound`` adds a bound for a layout built from the documents,
+``ringflash.cost_grid`` the heads x ring grid (an all-to-all over heads around this ring).
 benchmarks/predict_scaling.py prints its calibration against the committed measurements
 and its predictions for W = 8-64 (docs/performance.md, "Cost model").
 
@@ -499,6 +500,12 @@ def transfer_times(counts: RingCounts, costs: Costs,
     return ms(received, kv_row), ms(sums, sum_row), ms(own, sum_row)
 
 
+def _forward(fwd, kv, steps: int) -> torch.Tensor:
+    """(R,) ms of the forward alone: each step's kernels or the next shard's arrival, whichever
+    is longer (a ring of two taking its sums home early runs the same forward)."""
+    return torch.maximum(fwd, kv)[:, :steps].sum(1)
+
+
 def _timeline(fwd, dq, dkv, kv, sums, home, steps: int) -> torch.Tensor:
     """(R,) ms of a forward+backward through the rotation (``rotate.ring_forward``,
     ``rotate._rotate``), pass by pass over the steps run, from (R, S) pass and transfer times
@@ -507,7 +514,7 @@ def _timeline(fwd, dq, dkv, kv, sums, home, steps: int) -> torch.Tensor:
     step its dQ pass while the running dK/dV sum arrives and its dK/dV pass once it has, the
     next shard arriving behind the sum on the same copy engine; and last the own shard's
     dK/dV pass while its sum comes home."""
-    forward = torch.maximum(fwd, kv)[:, :steps].sum(1)
+    forward = _forward(fwd, kv, steps)
     later = torch.maximum(torch.maximum(dq, sums) + dkv, sums + kv)[:, 1:steps].sum(1)
     return forward + torch.maximum(dq[:, 0], kv[:, 0]) + later + torch.maximum(dkv[:, 0], home)
 

@@ -250,18 +250,20 @@ class DocumentLayout(Layout):
     """A layout computed from one packed sequence's documents (``document_layout``): each
     rank's tokens as runs of consecutive positions (``runs``), and for every document that
     crosses ranks its pieces on each rank (``shared``). Equal layouts (the same documents,
-    sequence length and world size) have equal names; the ranks compare its ``digest``."""
+    sequence length and world size) have equal names; the ranks compare its ``digest``.
+    ``variant``: a layout made some other way from the same documents (``_made``'s
+    ``fills``), named apart so that no cache keyed by name takes one for the other."""
 
     keeps_kv = False
     kind = "documents"  # its maker's name, for the ring's ops (``layouts.layout_from_spec``)
 
     def __init__(self, bounds: torch.Tensor, seqlen: int, world: int, runs: list[list[Piece]],
-                 splits: int, spread: float):
+                 splits: int, spread: float, variant: str = ""):
         self.bounds, self.seqlen, self.world, self.runs = bounds, seqlen, world, runs
         self._bounds = bounds.tolist()
         self.splits, self.spread = splits, spread
         self.local_len = seqlen // world
-        key = f"{seqlen},{world}," + ",".join(map(str, bounds.tolist()))
+        key = f"{seqlen},{world}," + ",".join(map(str, bounds.tolist())) + variant
         self.digest = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") >> 2
         self.name = f"{_MADE_PREFIX}{self.digest:016x}"
         # What the ring's ops take it as (``spec_of``): a CPU tensor is a graph input under
@@ -409,5 +411,7 @@ def _made(bounds: torch.Tensor, seqlen: int, world: int, fills: tuple = _FILLS) 
             if worst <= _BALANCED:
                 break
     _, runs, splits, spread = best
+    if fills != _FILLS:  # not what document_layout makes: a name of its own, not found by spec
+        return remember(DocumentLayout(bounds, seqlen, world, runs, splits, spread, variant=f";fills={fills}"))
     layout = DocumentLayout(bounds, seqlen, world, runs, splits, spread)
     return remember(_keep(tuple(layout.spec.tolist()), layout))

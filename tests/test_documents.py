@@ -285,6 +285,27 @@ def test_document_ring_matches_oracle(worlds, world_size):
     assert not failures, "\n".join(failures)
 
 
+def test_layouts_made_other_ways_are_named_apart():
+    """The layout before documents were cut in ring order (``_made(..., fills=())``, what the
+    cost model counts for rows measured then) and today's, of the same documents, differ:
+    they get different names, so that nothing keyed by name (``layout_of``, the cost model's
+    shard cache) takes one for the other, and only today's is found by its spec."""
+    from ringflash import cost
+    from ringflash.documents import _FROM_SPEC, _made
+    from ringflash.layouts import global_positions, layout_of
+    world, n = 4, 64
+    cu = _cu(_ring_order_configs(world, n)[0][1])
+    old, now = _made(cu, n * world, world, fills=()), _made(cu, n * world, world)
+    assert (old.steps, now.steps) == (world, 2) and old.name != now.name
+    assert layout_of(old.name) is old and layout_of(now.name) is now
+    assert _FROM_SPEC[tuple(now.spec.tolist())] is now
+    mask = cost.Mask(causal=True, cu_seqlens=tuple(cu.tolist()))
+    for layout in (old, now, old):  # counted in turn: each its own shards
+        for rank in range(world):
+            assert torch.equal(global_positions(n * world, layout.name, rank, world), layout.positions(n * world, rank, world))
+        assert cost.ring_counts(world, n * world, layout, mask).steps == layout.steps
+
+
 @pytest.mark.parametrize("world_size", [3, 4], ids=lambda w: f"W{w}")
 def test_documents_cut_in_ring_order_match_oracle(worlds, world_size):
     """A layout that cuts its heaviest documents in pieces over neighbouring ranks (and so
