@@ -8,7 +8,9 @@ timeout turns that into a failed test rather than a stuck suite.
 Inputs: q, dout bf16 (B, Sq, H, 128), k, v (B, Sk, Hkv, 128): milestone 1's non-causal
 MHA, the causal band with offsets (key j seen by query i iff j <= i + o: 0 the diagonal,
 +128 / -128 the ring's neighbouring blocks, -100 a diagonal through the middle of Q tiles,
-Sq != Sk, every K tile empty, every pair visible) and GQA / MQA. lse and delta are the
+Sq != Sk, every K tile empty, every pair visible), GQA / MQA, the deterministic order of
+dQ's adds (each such case run twice for the same bits) and a window's lower edge
+(``band_lo``: key j seen only if j >= i + band_lo). lse and delta are the
 oracle's (float64 out and lse rounded to fp32; lse -inf for a row that sees no key), so
 the kernel is checked alone. The yardsticks are tests/test_kernels_gpu.py's: relative
 Frobenius error against the float64 oracle within TOL[bf16] (2e-2), and no more than twice
@@ -64,6 +66,13 @@ CASES = [
     (1, 256, 512, 4, 4, 256, "det", None), (1, 512, 256, 4, 4, -256, "det", None),
     (1, 512, 512, 4, 4, -512, "det", None), (2, 1024, 1024, 8, 2, 0, "det", None),
     (1, 512, 512, 4, 1, 0, "det", None), (1, 2048, 2048, 8, 2, None, "det", None),
+    # a window's lower edge, band_lo (the 9th field): key j seen only if j >= i + band_lo;
+    # with the causal edge, wide (an unmasked middle) and narrower than a K tile (a Q tile
+    # across both edges), off-diagonal as the ring's pairs are, alone, GQA, the ring's add
+    (1, 1024, 1024, 4, 4, 0, "contiguous", None, -512), (2, 1024, 1024, 4, 4, 0, "contiguous", None, -100),
+    (1, 1024, 1024, 4, 4, 0, "contiguous", None, -1), (1, 1024, 1024, 4, 4, 512, "contiguous", None, 300),
+    (1, 512, 1024, 4, 4, None, "contiguous", None, -200), (2, 1024, 1024, 8, 2, 0, "contiguous", None, -300),
+    (1, 1024, 1024, 4, 4, 0, "add", None, -256), (1, 4096, 4096, 4, 4, 0, "contiguous", None, -1000),
 ]
 
 
@@ -71,8 +80,9 @@ def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-def _id(b, sq, sk, h, hkv, offset, layout, scale) -> str:
+def _id(b, sq, sk, h, hkv, offset, layout, scale, band_lo=None) -> str:
     mask = "full" if offset is None else f"causal{offset:+d}"
+    mask += "" if band_lo is None else f"-lo{band_lo:+d}"
     return f"b{b}-q{sq}-k{sk}-h{h}kv{hkv}-{mask}-{layout}" + (f"-scale{scale}" if scale else "")
 
 
@@ -80,7 +90,7 @@ def _id(b, sq, sk, h, hkv, offset, layout, scale) -> str:
 def test_gluon_bwd_matches_oracle(case):
     if not _hopper():
         pytest.skip("needs an sm_90 (Hopper) GPU")
-    b, sq, offset = case[0], case[1], case[5]
+    b = case[0]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, str(Path(__file__).resolve()), json.dumps(list(case))]
     try:
@@ -99,9 +109,8 @@ def test_gluon_bwd_matches_oracle(case):
         err, lib = res["gluon"][name], res["library"][name]
         assert err <= TOL[torch.bfloat16], f"{name}: {report}"
         assert err <= max(2 * lib, NOISE_FLOOR), f"{name}: more than twice the library's error: {report}"
-    # A query row that sees no key (i + offset < 0) gets no dQ add; every other row gets one.
-    unseen = 0 if offset is None else b * min(max(-offset, 0), sq)
-    assert res["dq_untouched_rows"] == unseen and res["nan"] == 0, res
+    # A query row that sees no key gets no dQ add; every other row gets one.
+    assert res["dq_untouched_rows"] == b * res["rows_seeing_nothing"] and res["nan"] == 0, res
     if case[6] == "det":  # a second run from the same dq_acc: the same bits
         assert res["repeats"], res
 
@@ -135,7 +144,7 @@ def _inputs(b, sq, sk, h, hkv, layout, gen):
     return q, k, v, dout, dk.fill_(float("nan")), dv.fill_(float("nan"))
 
 
-def _child(b, sq, sk, h, hkv, offset, layout, scale) -> dict:
+def _child(b, sq, sk, h, hkv, offset, layout, scale, band_lo=None) -> dict:
     sys.path.insert(0, str(TESTS))
     from oracle import attention_oracle, oracle_grads, rel_err
 
@@ -146,17 +155,23 @@ def _child(b, sq, sk, h, hkv, offset, layout, scale) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, dout, dk, dv = _inputs(b, sq, sk, h, hkv, layout, gen)
     scale = 128 ** -0.5 if scale is None else scale
-    out, lse = attention_oracle(q, k, v, offset, softmax_scale=scale)
+    i, j = torch.arange(sq, device="cuda")[:, None], torch.arange(sk, device="cuda")[None, :]
+    visible = torch.ones(sq, sk, dtype=torch.bool, device="cuda")
+    if offset is not None:
+        visible &= j <= i + offset
+    if band_lo is not None:
+        visible &= j >= i + band_lo
+    out, lse = attention_oracle(q, k, v, softmax_scale=scale, mask=visible)
     delta = (out * dout.double()).sum(-1).transpose(1, 2).float().contiguous()  # (B, H, S)
     lse = lse.float().contiguous()
-    ref = oracle_grads(q, k, v, dout, offset, softmax_scale=scale)
+    ref = oracle_grads(q, k, v, dout, softmax_scale=scale, mask=visible)
 
     dq0 = torch.randn(q.shape, generator=gen, device="cuda")
     dq_acc = dq0.clone()
     add, det = layout == "add", layout == "det"
     dk0, dv0 = dk.clone(), dv.clone()
     attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, scale, causal_offset=offset, accumulate=add,
-                  deterministic=det)
+                  deterministic=det, band_lo=band_lo)
     torch.cuda.synchronize()
     repeats = None
     if det:
@@ -169,13 +184,14 @@ def _child(b, sq, sk, h, hkv, offset, layout, scale) -> dict:
         dk, dv = dk.double() - dk0.double(), dv.double() - dv0.double()
 
     lib = [torch.full(t.shape, float("nan"), device="cuda") for t in (q, k, v)]
-    triton_kernels.bwd(dout, q, k, v, lse, delta, *lib, softmax_scale=scale, mask=PairMask.causal(offset),
-                       accumulate=False)
+    triton_kernels.bwd(dout, q, k, v, lse, delta, *lib, softmax_scale=scale,
+                       mask=PairMask(band_lo=band_lo, band_hi=offset), accumulate=False)
     torch.cuda.synchronize()
     names = ("dq", "dk", "dv")
     return dict(gluon={n: rel_err(g, r) for n, g, r in zip(names, (dq, dk, dv), ref)},
                 library={n: rel_err(g, r) for n, g, r in zip(names, lib, ref)},
                 dq_untouched_rows=int((dq.abs().amax(dim=(-1, -2)) == 0).sum()), repeats=repeats,
+                rows_seeing_nothing=int((~visible.any(dim=1)).sum()),
                 nan=int(sum(torch.isnan(t).sum() for t in (dq_acc, dk, dv))))
 
 

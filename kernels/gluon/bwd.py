@@ -13,7 +13,9 @@ of 128, any strides with a contiguous last dimension (TMA: the other strides and
 addresses 16-byte aligned). Masks: none (``causal_offset=None``) or the causal band with
 an offset, as ``PairMask.causal(o)`` (kernels/masks.py): key j is seen by query i iff
 j <= i + o, on the pair's local indices (o = q_start - k_start for two blocks of one
-sequence: the ring's pairs). lse (natural log; -inf for a row that sees no key) and
+sequence: the ring's pairs); with it or without it, a window's lower edge ``band_lo``: key
+j seen only if j >= i + band_lo (``PairMask.band_lo``; compiled and checked on the CPU,
+not yet run on a GPU, so kernels/dispatch.py does not route windows here). lse (natural log; -inf for a row that sees no key) and
 delta = rowsum(out * dout) are (B, H, Sq) fp32; dq_acc is an fp32 (B, Sq, H, 128) running
 sum the kernel ADDS ``scale * dQ`` into (the ring's); dk and dv (B, Sk, Hkv, 128), bf16 or
 fp32, are written once (zeros for a key no query sees), or with ``accumulate`` (fp32 only)
@@ -57,7 +59,11 @@ loader, the two consumers and the dQ writer compute (first, split, end) each for
 from the same scalars (``_q_tiles``) and walk the same steps in the same order: a step
 one partition takes and another does not leaves an mbarrier waiting forever. A K tile
 whose range is empty still loads K and V (the consumers wait for them, so the CTA does
-not exit under a TMA in flight) and writes dk = dv = 0. Order: program_id(0) is the K
+not exit under a TMA in flight) and writes dk = dv = 0. A window (``LOWER``) ends the
+range at the last query that sees the tile's last key, and its tiles across that edge
+([split2, end)) take a masked loop of their own after the first; every masked step masks
+by every edge the kernel has (a window narrower than a K tile puts a Q tile across both).
+Order: program_id(0) is the K
 tile, in increasing order, so under the band the longest CTAs (first K tiles, most Q
 tiles) start first; FA3 walks an LPT order over (head, K tile) in chunks sized to L2
 (hopper/tile_scheduler.hpp), not done here.
@@ -102,34 +108,43 @@ def _tma_reduce_add(desc, coord, src, _semantic=None):
 #   descs = (q, k, v, do, lse, delta, dq): TMA descriptors
 #   smem  = (q, do, lse, delta, k, v, dsT, dq): shared buffers
 #   bars  = (kv_ready, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty): mbarriers
-#   tile  = (off_b, off_hk, n0, heads, seqlen_q, offset)
+#   tile  = (off_b, off_hk, n0, heads, seqlen_q, offset, band_lo)
 # Steps: (query head off_hk * GROUP + g, Q tile m) for the tiles of _q_tiles(...), first the
-# unmasked ones [split, end) (g outer), then the masked ones [first, split) (m outer).
+# unmasked ones [split, split2) (g outer), then the masked ones (m outer): [first, split)
+# across the band's upper edge, then [split2, end) across its lower edge.
 # Step t (counted over both) uses stage s = t % STAGES, filled at parity
 # (t // STAGES) & 1, and the dQ tile at parity t & 1.
 
 
 @gluon.jit
-def _q_tiles(n0, offset, seqlen_q, CAUSAL: gl.constexpr):
-    """(first, split, end): the Q tiles (of BLOCK_M rows) [first, end) hold a query that
-    sees a key of the K tile [n0, n0 + BLOCK_N); those in [first, split) cross the
-    diagonal (some pair hidden: the masked step), those in [split, end) see every key.
-    Causal, j <= i + offset: queries from n0 - offset on see key n0, and every query
-    from n0 + BLOCK_N - 1 - offset on sees the whole tile. Without the band, (0, 0, end).
-    Every partition calls this with the same scalars: they walk the same steps."""
+def _q_tiles(n0, offset, band_lo, seqlen_q, CAUSAL: gl.constexpr, LOWER: gl.constexpr):
+    """(first, split, split2, end): the Q tiles (of BLOCK_M rows) [first, end) hold a query
+    that sees a key of the K tile [n0, n0 + BLOCK_N); those in [split, split2) see every
+    key of it; the others cross an edge of the band (some pair hidden: the masked step).
+    Upper edge (CAUSAL), j <= i + offset: queries from n0 - offset on see key n0, and
+    every query from n0 + BLOCK_N - 1 - offset on sees the whole tile. Lower edge (LOWER,
+    a window), j >= i + band_lo: queries up to n0 + BLOCK_N - 1 - band_lo see the tile's
+    last key, and every query up to n0 - band_lo sees all of it. Without a band,
+    (0, 0, end, end). Every partition calls this with the same scalars: they walk the same
+    steps."""
     end = seqlen_q // BLOCK_M
+    first = 0
+    split = 0
     if CAUSAL:  # dividends clamped >= 0: integer division truncates
         first = gl.minimum(gl.maximum(n0 - offset, 0) // BLOCK_M, end)
         full = gl.maximum(n0 + BLOCK_N - 1 - offset, 0)
         split = gl.minimum(gl.maximum((full + BLOCK_M - 1) // BLOCK_M, first), end)
-    else:
-        first = 0
-        split = 0
-    return first, split, end
+    split2 = end
+    if LOWER:
+        end = gl.maximum(gl.minimum(gl.maximum(n0 + BLOCK_N - 1 - band_lo + BLOCK_M, 0) // BLOCK_M, end), first)
+        split = gl.minimum(split, end)
+        split2 = gl.minimum(gl.maximum(gl.maximum(n0 - band_lo + 1, 0) // BLOCK_M, split), end)
+    return first, split, split2, end
 
 
 @gluon.jit
-def _loader(descs, smem, bars, tile, GROUP: gl.constexpr, CAUSAL: gl.constexpr, DETERMINISTIC: gl.constexpr):
+def _loader(descs, smem, bars, tile, GROUP: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr,
+            DETERMINISTIC: gl.constexpr):
     """One warp: K and V once (even for an empty Q range: the consumers wait for them),
     then per (query head, Q tile) Q + lse (q_ready) and dO + delta (do_ready) into the
     stage both consumers last released (qdo_empty). DETERMINISTIC: the unmasked steps in
@@ -137,14 +152,18 @@ def _loader(descs, smem, bars, tile, GROUP: gl.constexpr, CAUSAL: gl.constexpr, 
     q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc = descs
     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem = smem
     kv_ready, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty = bars
-    off_b, off_hk, n0, heads, seqlen_q, offset = tile
+    off_b, off_hk, n0, heads, seqlen_q, offset, band_lo = tile
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [off_b, n0, off_hk, 0], kv_ready, k_smem)
     tma.async_copy_global_to_shared(v_desc, [off_b, n0, off_hk, 0], kv_ready, v_smem)
-    first, split, end = _q_tiles(n0, offset, seqlen_q, CAUSAL)
-    _load_unmasked(split, end, off_b, off_hk, heads, seqlen_q, descs, smem, bars, GROUP, DETERMINISTIC)
+    first, split, split2, end = _q_tiles(n0, offset, band_lo, seqlen_q, CAUSAL, LOWER)
+    _load_unmasked(split, split2, off_b, off_hk, heads, seqlen_q, descs, smem, bars, GROUP, DETERMINISTIC)
     if CAUSAL:
-        _load_masked(GROUP * (end - split), first, split, off_b, off_hk, heads, seqlen_q, descs, smem, bars, GROUP)
+        _load_masked(GROUP * (split2 - split), first, split, off_b, off_hk, heads, seqlen_q, descs, smem, bars,
+                     GROUP)
+    if LOWER:
+        _load_masked(GROUP * (split2 - first), split2, end, off_b, off_hk, heads, seqlen_q, descs, smem, bars,
+                     GROUP)
 
 
 @gluon.jit
@@ -194,17 +213,19 @@ def _load_step(t, off_b, off_h, m, heads, seqlen_q, descs, smem, bars):
 
 
 @gluon.jit
-def _dq_writer(descs, smem, bars, tile, turns, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+def _dq_writer(descs, smem, bars, tile, turns, GROUP: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr,
                DETERMINISTIC: gl.constexpr):
     """One warp: per (query head, Q tile), once both consumers filled the shared dQ tile
     (dq_full), add it into that head's rows of dq_acc by TMA, and hand the tile back
     (dq_empty) once TMA has read it. DETERMINISTIC: each add waits for its turn
     (``_wait_for``: K tiles in increasing order) and the tile goes back once the add has
     landed. The loader's order."""
-    first, split, end = _q_tiles(tile[2], tile[5], tile[4], CAUSAL)
-    _write_unmasked(split, end, descs, smem, bars, tile, turns, GROUP, DETERMINISTIC)
+    first, split, split2, end = _q_tiles(tile[2], tile[5], tile[6], tile[4], CAUSAL, LOWER)
+    _write_unmasked(split, split2, descs, smem, bars, tile, turns, GROUP, DETERMINISTIC)
     if CAUSAL:
-        _write_masked(GROUP * (end - split), first, split, descs, smem, bars, tile, turns, GROUP, DETERMINISTIC)
+        _write_masked(GROUP * (split2 - split), first, split, descs, smem, bars, tile, turns, GROUP, DETERMINISTIC)
+    if LOWER:
+        _write_masked(GROUP * (split2 - first), split2, end, descs, smem, bars, tile, turns, GROUP, DETERMINISTIC)
 
 
 @gluon.jit
@@ -232,7 +253,7 @@ def _write_masked(t0, first, split, descs, smem, bars, tile, turns, GROUP: gl.co
 def _write_step(t, g, m, descs, smem, bars, tile, turns, GROUP: gl.constexpr, DETERMINISTIC: gl.constexpr):
     """Step t: the shared dQ tile added into Q tile m of query head off_hk * GROUP + g."""
     dq_desc, dq_smem, dq_full, dq_empty = descs[6], smem[7], bars[5], bars[6]
-    off_b, off_hk, n0, heads, seqlen_q, offset = tile
+    off_b, off_hk, n0, heads, seqlen_q = tile[0], tile[1], tile[2], tile[3], tile[4]
     off_h = off_hk * GROUP + g
     mbarrier.wait(dq_full, t & 1)
     if DETERMINISTIC:
@@ -327,12 +348,13 @@ def _keep_visible(p, row, limit):
 
 
 @gluon.jit
-def _consumer_step(i, dk, dv, k_rows, v_rows, k_cols, smem, bars, qk_scale, sm_scale, diag, G: gl.constexpr,
-                   MASKED: gl.constexpr):
+def _consumer_step(i, dk, dv, k_rows, v_rows, k_cols, smem, bars, qk_scale, sm_scale, diag, diag_lo,
+                   G: gl.constexpr, MASKED: gl.constexpr, MASKED_LO: gl.constexpr):
     """Step i (a query head's Q tile) into this group's dK, dV (64 K/V rows, fp32
     registers), and this group's 64 columns of the tile's dQ into the shared fp32 tile.
     MASKED: Pᵀ is zeroed where key row r, query column c have r - c > diag (j > i + offset;
-    diag = offset + m0 - first key of the group). Returns (dk, dv)."""
+    diag = offset + m0 - first key of the group); MASKED_LO: where r - c < diag_lo (j < i +
+    band_lo, the same way). Returns (dk, dv)."""
     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem = smem
     kv_ready, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty = bars
     # 64 x 64 tiles (Sᵀ, dPᵀ, dQ half) and 64 x 128 (dK, dV); P and dS enter dV and dK
@@ -367,6 +389,12 @@ def _consumer_step(i, dk, dv, k_rows, v_rows, k_cols, smem, bars, qk_scale, sm_s
         lhs = gl.expand_dims((r & -9) - diag, 1) - gl.expand_dims(c & 6, 0)
         rhs = gl.expand_dims(c & -7, 0) - gl.expand_dims(r & 8, 1)
         pT = _keep_visible(pT, lhs, rhs)
+    if MASKED_LO:  # r - c >= diag_lo, split the same way: c - r + diag_lo <= 0
+        r = gl.arange(0, 64, gl.SliceLayout(1, mma64))
+        c = gl.arange(0, BLOCK_M, cols)
+        lhs = gl.expand_dims(diag_lo - (r & -9), 1) + gl.expand_dims(c & 6, 0)
+        rhs = gl.expand_dims(r & 8, 1) - gl.expand_dims(c & -7, 0)
+        pT = _keep_visible(pT, lhs, rhs)
     p_op = gl.convert_layout(pT.to(gl.bfloat16), op_a, assert_trivial=True)
     dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
 
@@ -396,12 +424,12 @@ def _consumer_step(i, dk, dv, k_rows, v_rows, k_cols, smem, bars, qk_scale, sm_s
 
 @gluon.jit
 def _consumer(descs, smem, bars, tile, out, G: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-              ADD: gl.constexpr):
+              LOWER: gl.constexpr, ADD: gl.constexpr):
     """Consumer warp group G: K/V rows [64 G, 64 G + 64) of the CTA's tile over every
     (query head, Q tile) step, then its dK (scaled) and dV rows stored in the output dtype
     (zeros after no step), or with ADD added to the fp32 sums there."""
     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem = smem
-    off_b, off_hk, n0, heads, seqlen_q, offset = tile
+    off_b, off_hk, n0, heads, seqlen_q, offset, band_lo = tile
     dk_ptr, dv_ptr, dk_strides, dv_strides, qk_scale, sm_scale = out
     mma128: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                      instr_shape=[16, 128, 16])
@@ -412,15 +440,22 @@ def _consumer(descs, smem, bars, tile, out, G: gl.constexpr, GROUP: gl.constexpr
     dk = gl.zeros([64, HEAD_DIM], gl.float32, mma128)
     dv = gl.zeros([64, HEAD_DIM], gl.float32, mma128)
     mbarrier.wait(bars[0], 0)  # kv_ready (also before an empty range: no exit under a TMA in flight)
-    first, split, end = _q_tiles(n0, offset, seqlen_q, CAUSAL)
+    first, split, split2, end = _q_tiles(n0, offset, band_lo, seqlen_q, CAUSAL, LOWER)
     operands = (k_rows, v_rows, k_cols, qk_scale, sm_scale)
     # The unmasked steps first, every head's: the non-causal kernel's loop, whatever the band,
-    # then the masked ones, (tile, head) for tiles [first, split), in a loop of their own.
-    # (The other way round, values hoisted for both loops spill in the unmasked loop.)
-    dk, dv = _consume_unmasked(GROUP * (end - split), dk, dv, operands, smem, bars, G)
+    # then the masked ones, (tile, head), in loops of their own: the tiles [first, split)
+    # across the band's upper edge, then [split2, end) across its lower edge (each masked
+    # by both edges: a narrow window's tile may cross both). (Masked loops first, values
+    # hoisted for both kinds of loop spill in the unmasked one.)
+    dk, dv = _consume_unmasked(GROUP * (split2 - split), dk, dv, operands, smem, bars, G)
     if CAUSAL:
-        dk, dv = _consume_masked(GROUP * (end - split), GROUP * (split - first), offset + first * BLOCK_M - n0 - 64 * G,
-                                 dk, dv, operands, smem, bars, G, GROUP)
+        at = first * BLOCK_M - n0 - 64 * G  # the first tile's first query minus the group's first key
+        dk, dv = _consume_masked(GROUP * (split2 - split), GROUP * (split - first), offset + at, band_lo + at, dk, dv,
+                                 operands, smem, bars, G, GROUP, CAUSAL, LOWER)
+    if LOWER:
+        at = split2 * BLOCK_M - n0 - 64 * G
+        dk, dv = _consume_masked(GROUP * (split2 - first), GROUP * (end - split2), offset + at, band_lo + at, dk, dv,
+                                 operands, smem, bars, G, GROUP, CAUSAL, LOWER)
     rows = gl.arange(0, 64, gl.SliceLayout(1, mma128))
     cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, mma128))
     row0 = n0 + 64 * G
@@ -433,18 +468,21 @@ def _consume_unmasked(steps, dk, dv, operands, smem, bars, G: gl.constexpr):
     """Steps 0 .. steps - 1, unmasked."""
     k_rows, v_rows, k_cols, qk_scale, sm_scale = operands
     for t in range(steps):
-        dk, dv = _consumer_step(t, dk, dv, k_rows, v_rows, k_cols, smem, bars, qk_scale, sm_scale, 0, G, False)
+        dk, dv = _consumer_step(t, dk, dv, k_rows, v_rows, k_cols, smem, bars, qk_scale, sm_scale, 0, 0, G, False,
+                                False)
     return dk, dv
 
 
 @gluon.jit
-def _consume_masked(t0, steps, diag0, dk, dv, operands, smem, bars, G: gl.constexpr, GROUP: gl.constexpr):
-    """Steps t0 .. t0 + steps - 1, masked: (Q tile, head), the diagonal one Q tile further
-    every GROUP steps."""
+def _consume_masked(t0, steps, diag0, diag0_lo, dk, dv, operands, smem, bars, G: gl.constexpr,
+                    GROUP: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr):
+    """Steps t0 .. t0 + steps - 1, masked by the band's edges (each where CAUSAL, LOWER):
+    (Q tile, head), the diagonals ``diag0``, ``diag0_lo`` (``_consumer_step``'s, for the
+    first tile) one Q tile further every GROUP steps."""
     k_rows, v_rows, k_cols, qk_scale, sm_scale = operands
     for j in range(steps):
         dk, dv = _consumer_step(t0 + j, dk, dv, k_rows, v_rows, k_cols, smem, bars, qk_scale, sm_scale,
-                                diag0 + (j // GROUP) * BLOCK_M, G, True)
+                                diag0 + (j // GROUP) * BLOCK_M, diag0_lo + (j // GROUP) * BLOCK_M, G, CAUSAL, LOWER)
     return dk, dv
 
 
@@ -462,20 +500,22 @@ def _store_rows(ptr, strides, off_b, first, off_h, rows, cols, x, ADD: gl.conste
 
 
 @gluon.jit
-def _consumer0(descs, smem, bars, tile, out, GROUP: gl.constexpr, CAUSAL: gl.constexpr, ADD: gl.constexpr):
-    _consumer(descs, smem, bars, tile, out, 0, GROUP, CAUSAL, ADD)
+def _consumer0(descs, smem, bars, tile, out, GROUP: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr,
+               ADD: gl.constexpr):
+    _consumer(descs, smem, bars, tile, out, 0, GROUP, CAUSAL, LOWER, ADD)
 
 
 @gluon.jit
-def _consumer1(descs, smem, bars, tile, out, GROUP: gl.constexpr, CAUSAL: gl.constexpr, ADD: gl.constexpr):
-    _consumer(descs, smem, bars, tile, out, 1, GROUP, CAUSAL, ADD)
+def _consumer1(descs, smem, bars, tile, out, GROUP: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr,
+               ADD: gl.constexpr):
+    _consumer(descs, smem, bars, tile, out, 1, GROUP, CAUSAL, LOWER, ADD)
 
 
 @gluon.jit
 def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, dk_ptr, dv_ptr,
                           dk_stride_b, dk_stride_s, dk_stride_h, dv_stride_b, dv_stride_s, dv_stride_h,
-                          heads, kv_heads, seqlen_q, causal_offset, qk_scale, sm_scale, dq_turns,
-                          GROUP: gl.constexpr, CAUSAL: gl.constexpr, ADD: gl.constexpr,
+                          heads, kv_heads, seqlen_q, causal_offset, band_lo, qk_scale, sm_scale, dq_turns,
+                          GROUP: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr, ADD: gl.constexpr,
                           DETERMINISTIC: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr):
     """Grid (R, B Hkv, Sk / (128 R)): K/V tile program_id(0) + R program_id(2) of (batch, kv
     head) program_id(1). R = Sk / 128, one round, by default; DETERMINISTIC: rounds of R
@@ -485,12 +525,13 @@ def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
     about 132 / R heads: the chain of adds one Q tile waits through within a wave is R
     long, not the whole wave (and under the band the longest CTAs, the lowest K tiles,
     still start first). GROUP = heads / kv_heads query heads a kv head. causal_offset is
-    read only when CAUSAL; ADD: dK, dV added to the fp32 sums at dk_ptr, dv_ptr instead of
+    read only when CAUSAL, band_lo (a window's lower edge, j >= i + band_lo) only when
+    LOWER; ADD: dK, dV added to the fp32 sums at dk_ptr, dv_ptr instead of
     written; dq_turns (DETERMINISTIC only): (B, H, Sq / 64) int32 zeros, the dQ adds'
     counters."""
     bh = gl.program_id(1)
     n0 = (gl.program_id(0) + gl.program_id(2) * gl.num_programs(0)) * BLOCK_N
-    tile = (bh // kv_heads, bh % kv_heads, n0, heads, seqlen_q, causal_offset)
+    tile = (bh // kv_heads, bh % kv_heads, n0, heads, seqlen_q, causal_offset, band_lo)
     # Shared memory, about 193 KB: K, V 64 KB; Q, dO 2 x 2 x 16 KB; dSᵀ 2 x 16 KB; dQ 32 KB.
     dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_COLS], gl.float32)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.bfloat16)
@@ -523,8 +564,8 @@ def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
     descs = (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc)
     out = (dk_ptr, dv_ptr, (dk_stride_b, dk_stride_s, dk_stride_h), (dv_stride_b, dv_stride_s, dv_stride_h),
            qk_scale, sm_scale)
-    gl.warp_specialize([(_consumer0, (descs, smem, bars, tile, out, GROUP, CAUSAL, ADD)),
-                        (_consumer1, (descs, smem, bars, tile, out, GROUP, CAUSAL, ADD)),
-                        (_loader, (descs, smem, bars, tile, GROUP, CAUSAL, DETERMINISTIC)),
-                        (_dq_writer, (descs, smem, bars, tile, dq_turns, GROUP, CAUSAL, DETERMINISTIC))],
+    gl.warp_specialize([(_consumer0, (descs, smem, bars, tile, out, GROUP, CAUSAL, LOWER, ADD)),
+                        (_consumer1, (descs, smem, bars, tile, out, GROUP, CAUSAL, LOWER, ADD)),
+                        (_loader, (descs, smem, bars, tile, GROUP, CAUSAL, LOWER, DETERMINISTIC)),
+                        (_dq_writer, (descs, smem, bars, tile, dq_turns, GROUP, CAUSAL, LOWER, DETERMINISTIC))],
                        [4, 1, 1], [CONSUMER_REGS, WORKER_REGS, WORKER_REGS])

@@ -45,7 +45,8 @@ def _descriptors(q, k, v, dout, lse, delta, dq_acc):
 
 
 def unsupported(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal_offset,
-                accumulate: bool = False) -> Optional[Exception]:
+                accumulate: bool = False, band_lo: Optional[int] = None,
+                deterministic: bool = False) -> Optional[Exception]:
     """Why this kernel cannot take these arguments: a TypeError / ValueError naming the
     argument (the module's docstring says what it serves), or None. ``dq_acc`` None: not
     checked (a caller about to allocate it; ``kernels/dispatch.py``)."""
@@ -72,6 +73,12 @@ def unsupported(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal
     if causal_offset is not None and (isinstance(causal_offset, bool) or not isinstance(causal_offset, int)):
         return TypeError(f"attn_bwd_sm90: causal_offset must be an int or None (key j seen by query i iff "
                          f"j <= i + causal_offset), got {type(causal_offset).__name__}")
+    if band_lo is not None and (isinstance(band_lo, bool) or not isinstance(band_lo, int)):
+        return TypeError(f"attn_bwd_sm90: band_lo must be an int or None (key j seen by query i only if "
+                         f"j >= i + band_lo), got {type(band_lo).__name__}")
+    if band_lo is not None and deterministic:
+        return ValueError("attn_bwd_sm90: deterministic with band_lo (a window) is not served: its dQ turns "
+                          "are for K tiles 0 .. J of a Q tile")
     for name in ("q", "k"):
         if named[name].dim() != 4:
             return ValueError(f"attn_bwd_sm90: {name} must be (B, S, H, D), got shape {tuple(named[name].shape)}")
@@ -121,14 +128,15 @@ def _check(*args) -> None:
 
 
 def _kernel_offset(causal_offset, seqlen_q, seqlen_k) -> int:
-    """causal_offset clamped to [-Sq, Sk] (the same visible pairs: past Sk - 1 every key is
-    seen, below -(Sq - 1) none), so the kernel's int32 index arithmetic cannot overflow;
-    0 without the band (not read)."""
+    """causal_offset (or band_lo) clamped to [-Sq, Sk] (the same visible pairs: j - i lies
+    in [-(Sq - 1), Sk - 1]), so the kernel's int32 index arithmetic cannot overflow; 0
+    without the edge (not read)."""
     return 0 if causal_offset is None else max(-seqlen_q, min(causal_offset, seqlen_k))
 
 
 def attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale: float,
-                  causal_offset: Optional[int] = None, accumulate: bool = False, deterministic: bool = False):
+                  causal_offset: Optional[int] = None, accumulate: bool = False, deterministic: bool = False,
+                  band_lo: Optional[int] = None):
     """The backward of one (query block, key block) pair (head_dim 128, bf16):
     ``dq_acc += scale * dQ`` (fp32), dk = scale * dK and dv = dV written (bf16 or fp32), or
     with ``accumulate`` added into dk and dv (fp32 sums). ``deterministic``: the dQ adds
@@ -140,8 +148,11 @@ def attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale: floa
     lse (natural log, the FINAL one of these queries) and delta (rowsum(out * dout),
     kernels.attn_delta) are (B, H, Sq) fp32 (copied if not contiguous). causal_offset:
     None sees every key; an int o lets query i see key j iff j <= i + o (PairMask.causal,
-    o = q_start - k_start for two blocks of one sequence). Returns (dq_acc, dk, dv)."""
-    _check(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal_offset, accumulate)
+    o = q_start - k_start for two blocks of one sequence). band_lo: a window's lower edge,
+    key j seen only if j >= i + band_lo (PairMask.band_lo; not with deterministic). Returns
+    (dq_acc, dk, dv)."""
+    _check(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal_offset, accumulate, band_lo,
+           deterministic)
     b, sq, h, _ = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     lse, delta = lse.contiguous(), delta.contiguous()
@@ -150,8 +161,9 @@ def attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale: floa
     _attn_bwd_sm90_kernel[_grid(sk // BLOCK_N.value, b * hkv, deterministic)](
         *_descriptors(q, k, v, dout, lse, delta, dq_acc), dk, dv, dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2), h, hkv, sq, _kernel_offset(causal_offset, sq, sk),
-        softmax_scale * LOG2E, softmax_scale, turns, h // hkv, causal_offset is not None, bool(accumulate),
-        bool(deterministic), CONSUMER_REGS, WORKER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)
+        _kernel_offset(band_lo, sq, sk), softmax_scale * LOG2E, softmax_scale, turns, h // hkv,
+        causal_offset is not None, band_lo is not None, bool(accumulate), bool(deterministic), CONSUMER_REGS,
+        WORKER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)
     return dq_acc, dk, dv
 
 
@@ -168,11 +180,12 @@ def _grid(k_tiles: int, heads: int, deterministic: bool) -> tuple[int, int, int]
 
 def compile_sm90(consumer_regs: int = CONSUMER_REGS, worker_regs: int = WORKER_REGS, maxnreg: int = MAXNREG,
                  causal_offset: Optional[int] = None, heads: int = 4, kv_heads: int = 4, seqlen_q: int = 1024,
-                 seqlen_k: int = 1024, accumulate: bool = False, deterministic: bool = False):
+                 seqlen_k: int = 1024, accumulate: bool = False, deterministic: bool = False,
+                 band_lo: Optional[int] = None):
     """The kernel compiled for sm_90 on any machine, no GPU needed (triton ships ptxas):
     its ``.asm`` holds "ttgir", "ptx", "cubin"; ``.metadata.shared`` its shared memory in
     bytes. Specialized as ``attn_bwd_sm90`` would specialize it on contiguous (1, seqlen_q,
-    heads, 128) q and (1, seqlen_k, kv_heads, 128) k inputs with this causal_offset,
+    heads, 128) q and (1, seqlen_k, kv_heads, 128) k inputs with this causal_offset, band_lo,
     accumulate (dk, dv then fp32) and deterministic (CPU
     stand-ins: only their types, alignments and strides are read; as in a launch, an int
     argument equal to 1, e.g. kv_heads, is compiled in as a constant, and those divisible
@@ -187,11 +200,12 @@ def compile_sm90(consumer_regs: int = CONSUMER_REGS, worker_regs: int = WORKER_R
     stats = torch.zeros(1, heads, seqlen_q)
     dkv = k.float() if accumulate else k
     values = (*_descriptors(q, k, k, q, stats, stats, torch.zeros(q.shape)), dkv, dkv, *k.stride()[:3], *k.stride()[:3],
-              heads, kv_heads, seqlen_q, _kernel_offset(causal_offset, seqlen_q, seqlen_k), 0.1 * LOG2E, 0.1,
+              heads, kv_heads, seqlen_q, _kernel_offset(causal_offset, seqlen_q, seqlen_k),
+              _kernel_offset(band_lo, seqlen_q, seqlen_k), 0.1 * LOG2E, 0.1,
               torch.zeros(heads * seqlen_q // BLOCK_M.value, dtype=torch.int32) if deterministic else stats)
     kernel = _attn_bwd_sm90_kernel
     sig, attrs = {}, {}
-    consts = dict(GROUP=heads // kv_heads, CAUSAL=causal_offset is not None, ADD=accumulate,
+    consts = dict(GROUP=heads // kv_heads, CAUSAL=causal_offset is not None, LOWER=band_lo is not None, ADD=accumulate,
                   DETERMINISTIC=deterministic, CONSUMER_REGS=consumer_regs, WORKER_REGS=worker_regs)
     for i, (name, value) in enumerate(zip(kernel.arg_names, values)):  # as the JIT's launch would
         sig[name], spec = native_specialize_impl(CUDABackend, value, False, True, True)
