@@ -11,8 +11,9 @@ Forward and delta: the Triton kernels on CUDA tensors, the PyTorch twin elsewher
   or, with ``accumulate``, added to fp32 sums (dq and dk/dv alike: fp32 running sums,
   not ``*_partial`` ones).
   Why: on one H100 (2026-11-27, 8k-64k tokens, 32 heads, causal and not) forward +
-  backward 0.90-1.03x SDPA cuDNN's, against 0.73-0.82x with the Triton backward
-  (benchmarks/results/kernel_h100.json; docs/performance.md, "The Hopper backward").
+  backward 0.95-1.03x SDPA cuDNN's, and 0.84-0.97x with ``deterministic``, against
+  0.73-0.82x with the Triton backward (benchmarks/results/kernel_h100.json;
+  docs/performance.md, "The Hopper backward").
 - ``triton``: every other CUDA call: every mask, dtype, head_dim and GPU.
 
 By default the Gluon kernel adds each CTA's dQ tile into the running dQ in arrival order
@@ -68,8 +69,7 @@ def causal_band(mask: PairMask) -> tuple[bool, Optional[int]]:
     return plain, mask.band_hi
 
 
-def gluon_serves(q: torch.Tensor, k: torch.Tensor, rows_q: int, rows_k: int, mask: PairMask,
-                 deterministic: bool) -> bool:
+def gluon_serves(q: torch.Tensor, k: torch.Tensor, rows_q: int, rows_k: int, mask: PairMask) -> bool:
     """Whether the Gluon backward serves a block pair of ``rows_q`` query and ``rows_k`` key
     rows of q's and k's heads, dtype and GPU under ``mask``, judged only from what every rank of
     a ring agrees on (not strides or addresses, which ``bwd_route`` checks per call): the
@@ -81,8 +81,7 @@ def gluon_serves(q: torch.Tensor, k: torch.Tensor, rows_q: int, rows_k: int, mas
 
 
 def bwd_route(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask: PairMask,
-              accumulate: bool, partials=(None, None, None), tails=(None, None),
-              deterministic: bool = False) -> Route:
+              accumulate: bool, partials=(None, None, None), tails=(None, None)) -> Route:
     """The route of one ``flash_attn_bwd`` call (arguments as there; tails: the Joined
     second parts, or None)."""
     arch = capability(q)

@@ -227,7 +227,7 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
     # With the fused kernel the own step runs in two pieces of key rows: the first hides
     # the first K/V trip, the second the trip home of the last sums (``_rotate``).
     own_pieces = pieces(0, home_cuts(n)) if steps > 1 else (schedule[0],)
-    fused = _fuses(q, k, (*own_pieces, *schedule[1:]), segments, dropout, plan, blocks, deterministic)
+    fused = _fuses(q, k, (*own_pieces, *schedule[1:]), segments, dropout, plan, blocks)
     grads = _Grads(dout, q, lse, delta, segments, softmax_scale=softmax_scale, dropout=dropout, plan=plan,
                    blocks=blocks, first_writes=first_writes, deterministic=deterministic, fused=fused)
     own = ((k, v), segments)
@@ -258,7 +258,7 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
     return grads.result(), dkv
 
 
-def _fuses(q, k, steps, segments, dropout, plan, blocks, deterministic: bool) -> bool:
+def _fuses(q, k, steps, segments, dropout, plan, blocks) -> bool:
     """Whether the Gluon backward serves every pair of ``steps`` (lists of pairs), judged
     from what every rank agrees on (``dispatch.gluon_serves``), so that all ranks choose
     the same schedule."""
@@ -266,7 +266,7 @@ def _fuses(q, k, steps, segments, dropout, plan, blocks, deterministic: bool) ->
     pairs = [pair for step in steps for pair in step]
     return bool(pairs) and all(
         dispatch.gluon_serves(q, k, len(range(n)[pair.q]), len(range(n)[pair.k]),
-                              pair_mask(pair, segments, segments, dropout, plan, blocks), deterministic)
+                              pair_mask(pair, segments, segments, dropout, plan, blocks))
         for pair in pairs)
 
 
