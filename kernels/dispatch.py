@@ -98,6 +98,8 @@ def bwd_route(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, ma
         why = "accumulate: the Gluon kernel adds dQ into fp32 sums only"
     elif arch != (9, 0):
         why = f"sm_{arch[0]}{arch[1]}, not sm_90"
+    elif q.shape[-1] != 128:  # the kernel compiles head_dim 64 too: not run on a GPU yet
+        why = f"head_dim {q.shape[-1]}: the Gluon kernel serves 128"
     else:
         from .gluon import launch as kernel  # imported on Hopper only; it compiles nothing at import
 

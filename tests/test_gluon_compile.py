@@ -52,17 +52,26 @@ VARIANTS = {
     "window": dict(causal_offset=0, band_lo=-512),
     "window-lo": dict(band_lo=-256),
     "gqa-window-add": dict(heads=8, kv_heads=2, causal_offset=0, band_lo=-1000, accumulate=True),
+    # head_dim 64
+    "hd64": dict(head_dim=64),
+    "hd64-causal": dict(head_dim=64, causal_offset=0),
+    "hd64-gqa-causal-add": dict(head_dim=64, heads=8, kv_heads=2, causal_offset=0, accumulate=True),
 }
 # ptxas stack frame allowed per variant (bytes): the masked loop reloads some precomputed
 # wgmma descriptors from the stack (tested below); milestone 1 had 8.
 STACK_BUDGET = {"mha": 64, "causal": 128, "gqa": 64, "gqa-causal": 160, "gqa-causal-add": 160, "mha-det": 64,
                 "causal-det": 128, "gqa-causal-add-det": 160,
-                "window": 256, "window-lo": 128, "gqa-window-add": 256}
+                "window": 256, "window-lo": 128, "gqa-window-add": 256, "hd64": 64, "hd64-causal": 128,
+                "hd64-gqa-causal-add": 160}
 _COMPILED: dict = {}
 
 
 def _causal(name: str) -> bool:
     return VARIANTS[name].get("causal_offset") is not None
+
+
+def _head_dim(name: str) -> int:
+    return VARIANTS[name].get("head_dim", 128)
 
 
 def _edges(name: str) -> int:
@@ -145,15 +154,24 @@ def _split_loops(sass: str) -> tuple[list[list[str]], list[list[str]]]:
     return [loop for loop in loops if "FSEL" not in loop], masked
 
 
+def _wgmma_a_step(d: int) -> Counter:
+    """wgmma instructions by N of one consumer group's step at head_dim d: Sᵀ and dPᵀ 64x64
+    over d (d / 16 k-steps each), dV and dK 64 x d over the 64 Q rows (4 each), its dQ half
+    64 x d/2 over the 128 keys (8)."""
+    step = Counter({64: 2 * d // 16})
+    step[d] += 2 * 4
+    step[d // 2] += 8
+    return step
+
+
 def test_every_matmul_is_a_wgmma(variant):
-    """Per consumer group and step: Sᵀ, dPᵀ and its dQ half are 64x64 products over 128
-    (8 k-steps of 16 each), dV and dK 64x128 over the 64 Q rows (4 each); two groups, and
-    the step twice in a causal variant (unmasked and masked)."""
+    """Per consumer group and step (``_wgmma_a_step``; at head_dim 128: 24 of 64x64 and 8 of
+    64x128); two groups, and the step once more for each masked loop (an edge of the band)."""
     name, kernel, _, _ = variant
     copies = 1 + _edges(name)
     ops = _ptx_ops(kernel.asm["ptx"])
-    assert ops["wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16"] == copies * 2 * 3 * 8, ops
-    assert ops["wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"] == copies * 2 * 2 * 4, ops
+    for n, count in _wgmma_a_step(_head_dim(name)).items():
+        assert ops[f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16"] == copies * 2 * count, (n, ops)
     assert not [op for op in ops if op.startswith("mma.sync")], "an mma.sync fallback"
     # Partial waits: Sᵀ then dPᵀ each waited with one product still in flight.
     assert "wgmma.wait_group.sync.aligned 1;" in kernel.asm["ptx"]
@@ -178,18 +196,20 @@ def test_four_partitions_with_their_register_budgets(variant):
 
 
 def test_shared_memory_fits_hopper(variant):
-    """K, V (64 KB), Q and dO in two stages (64 KB), dSᵀ in two (32 KB), the fp32 dQ tile
-    (32 KB), lse/delta stages and barriers: above 192 KB, within 227 KB, whatever the
-    variant (the band and GQA add registers, not buffers)."""
-    _, kernel, _, _ = variant
-    assert 192 * 1024 < kernel.metadata.shared <= H100_SHARED, kernel.metadata.shared
+    """K, V (64 KB at head_dim 128), Q and dO in two stages (64 KB), dSᵀ in two (32 KB), the
+    fp32 dQ tile (32 KB), lse/delta stages and barriers: above those buffers' bytes, within
+    227 KB, whatever the variant (the band and GQA add registers, not buffers)."""
+    name, kernel, _, _ = variant
+    d = _head_dim(name)
+    buffers = 2 * 128 * d * 2 + 2 * 2 * 64 * d * 2 + 2 * 128 * 64 * 2 + 64 * d * 4
+    assert buffers < kernel.metadata.shared <= min(buffers + 8192, H100_SHARED), kernel.metadata.shared
 
 
 def test_loads_and_dq_go_through_tma(variant):
-    """Q, dO, K, V by 4-D TMA boxes (one (batch, head), any strides; a box's 128 bf16
-    columns are 256 bytes, past the 128-byte swizzle, so Triton issues it as two copies
-    of 64 columns), lse and delta by 1-D boxes, and dQ added into the fp32 accumulator by
-    4-D TMA reduce-adds (four of 32 columns a tile), whose shared source is waited for
+    """Q, dO, K, V by 4-D TMA boxes (one (batch, head), any strides; at head_dim 128 a box's
+    128 bf16 columns are 256 bytes, past the 128-byte swizzle, so Triton issues it as two
+    copies of 64 columns), lse and delta by 1-D boxes, and dQ added into the fp32
+    accumulator by 4-D TMA reduce-adds (of 32 columns each), whose shared source is waited for
     before the tile is reused. K and V are loaded once; the loader's and the writer's step
     appears once per loop (twice with the band: unmasked and masked steps; LLVM may
     unroll a loop over the group's heads, hence the multiples)."""
@@ -199,8 +219,10 @@ def test_loads_and_dq_go_through_tma(variant):
     loads4d = ops["cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"]
     loads1d = ops["cp.async.bulk.tensor.1d.shared::cluster.global.mbarrier::complete_tx::bytes"]
     adds = ops["cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.bulk_group"]
-    assert loads1d >= 2 * copies and loads4d == 4 + 2 * loads1d, ops  # per step: Q, dO (2 each), lse, delta
-    assert adds >= 4 * copies and adds % 4 == 0, ops
+    split = _head_dim(name) // 64  # copies a box of bf16 rows: 128-byte swizzle, 64 columns each
+    assert loads1d >= 2 * copies and loads4d == 2 * split + split * loads1d, ops  # K, V; per step Q, dO, lse, delta
+    boxes = _head_dim(name) // 32  # a dQ tile's 32-column boxes
+    assert adds >= boxes * copies and adds % boxes == 0, ops
     ptx = kernel.asm["ptx"]
     if VARIANTS[name].get("deterministic"):  # each add waits its turn, lands, then passes the turn on
         assert ops["cp.async.bulk.wait_group.read"] == 0, ops
@@ -257,10 +279,11 @@ def test_unmasked_loops_keep_milestone_1s_length(variant):
     milestone 1's (non-causal MHA) loop, SASS instructions counted (register allocation
     moves a few address computations between the uniform and the vector datapath)."""
     name, _, sass, _ = variant
-    reference = max(len(loop) for loop in _split_loops(_compiled("mha")[1])[0])
+    milestone = "mha" if _head_dim(name) == 128 else "hd64"
+    reference = max(len(loop) for loop in _split_loops(_compiled(milestone)[1])[0])
     for loop in _split_loops(sass)[0]:
         assert len(loop) <= 1.04 * reference, (len(loop), reference)
-        assert loop.count("HGMMA") == 32
+        assert loop.count("HGMMA") == sum(_wgmma_a_step(_head_dim(name)).values())
 
 
 def test_dk_dv_added_only_with_accumulate(variant):
@@ -313,7 +336,8 @@ def _bf16(*shape):
     (dict(accumulate=True), TypeError, "dk must be torch.float32 (accumulate adds into fp32 sums)"),
     (dict(dv=torch.zeros(1, 256, 2, 128, dtype=torch.float16)), TypeError, "dv must be torch.bfloat16 or"),
     (dict(lse=[0.0]), TypeError, "lse must be a torch.Tensor"),
-    (dict(d=64), ValueError, "head_dim must be 128"),
+    (dict(d=96), ValueError, "head_dim must be one of (64, 128)"),
+    (dict(d=64), ValueError, "runs on a Hopper (sm_90) GPU"),  # head_dim 64: served
     (dict(s=192), ValueError, "q's seqlen must be a positive multiple of 128"),
     (dict(sk=192), ValueError, "k's seqlen must be a positive multiple of 128"),
     (dict(h=4, hkv=3), ValueError, "k must be (B, Sk, Hkv, D)"),

@@ -9,8 +9,8 @@ Inputs: q, dout bf16 (B, Sq, H, 128), k, v (B, Sk, Hkv, 128): milestone 1's non-
 MHA, the causal band with offsets (key j seen by query i iff j <= i + o: 0 the diagonal,
 +128 / -128 the ring's neighbouring blocks, -100 a diagonal through the middle of Q tiles,
 Sq != Sk, every K tile empty, every pair visible), GQA / MQA, the deterministic order of
-dQ's adds (each such case run twice for the same bits) and a window's lower edge
-(``band_lo``: key j seen only if j >= i + band_lo). lse and delta are the
+dQ's adds (each such case run twice for the same bits), a window's lower edge
+(``band_lo``: key j seen only if j >= i + band_lo) and head_dim 64. lse and delta are the
 oracle's (float64 out and lse rounded to fp32; lse -inf for a row that sees no key), so
 the kernel is checked alone. The yardsticks are tests/test_kernels_gpu.py's: relative
 Frobenius error against the float64 oracle within TOL[bf16] (2e-2), and no more than twice
@@ -73,6 +73,10 @@ CASES = [
     (1, 1024, 1024, 4, 4, 0, "contiguous", None, -1), (1, 1024, 1024, 4, 4, 512, "contiguous", None, 300),
     (1, 512, 1024, 4, 4, None, "contiguous", None, -200), (2, 1024, 1024, 8, 2, 0, "contiguous", None, -300),
     (1, 1024, 1024, 4, 4, 0, "add", None, -256), (1, 4096, 4096, 4, 4, 0, "contiguous", None, -1000),
+    # head_dim 64 ("hd64": contiguous)
+    (1, 1024, 1024, 4, 4, None, "hd64", None), (2, 1024, 1024, 4, 4, 0, "hd64", None),
+    (2, 1024, 1024, 8, 2, 0, "hd64", None), (1, 512, 1024, 4, 4, -256, "hd64", None),
+    (1, 4096, 4096, 4, 4, 0, "hd64", None),
 ]
 
 
@@ -123,13 +127,13 @@ def _inputs(b, sq, sk, h, hkv, layout, gen):
     contiguous, or (MHA, Sq = Sk) strided as a layer makes them (q, k, v views of one
     packed (B, S, 3, H, D) projection; dout heads-major; dk, dv views of one packed
     (B, S, 2, H, D) buffer); "add": contiguous, dk and dv random fp32 sums to add into;
-    "det": contiguous, run with ``deterministic``."""
-    d = 128
+    "det": contiguous, run with ``deterministic``; "hd64": contiguous at head_dim 64."""
+    d = 64 if layout == "hd64" else 128
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16)
 
-    if layout in ("contiguous", "add", "det"):
+    if layout in ("contiguous", "add", "det", "hd64"):
         q, dout = randn(b, sq, h, d), randn(b, sq, h, d)
         k, v = randn(b, sk, hkv, d), randn(b, sk, hkv, d)
         if layout == "add":
@@ -154,7 +158,7 @@ def _child(b, sq, sk, h, hkv, offset, layout, scale, band_lo=None) -> dict:
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, dout, dk, dv = _inputs(b, sq, sk, h, hkv, layout, gen)
-    scale = 128 ** -0.5 if scale is None else scale
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     i, j = torch.arange(sq, device="cuda")[:, None], torch.arange(sk, device="cuda")[None, :]
     visible = torch.ones(sq, sk, dtype=torch.bool, device="cuda")
     if offset is not None:

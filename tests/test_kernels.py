@@ -688,7 +688,7 @@ def test_backward_route_rules(monkeypatch):
     assert "dk must be torch.float32 (accumulate adds into fp32 sums)" in call(accumulate=True).why
     assert "fp32 sums only" in call(accumulate=True, dkv=torch.float32, dq=torch.bfloat16).why
     assert "*_partial" in call(accumulate=True, partials=(torch.zeros(1), None, None)).why
-    assert "head_dim must be 128" in call(d=64).why
+    assert call(d=64).why == "head_dim 64: the Gluon kernel serves 128"
     assert "must be bfloat16" in call(dtype=torch.float16).why
     assert "multiple of 128" in call(sq=200).why
     monkeypatch.setattr(dispatch, "capability", lambda t: (8, 0))

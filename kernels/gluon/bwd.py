@@ -7,7 +7,9 @@ into the ring's fp32 sums: ``accumulate``; ringflash/ring/rotate.py). Tested aga
 (tests/test_gluon_gpu.py), compiled for sm_90 on CPU (tests/test_gluon_compile.py); its
 host side (checks, descriptors, launch) is kernels/gluon/launch.py.
 
-Shapes served: q, dout (B, Sq, H, 128) and k, v (B, Sk, Hkv, 128), bf16, Hkv dividing H
+Shapes served: q, dout (B, Sq, H, D) and k, v (B, Sk, Hkv, D), D 64 or 128 (128 is the
+tuned one; 64 compiled and checked on the CPU, not yet run on a GPU, so kernels/dispatch.py
+routes head_dim 128 only), bf16, Hkv dividing H
 (query head h reads kv head h // (H / Hkv): MHA, GQA, MQA), Sq and Sk positive multiples
 of 128, any strides with a contiguous last dimension (TMA: the other strides and the base
 addresses 16-byte aligned). Masks: none (``causal_offset=None``) or the causal band with
@@ -87,7 +89,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 # Tile constants, read by the kernels (hence constexpr; the host reads their .value).
-HEAD_DIM = gl.constexpr(128)
+HEAD_DIMS = (64, 128)  # head dims served: the kernel reads its own from its descriptors' boxes
 BLOCK_N = gl.constexpr(128)  # K/V rows a CTA owns (two consumer groups of 64)
 BLOCK_M = gl.constexpr(64)  # Q rows a step
 DQ_COLS = gl.constexpr(32)  # columns of one dQ TMA box: 32 fp32 = 128 bytes, the widest a 128-byte swizzle takes
@@ -259,7 +261,8 @@ def _write_step(t, g, m, descs, smem, bars, tile, turns, GROUP: gl.constexpr, DE
     if DETERMINISTIC:
         flag = turns + (off_b * heads + off_h) * (seqlen_q // BLOCK_M) + m
         _wait_for(flag, n0 // BLOCK_N)  # the K tiles add in increasing order
-    for c in gl.static_range(HEAD_DIM // DQ_COLS):
+    boxes: gl.constexpr = dq_smem.shape[0]  # head_dim / DQ_COLS
+    for c in gl.static_range(boxes):
         _tma_reduce_add(dq_desc, [off_b, m * BLOCK_M, off_h, c * DQ_COLS],
                         dq_smem.index(c).reshape(dq_desc.block_type.shape))
     if DETERMINISTIC:
@@ -351,23 +354,25 @@ def _keep_visible(p, row, limit):
 def _consumer_step(i, dk, dv, k_rows, v_rows, k_cols, smem, bars, qk_scale, sm_scale, diag, diag_lo,
                    G: gl.constexpr, MASKED: gl.constexpr, MASKED_LO: gl.constexpr):
     """Step i (a query head's Q tile) into this group's dK, dV (64 K/V rows, fp32
-    registers), and this group's 64 columns of the tile's dQ into the shared fp32 tile.
+    registers), and this group's half of the tile's dQ columns into the shared fp32 tile.
     MASKED: Pᵀ is zeroed where key row r, query column c have r - c > diag (j > i + offset;
     diag = offset + m0 - first key of the group); MASKED_LO: where r - c < diag_lo (j < i +
     band_lo, the same way). Returns (dk, dv)."""
     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem = smem
     kv_ready, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty = bars
-    # 64 x 64 tiles (Sᵀ, dPᵀ, dQ half) and 64 x 128 (dK, dV); P and dS enter dV and dK
-    # as register operands whose layout matches the 64 x 64 accumulator's registers.
+    # 64 x 64 tiles (Sᵀ, dPᵀ), 64 x D/2 (dQ half) and 64 x D (dK, dV); P and dS enter dV
+    # and dK as register operands whose layout matches the 64 x 64 accumulator's registers.
+    D: gl.constexpr = q_smem.shape[4]
     mma64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-    mma128: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                     instr_shape=[16, 128, 16])
-    op_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma128, k_width=2)
+    mma_d: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    mma_q: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, D // 2, 16])
+    op_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_d, k_width=2)
     cols: gl.constexpr = gl.SliceLayout(0, mma64)  # one value per Q row (a column of Sᵀ)
     s = i % STAGES
     ph = (i // STAGES) & 1
-    q_s = q_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
-    do_s = do_smem.index(s).reshape([BLOCK_M, HEAD_DIM])
+    q_s = q_smem.index(s).reshape([BLOCK_M, D])
+    do_s = do_smem.index(s).reshape([BLOCK_M, D])
     zero = gl.zeros([64, BLOCK_M], gl.float32, mma64)
 
     # Sᵀ and dPᵀ issued back to back; the softmax runs under dPᵀ.
@@ -409,15 +414,19 @@ def _consumer_step(i, dk, dv, k_rows, v_rows, k_cols, smem, bars, qk_scale, sm_s
     ds_s.slice(64 * G, 64).store(dsT)
     _signal(ds_ready.index(s))
     mbarrier.wait(ds_ready.index(s), ph)
-    dq = warpgroup_mma(ds_s.permute((1, 0)), k_cols, zero, use_acc=False, is_async=True)
+    dq = warpgroup_mma(ds_s.permute((1, 0)), k_cols, gl.zeros([BLOCK_M, D // 2], gl.float32, mma_q), use_acc=False,
+                       is_async=True)
     dq, dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dq, dv, dk, p_op, ds_op])
     mbarrier.arrive(qdo_empty.index(s), count=1)  # Q, dO, lse, delta of stage s are read
 
-    # This group's 64 dQ columns, as two 32-column boxes, once the writer released the tile.
+    # This group's D / 2 dQ columns, as 32-column boxes, once the writer released the tile.
     mbarrier.wait(dq_empty, (i & 1) ^ 1)
-    left, right = dq.reshape([BLOCK_M, 2, DQ_COLS]).permute([0, 2, 1]).split()
-    dq_smem.index(2 * G).store(left)
-    dq_smem.index(2 * G + 1).store(right)
+    if D // 2 == 2 * DQ_COLS:
+        left, right = dq.reshape([BLOCK_M, 2, DQ_COLS]).permute([0, 2, 1]).split()
+        dq_smem.index(2 * G).store(left)
+        dq_smem.index(2 * G + 1).store(right)
+    else:  # D = 64: one box a group
+        dq_smem.index(G).store(dq)
     _signal(dq_full)
     return dk, dv
 
@@ -431,14 +440,14 @@ def _consumer(descs, smem, bars, tile, out, G: gl.constexpr, GROUP: gl.constexpr
     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem = smem
     off_b, off_hk, n0, heads, seqlen_q, offset, band_lo = tile
     dk_ptr, dv_ptr, dk_strides, dv_strides, qk_scale, sm_scale = out
-    mma128: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                     instr_shape=[16, 128, 16])
-    k_full = k_smem.reshape([BLOCK_N, HEAD_DIM])
+    D: gl.constexpr = k_smem.shape[3]  # head_dim
+    mma_d: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    k_full = k_smem.reshape([BLOCK_N, D])
     k_rows = k_full.slice(64 * G, 64)  # Sᵀ's A operand
-    k_cols = k_full.slice(64 * G, 64, dim=1)  # dQ's B operand: this group's dQ columns
-    v_rows = v_smem.reshape([BLOCK_N, HEAD_DIM]).slice(64 * G, 64)
-    dk = gl.zeros([64, HEAD_DIM], gl.float32, mma128)
-    dv = gl.zeros([64, HEAD_DIM], gl.float32, mma128)
+    k_cols = k_full.slice(D // 2 * G, D // 2, dim=1)  # dQ's B operand: this group's dQ columns
+    v_rows = v_smem.reshape([BLOCK_N, D]).slice(64 * G, 64)
+    dk = gl.zeros([64, D], gl.float32, mma_d)
+    dv = gl.zeros([64, D], gl.float32, mma_d)
     mbarrier.wait(bars[0], 0)  # kv_ready (also before an empty range: no exit under a TMA in flight)
     first, split, split2, end = _q_tiles(n0, offset, band_lo, seqlen_q, CAUSAL, LOWER)
     operands = (k_rows, v_rows, k_cols, qk_scale, sm_scale)
@@ -456,8 +465,8 @@ def _consumer(descs, smem, bars, tile, out, G: gl.constexpr, GROUP: gl.constexpr
         at = split2 * BLOCK_M - n0 - 64 * G
         dk, dv = _consume_masked(GROUP * (split2 - first), GROUP * (end - split2), offset + at, band_lo + at, dk, dv,
                                  operands, smem, bars, G, GROUP, CAUSAL, LOWER)
-    rows = gl.arange(0, 64, gl.SliceLayout(1, mma128))
-    cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, mma128))
+    rows = gl.arange(0, 64, gl.SliceLayout(1, mma_d))
+    cols = gl.arange(0, D, gl.SliceLayout(0, mma_d))
     row0 = n0 + 64 * G
     _store_rows(dk_ptr, dk_strides, off_b, row0, off_hk, rows, cols, dk, ADD)
     _store_rows(dv_ptr, dv_strides, off_b, row0, off_hk, rows, cols, dv, ADD)
@@ -542,7 +551,8 @@ def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
             gl.allocate_shared_memory(gl.bfloat16, k_desc.block_type.shape, k_desc.layout),
             gl.allocate_shared_memory(gl.bfloat16, v_desc.block_type.shape, v_desc.layout),
             gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, BLOCK_M], ds_layout),
-            gl.allocate_shared_memory(gl.float32, [HEAD_DIM // DQ_COLS, BLOCK_M, DQ_COLS], dq_layout))
+            gl.allocate_shared_memory(gl.float32, [q_desc.block_type.shape[3] // DQ_COLS, BLOCK_M, DQ_COLS],
+                                      dq_layout))
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())

@@ -12,7 +12,7 @@ import triton
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .bwd import BLOCK_M, BLOCK_N, DQ_COLS, HEAD_DIM, _attn_bwd_sm90_kernel
+from .bwd import BLOCK_M, BLOCK_N, DQ_COLS, HEAD_DIMS, _attn_bwd_sm90_kernel
 
 LOG2E = math.log2(math.e)
 NUM_WARPS = 4  # the default partition: consumer group 0
@@ -31,7 +31,7 @@ def _descriptors(q, k, v, dout, lse, delta, dq_acc):
     (batch, head) and BLOCK_M (q, dout, dq_acc) or BLOCK_N (k, v) rows; lse and delta
     (contiguous) as flat vectors read BLOCK_M at a time."""
 
-    def rows(t, n, cols=HEAD_DIM.value, dtype=gl.bfloat16):
+    def rows(t, n, cols=q.shape[-1], dtype=gl.bfloat16):
         block = [1, n, 1, cols]
         return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _layout(block, dtype))
 
@@ -84,8 +84,8 @@ def unsupported(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal
             return ValueError(f"attn_bwd_sm90: {name} must be (B, S, H, D), got shape {tuple(named[name].shape)}")
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    if d != HEAD_DIM.value:
-        return ValueError(f"attn_bwd_sm90: q's head_dim must be {HEAD_DIM.value}, got {d}")
+    if d not in HEAD_DIMS:
+        return ValueError(f"attn_bwd_sm90: q's head_dim must be one of {HEAD_DIMS}, got {d}")
     for name, s in (("q", sq), ("k", sk)):
         if s == 0 or s % BLOCK_N.value:
             return ValueError(f"attn_bwd_sm90: {name}'s seqlen must be a positive multiple of {BLOCK_N.value}, "
@@ -137,14 +137,14 @@ def _kernel_offset(causal_offset, seqlen_q, seqlen_k) -> int:
 def attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale: float,
                   causal_offset: Optional[int] = None, accumulate: bool = False, deterministic: bool = False,
                   band_lo: Optional[int] = None):
-    """The backward of one (query block, key block) pair (head_dim 128, bf16):
+    """The backward of one (query block, key block) pair (head_dim 64 or 128, bf16):
     ``dq_acc += scale * dQ`` (fp32), dk = scale * dK and dv = dV written (bf16 or fp32), or
     with ``accumulate`` added into dk and dv (fp32 sums). ``deterministic``: the dQ adds
     into each Q tile come in a fixed order of K tiles (counters in a (B, H, Sq / 64) int32
     buffer allocated here), so dq_acc's bits repeat run to run; dk and dv repeat theirs
     either way.
 
-    q, dout, dq_acc (B, Sq, H, 128); k, v, dk, dv (B, Sk, Hkv, 128), Hkv dividing H.
+    q, dout, dq_acc (B, Sq, H, D); k, v, dk, dv (B, Sk, Hkv, D), D 64 or 128, Hkv dividing H.
     lse (natural log, the FINAL one of these queries) and delta (rowsum(out * dout),
     kernels.attn_delta) are (B, H, Sq) fp32 (copied if not contiguous). causal_offset:
     None sees every key; an int o lets query i see key j iff j <= i + o (PairMask.causal,
@@ -181,11 +181,11 @@ def _grid(k_tiles: int, heads: int, deterministic: bool) -> tuple[int, int, int]
 def compile_sm90(consumer_regs: int = CONSUMER_REGS, worker_regs: int = WORKER_REGS, maxnreg: int = MAXNREG,
                  causal_offset: Optional[int] = None, heads: int = 4, kv_heads: int = 4, seqlen_q: int = 1024,
                  seqlen_k: int = 1024, accumulate: bool = False, deterministic: bool = False,
-                 band_lo: Optional[int] = None):
+                 band_lo: Optional[int] = None, head_dim: int = 128):
     """The kernel compiled for sm_90 on any machine, no GPU needed (triton ships ptxas):
     its ``.asm`` holds "ttgir", "ptx", "cubin"; ``.metadata.shared`` its shared memory in
     bytes. Specialized as ``attn_bwd_sm90`` would specialize it on contiguous (1, seqlen_q,
-    heads, 128) q and (1, seqlen_k, kv_heads, 128) k inputs with this causal_offset, band_lo,
+    heads, head_dim) q and (1, seqlen_k, kv_heads, head_dim) k inputs with this causal_offset, band_lo,
     accumulate (dk, dv then fp32) and deterministic (CPU
     stand-ins: only their types, alignments and strides are read; as in a launch, an int
     argument equal to 1, e.g. kv_heads, is compiled in as a constant, and those divisible
@@ -195,8 +195,8 @@ def compile_sm90(consumer_regs: int = CONSUMER_REGS, worker_regs: int = WORKER_R
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    q = torch.zeros(1, seqlen_q, heads, HEAD_DIM.value, dtype=torch.bfloat16)
-    k = torch.zeros(1, seqlen_k, kv_heads, HEAD_DIM.value, dtype=torch.bfloat16)
+    q = torch.zeros(1, seqlen_q, heads, head_dim, dtype=torch.bfloat16)
+    k = torch.zeros(1, seqlen_k, kv_heads, head_dim, dtype=torch.bfloat16)
     stats = torch.zeros(1, heads, seqlen_q)
     dkv = k.float() if accumulate else k
     values = (*_descriptors(q, k, k, q, stats, stats, torch.zeros(q.shape)), dkv, dkv, *k.stride()[:3], *k.stride()[:3],
