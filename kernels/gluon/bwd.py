@@ -112,8 +112,9 @@ def _tma_reduce_add(desc, coord, src, _semantic=None):
 #   bars  = (kv_ready, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty): mbarriers
 #   tile  = (off_b, off_hk, n0, heads, seqlen_q, offset, band_lo)
 # Steps: (query head off_hk * GROUP + g, Q tile m) for the tiles of _q_tiles(...), first the
-# unmasked ones [split, split2) (g outer), then the masked ones (m outer): [first, split)
-# across the band's upper edge, then [split2, end) across its lower edge.
+# unmasked ones [split, split2) (g outer; DETERMINISTIC: m outer, downwards), then the masked
+# ones (m outer): [first, split) across the band's upper edge, then [split2, end) across its
+# lower edge.
 # Step t (counted over both) uses stage s = t % STAGES, filled at parity
 # (t // STAGES) & 1, and the dQ tile at parity t & 1.
 
