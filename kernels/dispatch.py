@@ -123,7 +123,7 @@ def gluon_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, ma
     else:
         acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     attn_bwd_sm90(dout, q, k, v, lse, delta, acc, dk, dv, softmax_scale, causal_offset=mask.band_hi,
-                  accumulate=accumulate,
+                  band_lo=mask.band_lo, accumulate=accumulate,
                   deterministic=deterministic or torch.are_deterministic_algorithms_enabled())
     if acc is not dq:
         dq.copy_(acc)

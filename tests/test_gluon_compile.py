@@ -1,7 +1,8 @@
 """The Gluon Hopper backward (kernels/gluon/bwd.py) compiled for sm_90 on CPU: no GPU needed.
 
 What a compile can show, checked on each compiled variant (``VARIANTS``: milestone 1's
-non-causal MHA, the causal band, GQA, both): every matmul of the design is a wgmma of the
+non-causal MHA, the causal band, GQA, the ring's add, the deterministic order of dQ's adds,
+a window's lower edge, head_dim 64): every matmul of the design is a wgmma of the
 expected shape and count, the four partitions exist with their warp counts and register
 budgets, shared memory fits an H100's 227 KB, the Q/dO/K/V/lse/delta loads are TMA loads
 and dQ leaves by TMA reduce-adds (the private binding the module relies on), ptxas
@@ -44,7 +45,7 @@ VARIANTS = {
     "gqa": dict(heads=8, kv_heads=2),
     "gqa-causal": dict(heads=8, kv_heads=2, causal_offset=0),
     "gqa-causal-add": dict(heads=8, kv_heads=2, causal_offset=0, accumulate=True),  # the ring's: dK/dV added
-    # deterministic: dQ adds in a fixed order of K tiles (causal: the masked steps first)
+    # deterministic: dQ adds in a fixed order of K tiles (the unmasked Q tiles walked downwards)
     "mha-det": dict(deterministic=True),
     "causal-det": dict(causal_offset=0, deterministic=True),
     "gqa-causal-add-det": dict(heads=8, kv_heads=2, causal_offset=0, accumulate=True, deterministic=True),
@@ -56,13 +57,15 @@ VARIANTS = {
     "hd64": dict(head_dim=64),
     "hd64-causal": dict(head_dim=64, causal_offset=0),
     "hd64-gqa-causal-add": dict(head_dim=64, heads=8, kv_heads=2, causal_offset=0, accumulate=True),
+    "hd64-causal-det": dict(head_dim=64, causal_offset=0, deterministic=True),
+    "hd64-window": dict(head_dim=64, causal_offset=0, band_lo=-300),
 }
 # ptxas stack frame allowed per variant (bytes): the masked loop reloads some precomputed
 # wgmma descriptors from the stack (tested below); milestone 1 had 8.
 STACK_BUDGET = {"mha": 64, "causal": 128, "gqa": 64, "gqa-causal": 160, "gqa-causal-add": 160, "mha-det": 64,
                 "causal-det": 128, "gqa-causal-add-det": 160,
                 "window": 256, "window-lo": 128, "gqa-window-add": 256, "hd64": 64, "hd64-causal": 128,
-                "hd64-gqa-causal-add": 160}
+                "hd64-gqa-causal-add": 160, "hd64-causal-det": 128, "hd64-window": 256}
 _COMPILED: dict = {}
 
 
@@ -350,6 +353,7 @@ def _bf16(*shape):
     (dict(causal_offset=True), TypeError, "causal_offset must be an int or None"),
     (dict(causal_offset=0.0), TypeError, "causal_offset must be an int or None"),
     (dict(band_lo=True), TypeError, "band_lo must be an int or None"),
+    (dict(b=0), ValueError, "q must have a batch and heads"),
     (dict(band_lo=-64, deterministic=True), ValueError, "deterministic with band_lo (a window) is not served"),
     (dict(causal_offset=0, band_lo=-64), ValueError, "runs on a Hopper (sm_90) GPU"),  # a window
     (dict(dk=_bf16(1, 256, 2, 256)[..., ::2]), ValueError, "dk must have a contiguous last dimension"),

@@ -115,7 +115,7 @@ def test_gluon_bwd_matches_oracle(case):
         assert err <= max(2 * lib, NOISE_FLOOR), f"{name}: more than twice the library's error: {report}"
     # A query row that sees no key gets no dQ add; every other row gets one.
     assert res["dq_untouched_rows"] == b * res["rows_seeing_nothing"] and res["nan"] == 0, res
-    if case[6] == "det":  # a second run from the same dq_acc: the same bits
+    if case[6] == "det":  # a second run from the same dq_acc, and one K tile at a time in order: the same bits
         assert res["repeats"], res
 
 
@@ -178,11 +178,16 @@ def _child(b, sq, sk, h, hkv, offset, layout, scale, band_lo=None) -> dict:
                   deterministic=det, band_lo=band_lo)
     torch.cuda.synchronize()
     repeats = None
-    if det:
+    if det:  # the same bits again, and those of one K tile at a time, in increasing order
         again = dq0.clone()
         attn_bwd_sm90(dout, q, k, v, lse, delta, again, torch.empty_like(dk), torch.empty_like(dv), scale,
                       causal_offset=offset, deterministic=True)
-        repeats = bool(torch.equal(again, dq_acc))
+        in_order = dq0.clone()
+        for j in range(0, sk, 128):
+            tile = [t[:, j:j + 128] for t in (k, v)]
+            attn_bwd_sm90(dout, q, *tile, lse, delta, in_order, torch.empty_like(tile[0]), torch.empty_like(tile[1]),
+                          scale, causal_offset=None if offset is None else offset - j)
+        repeats = bool(torch.equal(again, dq_acc)) and bool(torch.equal(in_order, dq_acc))
     dq = dq_acc.double() - dq0.double()
     if add:
         dk, dv = dk.double() - dk0.double(), dv.double() - dv0.double()

@@ -17,9 +17,10 @@ an offset, as ``PairMask.causal(o)`` (kernels/masks.py): key j is seen by query 
 j <= i + o, on the pair's local indices (o = q_start - k_start for two blocks of one
 sequence: the ring's pairs); with it or without it, a window's lower edge ``band_lo``: key
 j seen only if j >= i + band_lo (``PairMask.band_lo``; compiled and checked on the CPU,
-not yet run on a GPU, so kernels/dispatch.py does not route windows here). lse (natural log; -inf for a row that sees no key) and
-delta = rowsum(out * dout) are (B, H, Sq) fp32; dq_acc is an fp32 (B, Sq, H, 128) running
-sum the kernel ADDS ``scale * dQ`` into (the ring's); dk and dv (B, Sk, Hkv, 128), bf16 or
+not yet run on a GPU, so kernels/dispatch.py does not route windows here). lse (natural
+log; -inf for a row that sees no key) and delta = rowsum(out * dout) are (B, H, Sq) fp32;
+dq_acc is an fp32 (B, Sq, H, D) running sum the kernel ADDS ``scale * dQ`` into (the
+ring's); dk and dv (B, Sk, Hkv, D), bf16 or
 fp32, are written once (zeros for a key no query sees), or with ``accumulate`` (fp32 only)
 added into: each CTA loads its rows' running sums in its epilogue, so a ring step adds
 into the dK/dV sums it carries without a pass of its own, and every element gets one
@@ -56,8 +57,8 @@ range starts at the tile of query n0 - o (the first that sees key n0) and runs t
 The tiles of that range crossing the diagonal of the CTA's 128 keys ([first, split),
 two or three of them) go through a masked step (``MASKED``: Pᵀ zeroed where j > i + o,
 after the exp2, so a row whose lse is -inf gives 0, not NaN), in a loop of their own
-after the unmasked steps ([split, end)), whose loop is the non-causal kernel's. The
-loader, the two consumers and the dQ writer compute (first, split, end) each for itself
+after the unmasked steps ([split, split2)), whose loop is the non-causal kernel's. The
+loader, the two consumers and the dQ writer compute (first, split, split2, end) each for itself
 from the same scalars (``_q_tiles``) and walk the same steps in the same order: a step
 one partition takes and another does not leaves an mbarrier waiting forever. A K tile
 whose range is empty still loads K and V (the consumers wait for them, so the CTA does

@@ -86,6 +86,8 @@ def unsupported(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal
     sk, hkv = k.shape[1], k.shape[2]
     if d not in HEAD_DIMS:
         return ValueError(f"attn_bwd_sm90: q's head_dim must be one of {HEAD_DIMS}, got {d}")
+    if b == 0 or h == 0:
+        return ValueError(f"attn_bwd_sm90: q must have a batch and heads, got shape {tuple(q.shape)}")
     for name, s in (("q", sq), ("k", sk)):
         if s == 0 or s % BLOCK_N.value:
             return ValueError(f"attn_bwd_sm90: {name}'s seqlen must be a positive multiple of {BLOCK_N.value}, "
@@ -114,6 +116,8 @@ def unsupported(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal
         if t.stride(1) * BLOCK_N.value >= 2 ** 31:
             return ValueError(f"attn_bwd_sm90: {name}'s row stride {t.stride(1)} is too large (offsets "
                               f"inside a tile are 32-bit)")
+    if b * hkv > 65535:
+        return ValueError(f"attn_bwd_sm90: batch x kv heads = {b * hkv}: the launch grid's y takes at most 65535")
     if b * h * sq >= 2 ** 31:
         return ValueError(f"attn_bwd_sm90: lse and delta hold {b * h * sq} elements, TMA takes < 2**31")
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:

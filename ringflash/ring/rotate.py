@@ -216,7 +216,8 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
                   blocks: Optional[torch.Tensor] = None, kept=None, deterministic: bool = False):
     """Returns dq (like q) and dk, dv of this rank's shards packed as one (2, *k.shape)
     tensor in k's dtype. kept: what ``ring_forward`` kept, or None. deterministic: the
-    same bits run to run (``kernels.flash_attn_bwd``: keeps the Triton kernels)."""
+    same bits run to run (``kernels.flash_attn_bwd``: the Gluon kernel's dQ adds in a fixed
+    order)."""
     n = q.shape[1]
     steps, schedule, first_writes, plan, pieces, own_apart, sent = schedule_of(ring, layout, n, band, dropout,
                                                                                blocks)
