@@ -1,19 +1,37 @@
 """The one place that chooses which kernels run a block pair.
 
-Forward and delta: the Triton kernels on CUDA tensors, the PyTorch twin elsewhere
-(``backend``). The backward takes the first route that serves the call (``bwd_route``):
+Delta: the Triton kernel on CUDA tensors, the PyTorch twin elsewhere (``backend``).
+
+The forward takes the first route that serves the call (``fwd_route``):
 
 - ``reference``: tensors off CUDA; the PyTorch twin (CPU, tests).
-- ``gluon_sm90`` (kernels/gluon/bwd.py): a Hopper GPU (sm_90), bf16, head_dim 128, Sq
-  and Sk multiples of 128, no mask or the causal band (``PairMask.causal``), MHA, GQA or
-  MQA; dq, dk and dv in one call (``flash_attn``'s backward, and each block pair of the
-  ring's steps where every pair of the step is served: ringflash/ring/rotate.py), written
-  or, with ``accumulate``, added to fp32 sums (dq and dk/dv alike: fp32 running sums,
-  not ``*_partial`` ones).
+- ``gluon_sm90`` (kernels/gluon/fwd.py): a Hopper GPU (sm_90), bf16, head_dim 128, Sq and
+  Sk multiples of 128, no mask or the causal band (``PairMask.causal``), MHA, GQA or MQA,
+  k and v in one tensor each (not ``Joined``); out written, or with ``accumulate`` merged
+  with the running out (or ``out_partial``) and lse: ``flash_attn``'s forward and the
+  ring's steps alike.
+  Why: on one H100 (2026-11-27, benchmarks/research/forward_alone.py, 8k-32k tokens, 32
+  heads, 32 or 8 kv heads, causal and not) 586-684 TFLOP/s against the Triton forward's
+  526-575 and SDPA cuDNN's 559-639: 1.00-1.11x cuDNN, with out and lse bit-equal to the
+  Triton forward's.
+- ``triton``: every other CUDA call.
+
+The backward takes the first route that serves the call (``bwd_route``):
+
+- ``reference``: tensors off CUDA.
+- ``gluon_sm90`` (kernels/gluon/bwd.py): a Hopper GPU (sm_90), bf16, head_dim 64 or 128,
+  Sq and Sk multiples of 128, no mask or a band on local indices (causal, a window, or
+  both: ``band_lo <= j - i <= band_hi``), MHA, GQA or MQA; dq, dk and dv in one call
+  (``flash_attn``'s backward, and each block pair of the ring's steps where every pair of
+  the step is served: ringflash/ring/rotate.py), written or, with ``accumulate``, added to
+  fp32 sums (dq and dk/dv alike: fp32 running sums, not ``*_partial`` ones).
   Why: on one H100 (2026-11-27, 8k-64k tokens, 32 heads, causal and not) forward +
   backward 0.95-1.03x SDPA cuDNN's, and 0.84-0.97x with ``deterministic``, against
   0.73-0.82x with the Triton backward (benchmarks/results/kernel_h100.json;
-  docs/performance.md, "The Hopper backward").
+  docs/performance.md, "The Hopper backward"). The backward alone
+  (benchmarks/research/backward_alone.py, one H100, 2026-11-27): causal windows of 1k and
+  4k keys at 16k-32k 1.16-1.38x the Triton pair's speed, head_dim 64 at 8k-16k 1.13-1.36x
+  (and 0.97-1.06x cuDNN's).
 - ``triton``: every other CUDA call: every mask, dtype, head_dim and GPU.
 
 By default the Gluon kernel adds each CTA's dQ tile into the running dQ in arrival order
@@ -62,11 +80,10 @@ class Route(NamedTuple):
     why: Optional[str] = None
 
 
-def causal_band(mask: PairMask) -> tuple[bool, Optional[int]]:
-    """(whether ``mask`` is no mask or a causal band on local indices, its offset)."""
-    plain = (mask.band_lo is None and mask.q_segments is None and mask.dropout_p == 0 and mask.blocks is None
-             and not mask.band_on_positions)
-    return plain, mask.band_hi
+def local_band(mask: PairMask) -> bool:
+    """Whether ``mask`` is no mask or a band on local indices alone (causal, a window, both)."""
+    return (mask.q_segments is None and mask.dropout_p == 0 and mask.blocks is None
+            and not mask.band_on_positions)
 
 
 def gluon_serves(q: torch.Tensor, k: torch.Tensor, rows_q: int, rows_k: int, mask: PairMask) -> bool:
@@ -75,9 +92,46 @@ def gluon_serves(q: torch.Tensor, k: torch.Tensor, rows_q: int, rows_k: int, mas
     a ring agrees on (not strides or addresses, which ``bwd_route`` checks per call): the
     ring chooses its schedule from this (ringflash/ring/rotate.py), and every rank must
     choose alike."""
-    return (capability(q) == (9, 0) and causal_band(mask)[0] and q.dtype == torch.bfloat16 and q.shape[-1] == 128
+    return (capability(q) == (9, 0) and local_band(mask) and q.dtype == torch.bfloat16 and q.shape[-1] in (64, 128)
             and k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0
             and rows_q > 0 and rows_k > 0 and rows_q % 128 == 0 and rows_k % 128 == 0)
+
+
+def fwd_route(q, k, v, out, lse, *, softmax_scale: float, mask: PairMask, accumulate: bool, out_partial=None,
+              tail=None, arrival=None) -> Route:
+    """The route of one ``flash_attn_fwd`` call (arguments as there; tail: the Joined second
+    parts, or None)."""
+    arch = capability(q)
+    if arch is None:
+        return Route("reference")
+    if not local_band(mask) or mask.band_lo is not None:
+        why = "mask: only no mask or the causal band"
+    elif tail is not None or arrival is not None:
+        why = "k, v Joined from two tensors"
+    elif arch != (9, 0):
+        why = f"sm_{arch[0]}{arch[1]}, not sm_90"
+    else:
+        from .gluon import launch as kernel  # imported on Hopper only; it compiles nothing at import
+
+        error = kernel.fwd_unsupported(q, k, v, out, lse, softmax_scale, mask.band_hi, accumulate, out_partial)
+        why = None if error is None else str(error)
+    return Route("triton", why) if why else Route(GLUON)
+
+
+def fwd(q, k, v, out, lse, *, softmax_scale: float, mask: PairMask, accumulate: bool, out_partial=None, tail=None,
+        arrival=None) -> None:
+    """One forward call (``kernels.pair.flash_attn_fwd``'s, its tensors row-major) on its
+    route (``fwd_route``)."""
+    route = fwd_route(q, k, v, out, lse, softmax_scale=softmax_scale, mask=mask, accumulate=accumulate,
+                      out_partial=out_partial, tail=tail, arrival=arrival)
+    if route.name == GLUON:
+        from .gluon import attn_fwd_sm90
+
+        attn_fwd_sm90(q, k, v, out, lse, softmax_scale, causal_offset=mask.band_hi, accumulate=accumulate,
+                      out_partial=out_partial)
+    else:
+        backend(q).fwd(q, k, v, out, lse, softmax_scale=softmax_scale, mask=mask, accumulate=accumulate,
+                       out_partial=out_partial, tail=tail, arrival=arrival)
 
 
 def bwd_route(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask: PairMask,
@@ -87,9 +141,8 @@ def bwd_route(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, ma
     arch = capability(q)
     if arch is None:
         return Route("reference")
-    plain, offset = causal_band(mask)
-    if not plain:
-        why = "mask: only no mask or the causal band"
+    if not local_band(mask):
+        why = "mask: only no mask or a band on local indices"
     elif dq is None or dk is None:
         why = "dq or dk/dv skipped: the Gluon kernel computes them together"
     elif any(p is not None for p in partials) or any(t is not None for t in tails):
@@ -98,13 +151,13 @@ def bwd_route(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, ma
         why = "accumulate: the Gluon kernel adds dQ into fp32 sums only"
     elif arch != (9, 0):
         why = f"sm_{arch[0]}{arch[1]}, not sm_90"
-    elif q.shape[-1] != 128:  # the kernel compiles head_dim 64 too: not run on a GPU yet
-        why = f"head_dim {q.shape[-1]}: the Gluon kernel serves 128"
+    elif q.shape[-1] not in (64, 128):
+        why = f"head_dim {q.shape[-1]}: the Gluon kernel serves 64 and 128"
     else:
         from .gluon import launch as kernel  # imported on Hopper only; it compiles nothing at import
 
         error = kernel.unsupported(dout, q, k, v, lse, delta, dq if dq.dtype == torch.float32 else None, dk, dv,
-                                   softmax_scale, offset, accumulate)
+                                   softmax_scale, mask.band_hi, accumulate, mask.band_lo)
         why = None if error is None else str(error)
     return Route("triton", why) if why else Route(GLUON)
 

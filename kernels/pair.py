@@ -88,9 +88,8 @@ def flash_attn_fwd(q, k, v, *, softmax_scale: float, mask: Optional[PairMask] = 
         out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     if lse is None:
         lse = torch.empty((b, h, sq), device=q.device, dtype=torch.float32)
-    dispatch.backend(q).fwd(_rowmajor(q), _rowmajor(k), _rowmajor(v), out, lse, softmax_scale=softmax_scale,
-                            mask=mask, accumulate=accumulate, out_partial=out_partial, tail=tail,
-                            arrival=arrival)
+    dispatch.fwd(_rowmajor(q), _rowmajor(k), _rowmajor(v), out, lse, softmax_scale=softmax_scale, mask=mask,
+                 accumulate=accumulate, out_partial=out_partial, tail=tail, arrival=arrival)
     return out, lse
 
 

@@ -59,13 +59,15 @@ VARIANTS = {
     "hd64-gqa-causal-add": dict(head_dim=64, heads=8, kv_heads=2, causal_offset=0, accumulate=True),
     "hd64-causal-det": dict(head_dim=64, causal_offset=0, deterministic=True),
     "hd64-window": dict(head_dim=64, causal_offset=0, band_lo=-300),
+    "window-det": dict(causal_offset=0, band_lo=-300, deterministic=True),  # turns count from the window's edge
 }
 # ptxas stack frame allowed per variant (bytes): the masked loop reloads some precomputed
 # wgmma descriptors from the stack (tested below); milestone 1 had 8.
 STACK_BUDGET = {"mha": 64, "causal": 128, "gqa": 64, "gqa-causal": 160, "gqa-causal-add": 160, "mha-det": 64,
                 "causal-det": 128, "gqa-causal-add-det": 160,
                 "window": 256, "window-lo": 128, "gqa-window-add": 256, "hd64": 64, "hd64-causal": 128,
-                "hd64-gqa-causal-add": 160, "hd64-causal-det": 128, "hd64-window": 256}
+                "hd64-gqa-causal-add": 160, "hd64-causal-det": 128, "hd64-window": 256,
+                "window-det": 256}
 _COMPILED: dict = {}
 
 
@@ -85,9 +87,13 @@ def _edges(name: str) -> int:
 
 
 # Local-memory traffic a step allowed in the non-causal window's loops (its unmasked loop
-# reloads one value, its masked loop stores one); every other variant's unmasked loops have
-# none and its masked loops store none.
-SPILL_ALLOWED = {"window-lo": 1}
+# reloads one value, its masked loop stores one) and the deterministic window's (one reload
+# in its unmasked loop); every other variant's unmasked loops have none and its masked loops
+# store none.
+SPILL_ALLOWED = {"window-lo": 1, "window-det": 1}
+# Unmasked loops' length allowed against milestone 1's (SASS instructions); deterministic
+# with a window walks the unmasked Q tiles downwards between two edges: 434 against 417.
+LENGTH_ALLOWED = {"window-det": 1.06}
 
 
 def _compiled(name: str):
@@ -285,7 +291,7 @@ def test_unmasked_loops_keep_milestone_1s_length(variant):
     milestone = "mha" if _head_dim(name) == 128 else "hd64"
     reference = max(len(loop) for loop in _split_loops(_compiled(milestone)[1])[0])
     for loop in _split_loops(sass)[0]:
-        assert len(loop) <= 1.04 * reference, (len(loop), reference)
+        assert len(loop) <= LENGTH_ALLOWED.get(name, 1.04) * reference, (len(loop), reference)
         assert loop.count("HGMMA") == sum(_wgmma_a_step(_head_dim(name)).values())
 
 
@@ -354,7 +360,7 @@ def _bf16(*shape):
     (dict(causal_offset=0.0), TypeError, "causal_offset must be an int or None"),
     (dict(band_lo=True), TypeError, "band_lo must be an int or None"),
     (dict(b=0), ValueError, "q must have a batch and heads"),
-    (dict(band_lo=-64, deterministic=True), ValueError, "deterministic with band_lo (a window) is not served"),
+    (dict(band_lo=-64, deterministic=True), ValueError, "runs on a Hopper (sm_90) GPU"),  # a window's turns
     (dict(causal_offset=0, band_lo=-64), ValueError, "runs on a Hopper (sm_90) GPU"),  # a window
     (dict(dk=_bf16(1, 256, 2, 256)[..., ::2]), ValueError, "dk must have a contiguous last dimension"),
     (dict(q=_bf16(1, 256, 2, 132)[..., :128]), ValueError, "q's address and strides"),

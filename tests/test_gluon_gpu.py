@@ -73,6 +73,9 @@ CASES = [
     (1, 1024, 1024, 4, 4, 0, "contiguous", None, -1), (1, 1024, 1024, 4, 4, 512, "contiguous", None, 300),
     (1, 512, 1024, 4, 4, None, "contiguous", None, -200), (2, 1024, 1024, 8, 2, 0, "contiguous", None, -300),
     (1, 1024, 1024, 4, 4, 0, "add", None, -256), (1, 4096, 4096, 4, 4, 0, "contiguous", None, -1000),
+    # deterministic with a window: a Q tile's turns count from the lowest K tile reaching it
+    (1, 1024, 1024, 4, 4, 0, "det", None, -300), (2, 4096, 4096, 8, 2, 0, "det", None, -1000),
+    (1, 512, 1024, 4, 4, None, "det", None, -200),
     # head_dim 64 ("hd64": contiguous)
     (1, 1024, 1024, 4, 4, None, "hd64", None), (2, 1024, 1024, 4, 4, 0, "hd64", None),
     (2, 1024, 1024, 8, 2, 0, "hd64", None), (1, 512, 1024, 4, 4, -256, "hd64", None),
@@ -181,12 +184,13 @@ def _child(b, sq, sk, h, hkv, offset, layout, scale, band_lo=None) -> dict:
     if det:  # the same bits again, and those of one K tile at a time, in increasing order
         again = dq0.clone()
         attn_bwd_sm90(dout, q, k, v, lse, delta, again, torch.empty_like(dk), torch.empty_like(dv), scale,
-                      causal_offset=offset, deterministic=True)
+                      causal_offset=offset, deterministic=True, band_lo=band_lo)
         in_order = dq0.clone()
         for j in range(0, sk, 128):
             tile = [t[:, j:j + 128] for t in (k, v)]
             attn_bwd_sm90(dout, q, *tile, lse, delta, in_order, torch.empty_like(tile[0]), torch.empty_like(tile[1]),
-                          scale, causal_offset=None if offset is None else offset - j)
+                          scale, causal_offset=None if offset is None else offset - j,
+                          band_lo=None if band_lo is None else band_lo - j)
         repeats = bool(torch.equal(again, dq_acc)) and bool(torch.equal(in_order, dq_acc))
     dq = dq_acc.double() - dq0.double()
     if add:

@@ -653,6 +653,39 @@ def test_torch_compile_traces_the_op():
     assert_matches_oracle(case, (q, k, v, dout), (out, lse, q.grad, k.grad, v.grad))
 
 
+def test_forward_route_rules(monkeypatch):
+    """kernels/dispatch.py's forward route, read on CPU stand-ins of a Hopper call: the
+    twin off CUDA; on sm_90 the Gluon forward only for no mask or the causal band, k and v
+    whole, head_dim 128, bf16 (the stand-ins pass every rule but the device)."""
+    from ringflash.kernels.dispatch import Route, fwd_route
+
+    def call(sq=256, d=128, dtype=torch.bfloat16, out=torch.bfloat16, **kwargs):
+        q = torch.zeros(1, sq, 4, d, dtype=dtype)
+        k = torch.zeros(1, 256, 2, d, dtype=dtype)
+        options = {**dict(softmax_scale=0.1, mask=PairMask.causal(0), accumulate=False), **kwargs}
+        return fwd_route(q, k, k, torch.zeros(q.shape, dtype=out), torch.zeros(1, 4, sq), **options)
+
+    device = "attn_fwd_sm90: q is on cpu; this kernel runs on a Hopper (sm_90) GPU"
+    assert call() == Route("reference")
+    monkeypatch.setattr(dispatch, "capability", lambda t: (9, 0))
+    assert call().why == device
+    assert call(mask=PairMask()).why == device  # no mask
+    assert call(accumulate=True, out=torch.float32).why == device  # the ring's running out
+    assert call(accumulate=True, out_partial=torch.zeros(1, 256, 4, 128)).why == device  # the ring's last step
+    seg = torch.zeros(1, 256, dtype=torch.int32)
+    for mask in (PairMask(band_lo=-64, band_hi=0), PairMask(q_segments=seg, k_segments=seg), PairMask(dropout_p=0.1),
+                 PairMask(blocks=object()), PairMask(band_hi=0, band_on_positions=True)):
+        assert call(mask=mask).why == "mask: only no mask or the causal band", mask
+    assert call(tail=(None, None)).why == "k, v Joined from two tensors"
+    assert "head_dim must be one of (128,)" in call(d=64).why
+    assert "must be bfloat16" in call(dtype=torch.float16).why
+    assert "multiple of 128" in call(sq=200).why
+    assert "out_partial must have out's strides" in call(
+        accumulate=True, out_partial=torch.zeros(1, 4, 256, 128).transpose(1, 2)).why
+    monkeypatch.setattr(dispatch, "capability", lambda t: (8, 0))
+    assert call() == Route("triton", "sm_80, not sm_90")
+
+
 def test_backward_route_rules(monkeypatch):
     """kernels/dispatch.py's backward route, read on CPU stand-ins of a Hopper call: the
     twin off CUDA; on sm_90 the Gluon kernel only where it serves the call, else the
@@ -677,10 +710,12 @@ def test_backward_route_rules(monkeypatch):
         assert call().why == "attn_bwd_sm90: q is on cpu; this kernel runs on a Hopper (sm_90) GPU"
     finally:
         torch.use_deterministic_algorithms(False)
+    for mask in (PairMask(band_lo=-64, band_hi=0), PairMask(band_lo=-64)):  # windows (deterministic too)
+        assert call(mask=mask).why == call().why, mask
     seg = torch.zeros(1, 256, dtype=torch.int32)
-    for mask in (PairMask(band_lo=-64, band_hi=0), PairMask(q_segments=seg, k_segments=seg),
-                 PairMask(dropout_p=0.1), PairMask(blocks=object()), PairMask(band_hi=0, band_on_positions=True)):
-        assert call(mask=mask).why == "mask: only no mask or the causal band", mask
+    for mask in (PairMask(q_segments=seg, k_segments=seg), PairMask(dropout_p=0.1), PairMask(blocks=object()),
+                 PairMask(band_hi=0, band_on_positions=True)):
+        assert call(mask=mask).why == "mask: only no mask or a band on local indices", mask
     assert "together" in call(dq=None).why
     # the ring's steps: dq, dk and dv added into fp32 sums, not *_partial ones
     assert call(accumulate=True, dkv=torch.float32).why == call().why
@@ -688,7 +723,8 @@ def test_backward_route_rules(monkeypatch):
     assert "dk must be torch.float32 (accumulate adds into fp32 sums)" in call(accumulate=True).why
     assert "fp32 sums only" in call(accumulate=True, dkv=torch.float32, dq=torch.bfloat16).why
     assert "*_partial" in call(accumulate=True, partials=(torch.zeros(1), None, None)).why
-    assert call(d=64).why == "head_dim 64: the Gluon kernel serves 128"
+    assert call(d=64).why == call().why
+    assert call(d=96).why == "head_dim 96: the Gluon kernel serves 64 and 128"
     assert "must be bfloat16" in call(dtype=torch.float16).why
     assert "multiple of 128" in call(sq=200).why
     monkeypatch.setattr(dispatch, "capability", lambda t: (8, 0))

@@ -4,8 +4,11 @@ on the same inputs, with lse and delta given (docs/notes/gluon-backward.md, "Fir
 and "A deterministic order for dQ"):
 
     python benchmarks/research/backward_alone.py [--seqlens 8192 16384] [--kv-heads 32 8] [--det-rounds 16]
+        [--head-dim 128] [--windows 4096]
 
-bf16, batch 1, 32 heads, head_dim 128, causal and not. Prints one JSON line per
+bf16, batch 1, 32 heads, head_dim 128 (or ``--head-dim``), causal and not, and with
+``--windows`` causal sliding windows of those many keys (no cuDNN nor deterministic row: SDPA
+has no window, and the deterministic order takes no window). Prints one JSON line per
 configuration: milliseconds (triton.testing.do_bench medians), backward TFLOP/s (2.5x the
 forward's FLOPs, halved when causal), the Gluon gradients' relative error against the
 Triton pair's, and whether two deterministic runs gave the same dQ bits (``det_repeats``).
@@ -27,37 +30,39 @@ from ringflash.kernels import triton as triton_kernels
 from ringflash.kernels.gluon import attn_bwd_sm90
 from ringflash.kernels.gluon import launch as gluon_launch
 
-HEADS, HEAD_DIM = 32, 128
+HEADS = 32
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def one(seqlen: int, kv_heads: int, causal: bool, det_rounds=(16,)) -> dict:
+def one(seqlen: int, kv_heads: int, causal: bool, det_rounds=(16,), head_dim: int = 128, window: int = 0) -> dict:
+    """One configuration's timings; ``window`` > 0: causal, each query seeing its last ``window`` keys."""
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def randn(heads):
-        return torch.randn(1, seqlen, heads, HEAD_DIM, generator=gen, device="cuda").to(torch.bfloat16)
+        return torch.randn(1, seqlen, heads, head_dim, generator=gen, device="cuda").to(torch.bfloat16)
 
     q, dout, k, v = randn(HEADS), randn(HEADS), randn(kv_heads), randn(kv_heads)
-    scale, offset = HEAD_DIM ** -0.5, 0 if causal else None
-    mask = PairMask.causal(offset)
+    scale, offset = head_dim ** -0.5, 0 if causal or window else None
+    band_lo = -(window - 1) if window else None
+    mask = PairMask(band_lo=band_lo, band_hi=offset)
     out, lse = torch.empty_like(q), torch.empty(1, HEADS, seqlen, device="cuda")
     triton_kernels.fwd(q, k, v, out, lse, softmax_scale=scale, mask=mask, accumulate=False)
     delta = triton_kernels.delta(out, dout)
     dq_acc, dk, dv = torch.zeros(q.shape, device="cuda"), torch.empty_like(k), torch.empty_like(v)
-    attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, scale, causal_offset=offset)
+    attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, scale, causal_offset=offset, band_lo=band_lo)
     ref = [torch.empty(t.shape, device="cuda") for t in (q, k, v)]
     triton_kernels.bwd(dout, q, k, v, lse, delta, *ref, softmax_scale=scale, mask=mask, accumulate=False)
     errors = {name: rel(got, want) for name, got, want in zip(("dq", "dk", "dv"), (dq_acc, dk, dv), ref)}
     grads = [torch.empty_like(t) for t in (q, k, v)]
     ms = {"gluon": do_bench(lambda: attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, scale,
-                                                  causal_offset=offset)),
+                                                  causal_offset=offset, band_lo=band_lo)),
           "triton": do_bench(lambda: triton_kernels.bwd(dout, q, k, v, lse, delta, *grads, softmax_scale=scale,
                                                         mask=mask, accumulate=False))}
     repeats = []
-    for det_round in det_rounds:
+    for det_round in det_rounds if not window else ():
         gluon_launch.DET_ROUND = det_round
         runs = [torch.zeros(q.shape, device="cuda") for _ in range(2)]
         for acc in runs:
@@ -67,11 +72,13 @@ def one(seqlen: int, kv_heads: int, causal: bool, det_rounds=(16,)) -> dict:
         ms[f"gluon_det{det_round}"] = do_bench(lambda: attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, scale,
                                                                      causal_offset=offset, deterministic=True))
     leaves = [t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v)]
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        o = F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=kv_heads != HEADS)
-        ms["cudnn"] = do_bench(lambda: torch.autograd.grad(o, leaves, dout.transpose(1, 2), retain_graph=True))
-    flops = 2.5 * 4 * HEADS * seqlen * seqlen * HEAD_DIM / (2 if causal else 1)
-    return dict(seqlen=seqlen, heads=HEADS, kv_heads=kv_heads, causal=causal, ms=ms,
+    if not window:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            o = F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=kv_heads != HEADS)
+            ms["cudnn"] = do_bench(lambda: torch.autograd.grad(o, leaves, dout.transpose(1, 2), retain_graph=True))
+    pairs = seqlen * window - window * (window - 1) / 2 if window else seqlen * seqlen / (2 if causal else 1)
+    flops = 2.5 * 4 * HEADS * pairs * head_dim
+    return dict(seqlen=seqlen, heads=HEADS, kv_heads=kv_heads, head_dim=head_dim, causal=causal, window=window, ms=ms,
                 bwd_tflops={name: round(flops / t / 1e9, 1) for name, t in ms.items()},
                 gluon_rel_err_vs_triton=errors, det_repeats=all(repeats))
 
@@ -81,12 +88,16 @@ def main() -> None:
     p.add_argument("--seqlens", type=int, nargs="+", default=[8192, 16384])
     p.add_argument("--kv-heads", type=int, nargs="+", default=[32, 8])
     p.add_argument("--det-rounds", type=int, nargs="+", default=[gluon_launch.DET_ROUND])
+    p.add_argument("--head-dim", type=int, default=128, choices=gluon_launch.HEAD_DIMS)
+    p.add_argument("--windows", type=int, nargs="+", default=[],
+                   help="also time causal sliding windows of these many keys (instead of causal and not)")
     args = p.parse_args()
     print(f"# {torch.cuda.get_device_name()}", flush=True)
+    cases = [(causal, 0) for causal in (False, True)] if not args.windows else [(True, w) for w in args.windows]
     for kv_heads in args.kv_heads:
         for seqlen in args.seqlens:
-            for causal in (False, True):
-                print(json.dumps(one(seqlen, kv_heads, causal, args.det_rounds)), flush=True)
+            for causal, window in cases:
+                print(json.dumps(one(seqlen, kv_heads, causal, args.det_rounds, args.head_dim, window)), flush=True)
                 torch.cuda.empty_cache()
 
 

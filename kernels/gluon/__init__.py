@@ -1,13 +1,18 @@
 """Gluon kernels (``triton.experimental.gluon``) for Hopper, by role:
 
-    bwd.py     a warp-specialized backward (head_dim 128, bf16, MHA and GQA, unmasked or
-               a causal band with an offset; dQ's adds in arrival order or, deterministic,
-               in a fixed one), the default backward of flash_attn and of the ring's steps
-               on sm_90 (kernels/dispatch.py)
-    launch.py  its host side: ``attn_bwd_sm90`` checks and launches it; ``compile_sm90``
-               builds it for sm_90 without a GPU
+    fwd.py     a warp-specialized forward (head_dim 128, bf16, MHA and GQA, unmasked or a
+               causal band with an offset; out written or merged into the ring's running
+               out and lse), the default forward of flash_attn and the ring's steps on
+               sm_90 (kernels/dispatch.py)
+    bwd.py     a warp-specialized backward (head_dim 64 and 128, bf16, MHA and GQA,
+               unmasked or a band: causal with an offset, a window; dQ's adds in arrival
+               order or, deterministic, in a fixed one), the default backward of
+               flash_attn and of the ring's steps on sm_90
+    launch.py  their host side: ``attn_fwd_sm90`` and ``attn_bwd_sm90`` check and launch
+               them; ``compile_fwd_sm90`` and ``compile_sm90`` build them for sm_90
+               without a GPU
 """
 
-from .launch import attn_bwd_sm90, compile_sm90
+from .launch import attn_bwd_sm90, attn_fwd_sm90, compile_fwd_sm90, compile_sm90
 
-__all__ = ["attn_bwd_sm90", "compile_sm90"]
+__all__ = ["attn_bwd_sm90", "attn_fwd_sm90", "compile_fwd_sm90", "compile_sm90"]

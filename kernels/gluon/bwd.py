@@ -1,6 +1,6 @@
 """A warp-specialized attention backward for Hopper (sm_90), written in Gluon.
 
-A FlashAttention-3-style backward: non-causal and the causal band, MHA, GQA and MQA.
+A FlashAttention-3-style backward: non-causal, the causal band and windows, MHA, GQA and MQA.
 ``flash_attn``'s default backward on sm_90 where it serves the call (kernels/dispatch.py),
 and that of every block pair of the ring's steps where it serves them all (dK/dV added
 into the ring's fp32 sums: ``accumulate``; ringflash/ring/rotate.py). Tested against the float64 oracle on an H100
@@ -8,16 +8,14 @@ into the ring's fp32 sums: ``accumulate``; ringflash/ring/rotate.py). Tested aga
 host side (checks, descriptors, launch) is kernels/gluon/launch.py.
 
 Shapes served: q, dout (B, Sq, H, D) and k, v (B, Sk, Hkv, D), D 64 or 128 (128 is the
-tuned one; 64 compiled and checked on the CPU, not yet run on a GPU, so kernels/dispatch.py
-routes head_dim 128 only), bf16, Hkv dividing H
+tuned one), bf16, Hkv dividing H
 (query head h reads kv head h // (H / Hkv): MHA, GQA, MQA), Sq and Sk positive multiples
 of 128, any strides with a contiguous last dimension (TMA: the other strides and the base
 addresses 16-byte aligned). Masks: none (``causal_offset=None``) or the causal band with
 an offset, as ``PairMask.causal(o)`` (kernels/masks.py): key j is seen by query i iff
 j <= i + o, on the pair's local indices (o = q_start - k_start for two blocks of one
 sequence: the ring's pairs); with it or without it, a window's lower edge ``band_lo``: key
-j seen only if j >= i + band_lo (``PairMask.band_lo``; compiled and checked on the CPU,
-not yet run on a GPU, so kernels/dispatch.py does not route windows here). lse (natural
+j seen only if j >= i + band_lo (``PairMask.band_lo``). lse (natural
 log; -inf for a row that sees no key) and delta = rowsum(out * dout) are (B, H, Sq) fp32;
 dq_acc is an fp32 (B, Sq, H, D) running sum the kernel ADDS ``scale * dQ`` into (the
 ring's); dk and dv (B, Sk, Hkv, D), bf16 or
@@ -225,36 +223,42 @@ def _dq_writer(descs, smem, bars, tile, turns, GROUP: gl.constexpr, CAUSAL: gl.c
     (``_wait_for``: K tiles in increasing order) and the tile goes back once the add has
     landed. The loader's order."""
     first, split, split2, end = _q_tiles(tile[2], tile[5], tile[6], tile[4], CAUSAL, LOWER)
-    _write_unmasked(split, split2, descs, smem, bars, tile, turns, GROUP, DETERMINISTIC)
+    _write_unmasked(split, split2, descs, smem, bars, tile, turns, GROUP, LOWER, DETERMINISTIC)
     if CAUSAL:
-        _write_masked(GROUP * (split2 - split), first, split, descs, smem, bars, tile, turns, GROUP, DETERMINISTIC)
+        _write_masked(GROUP * (split2 - split), first, split, descs, smem, bars, tile, turns, GROUP, LOWER,
+                      DETERMINISTIC)
     if LOWER:
-        _write_masked(GROUP * (split2 - first), split2, end, descs, smem, bars, tile, turns, GROUP, DETERMINISTIC)
+        _write_masked(GROUP * (split2 - first), split2, end, descs, smem, bars, tile, turns, GROUP, LOWER,
+                      DETERMINISTIC)
 
 
 @gluon.jit
-def _write_unmasked(split, end, descs, smem, bars, tile, turns, GROUP: gl.constexpr, DETERMINISTIC: gl.constexpr):
+def _write_unmasked(split, end, descs, smem, bars, tile, turns, GROUP: gl.constexpr, LOWER: gl.constexpr,
+                    DETERMINISTIC: gl.constexpr):
     """_load_unmasked's steps."""
     if DETERMINISTIC:
         for i in range(end - split):
             for g in range(GROUP):
-                _write_step(i * GROUP + g, g, end - 1 - i, descs, smem, bars, tile, turns, GROUP, DETERMINISTIC)
+                _write_step(i * GROUP + g, g, end - 1 - i, descs, smem, bars, tile, turns, GROUP, LOWER, DETERMINISTIC)
     else:
         for g in range(GROUP):
             for m in range(split, end):
-                _write_step(g * (end - split) + m - split, g, m, descs, smem, bars, tile, turns, GROUP, DETERMINISTIC)
+                _write_step(g * (end - split) + m - split, g, m, descs, smem, bars, tile, turns, GROUP, LOWER,
+                            DETERMINISTIC)
 
 
 @gluon.jit
-def _write_masked(t0, first, split, descs, smem, bars, tile, turns, GROUP: gl.constexpr, DETERMINISTIC: gl.constexpr):
+def _write_masked(t0, first, split, descs, smem, bars, tile, turns, GROUP: gl.constexpr, LOWER: gl.constexpr,
+                  DETERMINISTIC: gl.constexpr):
     """_load_masked's steps."""
     for m in range(first, split):
         for g in range(GROUP):
-            _write_step(t0 + (m - first) * GROUP + g, g, m, descs, smem, bars, tile, turns, GROUP, DETERMINISTIC)
+            _write_step(t0 + (m - first) * GROUP + g, g, m, descs, smem, bars, tile, turns, GROUP, LOWER, DETERMINISTIC)
 
 
 @gluon.jit
-def _write_step(t, g, m, descs, smem, bars, tile, turns, GROUP: gl.constexpr, DETERMINISTIC: gl.constexpr):
+def _write_step(t, g, m, descs, smem, bars, tile, turns, GROUP: gl.constexpr, LOWER: gl.constexpr,
+                DETERMINISTIC: gl.constexpr):
     """Step t: the shared dQ tile added into Q tile m of query head off_hk * GROUP + g."""
     dq_desc, dq_smem, dq_full, dq_empty = descs[6], smem[7], bars[5], bars[6]
     off_b, off_hk, n0, heads, seqlen_q = tile[0], tile[1], tile[2], tile[3], tile[4]
@@ -262,7 +266,10 @@ def _write_step(t, g, m, descs, smem, bars, tile, turns, GROUP: gl.constexpr, DE
     mbarrier.wait(dq_full, t & 1)
     if DETERMINISTIC:
         flag = turns + (off_b * heads + off_h) * (seqlen_q // BLOCK_M) + m
-        _wait_for(flag, n0 // BLOCK_N)  # the K tiles add in increasing order
+        first_k = 0  # the lowest K tile that reaches Q tile m
+        if LOWER:  # a window: the K tile of query m * BLOCK_M's lowest key, m * BLOCK_M + band_lo
+            first_k = gl.maximum(m * BLOCK_M + tile[6], 0) // BLOCK_N
+        _wait_for(flag, n0 // BLOCK_N - first_k)  # the K tiles add in increasing order
     boxes: gl.constexpr = dq_smem.shape[0]  # head_dim / DQ_COLS
     for c in gl.static_range(boxes):
         _tma_reduce_add(dq_desc, [off_b, m * BLOCK_M, off_h, c * DQ_COLS],
@@ -282,7 +289,9 @@ def _write_step(t, g, m, descs, smem, bars, tile, turns, GROUP: gl.constexpr, DE
 # its bulk adds are complete (not only read), and increments the counter (a release). The
 # K tiles seeing some query of a Q tile are 0 .. J without the band and with it (key j is
 # seen from query j - offset on, so a tile seen by K tile J is seen by every K tile below),
-# so the turn of K tile j is j. A CTA only ever waits for CTAs dispatched before it
+# so the turn of K tile j is j; a window's lower edge starts them at the K tile of the
+# tile's first query's lowest key, j0 (``_q_tiles`` reaches the same tiles), and the turn is
+# j - j0. A CTA only ever waits for CTAs dispatched before it
 # (the kernel's grid), so the oldest unfinished CTA never waits and the grid cannot
 # deadlock. The unmasked steps walk the Q tiles downwards from the last one (tile outer,
 # heads inner), so K tiles j - 1 and j reach a Q tile at the same step: under the band the

@@ -1,6 +1,7 @@
-"""The host side of the Gluon Hopper backward (kernels/gluon/bwd.py): its argument checks
-(``unsupported``), TMA descriptors and launch (``attn_bwd_sm90``), and its compile for
-sm_90 on any machine (``compile_sm90``)."""
+"""The host side of the Gluon Hopper kernels: for the backward (kernels/gluon/bwd.py) its
+argument checks (``unsupported``), TMA descriptors and launch (``attn_bwd_sm90``) and its
+compile for sm_90 on any machine (``compile_sm90``); the same for the forward
+(kernels/gluon/fwd.py: ``fwd_unsupported``, ``attn_fwd_sm90``, ``compile_fwd_sm90``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import triton
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from . import fwd
 from .bwd import BLOCK_M, BLOCK_N, DQ_COLS, HEAD_DIMS, _attn_bwd_sm90_kernel
 
 LOG2E = math.log2(math.e)
@@ -20,6 +22,7 @@ MAXNREG = 168  # 12 warps (4 + 4 + 1 + 1, padded to warp groups) share 64K regis
 CONSUMER_REGS = 240  # 2 x 128 threads x 240 + 128 x 24 <= 65536
 WORKER_REGS = 24
 DET_ROUND = 16  # deterministic: K tiles of a head dispatched together (the kernel's grid)
+FWD_STAGES = 2  # the forward's K and V stages
 
 
 def _layout(block, dtype):
@@ -76,9 +79,6 @@ def unsupported(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal
     if band_lo is not None and (isinstance(band_lo, bool) or not isinstance(band_lo, int)):
         return TypeError(f"attn_bwd_sm90: band_lo must be an int or None (key j seen by query i only if "
                          f"j >= i + band_lo), got {type(band_lo).__name__}")
-    if band_lo is not None and deterministic:
-        return ValueError("attn_bwd_sm90: deterministic with band_lo (a window) is not served: its dQ turns "
-                          "are for K tiles 0 .. J of a Q tile")
     for name in ("q", "k"):
         if named[name].dim() != 4:
             return ValueError(f"attn_bwd_sm90: {name} must be (B, S, H, D), got shape {tuple(named[name].shape)}")
@@ -153,7 +153,7 @@ def attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale: floa
     kernels.attn_delta) are (B, H, Sq) fp32 (copied if not contiguous). causal_offset:
     None sees every key; an int o lets query i see key j iff j <= i + o (PairMask.causal,
     o = q_start - k_start for two blocks of one sequence). band_lo: a window's lower edge,
-    key j seen only if j >= i + band_lo (PairMask.band_lo; not with deterministic). Returns
+    key j seen only if j >= i + band_lo (PairMask.band_lo). Returns
     (dq_acc, dk, dv)."""
     _check(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal_offset, accumulate, band_lo,
            deterministic)
@@ -194,11 +194,6 @@ def compile_sm90(consumer_regs: int = CONSUMER_REGS, worker_regs: int = WORKER_R
     stand-ins: only their types, alignments and strides are read; as in a launch, an int
     argument equal to 1, e.g. kv_heads, is compiled in as a constant, and those divisible
     by 16 are marked so)."""
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import CUDABackend
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     q = torch.zeros(1, seqlen_q, heads, head_dim, dtype=torch.bfloat16)
     k = torch.zeros(1, seqlen_k, kv_heads, head_dim, dtype=torch.bfloat16)
     stats = torch.zeros(1, heads, seqlen_q)
@@ -207,11 +202,22 @@ def compile_sm90(consumer_regs: int = CONSUMER_REGS, worker_regs: int = WORKER_R
               heads, kv_heads, seqlen_q, _kernel_offset(causal_offset, seqlen_q, seqlen_k),
               _kernel_offset(band_lo, seqlen_q, seqlen_k), 0.1 * LOG2E, 0.1,
               torch.zeros(heads * seqlen_q // BLOCK_M.value, dtype=torch.int32) if deterministic else stats)
-    kernel = _attn_bwd_sm90_kernel
-    sig, attrs = {}, {}
     consts = dict(GROUP=heads // kv_heads, CAUSAL=causal_offset is not None, LOWER=band_lo is not None, ADD=accumulate,
                   DETERMINISTIC=deterministic, CONSUMER_REGS=consumer_regs, WORKER_REGS=worker_regs)
-    for i, (name, value) in enumerate(zip(kernel.arg_names, values)):  # as the JIT's launch would
+    return _compile(_attn_bwd_sm90_kernel, values, consts, maxnreg)
+
+
+def _compile(kernel, values, consts: dict, maxnreg: int):
+    """``kernel`` compiled for sm_90 without a GPU, its arguments specialized from
+    ``values`` as the JIT's launch would specialize them (an int equal to 1 compiled in as
+    a constant, those divisible by 16 marked so)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig, attrs, consts = {}, {}, dict(consts)
+    for i, (name, value) in enumerate(zip(kernel.arg_names, values)):
         sig[name], spec = native_specialize_impl(CUDABackend, value, False, True, True)
         if sig[name] == "constexpr":
             consts[name] = spec  # an int equal to 1
@@ -220,3 +226,125 @@ def compile_sm90(consumer_regs: int = CONSUMER_REGS, worker_regs: int = WORKER_R
     sig.update({name: "constexpr" for name in consts})
     return triton.compile(GluonASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=NUM_WARPS, maxnreg=maxnreg))
+
+
+# ----------------------------------------------------------------------------- the forward
+
+
+def _fwd_descriptors(q, k, v):
+    """TMA descriptors of q (boxes of 64 rows: a consumer group's half) and k, v (128)."""
+
+    def rows(t, n):
+        block = [1, n, 1, t.shape[-1]]
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _layout(block, gl.bfloat16))
+
+    return rows(q, 64), rows(k, fwd.BLOCK_N.value), rows(v, fwd.BLOCK_N.value)
+
+
+def fwd_unsupported(q, k, v, out, lse, softmax_scale, causal_offset, accumulate: bool = False,
+                    out_in=None) -> Optional[Exception]:
+    """Why the forward cannot take these arguments: a TypeError / ValueError naming the
+    argument (kernels/gluon/fwd.py's docstring says what it serves), or None."""
+    named = dict(q=q, k=k, v=v, out=out, lse=lse)
+    if out_in is not None:
+        named["out_partial"] = out_in
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            return TypeError(f"attn_fwd_sm90: {name} must be a torch.Tensor, got {type(t).__name__}")
+    for name in ("q", "k", "v"):
+        if named[name].dtype != torch.bfloat16:
+            return TypeError(f"attn_fwd_sm90: {name} must be bfloat16, got {named[name].dtype}")
+        if named[name].dim() != 4:
+            return ValueError(f"attn_fwd_sm90: {name} must be (B, S, H, D), got shape {tuple(named[name].shape)}")
+    if lse.dtype != torch.float32:
+        return TypeError(f"attn_fwd_sm90: lse must be float32, got {lse.dtype}")
+    for name in ("out", "out_partial"):
+        if name in named and not named[name].dtype.is_floating_point:
+            return TypeError(f"attn_fwd_sm90: {name} must be a float tensor, got {named[name].dtype}")
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
+            or not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        return ValueError(f"attn_fwd_sm90: softmax_scale must be a positive finite number, got {softmax_scale!r}")
+    if causal_offset is not None and (isinstance(causal_offset, bool) or not isinstance(causal_offset, int)):
+        return TypeError(f"attn_fwd_sm90: causal_offset must be an int or None (key j seen by query i iff "
+                         f"j <= i + causal_offset), got {type(causal_offset).__name__}")
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    if d not in fwd.HEAD_DIMS:
+        return ValueError(f"attn_fwd_sm90: q's head_dim must be one of {fwd.HEAD_DIMS}, got {d}")
+    if b == 0 or h == 0:
+        return ValueError(f"attn_fwd_sm90: q must have a batch and heads, got shape {tuple(q.shape)}")
+    for name, s in (("q", sq), ("k", sk)):
+        if s == 0 or s % fwd.BLOCK_N.value:
+            return ValueError(f"attn_fwd_sm90: {name}'s seqlen must be a positive multiple of {fwd.BLOCK_N.value}, "
+                              f"got {s}")
+    if k.shape[0] != b or k.shape[3] != d or hkv == 0 or h % hkv:
+        return ValueError(f"attn_fwd_sm90: k must be (B, Sk, Hkv, D) with q's B = {b}, D = {d} and Hkv dividing "
+                          f"H = {h}, got {tuple(k.shape)}")
+    for name, want in (("v", k.shape), ("out", q.shape), ("out_partial", q.shape), ("lse", (b, h, sq))):
+        if name in named and tuple(named[name].shape) != tuple(want):
+            return ValueError(f"attn_fwd_sm90: {name} must have shape {tuple(want)}, got {tuple(named[name].shape)}")
+    if out_in is not None and out_in.stride() != out.stride():
+        return ValueError(f"attn_fwd_sm90: out_partial must have out's strides {out.stride()}, got {out_in.stride()}")
+    for name, t in named.items():
+        if t.device != q.device:
+            return ValueError(f"attn_fwd_sm90: {name} is on {t.device}, q on {q.device}")
+        if name != "lse" and t.stride(-1) != 1:
+            return ValueError(f"attn_fwd_sm90: {name} must have a contiguous last dimension, strides {t.stride()}")
+    for name in ("q", "k", "v"):
+        t = named[name]
+        if t.data_ptr() % 16 or any(st * t.element_size() % 16 for st in t.stride()[:-1]):
+            return ValueError(f"attn_fwd_sm90: {name}'s address and strides {t.stride()} must be multiples of "
+                              f"16 bytes (TMA)")
+    if out.stride(1) * 64 >= 2 ** 31:
+        return ValueError(f"attn_fwd_sm90: out's row stride {out.stride(1)} is too large (offsets inside a tile "
+                          f"are 32-bit)")
+    if b * h > 65535:
+        return ValueError(f"attn_fwd_sm90: batch x heads = {b * h}: the launch grid's y takes at most 65535")
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return ValueError(f"attn_fwd_sm90: q is on {q.device}; this kernel runs on a Hopper (sm_90) GPU")
+    return None
+
+
+def _fwd_args(q, k, v, out, lse, softmax_scale, causal_offset, out_in):
+    b, sq, h, _ = q.shape
+    return (*_fwd_descriptors(q, k, v), out, out if out_in is None else out_in, lse, *out.stride()[:3], *lse.stride(),
+            h, h // k.shape[2], k.shape[1], _kernel_offset(causal_offset, sq, k.shape[1]), softmax_scale * LOG2E)
+
+
+def attn_fwd_sm90(q, k, v, out, lse, softmax_scale: float, causal_offset: Optional[int] = None,
+                  accumulate: bool = False, out_partial=None):
+    """The forward of one (query block, key block) pair (head_dim 128, bf16): out and lse
+    written, or with ``accumulate`` merged with the running ones (normalized out, its lse;
+    -inf for none yet) and written in place; ``out_partial``: with accumulate, the running
+    out to merge with when it is not ``out`` itself (same shape and strides).
+
+    q, out (B, Sq, H, 128) (out any float dtype); k, v (B, Sk, Hkv, 128), Hkv dividing H;
+    lse (B, H, Sq) fp32, natural log, any strides. causal_offset: None sees every key; an
+    int o lets query i see key j iff j <= i + o (PairMask.causal). A row that sees no key
+    (and had none) gets out 0 and lse -inf. Returns (out, lse)."""
+    error = fwd_unsupported(q, k, v, out, lse, softmax_scale, causal_offset, accumulate, out_partial)
+    if error is not None:
+        raise error
+    if out_partial is not None and not accumulate:
+        raise ValueError("attn_fwd_sm90: out_partial is read only with accumulate=True")
+    b, sq, h, _ = q.shape
+    fwd._attn_fwd_sm90_kernel[(sq // fwd.BLOCK_M.value, b * h)](
+        *_fwd_args(q, k, v, out, lse, softmax_scale, causal_offset, out_partial), causal_offset is not None,
+        bool(accumulate), FWD_STAGES, CONSUMER_REGS, WORKER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)
+    return out, lse
+
+
+def compile_fwd_sm90(causal_offset: Optional[int] = None, heads: int = 4, kv_heads: int = 4, seqlen_q: int = 1024,
+                     seqlen_k: int = 1024, accumulate: bool = False, out_dtype=torch.bfloat16,
+                     stages: Optional[int] = None, consumer_regs: int = CONSUMER_REGS, maxnreg: int = MAXNREG):
+    """The forward compiled for sm_90 on any machine, as ``attn_fwd_sm90`` would specialize
+    it on contiguous (1, seqlen_q, heads, 128) q and (1, seqlen_k, kv_heads, 128) k, v, an
+    out of ``out_dtype`` (CPU stand-ins: only their types, alignments and strides are read)."""
+    stages = FWD_STAGES if stages is None else stages
+    q = torch.zeros(1, seqlen_q, heads, 128, dtype=torch.bfloat16)
+    k = torch.zeros(1, seqlen_k, kv_heads, 128, dtype=torch.bfloat16)
+    out, lse = torch.zeros(q.shape, dtype=out_dtype), torch.zeros(1, heads, seqlen_q)
+    values = _fwd_args(q, k, k, out, lse, 0.1, causal_offset, out if accumulate else None)
+    consts = dict(CAUSAL=causal_offset is not None, ACCUMULATE=accumulate, STAGES=stages,
+                  CONSUMER_REGS=consumer_regs, WORKER_REGS=WORKER_REGS)
+    return _compile(fwd._attn_fwd_sm90_kernel, values, consts, maxnreg)

@@ -1,0 +1,78 @@
+"""The forward kernels alone on one Hopper GPU: the Gluon forward (kernels/gluon/fwd.py) at
+each number of K/V stages, the Triton forward (kernels/triton) and SDPA cuDNN's forward, on
+the same inputs (docs/notes/gluon-backward.md, "The Gluon forward"):
+
+    python benchmarks/research/forward_alone.py [--seqlens 8192 16384] [--kv-heads 32 8] [--stages 2 3]
+
+bf16, batch 1, 32 heads, head_dim 128, causal and not. Prints one JSON line per
+configuration: milliseconds (triton.testing.do_bench medians), forward TFLOP/s (halved
+when causal), and the Gluon out's and lse's relative error against the Triton forward's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
+
+from ringflash.kernels import PairMask
+from ringflash.kernels import triton as triton_kernels
+from ringflash.kernels.gluon import attn_fwd_sm90
+from ringflash.kernels.gluon import launch as gluon_launch
+
+HEADS, HEAD_DIM = 32, 128
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def one(seqlen: int, kv_heads: int, causal: bool, stages=(2,)) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(heads):
+        return torch.randn(1, seqlen, heads, HEAD_DIM, generator=gen, device="cuda").to(torch.bfloat16)
+
+    q, k, v = randn(HEADS), randn(kv_heads), randn(kv_heads)
+    scale, offset = HEAD_DIM ** -0.5, 0 if causal else None
+    mask = PairMask.causal(offset)
+    ref, ref_lse = torch.empty_like(q), torch.empty(1, HEADS, seqlen, device="cuda")
+    out, lse = torch.empty_like(q), torch.empty_like(ref_lse)
+    ms, errors = {}, {}
+    ms["triton"] = do_bench(lambda: triton_kernels.fwd(q, k, v, ref, ref_lse, softmax_scale=scale, mask=mask,
+                                                       accumulate=False))
+    for n in stages:
+        gluon_launch.FWD_STAGES = n
+        attn_fwd_sm90(q, k, v, out, lse, scale, causal_offset=offset)
+        errors[f"out_stages{n}"], errors[f"lse_stages{n}"] = rel(out, ref), rel(lse, ref_lse)
+        ms[f"gluon_stages{n}"] = do_bench(lambda: attn_fwd_sm90(q, k, v, out, lse, scale, causal_offset=offset))
+    leaves = [t.transpose(1, 2) for t in (q, k, v)]
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        ms["cudnn"] = do_bench(lambda: F.scaled_dot_product_attention(*leaves, is_causal=causal,
+                                                                      enable_gqa=kv_heads != HEADS))
+    flops = 4 * HEADS * seqlen * seqlen * HEAD_DIM / (2 if causal else 1)
+    return dict(seqlen=seqlen, heads=HEADS, kv_heads=kv_heads, causal=causal, ms=ms,
+                fwd_tflops={name: round(flops / t / 1e9, 1) for name, t in ms.items()},
+                gluon_rel_err_vs_triton=errors)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seqlens", type=int, nargs="+", default=[8192, 16384])
+    p.add_argument("--kv-heads", type=int, nargs="+", default=[32, 8])
+    p.add_argument("--stages", type=int, nargs="+", default=[gluon_launch.FWD_STAGES])
+    args = p.parse_args()
+    print(f"# {torch.cuda.get_device_name()}", flush=True)
+    for kv_heads in args.kv_heads:
+        for seqlen in args.seqlens:
+            for causal in (False, True):
+                print(json.dumps(one(seqlen, kv_heads, causal, args.stages)), flush=True)
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,300 @@
+"""A warp-specialized attention forward for Hopper (sm_90), written in Gluon.
+
+FlashAttention-3's forward structure: the softmax of one K tile runs on the CUDA cores
+while the tensor cores multiply the previous tile's P by its V. Its host side (checks,
+descriptors, launch, the CPU compile) is in kernels/gluon/launch.py (``attn_fwd_sm90``).
+
+Shapes served: q (B, Sq, H, 128) and k, v (B, Sk, Hkv, 128), bf16, Hkv dividing H (query
+head h reads kv head h // (H / Hkv): MHA, GQA, MQA), Sq and Sk positive multiples of 128,
+any strides with a contiguous last dimension (TMA: the other strides and the base
+addresses 16-byte aligned). Masks: none or the causal band with an offset, as
+``PairMask.causal(o)``: key j is seen by query i iff j <= i + o on the pair's local
+indices (the ring's pairs). Outputs: out (B, Sq, H, 128) in any float dtype and lse
+(B, H, Sq) fp32 (natural log; a row that sees no key gets out 0 and lse -inf), through
+their own strides; with ``ACCUMULATE`` the block's result is merged with the running
+(out_in, lse) first, exactly as the Triton forward merges it (kernels/triton/fwd.py:
+the unnormalized sums rescaled to the larger max), then written: out_in is out itself
+or a buffer with out's strides (the ring's last step reads its fp32 sums and writes q's
+dtype).
+
+The math per Q tile (the Triton forward's conventions, in log2 units):
+
+    S = Q Kᵀ,  m' = max(m, rowmax(S) · scale · log2 e),  P = exp2(S · scale · log2 e - m'),
+    l' = l · exp2(m - m') + rowsum(P),  O' = O · exp2(m - m') + P V,
+    out = O / l,  lse = (m + log2 l) · ln 2.
+
+Work split: one CTA per 128 query rows of a (batch, head), over the K tiles that hold a
+key some of its queries see; three partitions (``gl.warp_specialize``):
+
+- two consumer warp groups (``_consumer``), each owning 64 query rows: their O (fp32, 64
+  registers a thread), m and l, and P of the previous tile (bf16, a register operand of
+  the P V product);
+- one loader warp (``_loader``): both 64-row halves of Q once, then K and V tile by tile
+  into their stages, K and V each refilled as soon as both consumers released it (K
+  after the scores' product, V after P V).
+
+A consumer's step j (``_step``): issue S_j = Q K_jᵀ, then O += P_{j-1} V_{j-1}; wait for
+S_j only (``warpgroup_mma_wait(1)``), run its softmax while P V runs, then wait for P V
+and rescale O by exp2(m_{j-1} - m_j). The first tile's product has no P V to hide
+under (the prologue) and the last P V no softmax (the epilogue).
+
+Causal band: the K tiles [0, full) are seen whole by every query of the CTA (no mask);
+[full, end) cross the band's edge and take a masked step (S set to -inf where j > i + o,
+then a max of -inf taken as 0 so that an all-hidden row gives P = 0, not NaN), in a loop
+of its own after the unmasked one. CTAs run longest first (the last Q tiles, which see
+the most keys). The loader and both consumers compute (full, end) from the same scalars
+(``_k_tiles``) and walk the same tiles: a tile one partition takes and another does not
+leaves an mbarrier waiting forever.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+HEAD_DIMS = (128,)  # head dims served
+BLOCK_M = gl.constexpr(128)  # query rows a CTA (two consumer groups of 64)
+BLOCK_N = gl.constexpr(128)  # keys a tile
+LN2 = gl.constexpr(0.6931471805599453)
+LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@gluon.jit
+def _k_tiles(m0, offset, seqlen_k, CAUSAL: gl.constexpr):
+    """(full, end): the K tiles [0, end) hold a key some query of rows [m0, m0 + BLOCK_M)
+    sees; every query sees all of tiles [0, full). Causal (j <= i + offset): the last
+    query sees keys up to m0 + BLOCK_M - 1 + offset, the first up to m0 + offset
+    (dividends clamped >= 0: integer division truncates)."""
+    n_k = seqlen_k // BLOCK_N
+    end = n_k
+    full = n_k
+    if CAUSAL:
+        end = gl.minimum((gl.maximum(m0 + BLOCK_M + offset, 0) + BLOCK_N - 1) // BLOCK_N, n_k)
+        full = gl.minimum(gl.maximum(m0 + offset + 1, 0) // BLOCK_N, end)
+    return full, end
+
+
+@gluon.jit
+def _loader(descs, smem, bars, tile, CAUSAL: gl.constexpr):
+    """Q's two halves once, then K and V of tiles [0, end), each into its stage once both
+    consumers released the tile that held it STAGES tiles before."""
+    q_desc, k_desc, v_desc = descs
+    q_smem, k_smem, v_smem = smem
+    q_ready, k_ready, v_ready, k_empty, v_empty = bars
+    off_b, off_h, off_hk, m0, seqlen_k, offset = tile
+    STAGES: gl.constexpr = k_smem.shape[0]
+    mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [off_b, m0, off_h, 0], q_ready, q_smem.index(0))
+    tma.async_copy_global_to_shared(q_desc, [off_b, m0 + 64, off_h, 0], q_ready, q_smem.index(1))
+    full, end = _k_tiles(m0, offset, seqlen_k, CAUSAL)
+    for j in range(end):
+        s = j % STAGES
+        ph = ((j // STAGES) & 1) ^ 1  # a fresh barrier passes a wait on parity 1: the first fills do not wait
+        mbarrier.wait(k_empty.index(s), ph)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [off_b, j * BLOCK_N, off_hk, 0], k_ready.index(s), k_smem.index(s))
+        mbarrier.wait(v_empty.index(s), ph)
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [off_b, j * BLOCK_N, off_hk, 0], v_ready.index(s), v_smem.index(s))
+
+
+@gluon.jit
+def _hide(s, lhs, rhs):
+    """s where lhs <= rhs, else -inf (broadcast int32): a setp + selp an element, as inline
+    PTX (kernels/gluon/bwd.py, ``_keep_visible``, says why not gl.where)."""
+    return gl.inline_asm_elementwise("{ .reg .pred p; setp.le.s32 p, $2, $3; selp.f32 $0, $1, 0fFF800000, p; }",
+                                     "=f,f,r,r", [s, lhs, rhs], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _max(a, b):  # (gl.max and gl.sum are jit functions of triton.language that the CPU suite's interpreter patches)
+    return gl.maximum(a, b)
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, qk_scale, diag, MASKED: gl.constexpr):
+    """The online softmax of a score tile s (64 x 128, fp32): (P, m, l, alpha), alpha the
+    factor the running O takes. MASKED: s hidden where key column c, query row r have
+    c - r > diag (j > i + offset; diag = offset + first query - first key), split by bits
+    as the backward's mask is (a thread's rows differ only in bit 3, its columns share bits
+    1-2: one register a thread, an immediate an element), and a max of -inf taken as 0."""
+    if MASKED:
+        mma: gl.constexpr = s.type.layout
+        r = gl.arange(0, 64, gl.SliceLayout(1, mma))
+        c = gl.arange(0, BLOCK_N, gl.SliceLayout(0, mma))
+        lhs = gl.expand_dims(c & 6, 0) - gl.expand_dims((r & -9) + diag, 1)
+        rhs = gl.expand_dims(r & 8, 1) - gl.expand_dims(c & -7, 0)
+        s = _hide(s, lhs, rhs)
+    m_new = gl.maximum(m_i, gl.reduce(s, 1, _max) * qk_scale)
+    m_use = m_new
+    if MASKED:
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s * qk_scale - gl.expand_dims(m_use, 1))
+    alpha = gl.exp2(m_i - m_use)
+    l_i = l_i * alpha + gl.reduce(p, 1, _add)
+    return p, m_new, l_i, alpha
+
+
+@gluon.jit
+def _step(j, p, m_i, l_i, acc, q, smem, bars, qk_scale, diag, MASKED: gl.constexpr):
+    """K tile j's scores and softmax under tile j - 1's P V: returns (P_j as the next P V's
+    bf16 register operand, m, l, O rescaled to m_j)."""
+    q_smem, k_smem, v_smem = smem
+    q_ready, k_ready, v_ready, k_empty, v_empty = bars
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    STAGES: gl.constexpr = k_smem.shape[0]
+    s = j % STAGES
+    sp = (j - 1) % STAGES
+    mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+    scores = warpgroup_mma(q, k_smem.index(s).reshape([BLOCK_N, q.shape[1]]).permute((1, 0)),
+                           gl.zeros([64, BLOCK_N], gl.float32, mma), use_acc=False, is_async=True)
+    mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
+    acc = warpgroup_mma(p, v_smem.index(sp).reshape([BLOCK_N, q.shape[1]]), acc, is_async=True)
+    scores = warpgroup_mma_wait(1, deps=[scores])  # the scores done; P V may still run
+    mbarrier.arrive(k_empty.index(s), count=1)
+    p_new, m_i, l_i, alpha = _softmax(scores, m_i, l_i, qk_scale, diag, MASKED)
+    acc, p = warpgroup_mma_wait(0, deps=[acc, p])
+    mbarrier.arrive(v_empty.index(sp), count=1)
+    acc = acc * gl.expand_dims(alpha, 1)
+    return gl.convert_layout(p_new.to(gl.bfloat16), p.type.layout, assert_trivial=True), m_i, l_i, acc
+
+
+@gluon.jit
+def _first(p, m_i, l_i, q, smem, bars, qk_scale, diag, MASKED: gl.constexpr):
+    """K tile 0's scores and softmax (nothing to hide them under): (P_0, m, l)."""
+    q_smem, k_smem, v_smem = smem
+    q_ready, k_ready, v_ready, k_empty, v_empty = bars
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    mbarrier.wait(k_ready.index(0), 0)
+    scores = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, q.shape[1]]).permute((1, 0)),
+                           gl.zeros([64, BLOCK_N], gl.float32, mma), use_acc=False, is_async=True)
+    scores = warpgroup_mma_wait(0, deps=[scores])
+    mbarrier.arrive(k_empty.index(0), count=1)
+    p_new, m_i, l_i, alpha = _softmax(scores, m_i, l_i, qk_scale, diag, MASKED)
+    return gl.convert_layout(p_new.to(gl.bfloat16), p.type.layout, assert_trivial=True), m_i, l_i
+
+
+@gluon.jit
+def _consumer(smem, bars, tile, out, HALF: gl.constexpr, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr):
+    """Consumer warp group HALF: query rows [m0 + 64 HALF, m0 + 64 HALF + 64) over the K
+    tiles [0, end) (``_k_tiles``), the unmasked ones first; then out and lse (merged with
+    the running ones first with ACCUMULATE)."""
+    q_smem, k_smem, v_smem = smem
+    q_ready, k_ready, v_ready, k_empty, v_empty = bars
+    off_b, off_h, off_hk, m0, seqlen_k, offset = tile
+    D: gl.constexpr = q_smem.shape[4]
+    STAGES: gl.constexpr = k_smem.shape[0]
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+    qk_scale = out[5]
+    acc = gl.zeros([64, D], gl.float32, mma)
+    m_i = gl.full([64], float("-inf"), gl.float32, rows_l)
+    l_i = gl.full([64], 0.0, gl.float32, rows_l)
+    p = gl.zeros([64, BLOCK_N], gl.bfloat16, p_layout)
+    mbarrier.wait(q_ready, 0)  # also when no tile is seen: no exit under a TMA in flight
+    q = q_smem.index(HALF).reshape([64, D])
+    full, end = _k_tiles(m0, offset, seqlen_k, CAUSAL)
+    diag0 = offset + m0 + 64 * HALF  # the masked step's diag at K tile 0
+    if end > 0:
+        if full > 0:
+            p, m_i, l_i = _first(p, m_i, l_i, q, smem, bars, qk_scale, diag0, False)
+        else:
+            p, m_i, l_i = _first(p, m_i, l_i, q, smem, bars, qk_scale, diag0, True)
+    for j in range(1, full):
+        p, m_i, l_i, acc = _step(j, p, m_i, l_i, acc, q, smem, bars, qk_scale, 0, False)
+    if CAUSAL:
+        for j in range(gl.maximum(full, 1), end):
+            p, m_i, l_i, acc = _step(j, p, m_i, l_i, acc, q, smem, bars, qk_scale, diag0 - j * BLOCK_N, True)
+    if end > 0:  # the last tile's P V
+        last = end - 1
+        mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+        acc = warpgroup_mma(p, v_smem.index(last % STAGES).reshape([BLOCK_N, D]), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(v_empty.index(last % STAGES), count=1)
+    _epilogue(acc, m_i, l_i, m0 + 64 * HALF, off_b, off_h, out, ACCUMULATE)
+
+
+@gluon.jit
+def _epilogue(acc, m_i, l_i, row0, off_b, off_h, out, ACCUMULATE: gl.constexpr):
+    """out and lse of 64 rows from row0: with ACCUMULATE the running (out_in, lse) merged
+    in first (the Triton forward's rule); a row that saw no key gets out 0 and lse -inf.
+    64-bit offsets to the first row, 32-bit inside the tile (the launcher bounds them)."""
+    o_ptr, o_in_ptr, o_strides, lse_ptr, lse_strides, _ = out
+    mma: gl.constexpr = acc.type.layout
+    D: gl.constexpr = acc.shape[1]
+    rows = gl.arange(0, 64, gl.SliceLayout(1, mma))
+    cols = gl.arange(0, D, gl.SliceLayout(0, mma))
+    base = off_b.to(gl.int64) * o_strides[0] + row0.to(gl.int64) * o_strides[1] + off_h.to(gl.int64) * o_strides[2]
+    offs = gl.expand_dims(rows * o_strides[1].to(gl.int32), 1) + gl.expand_dims(cols, 0)
+    lse_ptrs = (lse_ptr + off_b.to(gl.int64) * lse_strides[0] + off_h.to(gl.int64) * lse_strides[1]
+                + (row0 + rows).to(gl.int64) * lse_strides[2])
+    if ACCUMULATE:
+        m_in = gl.load(lse_ptrs) * LOG2E
+        m_new = gl.maximum(m_i, m_in)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_safe)
+        beta = gl.exp2(m_in - m_safe)
+        o_prev = gl.load(o_in_ptr + base + offs).to(gl.float32)
+        acc = acc * gl.expand_dims(alpha, 1) + o_prev * gl.expand_dims(beta, 1)
+        l_i = l_i * alpha + beta
+        m_i = m_new
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    gl.store(lse_ptrs, gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * LN2))
+    gl.store(o_ptr + base + offs, (acc / gl.expand_dims(l_safe, 1)).to(o_ptr.dtype.element_ty))
+
+
+@gluon.jit
+def _consumer0(smem, bars, tile, out, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr):
+    _consumer(smem, bars, tile, out, 0, CAUSAL, ACCUMULATE)
+
+
+@gluon.jit
+def _consumer1(smem, bars, tile, out, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr):
+    _consumer(smem, bars, tile, out, 1, CAUSAL, ACCUMULATE)
+
+
+@gluon.jit
+def _attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_ptr, o_in_ptr, lse_ptr, o_stride_b, o_stride_s, o_stride_h,
+                          lse_stride_b, lse_stride_h, lse_stride_s, heads, group, seqlen_k, causal_offset, qk_scale,
+                          CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr, STAGES: gl.constexpr,
+                          CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr):
+    """Grid (Sq / 128, B H): Q tile program_id(0) of (batch, head) program_id(1), the last
+    Q tile first under the band (it sees the most keys). ``group`` = heads / kv_heads;
+    causal_offset is read only when CAUSAL; o_in_ptr (ACCUMULATE only) has o_ptr's strides;
+    STAGES: the K and V stages (each its own: K is released a step before V)."""
+    bh = gl.program_id(1)
+    off_h = bh % heads
+    m_tile = gl.program_id(0)
+    if CAUSAL:
+        m_tile = gl.num_programs(0) - 1 - m_tile
+    tile = (bh // heads, off_h, off_h // group, m_tile * BLOCK_M, seqlen_k, causal_offset)
+    # Shared memory: Q 32 KB, K and V STAGES x 2 x 32 KB (160 KB at 2 stages, 224 KB at 3).
+    smem = (gl.allocate_shared_memory(gl.bfloat16, [2] + q_desc.block_type.shape, q_desc.layout),
+            gl.allocate_shared_memory(gl.bfloat16, [STAGES] + k_desc.block_type.shape, k_desc.layout),
+            gl.allocate_shared_memory(gl.bfloat16, [STAGES] + v_desc.block_type.shape, v_desc.layout))
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    for s in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(s), count=1)
+        mbarrier.init(v_ready.index(s), count=1)
+        mbarrier.init(k_empty.index(s), count=2)  # both consumers release a tile
+        mbarrier.init(v_empty.index(s), count=2)
+    bars = (q_ready, k_ready, v_ready, k_empty, v_empty)
+    out = (o_ptr, o_in_ptr, (o_stride_b, o_stride_s, o_stride_h), lse_ptr, (lse_stride_b, lse_stride_h, lse_stride_s),
+           qk_scale)
+    gl.warp_specialize([(_consumer0, (smem, bars, tile, out, CAUSAL, ACCUMULATE)),
+                        (_consumer1, (smem, bars, tile, out, CAUSAL, ACCUMULATE)),
+                        (_loader, ((q_desc, k_desc, v_desc), smem, bars, tile, CAUSAL))],
+                       [4, 1], [CONSUMER_REGS, WORKER_REGS])

@@ -1,0 +1,157 @@
+"""The Gluon Hopper forward (kernels/gluon/fwd.py) on an sm_90 GPU against the float64 oracle.
+
+Skipped without CUDA or on a GPU other than sm_90; each case in a subprocess with a
+timeout, as tests/test_gluon_gpu.py runs the backward (a wrong mbarrier phase hangs
+instead of failing). Inputs: q (B, Sq, H, 128), k, v (B, Sk, Hkv, 128), bf16; no mask or
+the causal band with offsets (key j seen by query i iff j <= i + o: the diagonal, the
+ring's neighbouring blocks at +-128, a diagonal through the middle of Q tiles at -100
+and +37, Sq != Sk, every key hidden, every pair visible), GQA and MQA, strided views of
+one packed projection. Modes:
+
+- "write": out (bf16) and lse (a view into a longer buffer, as the ring's) NaN-prefilled, written;
+- "add": ``accumulate`` into an fp32 running out and lse holding the oracle's result over
+  another 256 keys (every third row of it empty: out 0, lse -inf), which must come back as
+  the oracle over both key sets;
+- "partial": the same sums read from ``out_partial`` (fp32) and the result written into a
+  NaN-prefilled bf16 out (the ring's last step).
+
+The yardsticks are tests/test_kernels_gpu.py's: out's relative Frobenius error within
+TOL[bf16] and at most twice the library's Triton forward's on the same call (or
+NOISE_FLOOR); lse within 1e-5 of the oracle's (it is fp32 arithmetic on fp32 sums); a
+row that sees no key at all: out exactly 0 and lse -inf; no NaN anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+TESTS = Path(__file__).resolve().parent
+TIMEOUT_S = 300
+D = 128
+
+# (batch, Sq, Sk, heads, kv heads, causal offset or None, mode, layout)
+CASES = [
+    (1, 128, 128, 4, 4, None, "write", "contiguous"), (2, 1024, 1024, 4, 4, None, "write", "contiguous"),
+    (1, 4096, 4096, 4, 4, None, "write", "contiguous"), (2, 1024, 1024, 4, 4, None, "write", "strided"),
+    (1, 128, 128, 4, 4, 0, "write", "contiguous"), (2, 1024, 1024, 4, 4, 0, "write", "contiguous"),
+    (1, 1024, 1024, 4, 4, 128, "write", "contiguous"), (1, 1024, 1024, 4, 4, -128, "write", "contiguous"),
+    (2, 1024, 1024, 4, 4, -100, "write", "contiguous"), (1, 1024, 1024, 4, 4, 37, "write", "contiguous"),
+    (1, 256, 512, 4, 4, 256, "write", "contiguous"), (1, 512, 256, 4, 4, -256, "write", "contiguous"),
+    (1, 512, 512, 4, 4, -512, "write", "contiguous"), (1, 512, 512, 4, 4, 4096, "write", "contiguous"),
+    (2, 4096, 4096, 4, 4, 0, "write", "contiguous"), (2, 1024, 1024, 4, 4, 0, "write", "strided"),
+    (2, 1024, 1024, 8, 2, None, "write", "contiguous"), (2, 1024, 1024, 8, 2, 0, "write", "contiguous"),
+    (1, 512, 512, 4, 1, -128, "write", "contiguous"),
+    (1, 1024, 1024, 4, 4, None, "add", "contiguous"), (2, 1024, 1024, 8, 2, 0, "add", "contiguous"),
+    (1, 512, 1024, 4, 4, -256, "add", "contiguous"), (1, 1024, 1024, 4, 4, -100, "partial", "contiguous"),
+    (2, 1024, 1024, 4, 4, 0, "partial", "strided"),
+]
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _id(b, sq, sk, h, hkv, offset, mode, layout) -> str:
+    mask = "full" if offset is None else f"causal{offset:+d}"
+    return f"b{b}-q{sq}-k{sk}-h{h}kv{hkv}-{mask}-{mode}-{layout}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_id(*c) for c in CASES])
+def test_gluon_fwd_matches_oracle(case):
+    if not _hopper():
+        pytest.skip("needs an sm_90 (Hopper) GPU")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, str(Path(__file__).resolve()), json.dumps(list(case))]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=TESTS)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"attn_fwd_sm90 did not finish in {TIMEOUT_S} s (a hang: an mbarrier never completed?)")
+    assert done.returncode == 0, f"child failed (rc {done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    res = json.loads(next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT "):])
+    from oracle import NOISE_FLOOR, TOL
+    assert res["out"] <= TOL[torch.bfloat16], res
+    assert res["out"] <= max(2 * res["library_out"], NOISE_FLOOR), res
+    assert res["lse"] <= 1e-5 and res["nan"] == 0, res
+    assert res["empty_rows_exact"], res
+
+
+# ----------------------------------------------------------------------------- the child
+
+
+def _child(b, sq, sk, h, hkv, offset, mode, layout) -> dict:
+    sys.path.insert(0, str(TESTS))
+    from oracle import attention_oracle, rel_err
+
+    from ringflash.kernels import PairMask
+    from ringflash.kernels import triton as triton_kernels
+    from ringflash.kernels.gluon import attn_fwd_sm90
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16)
+
+    if layout == "strided":  # views of one packed (B, S, 3, H, D) projection
+        assert sq == sk and h == hkv
+        q, k, v = randn(b, sq, 3, h, D).unbind(2)
+    else:
+        q, k, v = randn(b, sq, h, D), randn(b, sk, hkv, D), randn(b, sk, hkv, D)
+    scale = D ** -0.5
+    i, j = torch.arange(sq, device="cuda")[:, None], torch.arange(sk, device="cuda")[None, :]
+    visible = torch.ones(sq, sk, dtype=torch.bool, device="cuda") if offset is None else j <= i + offset
+    accumulate = mode != "write"
+    if accumulate:  # a running result over 256 other keys, every third row empty
+        k0, v0 = randn(b, 256, hkv, D), randn(b, 256, hkv, D)
+        seen0 = (torch.arange(sq, device="cuda") % 3 != 0)[:, None].expand(sq, 256)
+        out0, lse0 = attention_oracle(q, k0, v0, softmax_scale=scale, mask=seen0)
+        want, want_lse = attention_oracle(q, torch.cat([k0, k], 1), torch.cat([v0, v], 1), softmax_scale=scale,
+                                          mask=torch.cat([seen0, visible], 1))
+        running = out0.float().contiguous()
+        running_lse = lse0.float()
+    else:
+        want, want_lse = attention_oracle(q, k, v, softmax_scale=scale, mask=visible)
+        seen0 = torch.zeros(sq, 1, dtype=torch.bool, device="cuda")
+
+    def call(kernel):
+        """(out, lse) of one call in ``mode`` through ``kernel`` (lse a view, as the ring's)."""
+        lse = torch.full((b, h, sq + 128), float("nan"), device="cuda")[:, :, 64:64 + sq]
+        if mode == "write":
+            out = torch.full(q.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+            kernel(out, lse, False, None)
+            return out, lse
+        lse.copy_(running_lse)
+        if mode == "add":
+            out = running.clone()
+            kernel(out, lse, True, None)
+            return out, lse
+        partial = running.clone()
+        out = torch.full(q.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+        kernel(out, lse, True, partial)
+        return out, lse
+
+    out, lse = call(lambda o, s, acc, part: attn_fwd_sm90(q, k, v, o, s, scale, causal_offset=offset,
+                                                           accumulate=acc, out_partial=part))
+    lib_out, _ = call(lambda o, s, acc, part: triton_kernels.fwd(q, k, v, o, s, softmax_scale=scale,
+                                                                 mask=PairMask.causal(offset), accumulate=acc,
+                                                                 out_partial=part))
+    torch.cuda.synchronize()
+    empty = ~(visible.any(1) | seen0.any(1))  # rows seeing no key at all
+    empty_exact = bool((out[:, empty] == 0).all()) and bool((lse[:, :, empty] == float("-inf")).all())
+    finite = ~empty
+    return dict(out=rel_err(out.double(), want), library_out=rel_err(lib_out.double(), want),
+                lse=rel_err(lse[:, :, finite].double(), want_lse[:, :, finite]),
+                empty_rows=int(empty.sum()), empty_rows_exact=empty_exact,
+                nan=int(torch.isnan(out).sum() + torch.isnan(lse).sum()))
+
+
+if __name__ == "__main__":
+    print("RESULT " + json.dumps(_child(*json.loads(sys.argv[1]))), flush=True)
