@@ -108,12 +108,15 @@ def fwd_route(q, k, v, out, lse, *, softmax_scale: float, mask: PairMask, accumu
         why = "mask: only no mask or the causal band"
     elif tail is not None or arrival is not None:
         why = "k, v Joined from two tensors"
+    elif q.shape[-1] != 128:  # the kernel compiles head_dim 64 too: not run on a GPU yet
+        why = f"head_dim {q.shape[-1]}: the Gluon forward serves 128"
     elif arch != (9, 0):
         why = f"sm_{arch[0]}{arch[1]}, not sm_90"
     else:
         from .gluon import launch as kernel  # imported on Hopper only; it compiles nothing at import
 
-        error = kernel.fwd_unsupported(q, k, v, out, lse, softmax_scale, mask.band_hi, accumulate, out_partial)
+        error = kernel.fwd_unsupported(q, k, v, out, lse, softmax_scale, mask.band_hi, accumulate, out_partial,
+                                       mask.band_lo)
         why = None if error is None else str(error)
     return Route("triton", why) if why else Route(GLUON)
 

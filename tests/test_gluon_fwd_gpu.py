@@ -2,11 +2,12 @@
 
 Skipped without CUDA or on a GPU other than sm_90; each case in a subprocess with a
 timeout, as tests/test_gluon_gpu.py runs the backward (a wrong mbarrier phase hangs
-instead of failing). Inputs: q (B, Sq, H, 128), k, v (B, Sk, Hkv, 128), bf16; no mask or
+instead of failing). Inputs: q (B, Sq, H, 128), k, v (B, Sk, Hkv, 128) (and head_dim 64),
+bf16; no mask or
 the causal band with offsets (key j seen by query i iff j <= i + o: the diagonal, the
 ring's neighbouring blocks at +-128, a diagonal through the middle of Q tiles at -100
-and +37, Sq != Sk, every key hidden, every pair visible), GQA and MQA, strided views of
-one packed projection. Modes:
+and +37, Sq != Sk, every key hidden, every pair visible), a window's lower edge, GQA and
+MQA, strided views of one packed projection. Modes:
 
 - "write": out (bf16) and lse (a view into a longer buffer, as the ring's) NaN-prefilled, written;
 - "add": ``accumulate`` into an fp32 running out and lse holding the oracle's result over
@@ -36,9 +37,8 @@ pytestmark = pytest.mark.gpu
 
 TESTS = Path(__file__).resolve().parent
 TIMEOUT_S = 300
-D = 128
 
-# (batch, Sq, Sk, heads, kv heads, causal offset or None, mode, layout)
+# (batch, Sq, Sk, heads, kv heads, causal offset or None, mode, layout[, band_lo])
 CASES = [
     (1, 128, 128, 4, 4, None, "write", "contiguous"), (2, 1024, 1024, 4, 4, None, "write", "contiguous"),
     (1, 4096, 4096, 4, 4, None, "write", "contiguous"), (2, 1024, 1024, 4, 4, None, "write", "strided"),
@@ -53,6 +53,17 @@ CASES = [
     (1, 1024, 1024, 4, 4, None, "add", "contiguous"), (2, 1024, 1024, 8, 2, 0, "add", "contiguous"),
     (1, 512, 1024, 4, 4, -256, "add", "contiguous"), (1, 1024, 1024, 4, 4, -100, "partial", "contiguous"),
     (2, 1024, 1024, 4, 4, 0, "partial", "strided"),
+    # head_dim 64 (layout "hd64": contiguous; compiled on the CPU, not yet routed)
+    (2, 1024, 1024, 4, 4, None, "write", "hd64"), (1, 1024, 1024, 8, 2, 0, "write", "hd64"),
+    (1, 512, 1024, 4, 4, -256, "add", "hd64"),
+    # a window's lower edge (the 9th field, band_lo: key j seen only if j >= i + band_lo;
+    # compiled on the CPU, not yet routed): with the causal edge wide, narrower than a K
+    # tile and one key wide, off the diagonal as the ring's pairs are, alone, GQA, the
+    # ring's merge and last step, head_dim 64
+    (1, 1024, 1024, 4, 4, 0, "write", "contiguous", -300), (2, 1024, 1024, 4, 4, 0, "write", "contiguous", -100),
+    (1, 1024, 1024, 4, 4, 0, "write", "contiguous", 0), (1, 1024, 1024, 4, 4, 512, "write", "contiguous", 300),
+    (1, 512, 1024, 4, 4, None, "write", "contiguous", -200), (2, 1024, 1024, 8, 2, 0, "add", "contiguous", -300),
+    (1, 4096, 4096, 4, 4, 0, "partial", "contiguous", -1000), (1, 1024, 1024, 4, 4, 0, "write", "hd64", -256),
 ]
 
 
@@ -60,8 +71,9 @@ def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-def _id(b, sq, sk, h, hkv, offset, mode, layout) -> str:
+def _id(b, sq, sk, h, hkv, offset, mode, layout, band_lo=None) -> str:
     mask = "full" if offset is None else f"causal{offset:+d}"
+    mask += "" if band_lo is None else f"-lo{band_lo:+d}"
     return f"b{b}-q{sq}-k{sk}-h{h}kv{hkv}-{mask}-{mode}-{layout}"
 
 
@@ -87,7 +99,7 @@ def test_gluon_fwd_matches_oracle(case):
 # ----------------------------------------------------------------------------- the child
 
 
-def _child(b, sq, sk, h, hkv, offset, mode, layout) -> dict:
+def _child(b, sq, sk, h, hkv, offset, mode, layout, band_lo=None) -> dict:
     sys.path.insert(0, str(TESTS))
     from oracle import attention_oracle, rel_err
 
@@ -96,6 +108,7 @@ def _child(b, sq, sk, h, hkv, offset, mode, layout) -> dict:
     from ringflash.kernels.gluon import attn_fwd_sm90
 
     gen = torch.Generator(device="cuda").manual_seed(0)
+    D = 64 if layout == "hd64" else 128
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen, device="cuda").to(torch.bfloat16)
@@ -108,6 +121,8 @@ def _child(b, sq, sk, h, hkv, offset, mode, layout) -> dict:
     scale = D ** -0.5
     i, j = torch.arange(sq, device="cuda")[:, None], torch.arange(sk, device="cuda")[None, :]
     visible = torch.ones(sq, sk, dtype=torch.bool, device="cuda") if offset is None else j <= i + offset
+    if band_lo is not None:
+        visible = visible & (j >= i + band_lo)
     accumulate = mode != "write"
     if accumulate:  # a running result over 256 other keys, every third row empty
         k0, v0 = randn(b, 256, hkv, D), randn(b, 256, hkv, D)
@@ -139,10 +154,10 @@ def _child(b, sq, sk, h, hkv, offset, mode, layout) -> dict:
         return out, lse
 
     out, lse = call(lambda o, s, acc, part: attn_fwd_sm90(q, k, v, o, s, scale, causal_offset=offset,
-                                                           accumulate=acc, out_partial=part))
+                                                           accumulate=acc, out_partial=part, band_lo=band_lo))
     lib_out, _ = call(lambda o, s, acc, part: triton_kernels.fwd(q, k, v, o, s, softmax_scale=scale,
-                                                                 mask=PairMask.causal(offset), accumulate=acc,
-                                                                 out_partial=part))
+                                                                 mask=PairMask(band_lo=band_lo, band_hi=offset),
+                                                                 accumulate=acc, out_partial=part))
     torch.cuda.synchronize()
     empty = ~(visible.any(1) | seen0.any(1))  # rows seeing no key at all
     empty_exact = bool((out[:, empty] == 0).all()) and bool((lse[:, :, empty] == float("-inf")).all())

@@ -677,7 +677,7 @@ def test_forward_route_rules(monkeypatch):
                  PairMask(blocks=object()), PairMask(band_hi=0, band_on_positions=True)):
         assert call(mask=mask).why == "mask: only no mask or the causal band", mask
     assert call(tail=(None, None)).why == "k, v Joined from two tensors"
-    assert "head_dim must be one of (128,)" in call(d=64).why
+    assert call(d=64).why == "head_dim 64: the Gluon forward serves 128"
     assert "must be bfloat16" in call(dtype=torch.float16).why
     assert "multiple of 128" in call(sq=200).why
     assert "out_partial must have out's strides" in call(

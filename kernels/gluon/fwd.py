@@ -4,12 +4,15 @@ FlashAttention-3's forward structure: the softmax of one K tile runs on the CUDA
 while the tensor cores multiply the previous tile's P by its V. Its host side (checks,
 descriptors, launch, the CPU compile) is in kernels/gluon/launch.py (``attn_fwd_sm90``).
 
-Shapes served: q (B, Sq, H, 128) and k, v (B, Sk, Hkv, 128), bf16, Hkv dividing H (query
-head h reads kv head h // (H / Hkv): MHA, GQA, MQA), Sq and Sk positive multiples of 128,
-any strides with a contiguous last dimension (TMA: the other strides and the base
-addresses 16-byte aligned). Masks: none or the causal band with an offset, as
-``PairMask.causal(o)``: key j is seen by query i iff j <= i + o on the pair's local
-indices (the ring's pairs). Outputs: out (B, Sq, H, 128) in any float dtype and lse
+Shapes served: q (B, Sq, H, D) and k, v (B, Sk, Hkv, D), D 128 (or 64: compiled and
+checked on the CPU, not yet run on a GPU, so kernels/dispatch.py routes 128 only), bf16,
+Hkv dividing H (query head h reads kv head h // (H / Hkv): MHA, GQA, MQA), Sq and Sk
+positive multiples of 128, any strides with a contiguous last dimension (TMA: the other
+strides and the base addresses 16-byte aligned). Masks: none or the causal band with an
+offset, as ``PairMask.causal(o)``: key j is seen by query i iff j <= i + o on the pair's
+local indices (the ring's pairs); with it or without it a window's lower edge
+``band_lo``, key j seen only if j >= i + band_lo (compiled and checked on the CPU, not yet
+run on a GPU: not routed). Outputs: out (B, Sq, H, D) in any float dtype and lse
 (B, H, Sq) fp32 (natural log; a row that sees no key gets out 0 and lse -inf), through
 their own strides; with ``ACCUMULATE`` the block's result is merged with the running
 (out_in, lse) first, exactly as the Triton forward merges it (kernels/triton/fwd.py:
@@ -38,13 +41,14 @@ S_j only (``warpgroup_mma_wait(1)``), run its softmax while P V runs, then wait 
 and rescale O by exp2(m_{j-1} - m_j). The first tile's product has no P V to hide
 under (the prologue) and the last P V no softmax (the epilogue).
 
-Causal band: the K tiles [0, full) are seen whole by every query of the CTA (no mask);
-[full, end) cross the band's edge and take a masked step (S set to -inf where j > i + o,
-then a max of -inf taken as 0 so that an all-hidden row gives P = 0, not NaN), in a loop
-of its own after the unmasked one. CTAs run longest first (the last Q tiles, which see
-the most keys). The loader and both consumers compute (full, end) from the same scalars
-(``_k_tiles``) and walk the same tiles: a tile one partition takes and another does not
-leaves an mbarrier waiting forever.
+The band: the K tiles [start, end) hold a key some query of the CTA sees, [u0, u1) are
+seen whole by every query (no mask); [start, u0) cross a window's lower edge and [u1, end)
+the causal edge, and take a masked step (S set to -inf where hidden by either edge, then
+a max of -inf taken as 0 so that an all-hidden row gives P = 0, not NaN), each in a loop
+of its own, in increasing order of tiles. Under the causal band CTAs run longest first
+(the last Q tiles, which see the most keys). The loader and both consumers compute
+(start, u0, u1, end) from the same scalars (``_k_tiles``) and walk the same tiles: a tile
+one partition takes and another does not leaves an mbarrier waiting forever.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-HEAD_DIMS = (128,)  # head dims served
+HEAD_DIMS = (64, 128)  # head dims served
 BLOCK_M = gl.constexpr(128)  # query rows a CTA (two consumer groups of 64)
 BLOCK_N = gl.constexpr(128)  # keys a tile
 LN2 = gl.constexpr(0.6931471805599453)
@@ -61,36 +65,45 @@ LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
-def _k_tiles(m0, offset, seqlen_k, CAUSAL: gl.constexpr):
-    """(full, end): the K tiles [0, end) hold a key some query of rows [m0, m0 + BLOCK_M)
-    sees; every query sees all of tiles [0, full). Causal (j <= i + offset): the last
-    query sees keys up to m0 + BLOCK_M - 1 + offset, the first up to m0 + offset
-    (dividends clamped >= 0: integer division truncates)."""
+def _k_tiles(m0, offset, band_lo, seqlen_k, CAUSAL: gl.constexpr, LOWER: gl.constexpr):
+    """(start, u0, u1, end): the K tiles [start, end) hold a key some query of rows
+    [m0, m0 + BLOCK_M) sees; every query sees all of tiles [u0, u1); the others cross an
+    edge of the band (the masked steps). Upper edge (CAUSAL, j <= i + offset): the last
+    query sees keys up to m0 + BLOCK_M - 1 + offset, the first up to m0 + offset. Lower
+    edge (LOWER, a window: j >= i + band_lo): the first query sees keys from m0 + band_lo
+    on, the last from m0 + BLOCK_M - 1 + band_lo. Dividends clamped >= 0 (integer division
+    truncates). Without a band (0, 0, n, n)."""
     n_k = seqlen_k // BLOCK_N
     end = n_k
     full = n_k
     if CAUSAL:
         end = gl.minimum((gl.maximum(m0 + BLOCK_M + offset, 0) + BLOCK_N - 1) // BLOCK_N, n_k)
         full = gl.minimum(gl.maximum(m0 + offset + 1, 0) // BLOCK_N, end)
-    return full, end
+    start = 0
+    u0 = 0
+    if LOWER:
+        start = gl.minimum(gl.maximum(m0 + band_lo, 0) // BLOCK_N, end)
+        u0 = gl.minimum(gl.maximum((gl.maximum(m0 + BLOCK_M - 1 + band_lo, 0) + BLOCK_N - 1) // BLOCK_N, start), end)
+    return start, u0, gl.maximum(full, u0), end
 
 
 @gluon.jit
-def _loader(descs, smem, bars, tile, CAUSAL: gl.constexpr):
-    """Q's two halves once, then K and V of tiles [0, end), each into its stage once both
-    consumers released the tile that held it STAGES tiles before."""
+def _loader(descs, smem, bars, tile, CAUSAL: gl.constexpr, LOWER: gl.constexpr):
+    """Q's two halves once, then K and V of tiles [start, end), each into its stage once
+    both consumers released the tile that held it STAGES tiles before."""
     q_desc, k_desc, v_desc = descs
     q_smem, k_smem, v_smem = smem
     q_ready, k_ready, v_ready, k_empty, v_empty = bars
-    off_b, off_h, off_hk, m0, seqlen_k, offset = tile
+    off_b, off_h, off_hk, m0, seqlen_k, offset, band_lo = tile
     STAGES: gl.constexpr = k_smem.shape[0]
     mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [off_b, m0, off_h, 0], q_ready, q_smem.index(0))
     tma.async_copy_global_to_shared(q_desc, [off_b, m0 + 64, off_h, 0], q_ready, q_smem.index(1))
-    full, end = _k_tiles(m0, offset, seqlen_k, CAUSAL)
-    for j in range(end):
-        s = j % STAGES
-        ph = ((j // STAGES) & 1) ^ 1  # a fresh barrier passes a wait on parity 1: the first fills do not wait
+    start, u0, u1, end = _k_tiles(m0, offset, band_lo, seqlen_k, CAUSAL, LOWER)
+    for j in range(start, end):
+        t = j - start  # the CTA's t-th tile
+        s = t % STAGES
+        ph = ((t // STAGES) & 1) ^ 1  # a fresh barrier passes a wait on parity 1: the first fills do not wait
         mbarrier.wait(k_empty.index(s), ph)
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [off_b, j * BLOCK_N, off_hk, 0], k_ready.index(s), k_smem.index(s))
@@ -118,19 +131,26 @@ def _add(a, b):
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, qk_scale, diag, MASKED: gl.constexpr):
+def _softmax(s, m_i, l_i, qk_scale, diag, MASKED: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr):
     """The online softmax of a score tile s (64 x 128, fp32): (P, m, l, alpha), alpha the
     factor the running O takes. MASKED: s hidden where key column c, query row r have
-    c - r > diag (j > i + offset; diag = offset + first query - first key), split by bits
-    as the backward's mask is (a thread's rows differ only in bit 3, its columns share bits
-    1-2: one register a thread, an immediate an element), and a max of -inf taken as 0."""
+    c - r > diag[0] (CAUSAL: j > i + offset; diag[0] = offset + first query - first key) or
+    r - c > diag[1] (LOWER: j < i + band_lo; diag[1] = first key - first query - band_lo),
+    each split by bits as the backward's masks are (a thread's rows differ only in bit 3,
+    its columns share bits 1-2: one register a thread, an immediate an element), and a max
+    of -inf taken as 0."""
     if MASKED:
         mma: gl.constexpr = s.type.layout
         r = gl.arange(0, 64, gl.SliceLayout(1, mma))
         c = gl.arange(0, BLOCK_N, gl.SliceLayout(0, mma))
-        lhs = gl.expand_dims(c & 6, 0) - gl.expand_dims((r & -9) + diag, 1)
-        rhs = gl.expand_dims(r & 8, 1) - gl.expand_dims(c & -7, 0)
-        s = _hide(s, lhs, rhs)
+        if CAUSAL:
+            lhs = gl.expand_dims(c & 6, 0) - gl.expand_dims((r & -9) + diag[0], 1)
+            rhs = gl.expand_dims(r & 8, 1) - gl.expand_dims(c & -7, 0)
+            s = _hide(s, lhs, rhs)
+        if LOWER:
+            lhs = gl.expand_dims((r & -9) - diag[1], 1) - gl.expand_dims(c & 6, 0)
+            rhs = gl.expand_dims(c & -7, 0) - gl.expand_dims(r & 8, 1)
+            s = _hide(s, lhs, rhs)
     m_new = gl.maximum(m_i, gl.reduce(s, 1, _max) * qk_scale)
     m_use = m_new
     if MASKED:
@@ -142,32 +162,42 @@ def _softmax(s, m_i, l_i, qk_scale, diag, MASKED: gl.constexpr):
 
 
 @gluon.jit
-def _step(j, p, m_i, l_i, acc, q, smem, bars, qk_scale, diag, MASKED: gl.constexpr):
-    """K tile j's scores and softmax under tile j - 1's P V: returns (P_j as the next P V's
-    bf16 register operand, m, l, O rescaled to m_j)."""
+def _step(t, p, m_i, l_i, acc, q, smem, bars, qk_scale, diag, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+          LOWER: gl.constexpr):
+    """The CTA's t-th K tile's scores and softmax under the previous tile's P V (``diag``:
+    ``_softmax``'s, for this tile): returns (P as the next P V's bf16 register operand, m,
+    l, O rescaled to the new m)."""
     q_smem, k_smem, v_smem = smem
     q_ready, k_ready, v_ready, k_empty, v_empty = bars
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
     STAGES: gl.constexpr = k_smem.shape[0]
-    s = j % STAGES
-    sp = (j - 1) % STAGES
-    mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+    s = t % STAGES
+    sp = (t - 1) % STAGES
+    mbarrier.wait(k_ready.index(s), (t // STAGES) & 1)
     scores = warpgroup_mma(q, k_smem.index(s).reshape([BLOCK_N, q.shape[1]]).permute((1, 0)),
                            gl.zeros([64, BLOCK_N], gl.float32, mma), use_acc=False, is_async=True)
-    mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
+    mbarrier.wait(v_ready.index(sp), ((t - 1) // STAGES) & 1)
     acc = warpgroup_mma(p, v_smem.index(sp).reshape([BLOCK_N, q.shape[1]]), acc, is_async=True)
     scores = warpgroup_mma_wait(1, deps=[scores])  # the scores done; P V may still run
     mbarrier.arrive(k_empty.index(s), count=1)
-    p_new, m_i, l_i, alpha = _softmax(scores, m_i, l_i, qk_scale, diag, MASKED)
+    p_new, m_i, l_i, alpha = _softmax(scores, m_i, l_i, qk_scale, diag, MASKED, CAUSAL, LOWER)
     acc, p = warpgroup_mma_wait(0, deps=[acc, p])
     mbarrier.arrive(v_empty.index(sp), count=1)
-    acc = acc * gl.expand_dims(alpha, 1)
+    acc = acc * gl.expand_dims(_rows_of(alpha, acc), 1)
     return gl.convert_layout(p_new.to(gl.bfloat16), p.type.layout, assert_trivial=True), m_i, l_i, acc
 
 
 @gluon.jit
-def _first(p, m_i, l_i, q, smem, bars, qk_scale, diag, MASKED: gl.constexpr):
-    """K tile 0's scores and softmax (nothing to hide them under): (P_0, m, l)."""
+def _rows_of(x, acc):
+    """A per-row vector of the scores' layout in the rows of ``acc``'s (the same rows of the
+    same threads: at head_dim 128 the same layout, at 64 another name for it)."""
+    return gl.convert_layout(x, gl.SliceLayout(1, acc.type.layout), assert_trivial=True)
+
+
+@gluon.jit
+def _first(p, m_i, l_i, q, smem, bars, qk_scale, diag, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+           LOWER: gl.constexpr):
+    """The CTA's first K tile's scores and softmax (nothing to hide them under): (P, m, l)."""
     q_smem, k_smem, v_smem = smem
     q_ready, k_ready, v_ready, k_empty, v_empty = bars
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
@@ -176,23 +206,38 @@ def _first(p, m_i, l_i, q, smem, bars, qk_scale, diag, MASKED: gl.constexpr):
                            gl.zeros([64, BLOCK_N], gl.float32, mma), use_acc=False, is_async=True)
     scores = warpgroup_mma_wait(0, deps=[scores])
     mbarrier.arrive(k_empty.index(0), count=1)
-    p_new, m_i, l_i, alpha = _softmax(scores, m_i, l_i, qk_scale, diag, MASKED)
+    p_new, m_i, l_i, alpha = _softmax(scores, m_i, l_i, qk_scale, diag, MASKED, CAUSAL, LOWER)
     return gl.convert_layout(p_new.to(gl.bfloat16), p.type.layout, assert_trivial=True), m_i, l_i
 
 
 @gluon.jit
-def _consumer(smem, bars, tile, out, HALF: gl.constexpr, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr):
+def _consume(t0, t1, start, p, m_i, l_i, acc, q, smem, bars, qk_scale, diag0, MASKED: gl.constexpr,
+             CAUSAL: gl.constexpr, LOWER: gl.constexpr):
+    """The K tiles [t0, t1) (absolute; the CTA's own count from ``start``), each a ``_step``
+    with its tile's diagonals (``_softmax``'s, from those of K tile 0)."""
+    for j in range(t0, t1):
+        p, m_i, l_i, acc = _step(j - start, p, m_i, l_i, acc, q, smem, bars, qk_scale,
+                                 (diag0[0] - j * BLOCK_N, j * BLOCK_N - diag0[1]), MASKED, CAUSAL, LOWER)
+    return p, m_i, l_i, acc
+
+
+@gluon.jit
+def _consumer(smem, bars, tile, out, HALF: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr,
+              ACCUMULATE: gl.constexpr):
     """Consumer warp group HALF: query rows [m0 + 64 HALF, m0 + 64 HALF + 64) over the K
-    tiles [0, end) (``_k_tiles``), the unmasked ones first; then out and lse (merged with
-    the running ones first with ACCUMULATE)."""
+    tiles [start, end) (``_k_tiles``) in increasing order: those across the lower edge
+    (masked), the unmasked ones, those across the upper edge (masked); then out and lse
+    (merged with the running ones first with ACCUMULATE)."""
     q_smem, k_smem, v_smem = smem
     q_ready, k_ready, v_ready, k_empty, v_empty = bars
-    off_b, off_h, off_hk, m0, seqlen_k, offset = tile
+    off_b, off_h, off_hk, m0, seqlen_k, offset, band_lo = tile
     D: gl.constexpr = q_smem.shape[4]
     STAGES: gl.constexpr = k_smem.shape[0]
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, BLOCK_N, 16])  # the scores'
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+    rows_l: gl.constexpr = gl.SliceLayout(1, mma_s)
     qk_scale = out[5]
     acc = gl.zeros([64, D], gl.float32, mma)
     m_i = gl.full([64], float("-inf"), gl.float32, rows_l)
@@ -200,25 +245,31 @@ def _consumer(smem, bars, tile, out, HALF: gl.constexpr, CAUSAL: gl.constexpr, A
     p = gl.zeros([64, BLOCK_N], gl.bfloat16, p_layout)
     mbarrier.wait(q_ready, 0)  # also when no tile is seen: no exit under a TMA in flight
     q = q_smem.index(HALF).reshape([64, D])
-    full, end = _k_tiles(m0, offset, seqlen_k, CAUSAL)
-    diag0 = offset + m0 + 64 * HALF  # the masked step's diag at K tile 0
-    if end > 0:
-        if full > 0:
-            p, m_i, l_i = _first(p, m_i, l_i, q, smem, bars, qk_scale, diag0, False)
+    start, u0, u1, end = _k_tiles(m0, offset, band_lo, seqlen_k, CAUSAL, LOWER)
+    row0 = m0 + 64 * HALF
+    diag0 = (offset + row0, row0 + band_lo)  # the masked step's diagonals at K tile 0 (``_softmax``)
+    if end > start:  # the first tile, masked unless every query sees all of it
+        if (start >= u0) & (start < u1):
+            p, m_i, l_i = _first(p, m_i, l_i, q, smem, bars, qk_scale, (diag0[0] - start * BLOCK_N,
+                                 start * BLOCK_N - diag0[1]), False, CAUSAL, LOWER)
         else:
-            p, m_i, l_i = _first(p, m_i, l_i, q, smem, bars, qk_scale, diag0, True)
-    for j in range(1, full):
-        p, m_i, l_i, acc = _step(j, p, m_i, l_i, acc, q, smem, bars, qk_scale, 0, False)
+            p, m_i, l_i = _first(p, m_i, l_i, q, smem, bars, qk_scale, (diag0[0] - start * BLOCK_N,
+                                 start * BLOCK_N - diag0[1]), True, CAUSAL, LOWER)
+    if LOWER:
+        p, m_i, l_i, acc = _consume(start + 1, u0, start, p, m_i, l_i, acc, q, smem, bars, qk_scale, diag0, True,
+                                    CAUSAL, LOWER)
+    p, m_i, l_i, acc = _consume(gl.maximum(u0, start + 1), u1, start, p, m_i, l_i, acc, q, smem, bars, qk_scale,
+                                diag0, False, CAUSAL, LOWER)
     if CAUSAL:
-        for j in range(gl.maximum(full, 1), end):
-            p, m_i, l_i, acc = _step(j, p, m_i, l_i, acc, q, smem, bars, qk_scale, diag0 - j * BLOCK_N, True)
-    if end > 0:  # the last tile's P V
-        last = end - 1
+        p, m_i, l_i, acc = _consume(gl.maximum(u1, start + 1), end, start, p, m_i, l_i, acc, q, smem, bars, qk_scale,
+                                    diag0, True, CAUSAL, LOWER)
+    if end > start:  # the last tile's P V
+        last = end - 1 - start
         mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
         acc = warpgroup_mma(p, v_smem.index(last % STAGES).reshape([BLOCK_N, D]), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
         mbarrier.arrive(v_empty.index(last % STAGES), count=1)
-    _epilogue(acc, m_i, l_i, m0 + 64 * HALF, off_b, off_h, out, ACCUMULATE)
+    _epilogue(acc, _rows_of(m_i, acc), _rows_of(l_i, acc), row0, off_b, off_h, out, ACCUMULATE)
 
 
 @gluon.jit
@@ -252,30 +303,31 @@ def _epilogue(acc, m_i, l_i, row0, off_b, off_h, out, ACCUMULATE: gl.constexpr):
 
 
 @gluon.jit
-def _consumer0(smem, bars, tile, out, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr):
-    _consumer(smem, bars, tile, out, 0, CAUSAL, ACCUMULATE)
+def _consumer0(smem, bars, tile, out, CAUSAL: gl.constexpr, LOWER: gl.constexpr, ACCUMULATE: gl.constexpr):
+    _consumer(smem, bars, tile, out, 0, CAUSAL, LOWER, ACCUMULATE)
 
 
 @gluon.jit
-def _consumer1(smem, bars, tile, out, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr):
-    _consumer(smem, bars, tile, out, 1, CAUSAL, ACCUMULATE)
+def _consumer1(smem, bars, tile, out, CAUSAL: gl.constexpr, LOWER: gl.constexpr, ACCUMULATE: gl.constexpr):
+    _consumer(smem, bars, tile, out, 1, CAUSAL, LOWER, ACCUMULATE)
 
 
 @gluon.jit
 def _attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_ptr, o_in_ptr, lse_ptr, o_stride_b, o_stride_s, o_stride_h,
-                          lse_stride_b, lse_stride_h, lse_stride_s, heads, group, seqlen_k, causal_offset, qk_scale,
-                          CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr, STAGES: gl.constexpr,
-                          CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr):
+                          lse_stride_b, lse_stride_h, lse_stride_s, heads, group, seqlen_k, causal_offset, band_lo,
+                          qk_scale, CAUSAL: gl.constexpr, LOWER: gl.constexpr, ACCUMULATE: gl.constexpr,
+                          STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr):
     """Grid (Sq / 128, B H): Q tile program_id(0) of (batch, head) program_id(1), the last
     Q tile first under the band (it sees the most keys). ``group`` = heads / kv_heads;
-    causal_offset is read only when CAUSAL; o_in_ptr (ACCUMULATE only) has o_ptr's strides;
+    causal_offset is read only when CAUSAL, band_lo (a window's lower edge, j >= i +
+    band_lo) only when LOWER; o_in_ptr (ACCUMULATE only) has o_ptr's strides;
     STAGES: the K and V stages (each its own: K is released a step before V)."""
     bh = gl.program_id(1)
     off_h = bh % heads
     m_tile = gl.program_id(0)
     if CAUSAL:
         m_tile = gl.num_programs(0) - 1 - m_tile
-    tile = (bh // heads, off_h, off_h // group, m_tile * BLOCK_M, seqlen_k, causal_offset)
+    tile = (bh // heads, off_h, off_h // group, m_tile * BLOCK_M, seqlen_k, causal_offset, band_lo)
     # Shared memory: Q 32 KB, K and V STAGES x 2 x 32 KB (160 KB at 2 stages, 224 KB at 3).
     smem = (gl.allocate_shared_memory(gl.bfloat16, [2] + q_desc.block_type.shape, q_desc.layout),
             gl.allocate_shared_memory(gl.bfloat16, [STAGES] + k_desc.block_type.shape, k_desc.layout),
@@ -294,7 +346,7 @@ def _attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_ptr, o_in_ptr, lse_ptr, o_st
     bars = (q_ready, k_ready, v_ready, k_empty, v_empty)
     out = (o_ptr, o_in_ptr, (o_stride_b, o_stride_s, o_stride_h), lse_ptr, (lse_stride_b, lse_stride_h, lse_stride_s),
            qk_scale)
-    gl.warp_specialize([(_consumer0, (smem, bars, tile, out, CAUSAL, ACCUMULATE)),
-                        (_consumer1, (smem, bars, tile, out, CAUSAL, ACCUMULATE)),
-                        (_loader, ((q_desc, k_desc, v_desc), smem, bars, tile, CAUSAL))],
+    gl.warp_specialize([(_consumer0, (smem, bars, tile, out, CAUSAL, LOWER, ACCUMULATE)),
+                        (_consumer1, (smem, bars, tile, out, CAUSAL, LOWER, ACCUMULATE)),
+                        (_loader, ((q_desc, k_desc, v_desc), smem, bars, tile, CAUSAL, LOWER))],
                        [4, 1], [CONSUMER_REGS, WORKER_REGS])

@@ -242,7 +242,7 @@ def _fwd_descriptors(q, k, v):
 
 
 def fwd_unsupported(q, k, v, out, lse, softmax_scale, causal_offset, accumulate: bool = False,
-                    out_in=None) -> Optional[Exception]:
+                    out_in=None, band_lo: Optional[int] = None) -> Optional[Exception]:
     """Why the forward cannot take these arguments: a TypeError / ValueError naming the
     argument (kernels/gluon/fwd.py's docstring says what it serves), or None."""
     named = dict(q=q, k=k, v=v, out=out, lse=lse)
@@ -267,6 +267,9 @@ def fwd_unsupported(q, k, v, out, lse, softmax_scale, causal_offset, accumulate:
     if causal_offset is not None and (isinstance(causal_offset, bool) or not isinstance(causal_offset, int)):
         return TypeError(f"attn_fwd_sm90: causal_offset must be an int or None (key j seen by query i iff "
                          f"j <= i + causal_offset), got {type(causal_offset).__name__}")
+    if band_lo is not None and (isinstance(band_lo, bool) or not isinstance(band_lo, int)):
+        return TypeError(f"attn_fwd_sm90: band_lo must be an int or None (key j seen by query i only if "
+                         f"j >= i + band_lo), got {type(band_lo).__name__}")
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     if d not in fwd.HEAD_DIMS:
@@ -305,14 +308,15 @@ def fwd_unsupported(q, k, v, out, lse, softmax_scale, causal_offset, accumulate:
     return None
 
 
-def _fwd_args(q, k, v, out, lse, softmax_scale, causal_offset, out_in):
+def _fwd_args(q, k, v, out, lse, softmax_scale, causal_offset, out_in, band_lo):
     b, sq, h, _ = q.shape
     return (*_fwd_descriptors(q, k, v), out, out if out_in is None else out_in, lse, *out.stride()[:3], *lse.stride(),
-            h, h // k.shape[2], k.shape[1], _kernel_offset(causal_offset, sq, k.shape[1]), softmax_scale * LOG2E)
+            h, h // k.shape[2], k.shape[1], _kernel_offset(causal_offset, sq, k.shape[1]),
+            _kernel_offset(band_lo, sq, k.shape[1]), softmax_scale * LOG2E)
 
 
 def attn_fwd_sm90(q, k, v, out, lse, softmax_scale: float, causal_offset: Optional[int] = None,
-                  accumulate: bool = False, out_partial=None):
+                  accumulate: bool = False, out_partial=None, band_lo: Optional[int] = None):
     """The forward of one (query block, key block) pair (head_dim 128, bf16): out and lse
     written, or with ``accumulate`` merged with the running ones (normalized out, its lse;
     -inf for none yet) and written in place; ``out_partial``: with accumulate, the running
@@ -320,31 +324,34 @@ def attn_fwd_sm90(q, k, v, out, lse, softmax_scale: float, causal_offset: Option
 
     q, out (B, Sq, H, 128) (out any float dtype); k, v (B, Sk, Hkv, 128), Hkv dividing H;
     lse (B, H, Sq) fp32, natural log, any strides. causal_offset: None sees every key; an
-    int o lets query i see key j iff j <= i + o (PairMask.causal). A row that sees no key
-    (and had none) gets out 0 and lse -inf. Returns (out, lse)."""
-    error = fwd_unsupported(q, k, v, out, lse, softmax_scale, causal_offset, accumulate, out_partial)
+    int o lets query i see key j iff j <= i + o (PairMask.causal). band_lo: a window's
+    lower edge, key j seen only if j >= i + band_lo (PairMask.band_lo). A row that sees no
+    key (and had none) gets out 0 and lse -inf. Returns (out, lse)."""
+    error = fwd_unsupported(q, k, v, out, lse, softmax_scale, causal_offset, accumulate, out_partial, band_lo)
     if error is not None:
         raise error
     if out_partial is not None and not accumulate:
         raise ValueError("attn_fwd_sm90: out_partial is read only with accumulate=True")
     b, sq, h, _ = q.shape
     fwd._attn_fwd_sm90_kernel[(sq // fwd.BLOCK_M.value, b * h)](
-        *_fwd_args(q, k, v, out, lse, softmax_scale, causal_offset, out_partial), causal_offset is not None,
-        bool(accumulate), FWD_STAGES, CONSUMER_REGS, WORKER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)
+        *_fwd_args(q, k, v, out, lse, softmax_scale, causal_offset, out_partial, band_lo), causal_offset is not None,
+        band_lo is not None, bool(accumulate), FWD_STAGES, CONSUMER_REGS, WORKER_REGS, num_warps=NUM_WARPS,
+        maxnreg=MAXNREG)
     return out, lse
 
 
 def compile_fwd_sm90(causal_offset: Optional[int] = None, heads: int = 4, kv_heads: int = 4, seqlen_q: int = 1024,
                      seqlen_k: int = 1024, accumulate: bool = False, out_dtype=torch.bfloat16,
-                     stages: Optional[int] = None, consumer_regs: int = CONSUMER_REGS, maxnreg: int = MAXNREG):
+                     stages: Optional[int] = None, head_dim: int = 128, band_lo: Optional[int] = None,
+                     consumer_regs: int = CONSUMER_REGS, maxnreg: int = MAXNREG):
     """The forward compiled for sm_90 on any machine, as ``attn_fwd_sm90`` would specialize
     it on contiguous (1, seqlen_q, heads, 128) q and (1, seqlen_k, kv_heads, 128) k, v, an
     out of ``out_dtype`` (CPU stand-ins: only their types, alignments and strides are read)."""
     stages = FWD_STAGES if stages is None else stages
-    q = torch.zeros(1, seqlen_q, heads, 128, dtype=torch.bfloat16)
-    k = torch.zeros(1, seqlen_k, kv_heads, 128, dtype=torch.bfloat16)
+    q = torch.zeros(1, seqlen_q, heads, head_dim, dtype=torch.bfloat16)
+    k = torch.zeros(1, seqlen_k, kv_heads, head_dim, dtype=torch.bfloat16)
     out, lse = torch.zeros(q.shape, dtype=out_dtype), torch.zeros(1, heads, seqlen_q)
-    values = _fwd_args(q, k, k, out, lse, 0.1, causal_offset, out if accumulate else None)
-    consts = dict(CAUSAL=causal_offset is not None, ACCUMULATE=accumulate, STAGES=stages,
+    values = _fwd_args(q, k, k, out, lse, 0.1, causal_offset, out if accumulate else None, band_lo)
+    consts = dict(CAUSAL=causal_offset is not None, LOWER=band_lo is not None, ACCUMULATE=accumulate, STAGES=stages,
                   CONSUMER_REGS=consumer_regs, WORKER_REGS=WORKER_REGS)
     return _compile(fwd._attn_fwd_sm90_kernel, values, consts, maxnreg)
