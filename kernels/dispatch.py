@@ -131,7 +131,7 @@ def fwd(q, k, v, out, lse, *, softmax_scale: float, mask: PairMask, accumulate: 
         from .gluon import attn_fwd_sm90
 
         attn_fwd_sm90(q, k, v, out, lse, softmax_scale, causal_offset=mask.band_hi, accumulate=accumulate,
-                      out_partial=out_partial)
+                      out_partial=out_partial, band_lo=mask.band_lo)
     else:
         backend(q).fwd(q, k, v, out, lse, softmax_scale=softmax_scale, mask=mask, accumulate=accumulate,
                        out_partial=out_partial, tail=tail, arrival=arrival)

@@ -142,7 +142,8 @@ def _bf16(*shape):
     (dict(causal_offset=0, band_lo=-64), ValueError, "runs on a Hopper"),  # a window
     (dict(accumulate=True, out_partial=torch.zeros(1, 2, 256, 128).transpose(1, 2)), ValueError,
      "out_partial must have out's strides"),
-    (dict(out_partial=torch.zeros(1, 256, 2, 128)), ValueError, "runs on a Hopper"),  # checks pass, then the device
+    (dict(out_partial=torch.zeros(1, 256, 2, 128)), ValueError, "out_partial is read only with accumulate=True"),
+    (dict(accumulate=True, out_partial=torch.zeros(1, 256, 2, 128)), ValueError, "runs on a Hopper"),
     (dict(), ValueError, "runs on a Hopper (sm_90) GPU"),
 ])
 def test_argument_checks(change, error, match):

@@ -672,6 +672,7 @@ def test_forward_route_rules(monkeypatch):
     assert call(mask=PairMask()).why == device  # no mask
     assert call(accumulate=True, out=torch.float32).why == device  # the ring's running out
     assert call(accumulate=True, out_partial=torch.zeros(1, 256, 4, 128)).why == device  # the ring's last step
+    assert "out_partial is read only with accumulate=True" in call(out_partial=torch.zeros(1, 256, 4, 128)).why
     seg = torch.zeros(1, 256, dtype=torch.int32)
     for mask in (PairMask(band_lo=-64, band_hi=0), PairMask(q_segments=seg, k_segments=seg), PairMask(dropout_p=0.1),
                  PairMask(blocks=object()), PairMask(band_hi=0, band_on_positions=True)):

@@ -286,6 +286,8 @@ def fwd_unsupported(q, k, v, out, lse, softmax_scale, causal_offset, accumulate:
     for name, want in (("v", k.shape), ("out", q.shape), ("out_partial", q.shape), ("lse", (b, h, sq))):
         if name in named and tuple(named[name].shape) != tuple(want):
             return ValueError(f"attn_fwd_sm90: {name} must have shape {tuple(want)}, got {tuple(named[name].shape)}")
+    if out_in is not None and not accumulate:
+        return ValueError("attn_fwd_sm90: out_partial is read only with accumulate=True")
     if out_in is not None and out_in.stride() != out.stride():
         return ValueError(f"attn_fwd_sm90: out_partial must have out's strides {out.stride()}, got {out_in.stride()}")
     for name, t in named.items():
@@ -330,8 +332,6 @@ def attn_fwd_sm90(q, k, v, out, lse, softmax_scale: float, causal_offset: Option
     error = fwd_unsupported(q, k, v, out, lse, softmax_scale, causal_offset, accumulate, out_partial, band_lo)
     if error is not None:
         raise error
-    if out_partial is not None and not accumulate:
-        raise ValueError("attn_fwd_sm90: out_partial is read only with accumulate=True")
     b, sq, h, _ = q.shape
     fwd._attn_fwd_sm90_kernel[(sq // fwd.BLOCK_M.value, b * h)](
         *_fwd_args(q, k, v, out, lse, softmax_scale, causal_offset, out_partial, band_lo), causal_offset is not None,
