@@ -106,14 +106,20 @@ def _compiled(name: str):
             pytest.skip(f"this triton ships no {', '.join(missing)}")
         from ringflash.kernels.gluon import compile_sm90
         kernel = compile_sm90(**VARIANTS[name])
-        with tempfile.TemporaryDirectory() as tmp:
-            ptx = Path(tmp) / "bwd.ptx"
-            ptx.write_text(kernel.asm["ptx"])
-            done = subprocess.run([str(BIN / "ptxas"), "-arch=sm_90a", "-v", str(ptx), "-o",
-                                   str(Path(tmp) / "a.cubin")], capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr
-        _COMPILED[name] = (kernel, _tool("nvdisasm", kernel.asm["cubin"], "-c"), done.stderr)
+        _COMPILED[name] = (kernel, *assemble(kernel))
     return _COMPILED[name]
+
+
+def assemble(kernel) -> tuple[str, str]:
+    """(SASS, ptxas -v stderr) of a compiled kernel: its PTX assembled again with -v (for
+    the stack, spill and serialization report) and its cubin disassembled."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "kernel.ptx"
+        ptx.write_text(kernel.asm["ptx"])
+        done = subprocess.run([str(BIN / "ptxas"), "-arch=sm_90a", "-v", str(ptx), "-o", str(Path(tmp) / "a.cubin")],
+                              capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return _tool("nvdisasm", kernel.asm["cubin"], "-c"), done.stderr
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))

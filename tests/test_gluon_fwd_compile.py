@@ -13,10 +13,7 @@ tests/test_gluon_fwd_gpu.py's; the compile helpers are tests/test_gluon_compile.
 from __future__ import annotations
 
 import re
-import subprocess
-import tempfile
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +21,7 @@ import torch
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper",
                     reason="this triton has no Gluon Hopper module")
 
-from test_gluon_compile import BIN, H100_SHARED, _ptx_ops, _tile_loops, _tool  # noqa: E402
+from test_gluon_compile import BIN, H100_SHARED, _ptx_ops, _tile_loops, assemble  # noqa: E402
 
 def _head_dim(name: str) -> int:
     return VARIANTS[name].get("head_dim", 128)
@@ -52,13 +49,7 @@ def _compiled(name: str):
             pytest.skip(f"this triton ships no {', '.join(missing)}")
         from ringflash.kernels.gluon import compile_fwd_sm90
         kernel = compile_fwd_sm90(**VARIANTS[name])
-        with tempfile.TemporaryDirectory() as tmp:
-            ptx = Path(tmp) / "fwd.ptx"
-            ptx.write_text(kernel.asm["ptx"])
-            done = subprocess.run([str(BIN / "ptxas"), "-arch=sm_90a", "-v", str(ptx), "-o",
-                                   str(Path(tmp) / "a.cubin")], capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr
-        _COMPILED[name] = (kernel, _tool("nvdisasm", kernel.asm["cubin"], "-c"), done.stderr)
+        _COMPILED[name] = (kernel, *assemble(kernel))
     return _COMPILED[name]
 
 

@@ -47,6 +47,52 @@ def _descriptors(q, k, v, dout, lse, delta, dq_acc):
             rows(dq_acc, m, DQ_COLS.value, gl.float32))
 
 
+def _scalar_error(fn: str, softmax_scale, causal_offset, band_lo) -> Optional[Exception]:
+    """The scale and the band's edges, as either kernel takes them (``fn`` names it)."""
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
+            or not math.isfinite(softmax_scale) or softmax_scale <= 0:
+        return ValueError(f"{fn}: softmax_scale must be a positive finite number, got {softmax_scale!r}")
+    for name, value, rule in (("causal_offset", causal_offset, "iff j <= i + causal_offset"),
+                              ("band_lo", band_lo, "only if j >= i + band_lo")):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            return TypeError(f"{fn}: {name} must be an int or None (key j seen by query i {rule}), got "
+                             f"{type(value).__name__}")
+    return None
+
+
+def _shape_error(fn: str, q, k, head_dims) -> Optional[Exception]:
+    """q (B, Sq, H, D) and k (B, Sk, Hkv, D) as either kernel takes them: D in head_dims,
+    a batch and heads, Sq and Sk positive multiples of 128, Hkv dividing H."""
+    for name, t in (("q", q), ("k", k)):
+        if t.dim() != 4:
+            return ValueError(f"{fn}: {name} must be (B, S, H, D), got shape {tuple(t.shape)}")
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    if d not in head_dims:
+        return ValueError(f"{fn}: q's head_dim must be one of {head_dims}, got {d}")
+    if b == 0 or h == 0:
+        return ValueError(f"{fn}: q must have a batch and heads, got shape {tuple(q.shape)}")
+    for name, s in (("q", sq), ("k", sk)):
+        if s == 0 or s % BLOCK_N.value:
+            return ValueError(f"{fn}: {name}'s seqlen must be a positive multiple of {BLOCK_N.value}, got {s}")
+    if k.shape[0] != b or k.shape[3] != d or hkv == 0 or h % hkv:
+        return ValueError(f"{fn}: k must be (B, Sk, Hkv, D) with q's B = {b}, D = {d} and Hkv dividing H = {h}, got "
+                          f"{tuple(k.shape)}")
+    return None
+
+
+def _tma_error(fn: str, name: str, t) -> Optional[Exception]:
+    if t.data_ptr() % 16 or any(st * t.element_size() % 16 for st in t.stride()[:-1]):
+        return ValueError(f"{fn}: {name}'s address and strides {t.stride()} must be multiples of 16 bytes (TMA)")
+    return None
+
+
+def _device_error(fn: str, q) -> Optional[Exception]:
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return ValueError(f"{fn}: q is on {q.device}; this kernel runs on a Hopper (sm_90) GPU")
+    return None
+
+
 def unsupported(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal_offset,
                 accumulate: bool = False, band_lo: Optional[int] = None,
                 deterministic: bool = False) -> Optional[Exception]:
@@ -70,31 +116,12 @@ def unsupported(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal
     for name in ("lse", "delta", "dq_acc"):
         if name in named and named[name].dtype != torch.float32:
             return TypeError(f"attn_bwd_sm90: {name} must be float32, got {named[name].dtype}")
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
-            or not math.isfinite(softmax_scale) or softmax_scale <= 0:
-        return ValueError(f"attn_bwd_sm90: softmax_scale must be a positive finite number, got {softmax_scale!r}")
-    if causal_offset is not None and (isinstance(causal_offset, bool) or not isinstance(causal_offset, int)):
-        return TypeError(f"attn_bwd_sm90: causal_offset must be an int or None (key j seen by query i iff "
-                         f"j <= i + causal_offset), got {type(causal_offset).__name__}")
-    if band_lo is not None and (isinstance(band_lo, bool) or not isinstance(band_lo, int)):
-        return TypeError(f"attn_bwd_sm90: band_lo must be an int or None (key j seen by query i only if "
-                         f"j >= i + band_lo), got {type(band_lo).__name__}")
-    for name in ("q", "k"):
-        if named[name].dim() != 4:
-            return ValueError(f"attn_bwd_sm90: {name} must be (B, S, H, D), got shape {tuple(named[name].shape)}")
-    b, sq, h, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    if d not in HEAD_DIMS:
-        return ValueError(f"attn_bwd_sm90: q's head_dim must be one of {HEAD_DIMS}, got {d}")
-    if b == 0 or h == 0:
-        return ValueError(f"attn_bwd_sm90: q must have a batch and heads, got shape {tuple(q.shape)}")
-    for name, s in (("q", sq), ("k", sk)):
-        if s == 0 or s % BLOCK_N.value:
-            return ValueError(f"attn_bwd_sm90: {name}'s seqlen must be a positive multiple of {BLOCK_N.value}, "
-                              f"got {s}")
-    if k.shape[0] != b or k.shape[3] != d or hkv == 0 or h % hkv:
-        return ValueError(f"attn_bwd_sm90: k must be (B, Sk, Hkv, D) with q's B = {b}, D = {d} and Hkv dividing "
-                          f"H = {h}, got {tuple(k.shape)}")
+    error = (_scalar_error("attn_bwd_sm90", softmax_scale, causal_offset, band_lo)
+             or _shape_error("attn_bwd_sm90", q, k, HEAD_DIMS))
+    if error is not None:
+        return error
+    b, sq, h, _ = q.shape
+    hkv = k.shape[2]
     for name, like in (("dout", "q"), ("dq_acc", "q"), ("v", "k"), ("dk", "k"), ("dv", "k")):
         if name in named and tuple(named[name].shape) != tuple(named[like].shape):
             return ValueError(f"attn_bwd_sm90: {name} must have {like}'s shape {tuple(named[like].shape)}, got "
@@ -110,9 +137,8 @@ def unsupported(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal
             return ValueError(f"attn_bwd_sm90: {name} must have a contiguous last dimension, strides {t.stride()}")
     for name in (name for name in ("dout", "q", "k", "v", "dq_acc", "dk", "dv") if name in named):
         t = named[name]
-        if t.data_ptr() % 16 or any(st * t.element_size() % 16 for st in t.stride()[:-1]):
-            return ValueError(f"attn_bwd_sm90: {name}'s address and strides {t.stride()} must be multiples of "
-                              f"16 bytes (TMA)")
+        if (error := _tma_error("attn_bwd_sm90", name, t)) is not None:
+            return error
         if t.stride(1) * BLOCK_N.value >= 2 ** 31:
             return ValueError(f"attn_bwd_sm90: {name}'s row stride {t.stride(1)} is too large (offsets "
                               f"inside a tile are 32-bit)")
@@ -120,9 +146,7 @@ def unsupported(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal
         return ValueError(f"attn_bwd_sm90: batch x kv heads = {b * hkv}: the launch grid's y takes at most 65535")
     if b * h * sq >= 2 ** 31:
         return ValueError(f"attn_bwd_sm90: lse and delta hold {b * h * sq} elements, TMA takes < 2**31")
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
-        return ValueError(f"attn_bwd_sm90: q is on {q.device}; this kernel runs on a Hopper (sm_90) GPU")
-    return None
+    return _device_error("attn_bwd_sm90", q)
 
 
 def _check(*args) -> None:
@@ -254,35 +278,16 @@ def fwd_unsupported(q, k, v, out, lse, softmax_scale, causal_offset, accumulate:
     for name in ("q", "k", "v"):
         if named[name].dtype != torch.bfloat16:
             return TypeError(f"attn_fwd_sm90: {name} must be bfloat16, got {named[name].dtype}")
-        if named[name].dim() != 4:
-            return ValueError(f"attn_fwd_sm90: {name} must be (B, S, H, D), got shape {tuple(named[name].shape)}")
     if lse.dtype != torch.float32:
         return TypeError(f"attn_fwd_sm90: lse must be float32, got {lse.dtype}")
     for name in ("out", "out_partial"):
         if name in named and not named[name].dtype.is_floating_point:
             return TypeError(f"attn_fwd_sm90: {name} must be a float tensor, got {named[name].dtype}")
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) \
-            or not math.isfinite(softmax_scale) or softmax_scale <= 0:
-        return ValueError(f"attn_fwd_sm90: softmax_scale must be a positive finite number, got {softmax_scale!r}")
-    if causal_offset is not None and (isinstance(causal_offset, bool) or not isinstance(causal_offset, int)):
-        return TypeError(f"attn_fwd_sm90: causal_offset must be an int or None (key j seen by query i iff "
-                         f"j <= i + causal_offset), got {type(causal_offset).__name__}")
-    if band_lo is not None and (isinstance(band_lo, bool) or not isinstance(band_lo, int)):
-        return TypeError(f"attn_fwd_sm90: band_lo must be an int or None (key j seen by query i only if "
-                         f"j >= i + band_lo), got {type(band_lo).__name__}")
-    b, sq, h, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    if d not in fwd.HEAD_DIMS:
-        return ValueError(f"attn_fwd_sm90: q's head_dim must be one of {fwd.HEAD_DIMS}, got {d}")
-    if b == 0 or h == 0:
-        return ValueError(f"attn_fwd_sm90: q must have a batch and heads, got shape {tuple(q.shape)}")
-    for name, s in (("q", sq), ("k", sk)):
-        if s == 0 or s % fwd.BLOCK_N.value:
-            return ValueError(f"attn_fwd_sm90: {name}'s seqlen must be a positive multiple of {fwd.BLOCK_N.value}, "
-                              f"got {s}")
-    if k.shape[0] != b or k.shape[3] != d or hkv == 0 or h % hkv:
-        return ValueError(f"attn_fwd_sm90: k must be (B, Sk, Hkv, D) with q's B = {b}, D = {d} and Hkv dividing "
-                          f"H = {h}, got {tuple(k.shape)}")
+    error = (_scalar_error("attn_fwd_sm90", softmax_scale, causal_offset, band_lo)
+             or _shape_error("attn_fwd_sm90", q, k, fwd.HEAD_DIMS))
+    if error is not None:
+        return error
+    b, sq, h, _ = q.shape
     for name, want in (("v", k.shape), ("out", q.shape), ("out_partial", q.shape), ("lse", (b, h, sq))):
         if name in named and tuple(named[name].shape) != tuple(want):
             return ValueError(f"attn_fwd_sm90: {name} must have shape {tuple(want)}, got {tuple(named[name].shape)}")
@@ -296,18 +301,14 @@ def fwd_unsupported(q, k, v, out, lse, softmax_scale, causal_offset, accumulate:
         if name != "lse" and t.stride(-1) != 1:
             return ValueError(f"attn_fwd_sm90: {name} must have a contiguous last dimension, strides {t.stride()}")
     for name in ("q", "k", "v"):
-        t = named[name]
-        if t.data_ptr() % 16 or any(st * t.element_size() % 16 for st in t.stride()[:-1]):
-            return ValueError(f"attn_fwd_sm90: {name}'s address and strides {t.stride()} must be multiples of "
-                              f"16 bytes (TMA)")
+        if (error := _tma_error("attn_fwd_sm90", name, named[name])) is not None:
+            return error
     if out.stride(1) * 64 >= 2 ** 31:
         return ValueError(f"attn_fwd_sm90: out's row stride {out.stride(1)} is too large (offsets inside a tile "
                           f"are 32-bit)")
     if b * h > 65535:
         return ValueError(f"attn_fwd_sm90: batch x heads = {b * h}: the launch grid's y takes at most 65535")
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
-        return ValueError(f"attn_fwd_sm90: q is on {q.device}; this kernel runs on a Hopper (sm_90) GPU")
-    return None
+    return _device_error("attn_fwd_sm90", q)
 
 
 def _fwd_args(q, k, v, out, lse, softmax_scale, causal_offset, out_in, band_lo):
