@@ -13,7 +13,9 @@ The forward takes the first route that serves the call (``fwd_route``):
   Why: on one H100 (2026-11-27, benchmarks/research/forward_alone.py, 8k-32k tokens, 32
   heads, 32 or 8 kv heads, causal and not) 586-684 TFLOP/s against the Triton forward's
   526-575 and SDPA cuDNN's 559-639: 1.00-1.11x cuDNN, with out and lse bit-equal to the
-  Triton forward's.
+  Triton forward's; through ``flash_attn`` on one H200 1.02-1.08x cuDNN's forward
+  (benchmarks/results/kernel_h200.json). The kernel also compiles for head_dim 64 and a
+  window's lower edge: not routed until they run on a GPU.
 - ``triton``: every other CUDA call.
 
 The backward takes the first route that serves the call (``bwd_route``):
