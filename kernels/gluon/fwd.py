@@ -81,10 +81,12 @@ def _k_tiles(m0, offset, band_lo, seqlen_k, CAUSAL: gl.constexpr, LOWER: gl.cons
         full = gl.minimum(gl.maximum(m0 + offset + 1, 0) // BLOCK_N, end)
     start = 0
     u0 = 0
+    u1 = full
     if LOWER:
         start = gl.minimum(gl.maximum(m0 + band_lo, 0) // BLOCK_N, end)
         u0 = gl.minimum(gl.maximum((gl.maximum(m0 + BLOCK_M - 1 + band_lo, 0) + BLOCK_N - 1) // BLOCK_N, start), end)
-    return start, u0, gl.maximum(full, u0), end
+        u1 = gl.maximum(full, u0)
+    return start, u0, u1, end
 
 
 @gluon.jit
