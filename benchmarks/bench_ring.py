@@ -83,6 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gqa-kv-heads", type=int, default=None,
                    help=f"kv heads of the extra GQA row, 0: no GQA row (default {g['gqa_kv_heads']}; "
                         f"on the cpu {c['gqa_kv_heads']})")
+    p.add_argument("--gqa-only", action="store_true", help="only the GQA rows (no MHA row)")
     p.add_argument("--head-dim", type=int, default=None,
                    help=f"head dim (default {g['head_dim']}; on the cpu {c['head_dim']})")
     cli.add_problem_args(p, IMPLS, g, c)
@@ -476,7 +477,7 @@ def run_ringflash_1gpu(cfg: Cfg, full, ctx: Ctx, args) -> dict:
 
 
 def configs(args) -> list[Cfg]:
-    head_cfgs = [(args.heads, args.heads)]
+    head_cfgs = [] if args.gqa_only and args.gqa_kv_heads else [(args.heads, args.heads)]
     if args.gqa_kv_heads and args.gqa_kv_heads != args.heads:
         head_cfgs.append((args.heads, args.gqa_kv_heads))
     return [Cfg(args.batch, s, h, kvh, args.head_dim, mask)

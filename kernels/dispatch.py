@@ -6,16 +6,19 @@ The forward takes the first route that serves the call (``fwd_route``):
 
 - ``reference``: tensors off CUDA; the PyTorch twin (CPU, tests).
 - ``gluon_sm90`` (kernels/gluon/fwd.py): a Hopper GPU (sm_90), bf16, head_dim 128, Sq and
-  Sk multiples of 128, no mask or the causal band (``PairMask.causal``), MHA, GQA or MQA,
-  k and v in one tensor each (not ``Joined``); out written, or with ``accumulate`` merged
-  with the running out (or ``out_partial``) and lse: ``flash_attn``'s forward and the
-  ring's steps alike.
+  Sk multiples of 128, no mask or a band on local indices (causal, a window, or both),
+  MHA, GQA or MQA, k and v in one tensor each (not ``Joined``); out written, or with
+  ``accumulate`` merged with the running out (or ``out_partial``) and lse:
+  ``flash_attn``'s forward and the ring's steps alike.
   Why: on one H100 (2026-11-27, benchmarks/research/forward_alone.py, 8k-32k tokens, 32
   heads, 32 or 8 kv heads, causal and not) 586-684 TFLOP/s against the Triton forward's
   526-575 and SDPA cuDNN's 559-639: 1.00-1.11x cuDNN, with out and lse bit-equal to the
   Triton forward's; through ``flash_attn`` on one H200 1.02-1.08x cuDNN's forward
-  (benchmarks/results/kernel_h200.json). The kernel also compiles for head_dim 64 and a
-  window's lower edge: not routed until they run on a GPU.
+  (benchmarks/results/kernel_h200.json). Causal windows of 1k and 4k keys at 16k-32k, one
+  H200 (same script, ``--windows``): 1.07-1.11x the Triton forward in 3 of 4, 0.98x at
+  32k with 4k keys, out and lse bit-equal. head_dim 64 stays on Triton: the Gluon forward
+  compiles and passes its tests there but measured level with it (0.99-1.03x, one H200,
+  8k-32k, ``--head-dim 64``), so it would add a route for no gain.
 - ``triton``: every other CUDA call.
 
 The backward takes the first route that serves the call (``bwd_route``):
@@ -106,12 +109,12 @@ def fwd_route(q, k, v, out, lse, *, softmax_scale: float, mask: PairMask, accumu
     arch = capability(q)
     if arch is None:
         return Route("reference")
-    if not local_band(mask) or mask.band_lo is not None:
-        why = "mask: only no mask or the causal band"
+    if not local_band(mask):
+        why = "mask: only no mask or a band on local indices"
     elif tail is not None or arrival is not None:
         why = "k, v Joined from two tensors"
-    elif q.shape[-1] != 128:  # the kernel compiles head_dim 64 too: not run on a GPU yet
-        why = f"head_dim {q.shape[-1]}: the Gluon forward serves 128"
+    elif q.shape[-1] != 128:
+        why = f"head_dim {q.shape[-1]}: the Gluon forward is routed at 128 (level with Triton at 64)"
     elif arch != (9, 0):
         why = f"sm_{arch[0]}{arch[1]}, not sm_90"
     else:

@@ -2,10 +2,12 @@
 each number of K/V stages, the Triton forward (kernels/triton) and SDPA cuDNN's forward, on
 the same inputs (docs/notes/gluon-backward.md, "The Gluon forward"):
 
-    python benchmarks/research/forward_alone.py [--seqlens 8192 16384] [--kv-heads 32 8] [--stages 2 3]
+    python benchmarks/research/forward_alone.py [--seqlens 8192 16384] [--kv-heads 32 8] [--stages 2 3] \
+        [--head-dim 128] [--windows 4096]
 
-bf16, batch 1, 32 heads, head_dim 128, causal and not. Prints one JSON line per
-configuration: milliseconds (triton.testing.do_bench medians), forward TFLOP/s (halved
+bf16, batch 1, 32 heads, head_dim 128 (or ``--head-dim``), causal and not, and with
+``--windows`` causal sliding windows of those many keys instead (no cuDNN row: SDPA has no
+window). Prints one JSON line per configuration: milliseconds (triton.testing.do_bench medians), forward TFLOP/s (halved
 when causal), and the Gluon out's and lse's relative error against the Triton forward's.
 """
 
@@ -24,22 +26,24 @@ from ringflash.kernels import triton as triton_kernels
 from ringflash.kernels.gluon import attn_fwd_sm90
 from ringflash.kernels.gluon import launch as gluon_launch
 
-HEADS, HEAD_DIM = 32, 128
+HEADS = 32
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def one(seqlen: int, kv_heads: int, causal: bool, stages=(2,)) -> dict:
+def one(seqlen: int, kv_heads: int, causal: bool, stages=(2,), head_dim: int = 128, window: int = 0) -> dict:
+    """One configuration's timings; ``window`` > 0: causal, each query seeing its last ``window`` keys."""
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def randn(heads):
-        return torch.randn(1, seqlen, heads, HEAD_DIM, generator=gen, device="cuda").to(torch.bfloat16)
+        return torch.randn(1, seqlen, heads, head_dim, generator=gen, device="cuda").to(torch.bfloat16)
 
     q, k, v = randn(HEADS), randn(kv_heads), randn(kv_heads)
-    scale, offset = HEAD_DIM ** -0.5, 0 if causal else None
-    mask = PairMask.causal(offset)
+    scale, offset = head_dim ** -0.5, 0 if causal or window else None
+    band_lo = -(window - 1) if window else None
+    mask = PairMask(band_lo=band_lo, band_hi=offset)
     ref, ref_lse = torch.empty_like(q), torch.empty(1, HEADS, seqlen, device="cuda")
     out, lse = torch.empty_like(q), torch.empty_like(ref_lse)
     ms, errors = {}, {}
@@ -47,15 +51,17 @@ def one(seqlen: int, kv_heads: int, causal: bool, stages=(2,)) -> dict:
                                                        accumulate=False))
     for n in stages:
         gluon_launch.FWD_STAGES = n
-        attn_fwd_sm90(q, k, v, out, lse, scale, causal_offset=offset)
+        attn_fwd_sm90(q, k, v, out, lse, scale, causal_offset=offset, band_lo=band_lo)
         errors[f"out_stages{n}"], errors[f"lse_stages{n}"] = rel(out, ref), rel(lse, ref_lse)
-        ms[f"gluon_stages{n}"] = do_bench(lambda: attn_fwd_sm90(q, k, v, out, lse, scale, causal_offset=offset))
+        ms[f"gluon_stages{n}"] = do_bench(lambda: attn_fwd_sm90(q, k, v, out, lse, scale, causal_offset=offset, band_lo=band_lo))
     leaves = [t.transpose(1, 2) for t in (q, k, v)]
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        ms["cudnn"] = do_bench(lambda: F.scaled_dot_product_attention(*leaves, is_causal=causal,
-                                                                      enable_gqa=kv_heads != HEADS))
-    flops = 4 * HEADS * seqlen * seqlen * HEAD_DIM / (2 if causal else 1)
-    return dict(seqlen=seqlen, heads=HEADS, kv_heads=kv_heads, causal=causal, ms=ms,
+    if not window:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            ms["cudnn"] = do_bench(lambda: F.scaled_dot_product_attention(*leaves, is_causal=causal,
+                                                                          enable_gqa=kv_heads != HEADS))
+    pairs = seqlen * window - window * (window - 1) / 2 if window else seqlen * seqlen / (2 if causal else 1)
+    flops = 4 * HEADS * pairs * head_dim
+    return dict(seqlen=seqlen, heads=HEADS, kv_heads=kv_heads, head_dim=head_dim, causal=causal, window=window, ms=ms,
                 fwd_tflops={name: round(flops / t / 1e9, 1) for name, t in ms.items()},
                 gluon_rel_err_vs_triton=errors)
 
@@ -65,12 +71,16 @@ def main() -> None:
     p.add_argument("--seqlens", type=int, nargs="+", default=[8192, 16384])
     p.add_argument("--kv-heads", type=int, nargs="+", default=[32, 8])
     p.add_argument("--stages", type=int, nargs="+", default=[gluon_launch.FWD_STAGES])
+    p.add_argument("--head-dim", type=int, default=128, choices=gluon_launch.HEAD_DIMS)
+    p.add_argument("--windows", type=int, nargs="+", default=[],
+                   help="time causal sliding windows of these many keys (instead of causal and not)")
     args = p.parse_args()
     print(f"# {torch.cuda.get_device_name()}", flush=True)
+    cases = [(causal, 0) for causal in (False, True)] if not args.windows else [(True, w) for w in args.windows]
     for kv_heads in args.kv_heads:
         for seqlen in args.seqlens:
-            for causal in (False, True):
-                print(json.dumps(one(seqlen, kv_heads, causal, args.stages)), flush=True)
+            for causal, window in cases:
+                print(json.dumps(one(seqlen, kv_heads, causal, args.stages, args.head_dim, window)), flush=True)
                 torch.cuda.empty_cache()
 
 

@@ -4,15 +4,14 @@ FlashAttention-3's forward structure: the softmax of one K tile runs on the CUDA
 while the tensor cores multiply the previous tile's P by its V. Its host side (checks,
 descriptors, launch, the CPU compile) is in kernels/gluon/launch.py (``attn_fwd_sm90``).
 
-Shapes served: q (B, Sq, H, D) and k, v (B, Sk, Hkv, D), D 128 (or 64: compiled and
-checked on the CPU, not yet run on a GPU, so kernels/dispatch.py routes 128 only), bf16,
+Shapes served: q (B, Sq, H, D) and k, v (B, Sk, Hkv, D), D 128 or 64 (64 passes its
+GPU tests but measured level with the Triton forward: kernels/dispatch.py routes 128), bf16,
 Hkv dividing H (query head h reads kv head h // (H / Hkv): MHA, GQA, MQA), Sq and Sk
 positive multiples of 128, any strides with a contiguous last dimension (TMA: the other
 strides and the base addresses 16-byte aligned). Masks: none or the causal band with an
 offset, as ``PairMask.causal(o)``: key j is seen by query i iff j <= i + o on the pair's
 local indices (the ring's pairs); with it or without it a window's lower edge
-``band_lo``, key j seen only if j >= i + band_lo (compiled and checked on the CPU, not yet
-run on a GPU: not routed). Outputs: out (B, Sq, H, D) in any float dtype and lse
+``band_lo``, key j seen only if j >= i + band_lo. Outputs: out (B, Sq, H, D) in any float dtype and lse
 (B, H, Sq) fp32 (natural log; a row that sees no key gets out 0 and lse -inf), through
 their own strides; with ``ACCUMULATE`` the block's result is merged with the running
 (out_in, lse) first, exactly as the Triton forward merges it (kernels/triton/fwd.py:
