@@ -18,7 +18,9 @@ The forward takes the first route that serves the call (``fwd_route``):
   H200 (same script, ``--windows``): 1.07-1.11x the Triton forward in 3 of 4, 0.98x at
   32k with 4k keys, out and lse bit-equal. head_dim 64 stays on Triton: the Gluon forward
   compiles and passes its tests there but measured level with it (0.99-1.03x, one H200,
-  8k-32k, ``--head-dim 64``), so it would add a route for no gain.
+  8k-32k, ``--head-dim 64``), so it would add a route for no gain. Segment ids (packed
+  documents) compile for sm_90 (``attn_fwd_sm90(q_segments=, k_segments=)``): not routed
+  until they run on a GPU.
 - ``triton``: every other CUDA call.
 
 The backward takes the first route that serves the call (``bwd_route``):

@@ -37,7 +37,19 @@ VARIANTS = {
     # a window's lower edge (j >= i + band_lo), with the causal edge and alone
     "window": dict(causal_offset=0, band_lo=-300),
     "window-lo-add": dict(band_lo=-200, accumulate=True, out_dtype=torch.float32),
+    # segment ids (packed documents): with the causal band, alone with GQA and the merge, with a
+    # window, at head_dim 64
+    "documents": dict(causal_offset=0, segments=True),
+    "documents-gqa-add": dict(heads=8, kv_heads=2, accumulate=True, out_dtype=torch.float32, segments=True),
+    "documents-window": dict(causal_offset=0, band_lo=-300, segments=True),
+    "documents-hd64": dict(causal_offset=0, head_dim=64, segments=True),
 }
+# Variants whose ptxas spills a few bytes outside the tile loops (the loops themselves must
+# not touch local memory).
+SPILLS_OUTSIDE_LOOPS = {"documents-window", "documents-hd64"}
+# The unmasked loops' length against the unbanded loop of their head_dim: 5% (documents at
+# head_dim 64: 7%, 441 SASS instructions against 414; the Gluon forward is not routed there).
+LOOP_SLACK = {"documents-hd64": 1.07}
 _COMPILED: dict = {}
 
 
@@ -63,6 +75,17 @@ def _edges(name: str) -> int:
     return (VARIANTS[name].get("causal_offset") is not None) + (VARIANTS[name].get("band_lo") is not None)
 
 
+def _masks(name: str) -> int:
+    """The element masks a masked step applies: the band's edges, and the ids' compare."""
+    return _edges(name) + bool(VARIANTS[name].get("segments"))
+
+
+def _masked_loops(name: str) -> int:
+    """The masked tile loops a consumer group runs: one an edge of the band; with segment
+    ids both (tiles before and after the unmasked ones)."""
+    return 2 if VARIANTS[name].get("segments") else _edges(name)
+
+
 def test_products_loads_and_resources(variant):
     """Per consumer group: the first tile's scores (head_dim / 16 wgmma k-steps of 64 x 128;
     twice, masked and not, with a band), per loop kind (unmasked, and one masked kind an
@@ -72,9 +95,9 @@ def test_products_loads_and_resources(variant):
     name, kernel, _, _ = variant
     ptx = kernel.asm["ptx"]
     shapes = Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))
-    edges, d = _edges(name), _head_dim(name)
-    want = Counter({"m64n128k16": 2 * d // 16 * ((2 if edges else 1) + 1 + edges)})
-    want[f"m64n{d}k16"] += 2 * 8 * (1 + edges + 1)
+    loops, d = _masked_loops(name), _head_dim(name)
+    want = Counter({"m64n128k16": 2 * d // 16 * ((2 if loops else 1) + 1 + loops)})
+    want[f"m64n{d}k16"] += 2 * 8 * (1 + loops + 1)
     assert shapes == want, shapes
     ops = _ptx_ops(ptx)
     assert sum(n for op, n in ops.items() if op.startswith("cp.async.bulk.tensor.4d")) >= 4, ops  # Q x 2, K, V
@@ -86,7 +109,12 @@ def test_products_loads_and_resources(variant):
 def test_no_serialization_no_spills(variant):
     name, _, sass, stderr = variant
     assert "serialized" not in stderr and not re.search(r"C751\d", stderr), stderr
-    assert re.search(r"0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", stderr), stderr
+    if name in SPILLS_OUTSIDE_LOOPS:
+        spilled = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", stderr)
+        assert spilled and max(int(spilled[1]), int(spilled[2])) <= 8, stderr
+        assert not any(op.startswith(("LDL", "STL")) for loop in _tile_loops(sass) for op in loop)
+    else:
+        assert re.search(r"0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", stderr), stderr
 
 
 def test_tile_loops_and_the_mask(variant):
@@ -97,20 +125,20 @@ def test_tile_loops_and_the_mask(variant):
     head_dim."""
     name, kernel, sass, _ = variant
     loops = _tile_loops(sass)
-    edges = _edges(name)
-    assert len(loops) == 2 * (1 + edges), [len(loop) for loop in loops]
+    kinds, masks = _masked_loops(name), _masks(name)
+    assert len(loops) == 2 * (1 + kinds), [len(loop) for loop in loops]
     masked = [loop for loop in loops if "FSEL" in loop]
-    assert len(masked) == 2 * edges
+    assert len(masked) == 2 * kinds
     plain = "mha" if _head_dim(name) == 128 else "hd64-gqa-add"  # no band
     reference = max(len(loop) for loop in _tile_loops(_compiled(plain)[1]))
     for loop in loops:
         count = Counter(loop)
         assert count["HGMMA"] == _head_dim(name) // 16 + 8 and count["MUFU"] == 66, count
         if loop in masked:
-            assert count["FSEL"] == 64 * edges + 2, count
+            assert count["FSEL"] == 64 * masks + 2, count
         else:
-            assert len(loop) <= 1.05 * reference, (len(loop), reference)
-    assert kernel.asm["ptx"].count("selp.f32") >= 2 * 64 * edges
+            assert len(loop) <= LOOP_SLACK.get(name, 1.05) * reference, (len(loop), reference)
+    assert kernel.asm["ptx"].count("selp.f32") >= 2 * 64 * masks
 
 
 def _bf16(*shape):
@@ -136,12 +164,84 @@ def _bf16(*shape):
     (dict(out_partial=torch.zeros(1, 256, 2, 128)), ValueError, "out_partial is read only with accumulate=True"),
     (dict(accumulate=True, out_partial=torch.zeros(1, 256, 2, 128)), ValueError, "runs on a Hopper"),
     (dict(), ValueError, "runs on a Hopper (sm_90) GPU"),
+    (dict(q_segments=torch.zeros(1, 256, dtype=torch.int32)), ValueError, "q_segments and k_segments go together"),
+    (dict(q_segments=torch.zeros(1, 256, dtype=torch.int64), k_segments=torch.zeros(1, 256, dtype=torch.int64)),
+     TypeError, "q_segments must be int32"),
+    (dict(q_segments=torch.zeros(1, 128, dtype=torch.int32), k_segments=torch.zeros(1, 256, dtype=torch.int32)),
+     ValueError, "q_segments must have shape (1, 256)"),
+    (dict(q_segments=torch.zeros(1, 256, dtype=torch.int32), k_segments=torch.zeros(1, 256, dtype=torch.int32)),
+     ValueError, "runs on a Hopper"),
 ])
 def test_argument_checks(change, error, match):
     from ringflash.kernels.gluon import attn_fwd_sm90
     args = dict(q=_bf16(1, 256, 2, 128), k=_bf16(1, 256, 2, 128), v=_bf16(1, 256, 2, 128),
                 out=_bf16(1, 256, 2, 128), lse=torch.zeros(1, 2, 256), softmax_scale=0.1, causal_offset=None,
-                accumulate=False, out_partial=None, band_lo=None)
+                accumulate=False, out_partial=None, band_lo=None, q_segments=None, k_segments=None)
     args.update(change)
     with pytest.raises(error, match=re.escape(match)):
         attn_fwd_sm90(**args)
+
+
+def _k_tiles(m0, offset, band_lo, n_k, tiles):
+    """kernels/gluon/fwd.py's ``_k_tiles``, line for line in Python (BLOCK_M = BLOCK_N = 128)."""
+    end, full = n_k, n_k
+    if offset is not None:
+        end = min((max(m0 + 128 + offset, 0) + 127) // 128, n_k)
+        full = min(max(m0 + offset + 1, 0) // 128, end)
+    start, u0, u1 = 0, 0, full
+    if band_lo is not None:
+        start = min(max(m0 + band_lo, 0) // 128, end)
+        u0 = min(max((max(m0 + 127 + band_lo, 0) + 127) // 128, start), end)
+        u1 = max(full, u0)
+    if tiles is not None:
+        start = max(start, tiles[0])
+        end = max(min(end, tiles[3]), start)
+        u0 = min(max(max(u0, tiles[1]), start), end)
+        u1 = min(max(min(u1, tiles[2]), u0), end)
+    return start, u0, u1, end
+
+
+def _ids(gen, n, holes: bool, pad: bool):
+    lengths = []
+    while sum(lengths) < n:
+        lengths.append(int(torch.randint(1, 400, (1,), generator=gen)) if torch.rand(1, generator=gen) < 0.7
+                       else 128 * int(torch.randint(1, 4, (1,), generator=gen)))
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[:n]
+    if holes:
+        ids[torch.randint(0, n, (6,), generator=gen)] = -1
+    if pad:
+        ids[-int(torch.randint(1, 300, (1,), generator=gen)):] = -1
+    return ids
+
+
+def test_segment_tiles_walk_every_visible_key():
+    """The forward's tile walk with segment ids (``masks.segment_tiles`` intersected with the
+    band as ``_k_tiles`` does), against brute force on random packed documents (padding at
+    the end and inside documents, the ring's shifted pairs, the causal band with offsets, a
+    window): every visible (query, key) pair lies in its Q tile's [start, end), and every
+    pair of tiles [u0, u1) is visible (the kernel skips the mask there)."""
+    from ringflash.kernels.masks import segment_ranges, segment_tiles
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        sq, sk = 128 * int(torch.randint(1, 9, (1,), generator=gen)), 128 * int(torch.randint(1, 9, (1,), generator=gen))
+        shifted = trial % 3 == 0
+        ids = _ids(gen, sq + sk if shifted else max(sq, sk), holes=trial % 4 == 1, pad=trial % 5 == 2)
+        q_ids, k_ids = (ids[sk:sk + sq], ids[:sk]) if shifted else (ids[:sq], ids[:sk])
+        offset = [None, 0, 128, -100, 37, sk][trial % 6]
+        band_lo = [None, None, -300, -1, -700][trial % 5]
+        tiles = segment_tiles(segment_ranges(q_ids[None].int(), k_ids[None].int()), sk)[0]
+        i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+        visible = (q_ids[:, None] == k_ids[None, :]) & (q_ids[:, None] >= 0)
+        if offset is not None:
+            visible &= j <= i + offset
+        if band_lo is not None:
+            visible &= j >= i + band_lo
+        for m in range(sq // 128):
+            start, u0, u1, end = _k_tiles(128 * m, offset, band_lo, sk // 128, tiles[m].tolist())
+            assert start <= u0 <= u1 <= end, (trial, m, start, u0, u1, end)
+            rows = visible[128 * m:128 * (m + 1)]
+            cols = rows.any(0).nonzero().flatten()
+            if len(cols):
+                assert start * 128 <= int(cols.min()) and int(cols.max()) < end * 128, (trial, m, start, end)
+            assert bool(rows[:, u0 * 128:u1 * 128].all()), (trial, m, u0, u1)
+

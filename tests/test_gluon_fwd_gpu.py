@@ -7,7 +7,7 @@ bf16; no mask or
 the causal band with offsets (key j seen by query i iff j <= i + o: the diagonal, the
 ring's neighbouring blocks at +-128, a diagonal through the middle of Q tiles at -100
 and +37, Sq != Sk, every key hidden, every pair visible), a window's lower edge, GQA and
-MQA, strided views of one packed projection. Modes:
+MQA, strided views of one packed projection, segment ids (packed documents, padding). Modes:
 
 - "write": out (bf16) and lse (a view into a longer buffer, as the ring's) NaN-prefilled, written;
 - "add": ``accumulate`` into an fp32 running out and lse holding the oracle's result over
@@ -64,6 +64,19 @@ CASES = [
     (1, 1024, 1024, 4, 4, 0, "write", "contiguous", 0), (1, 1024, 1024, 4, 4, 512, "write", "contiguous", 300),
     (1, 512, 1024, 4, 4, None, "write", "contiguous", -200), (2, 1024, 1024, 8, 2, 0, "add", "contiguous", -300),
     (1, 4096, 4096, 4, 4, 0, "partial", "contiguous", -1000), (1, 1024, 1024, 4, 4, 0, "write", "hd64", -256),
+    # segment ids (the 10th field, ``_segment_ids``' pattern; compiled on the CPU, not yet
+    # routed): packed documents with and without the causal band, padding at the end and
+    # inside documents, the ring's pair of a shard and the one before it, GQA, a window,
+    # the merge and the last step, head_dim 64
+    (2, 1024, 1024, 4, 4, 0, "write", "contiguous", None, "docs"),
+    (2, 1024, 1024, 4, 4, None, "write", "contiguous", None, "docs"),
+    (1, 2048, 2048, 4, 4, 0, "write", "contiguous", None, "pad"),
+    (1, 1024, 1024, 4, 4, 0, "write", "contiguous", None, "holes"),
+    (2, 1024, 1024, 4, 4, 1024, "write", "contiguous", None, "shifted"),
+    (2, 1024, 1024, 8, 2, 0, "add", "contiguous", None, "docs"),
+    (1, 2048, 2048, 4, 4, 0, "write", "contiguous", -300, "docs"),
+    (1, 1024, 1024, 4, 4, 1024, "partial", "contiguous", None, "shifted"),
+    (1, 1024, 1024, 4, 4, 0, "write", "hd64", None, "docs"),
 ]
 
 
@@ -71,10 +84,36 @@ def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-def _id(b, sq, sk, h, hkv, offset, mode, layout, band_lo=None) -> str:
+def _id(b, sq, sk, h, hkv, offset, mode, layout, band_lo=None, segments=None) -> str:
     mask = "full" if offset is None else f"causal{offset:+d}"
     mask += "" if band_lo is None else f"-lo{band_lo:+d}"
+    mask += "" if segments is None else f"-{segments}"
     return f"b{b}-q{sq}-k{sk}-h{h}kv{hkv}-{mask}-{mode}-{layout}"
+
+
+def _segment_ids(pattern: str, b: int, sq: int, sk: int):
+    """(q ids (b, sq), k ids (b, sk)) int32 on the GPU. Documents of 1 to 700 tokens, some
+    ending on a tile's edge (a different draw per batch row); "pad": the last 300 tokens
+    padding (-1); "holes": a few padding tokens inside documents; "shifted": the ring's pair
+    of a shard (queries, the last sq tokens) and the one before it (keys, the first sk) of
+    one packed sequence; else queries and keys the same tokens."""
+    gen = torch.Generator().manual_seed(1)
+    total = sq + sk if pattern == "shifted" else sk
+    rows = []
+    for _ in range(b):
+        lengths = []
+        while sum(lengths) < total:
+            lengths.append(int(torch.randint(1, 700, (1,), generator=gen)) if len(lengths) % 4 else 128 * 2)
+        ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[:total]
+        if pattern == "pad":
+            ids[-300:] = -1
+        if pattern == "holes":
+            ids[torch.randint(0, total, (12,), generator=gen)] = -1
+        rows.append(ids)
+    ids = torch.stack(rows).to(torch.int32).cuda()
+    if pattern == "shifted":
+        return ids[:, sk:].contiguous(), ids[:, :sk].contiguous()
+    return ids, ids
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_id(*c) for c in CASES])
@@ -99,7 +138,7 @@ def test_gluon_fwd_matches_oracle(case):
 # ----------------------------------------------------------------------------- the child
 
 
-def _child(b, sq, sk, h, hkv, offset, mode, layout, band_lo=None) -> dict:
+def _child(b, sq, sk, h, hkv, offset, mode, layout, band_lo=None, segments=None) -> dict:
     sys.path.insert(0, str(TESTS))
     from oracle import attention_oracle, rel_err
 
@@ -123,13 +162,19 @@ def _child(b, sq, sk, h, hkv, offset, mode, layout, band_lo=None) -> dict:
     visible = torch.ones(sq, sk, dtype=torch.bool, device="cuda") if offset is None else j <= i + offset
     if band_lo is not None:
         visible = visible & (j >= i + band_lo)
+    q_ids = k_ids = None
+    if segments is not None:  # (b, sq, sk): the band and the same document (padding sees nothing)
+        q_ids, k_ids = _segment_ids(segments, b, sq, sk)
+        same = (q_ids[:, :, None] == k_ids[:, None, :]) & (q_ids[:, :, None] >= 0)
+        visible = visible[None] & same
     accumulate = mode != "write"
     if accumulate:  # a running result over 256 other keys, every third row empty
         k0, v0 = randn(b, 256, hkv, D), randn(b, 256, hkv, D)
         seen0 = (torch.arange(sq, device="cuda") % 3 != 0)[:, None].expand(sq, 256)
         out0, lse0 = attention_oracle(q, k0, v0, softmax_scale=scale, mask=seen0)
+        both = torch.cat([seen0.expand(visible.shape[:-1] + (256,)), visible], -1)
         want, want_lse = attention_oracle(q, torch.cat([k0, k], 1), torch.cat([v0, v], 1), softmax_scale=scale,
-                                          mask=torch.cat([seen0, visible], 1))
+                                          mask=both)
         running = out0.float().contiguous()
         running_lse = lse0.float()
     else:
@@ -154,16 +199,19 @@ def _child(b, sq, sk, h, hkv, offset, mode, layout, band_lo=None) -> dict:
         return out, lse
 
     out, lse = call(lambda o, s, acc, part: attn_fwd_sm90(q, k, v, o, s, scale, causal_offset=offset,
-                                                           accumulate=acc, out_partial=part, band_lo=band_lo))
-    lib_out, _ = call(lambda o, s, acc, part: triton_kernels.fwd(q, k, v, o, s, softmax_scale=scale,
-                                                                 mask=PairMask(band_lo=band_lo, band_hi=offset),
+                                                           accumulate=acc, out_partial=part, band_lo=band_lo,
+                                                           q_segments=q_ids, k_segments=k_ids))
+    lib_mask = PairMask(band_lo=band_lo, band_hi=offset, q_segments=q_ids, k_segments=k_ids)
+    lib_out, _ = call(lambda o, s, acc, part: triton_kernels.fwd(q, k, v, o, s, softmax_scale=scale, mask=lib_mask,
                                                                  accumulate=acc, out_partial=part))
     torch.cuda.synchronize()
-    empty = ~(visible.any(1) | seen0.any(1))  # rows seeing no key at all
-    empty_exact = bool((out[:, empty] == 0).all()) and bool((lse[:, :, empty] == float("-inf")).all())
+    empty = ~(visible.any(-1) | seen0.any(-1))  # rows seeing no key at all: (sq,) or (b, sq)
+    empty = empty.expand(b, sq)
+    empty_exact = bool((out[empty] == 0).all()) and bool((lse.transpose(1, 2)[empty] == float("-inf")).all())
     finite = ~empty
+    lse_t, want_lse_t = lse.transpose(1, 2), want_lse.transpose(1, 2)
     return dict(out=rel_err(out.double(), want), library_out=rel_err(lib_out.double(), want),
-                lse=rel_err(lse[:, :, finite].double(), want_lse[:, :, finite]),
+                lse=rel_err(lse_t[finite].double(), want_lse_t[finite]),
                 empty_rows=int(empty.sum()), empty_rows_exact=empty_exact,
                 nan=int(torch.isnan(out).sum() + torch.isnan(lse).sum()))
 

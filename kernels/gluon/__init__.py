@@ -3,7 +3,8 @@
     fwd.py     a warp-specialized forward (head_dim 64 and 128, bf16, MHA and GQA,
                unmasked or a band: causal with an offset, a window; out written or merged
                into the ring's running out and lse), the default forward of flash_attn
-               and the ring's steps on sm_90 at head_dim 128 (kernels/dispatch.py)
+               and the ring's steps on sm_90 at head_dim 128 (kernels/dispatch.py);
+               segment ids compiled, not routed
     bwd.py     a warp-specialized backward (head_dim 64 and 128, bf16, MHA and GQA,
                unmasked or a band: causal with an offset, a window; dQ's adds in arrival
                order or, deterministic, in a fixed one), the default backward of

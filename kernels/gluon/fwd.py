@@ -11,7 +11,10 @@ positive multiples of 128, any strides with a contiguous last dimension (TMA: th
 strides and the base addresses 16-byte aligned). Masks: none or the causal band with an
 offset, as ``PairMask.causal(o)``: key j is seen by query i iff j <= i + o on the pair's
 local indices (the ring's pairs); with it or without it a window's lower edge
-``band_lo``, key j seen only if j >= i + band_lo. Outputs: out (B, Sq, H, D) in any float dtype and lse
+``band_lo``, key j seen only if j >= i + band_lo; with any of these, segment ids
+(SEGMENTS: packed documents, int32 (B, Sq) and (B, Sk), key j seen only if its id equals
+query i's, ids < 0 padding; compiled and checked on the CPU, not yet run on a GPU, so not
+routed). Outputs: out (B, Sq, H, D) in any float dtype and lse
 (B, H, Sq) fp32 (natural log; a row that sees no key gets out 0 and lse -inf), through
 their own strides; with ``ACCUMULATE`` the block's result is merged with the running
 (out_in, lse) first, exactly as the Triton forward merges it (kernels/triton/fwd.py:
@@ -48,6 +51,11 @@ of its own, in increasing order of tiles. Under the causal band CTAs run longest
 (the last Q tiles, which see the most keys). The loader and both consumers compute
 (start, u0, u1, end) from the same scalars (``_k_tiles``) and walk the same tiles: a tile
 one partition takes and another does not leaves an mbarrier waiting forever.
+
+Segment ids narrow the same four per Q tile (``masks.segment_tiles``, from the host: the
+tiles some row's document reaches, and those inside every row's document), so the masked
+loops then take both sides of the unmasked tiles; a masked step also compares the rows'
+ids (loaded once) with its tile's 128 keys' (loaded per masked step).
 """
 
 from __future__ import annotations
@@ -64,14 +72,17 @@ LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
-def _k_tiles(m0, offset, band_lo, seqlen_k, CAUSAL: gl.constexpr, LOWER: gl.constexpr):
+def _k_tiles(m0, offset, band_lo, seqlen_k, segs, CAUSAL: gl.constexpr, LOWER: gl.constexpr,
+             SEGMENTS: gl.constexpr):
     """(start, u0, u1, end): the K tiles [start, end) hold a key some query of rows
     [m0, m0 + BLOCK_M) sees; every query sees all of tiles [u0, u1); the others cross an
     edge of the band (the masked steps). Upper edge (CAUSAL, j <= i + offset): the last
     query sees keys up to m0 + BLOCK_M - 1 + offset, the first up to m0 + offset. Lower
     edge (LOWER, a window: j >= i + band_lo): the first query sees keys from m0 + band_lo
     on, the last from m0 + BLOCK_M - 1 + band_lo. Dividends clamped >= 0 (integer division
-    truncates). Without a band (0, 0, n, n)."""
+    truncates). Without a band (0, 0, n, n). SEGMENTS: intersected with the Q tile's own
+    four (``segment_tiles``: the tiles some row's document reaches, and those whose keys all
+    carry every row's id), at ``segs[2]``."""
     n_k = seqlen_k // BLOCK_N
     end = n_k
     full = n_k
@@ -85,11 +96,17 @@ def _k_tiles(m0, offset, band_lo, seqlen_k, CAUSAL: gl.constexpr, LOWER: gl.cons
         start = gl.minimum(gl.maximum(m0 + band_lo, 0) // BLOCK_N, end)
         u0 = gl.minimum(gl.maximum((gl.maximum(m0 + BLOCK_M - 1 + band_lo, 0) + BLOCK_N - 1) // BLOCK_N, start), end)
         u1 = gl.maximum(full, u0)
+    if SEGMENTS:
+        tiles = segs[2]
+        start = gl.maximum(start, gl.load(tiles))
+        end = gl.maximum(gl.minimum(end, gl.load(tiles + 3)), start)
+        u0 = gl.minimum(gl.maximum(gl.maximum(u0, gl.load(tiles + 1)), start), end)
+        u1 = gl.minimum(gl.maximum(gl.minimum(u1, gl.load(tiles + 2)), u0), end)
     return start, u0, u1, end
 
 
 @gluon.jit
-def _loader(descs, smem, bars, tile, CAUSAL: gl.constexpr, LOWER: gl.constexpr):
+def _loader(descs, smem, bars, tile, segs, CAUSAL: gl.constexpr, LOWER: gl.constexpr, SEGMENTS: gl.constexpr):
     """Q's two halves once, then K and V of tiles [start, end), each into its stage once
     both consumers released the tile that held it STAGES tiles before."""
     q_desc, k_desc, v_desc = descs
@@ -100,7 +117,7 @@ def _loader(descs, smem, bars, tile, CAUSAL: gl.constexpr, LOWER: gl.constexpr):
     mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [off_b, m0, off_h, 0], q_ready, q_smem.index(0))
     tma.async_copy_global_to_shared(q_desc, [off_b, m0 + 64, off_h, 0], q_ready, q_smem.index(1))
-    start, u0, u1, end = _k_tiles(m0, offset, band_lo, seqlen_k, CAUSAL, LOWER)
+    start, u0, u1, end = _k_tiles(m0, offset, band_lo, seqlen_k, segs, CAUSAL, LOWER, SEGMENTS)
     for j in range(start, end):
         t = j - start  # the CTA's t-th tile
         s = t % STAGES
@@ -122,6 +139,13 @@ def _hide(s, lhs, rhs):
 
 
 @gluon.jit
+def _hide_other(s, q_ids, k_ids):
+    """s where the query row's id equals the key column's (broadcast int32), else -inf."""
+    return gl.inline_asm_elementwise("{ .reg .pred p; setp.eq.s32 p, $2, $3; selp.f32 $0, $1, 0fFF800000, p; }",
+                                     "=f,f,r,r", [s, q_ids, k_ids], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
 def _max(a, b):  # (gl.max and gl.sum are jit functions of triton.language that the CPU suite's interpreter patches)
     return gl.maximum(a, b)
 
@@ -132,14 +156,16 @@ def _add(a, b):
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, qk_scale, diag, MASKED: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr):
+def _softmax(s, m_i, l_i, qk_scale, diag, ids, MASKED: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr,
+             SEGMENTS: gl.constexpr):
     """The online softmax of a score tile s (64 x 128, fp32): (P, m, l, alpha), alpha the
     factor the running O takes. MASKED: s hidden where key column c, query row r have
     c - r > diag[0] (CAUSAL: j > i + offset; diag[0] = offset + first query - first key) or
     r - c > diag[1] (LOWER: j < i + band_lo; diag[1] = first key - first query - band_lo),
     each split by bits as the backward's masks are (a thread's rows differ only in bit 3,
-    its columns share bits 1-2: one register a thread, an immediate an element), and a max
-    of -inf taken as 0."""
+    its columns share bits 1-2: one register a thread, an immediate an element); SEGMENTS:
+    also where the row's id (ids[0], 64, padding rows made unequal to every key) differs
+    from the column's (ids[1], 128: ``_tile_ids``); and a max of -inf taken as 0."""
     if MASKED:
         mma: gl.constexpr = s.type.layout
         r = gl.arange(0, 64, gl.SliceLayout(1, mma))
@@ -152,6 +178,10 @@ def _softmax(s, m_i, l_i, qk_scale, diag, MASKED: gl.constexpr, CAUSAL: gl.const
             lhs = gl.expand_dims((r & -9) - diag[1], 1) - gl.expand_dims(c & 6, 0)
             rhs = gl.expand_dims(c & -7, 0) - gl.expand_dims(r & 8, 1)
             s = _hide(s, lhs, rhs)
+        if SEGMENTS:
+            rows_ids = gl.expand_dims(ids[0], 1) + gl.expand_dims(c * 0, 0)
+            cols_ids = gl.expand_dims(ids[1], 0) + gl.expand_dims(r * 0, 1)
+            s = _hide_other(s, rows_ids, cols_ids)
     m_new = gl.maximum(m_i, gl.reduce(s, 1, _max) * qk_scale)
     m_use = m_new
     if MASKED:
@@ -163,10 +193,10 @@ def _softmax(s, m_i, l_i, qk_scale, diag, MASKED: gl.constexpr, CAUSAL: gl.const
 
 
 @gluon.jit
-def _step(t, p, m_i, l_i, acc, q, smem, bars, qk_scale, diag, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-          LOWER: gl.constexpr):
-    """The CTA's t-th K tile's scores and softmax under the previous tile's P V (``diag``:
-    ``_softmax``'s, for this tile): returns (P as the next P V's bf16 register operand, m,
+def _step(t, p, m_i, l_i, acc, q, smem, bars, qk_scale, diag, ids, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+          LOWER: gl.constexpr, SEGMENTS: gl.constexpr):
+    """The CTA's t-th K tile's scores and softmax under the previous tile's P V (``diag``,
+    ``ids``: ``_softmax``'s, for this tile): returns (P as the next P V's bf16 register operand, m,
     l, O rescaled to the new m)."""
     q_smem, k_smem, v_smem = smem
     q_ready, k_ready, v_ready, k_empty, v_empty = bars
@@ -181,7 +211,7 @@ def _step(t, p, m_i, l_i, acc, q, smem, bars, qk_scale, diag, MASKED: gl.constex
     acc = warpgroup_mma(p, v_smem.index(sp).reshape([BLOCK_N, q.shape[1]]), acc, is_async=True)
     scores = warpgroup_mma_wait(1, deps=[scores])  # the scores done; P V may still run
     mbarrier.arrive(k_empty.index(s), count=1)
-    p_new, m_i, l_i, alpha = _softmax(scores, m_i, l_i, qk_scale, diag, MASKED, CAUSAL, LOWER)
+    p_new, m_i, l_i, alpha = _softmax(scores, m_i, l_i, qk_scale, diag, ids, MASKED, CAUSAL, LOWER, SEGMENTS)
     acc, p = warpgroup_mma_wait(0, deps=[acc, p])
     mbarrier.arrive(v_empty.index(sp), count=1)
     acc = acc * gl.expand_dims(_rows_of(alpha, acc), 1)
@@ -196,8 +226,8 @@ def _rows_of(x, acc):
 
 
 @gluon.jit
-def _first(p, m_i, l_i, q, smem, bars, qk_scale, diag, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-           LOWER: gl.constexpr):
+def _first(p, m_i, l_i, q, smem, bars, qk_scale, diag, ids, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+           LOWER: gl.constexpr, SEGMENTS: gl.constexpr):
     """The CTA's first K tile's scores and softmax (nothing to hide them under): (P, m, l)."""
     q_smem, k_smem, v_smem = smem
     q_ready, k_ready, v_ready, k_empty, v_empty = bars
@@ -207,24 +237,39 @@ def _first(p, m_i, l_i, q, smem, bars, qk_scale, diag, MASKED: gl.constexpr, CAU
                            gl.zeros([64, BLOCK_N], gl.float32, mma), use_acc=False, is_async=True)
     scores = warpgroup_mma_wait(0, deps=[scores])
     mbarrier.arrive(k_empty.index(0), count=1)
-    p_new, m_i, l_i, alpha = _softmax(scores, m_i, l_i, qk_scale, diag, MASKED, CAUSAL, LOWER)
+    p_new, m_i, l_i, alpha = _softmax(scores, m_i, l_i, qk_scale, diag, ids, MASKED, CAUSAL, LOWER, SEGMENTS)
     return gl.convert_layout(p_new.to(gl.bfloat16), p.type.layout, assert_trivial=True), m_i, l_i
 
 
 @gluon.jit
-def _consume(t0, t1, start, p, m_i, l_i, acc, q, smem, bars, qk_scale, diag0, MASKED: gl.constexpr,
-             CAUSAL: gl.constexpr, LOWER: gl.constexpr):
+def _tile_ids(q_ids, k_ids_ptr, j, MASKED: gl.constexpr, SEGMENTS: gl.constexpr):
+    """``_softmax``'s ids for K tile j: the rows' (``q_ids``) and, in a masked step with
+    SEGMENTS, the tile's 128 keys' from ``k_ids_ptr`` (a padding key's, < 0, made -1)."""
+    k_ids = 0
+    if MASKED and SEGMENTS:
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BLOCK_N, 16])
+        k_ids = gl.load(k_ids_ptr + j * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(0, mma)))
+        k_ids = gl.where(k_ids < 0, -1, k_ids)
+    return q_ids, k_ids
+
+
+@gluon.jit
+def _consume(t0, t1, start, p, m_i, l_i, acc, q, smem, bars, qk_scale, diag0, ids, MASKED: gl.constexpr,
+             CAUSAL: gl.constexpr, LOWER: gl.constexpr, SEGMENTS: gl.constexpr):
     """The K tiles [t0, t1) (absolute; the CTA's own count from ``start``), each a ``_step``
-    with its tile's diagonals (``_softmax``'s, from those of K tile 0)."""
+    with its tile's diagonals and ids (``_softmax``'s, from those of K tile 0 and from
+    ids = (the rows' ids, the keys' ids pointer))."""
     for j in range(t0, t1):
         p, m_i, l_i, acc = _step(j - start, p, m_i, l_i, acc, q, smem, bars, qk_scale,
-                                 (diag0[0] - j * BLOCK_N, j * BLOCK_N - diag0[1]), MASKED, CAUSAL, LOWER)
+                                 (diag0[0] - j * BLOCK_N, j * BLOCK_N - diag0[1]),
+                                 _tile_ids(ids[0], ids[1], j, MASKED, SEGMENTS), MASKED, CAUSAL, LOWER, SEGMENTS)
     return p, m_i, l_i, acc
 
 
 @gluon.jit
-def _consumer(smem, bars, tile, out, HALF: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr,
-              ACCUMULATE: gl.constexpr):
+def _consumer(smem, bars, tile, out, segs, HALF: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr,
+              SEGMENTS: gl.constexpr, ACCUMULATE: gl.constexpr):
     """Consumer warp group HALF: query rows [m0 + 64 HALF, m0 + 64 HALF + 64) over the K
     tiles [start, end) (``_k_tiles``) in increasing order: those across the lower edge
     (masked), the unmasked ones, those across the upper edge (masked); then out and lse
@@ -246,24 +291,31 @@ def _consumer(smem, bars, tile, out, HALF: gl.constexpr, CAUSAL: gl.constexpr, L
     p = gl.zeros([64, BLOCK_N], gl.bfloat16, p_layout)
     mbarrier.wait(q_ready, 0)  # also when no tile is seen: no exit under a TMA in flight
     q = q_smem.index(HALF).reshape([64, D])
-    start, u0, u1, end = _k_tiles(m0, offset, band_lo, seqlen_k, CAUSAL, LOWER)
+    start, u0, u1, end = _k_tiles(m0, offset, band_lo, seqlen_k, segs, CAUSAL, LOWER, SEGMENTS)
     row0 = m0 + 64 * HALF
     diag0 = (offset + row0, row0 + band_lo)  # the masked step's diagonals at K tile 0 (``_softmax``)
+    q_ids = 0
+    if SEGMENTS:  # the rows' ids, a padding row's (< 0) made unequal to every key's (>= -1)
+        q_ids = gl.load(segs[0] + row0 + gl.arange(0, 64, rows_l))
+        q_ids = gl.where(q_ids < 0, -2, q_ids)
+    ids = (q_ids, segs[1])
     if end > start:  # the first tile, masked unless every query sees all of it
         if (start >= u0) & (start < u1):
             p, m_i, l_i = _first(p, m_i, l_i, q, smem, bars, qk_scale, (diag0[0] - start * BLOCK_N,
-                                 start * BLOCK_N - diag0[1]), False, CAUSAL, LOWER)
+                                 start * BLOCK_N - diag0[1]), _tile_ids(q_ids, segs[1], start, False, SEGMENTS),
+                                 False, CAUSAL, LOWER, SEGMENTS)
         else:
             p, m_i, l_i = _first(p, m_i, l_i, q, smem, bars, qk_scale, (diag0[0] - start * BLOCK_N,
-                                 start * BLOCK_N - diag0[1]), True, CAUSAL, LOWER)
-    if LOWER:
-        p, m_i, l_i, acc = _consume(start + 1, u0, start, p, m_i, l_i, acc, q, smem, bars, qk_scale, diag0, True,
-                                    CAUSAL, LOWER)
+                                 start * BLOCK_N - diag0[1]), _tile_ids(q_ids, segs[1], start, True, SEGMENTS),
+                                 True, CAUSAL, LOWER, SEGMENTS)
+    if LOWER or SEGMENTS:
+        p, m_i, l_i, acc = _consume(start + 1, u0, start, p, m_i, l_i, acc, q, smem, bars, qk_scale, diag0, ids,
+                                    True, CAUSAL, LOWER, SEGMENTS)
     p, m_i, l_i, acc = _consume(gl.maximum(u0, start + 1), u1, start, p, m_i, l_i, acc, q, smem, bars, qk_scale,
-                                diag0, False, CAUSAL, LOWER)
-    if CAUSAL:
+                                diag0, ids, False, CAUSAL, LOWER, SEGMENTS)
+    if CAUSAL or SEGMENTS:
         p, m_i, l_i, acc = _consume(gl.maximum(u1, start + 1), end, start, p, m_i, l_i, acc, q, smem, bars, qk_scale,
-                                    diag0, True, CAUSAL, LOWER)
+                                    diag0, ids, True, CAUSAL, LOWER, SEGMENTS)
     if end > start:  # the last tile's P V
         last = end - 1 - start
         mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
@@ -304,24 +356,29 @@ def _epilogue(acc, m_i, l_i, row0, off_b, off_h, out, ACCUMULATE: gl.constexpr):
 
 
 @gluon.jit
-def _consumer0(smem, bars, tile, out, CAUSAL: gl.constexpr, LOWER: gl.constexpr, ACCUMULATE: gl.constexpr):
-    _consumer(smem, bars, tile, out, 0, CAUSAL, LOWER, ACCUMULATE)
+def _consumer0(smem, bars, tile, out, segs, CAUSAL: gl.constexpr, LOWER: gl.constexpr, SEGMENTS: gl.constexpr,
+               ACCUMULATE: gl.constexpr):
+    _consumer(smem, bars, tile, out, segs, 0, CAUSAL, LOWER, SEGMENTS, ACCUMULATE)
 
 
 @gluon.jit
-def _consumer1(smem, bars, tile, out, CAUSAL: gl.constexpr, LOWER: gl.constexpr, ACCUMULATE: gl.constexpr):
-    _consumer(smem, bars, tile, out, 1, CAUSAL, LOWER, ACCUMULATE)
+def _consumer1(smem, bars, tile, out, segs, CAUSAL: gl.constexpr, LOWER: gl.constexpr, SEGMENTS: gl.constexpr,
+               ACCUMULATE: gl.constexpr):
+    _consumer(smem, bars, tile, out, segs, 1, CAUSAL, LOWER, SEGMENTS, ACCUMULATE)
 
 
 @gluon.jit
 def _attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_ptr, o_in_ptr, lse_ptr, o_stride_b, o_stride_s, o_stride_h,
                           lse_stride_b, lse_stride_h, lse_stride_s, heads, group, seqlen_k, causal_offset, band_lo,
-                          qk_scale, CAUSAL: gl.constexpr, LOWER: gl.constexpr, ACCUMULATE: gl.constexpr,
-                          STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr):
+                          qk_scale, q_ids_ptr, k_ids_ptr, q_ids_stride_b, k_ids_stride_b, tiles_ptr, tiles_stride_b,
+                          CAUSAL: gl.constexpr, LOWER: gl.constexpr, SEGMENTS: gl.constexpr,
+                          ACCUMULATE: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                          WORKER_REGS: gl.constexpr):
     """Grid (Sq / 128, B H): Q tile program_id(0) of (batch, head) program_id(1), the last
     Q tile first under the band (it sees the most keys). ``group`` = heads / kv_heads;
     causal_offset is read only when CAUSAL, band_lo (a window's lower edge, j >= i +
-    band_lo) only when LOWER; o_in_ptr (ACCUMULATE only) has o_ptr's strides;
+    band_lo) only when LOWER; the ids (int32 (B, Sq) and (B, Sk), rows contiguous) and
+    ``segment_tiles``' (B, Sq / 128, 4) only when SEGMENTS; o_in_ptr (ACCUMULATE only) has o_ptr's strides;
     STAGES: the K and V stages (each its own: K is released a step before V)."""
     bh = gl.program_id(1)
     off_h = bh % heads
@@ -329,6 +386,9 @@ def _attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_ptr, o_in_ptr, lse_ptr, o_st
     if CAUSAL:
         m_tile = gl.num_programs(0) - 1 - m_tile
     tile = (bh // heads, off_h, off_h // group, m_tile * BLOCK_M, seqlen_k, causal_offset, band_lo)
+    off_b = (bh // heads).to(gl.int64)
+    segs = (q_ids_ptr + off_b * q_ids_stride_b, k_ids_ptr + off_b * k_ids_stride_b,
+            tiles_ptr + off_b * tiles_stride_b + m_tile * 4)  # read only when SEGMENTS
     # Shared memory: Q 32 KB, K and V STAGES x 2 x 32 KB (160 KB at 2 stages, 224 KB at 3).
     smem = (gl.allocate_shared_memory(gl.bfloat16, [2] + q_desc.block_type.shape, q_desc.layout),
             gl.allocate_shared_memory(gl.bfloat16, [STAGES] + k_desc.block_type.shape, k_desc.layout),
@@ -347,7 +407,7 @@ def _attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_ptr, o_in_ptr, lse_ptr, o_st
     bars = (q_ready, k_ready, v_ready, k_empty, v_empty)
     out = (o_ptr, o_in_ptr, (o_stride_b, o_stride_s, o_stride_h), lse_ptr, (lse_stride_b, lse_stride_h, lse_stride_s),
            qk_scale)
-    gl.warp_specialize([(_consumer0, (smem, bars, tile, out, CAUSAL, LOWER, ACCUMULATE)),
-                        (_consumer1, (smem, bars, tile, out, CAUSAL, LOWER, ACCUMULATE)),
-                        (_loader, ((q_desc, k_desc, v_desc), smem, bars, tile, CAUSAL, LOWER))],
+    gl.warp_specialize([(_consumer0, (smem, bars, tile, out, segs, CAUSAL, LOWER, SEGMENTS, ACCUMULATE)),
+                        (_consumer1, (smem, bars, tile, out, segs, CAUSAL, LOWER, SEGMENTS, ACCUMULATE)),
+                        (_loader, ((q_desc, k_desc, v_desc), smem, bars, tile, segs, CAUSAL, LOWER, SEGMENTS))],
                        [4, 1], [CONSUMER_REGS, WORKER_REGS])

@@ -13,6 +13,9 @@ import triton
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..masks import segment_ranges, segment_tiles, tensor_memo
+from ..triton.launch import _stand_in
+from ..triton.segments import _ranges
 from . import fwd
 from .bwd import BLOCK_M, BLOCK_N, DQ_COLS, HEAD_DIMS, _attn_bwd_sm90_kernel
 
@@ -266,12 +269,17 @@ def _fwd_descriptors(q, k, v):
 
 
 def fwd_unsupported(q, k, v, out, lse, softmax_scale, causal_offset, accumulate: bool = False,
-                    out_in=None, band_lo: Optional[int] = None) -> Optional[Exception]:
+                    out_in=None, band_lo: Optional[int] = None, q_segments=None,
+                    k_segments=None) -> Optional[Exception]:
     """Why the forward cannot take these arguments: a TypeError / ValueError naming the
     argument (kernels/gluon/fwd.py's docstring says what it serves), or None."""
     named = dict(q=q, k=k, v=v, out=out, lse=lse)
     if out_in is not None:
         named["out_partial"] = out_in
+    if (q_segments is None) != (k_segments is None):
+        return ValueError("attn_fwd_sm90: q_segments and k_segments go together (both or neither)")
+    if q_segments is not None:
+        named.update(q_segments=q_segments, k_segments=k_segments)
     for name, t in named.items():
         if not isinstance(t, torch.Tensor):
             return TypeError(f"attn_fwd_sm90: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -280,6 +288,9 @@ def fwd_unsupported(q, k, v, out, lse, softmax_scale, causal_offset, accumulate:
             return TypeError(f"attn_fwd_sm90: {name} must be bfloat16, got {named[name].dtype}")
     if lse.dtype != torch.float32:
         return TypeError(f"attn_fwd_sm90: lse must be float32, got {lse.dtype}")
+    for name in ("q_segments", "k_segments"):
+        if name in named and named[name].dtype != torch.int32:
+            return TypeError(f"attn_fwd_sm90: {name} must be int32, got {named[name].dtype}")
     for name in ("out", "out_partial"):
         if name in named and not named[name].dtype.is_floating_point:
             return TypeError(f"attn_fwd_sm90: {name} must be a float tensor, got {named[name].dtype}")
@@ -288,7 +299,8 @@ def fwd_unsupported(q, k, v, out, lse, softmax_scale, causal_offset, accumulate:
     if error is not None:
         return error
     b, sq, h, _ = q.shape
-    for name, want in (("v", k.shape), ("out", q.shape), ("out_partial", q.shape), ("lse", (b, h, sq))):
+    for name, want in (("v", k.shape), ("out", q.shape), ("out_partial", q.shape), ("lse", (b, h, sq)),
+                       ("q_segments", (b, sq)), ("k_segments", (b, k.shape[1]))):
         if name in named and tuple(named[name].shape) != tuple(want):
             return ValueError(f"attn_fwd_sm90: {name} must have shape {tuple(want)}, got {tuple(named[name].shape)}")
     if out_in is not None and not accumulate:
@@ -298,7 +310,7 @@ def fwd_unsupported(q, k, v, out, lse, softmax_scale, causal_offset, accumulate:
     for name, t in named.items():
         if t.device != q.device:
             return ValueError(f"attn_fwd_sm90: {name} is on {t.device}, q on {q.device}")
-        if name != "lse" and t.stride(-1) != 1:
+        if name not in ("lse", "q_segments", "k_segments") and t.stride(-1) != 1:
             return ValueError(f"attn_fwd_sm90: {name} must have a contiguous last dimension, strides {t.stride()}")
     for name in ("q", "k", "v"):
         if (error := _tma_error("attn_fwd_sm90", name, named[name])) is not None:
@@ -311,15 +323,34 @@ def fwd_unsupported(q, k, v, out, lse, softmax_scale, causal_offset, accumulate:
     return _device_error("attn_fwd_sm90", q)
 
 
-def _fwd_args(q, k, v, out, lse, softmax_scale, causal_offset, out_in, band_lo):
+def _segment_args(q_segments, k_segments, seqlen_k: int, device) -> tuple:
+    """The forward's segment arguments: the ids (rows contiguous) and ``masks.segment_tiles``
+    (from the Triton kernels' segment ranges on a GPU; one tensor of ids for queries and
+    keys: kept while it is passed again); int32 stand-ins without segments."""
+    if q_segments is None:
+        none = _stand_in(device)
+        return none, none, 0, 0, none, 0
+    q_ids, k_ids = q_segments.contiguous(), k_segments.contiguous()
+
+    def tiles_of():
+        ranges = _ranges(q_ids, k_ids, True) if q_ids.is_cuda else segment_ranges(q_ids, k_ids)  # CPU: the compile's
+        return segment_tiles(ranges, seqlen_k)
+
+    tiles = tensor_memo(q_ids, ("segment_tiles", seqlen_k), tiles_of) if q_ids is k_ids else tiles_of()
+    return q_ids, k_ids, q_ids.stride(0), k_ids.stride(0), tiles, tiles.stride(0)
+
+
+def _fwd_args(q, k, v, out, lse, softmax_scale, causal_offset, out_in, band_lo, q_segments=None, k_segments=None):
     b, sq, h, _ = q.shape
     return (*_fwd_descriptors(q, k, v), out, out if out_in is None else out_in, lse, *out.stride()[:3], *lse.stride(),
             h, h // k.shape[2], k.shape[1], _kernel_offset(causal_offset, sq, k.shape[1]),
-            _kernel_offset(band_lo, sq, k.shape[1]), softmax_scale * LOG2E)
+            _kernel_offset(band_lo, sq, k.shape[1]), softmax_scale * LOG2E,
+            *_segment_args(q_segments, k_segments, k.shape[1], q.device))
 
 
 def attn_fwd_sm90(q, k, v, out, lse, softmax_scale: float, causal_offset: Optional[int] = None,
-                  accumulate: bool = False, out_partial=None, band_lo: Optional[int] = None):
+                  accumulate: bool = False, out_partial=None, band_lo: Optional[int] = None, q_segments=None,
+                  k_segments=None):
     """The forward of one (query block, key block) pair (head_dim 128, bf16): out and lse
     written, or with ``accumulate`` merged with the running ones (normalized out, its lse;
     -inf for none yet) and written in place; ``out_partial``: with accumulate, the running
@@ -328,31 +359,38 @@ def attn_fwd_sm90(q, k, v, out, lse, softmax_scale: float, causal_offset: Option
     q, out (B, Sq, H, 128) (out any float dtype); k, v (B, Sk, Hkv, 128), Hkv dividing H;
     lse (B, H, Sq) fp32, natural log, any strides. causal_offset: None sees every key; an
     int o lets query i see key j iff j <= i + o (PairMask.causal). band_lo: a window's
-    lower edge, key j seen only if j >= i + band_lo (PairMask.band_lo). A row that sees no
-    key (and had none) gets out 0 and lse -inf. Returns (out, lse)."""
-    error = fwd_unsupported(q, k, v, out, lse, softmax_scale, causal_offset, accumulate, out_partial, band_lo)
+    lower edge, key j seen only if j >= i + band_lo (PairMask.band_lo). q_segments (B, Sq)
+    and k_segments (B, Sk) int32, both or neither: packed documents, key j seen by query i
+    only if their ids are equal (ids < 0: padding, seeing and seen by nothing; the
+    non-negative ids non-decreasing along each row, as ``masks.segment_ranges`` needs). A
+    row that sees no key (and had none) gets out 0 and lse -inf. Returns (out, lse)."""
+    error = fwd_unsupported(q, k, v, out, lse, softmax_scale, causal_offset, accumulate, out_partial, band_lo,
+                            q_segments, k_segments)
     if error is not None:
         raise error
     b, sq, h, _ = q.shape
     fwd._attn_fwd_sm90_kernel[(sq // fwd.BLOCK_M.value, b * h)](
-        *_fwd_args(q, k, v, out, lse, softmax_scale, causal_offset, out_partial, band_lo), causal_offset is not None,
-        band_lo is not None, bool(accumulate), FWD_STAGES, CONSUMER_REGS, WORKER_REGS, num_warps=NUM_WARPS,
-        maxnreg=MAXNREG)
+        *_fwd_args(q, k, v, out, lse, softmax_scale, causal_offset, out_partial, band_lo, q_segments, k_segments),
+        causal_offset is not None, band_lo is not None, q_segments is not None, bool(accumulate), FWD_STAGES,
+        CONSUMER_REGS, WORKER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)
     return out, lse
 
 
 def compile_fwd_sm90(causal_offset: Optional[int] = None, heads: int = 4, kv_heads: int = 4, seqlen_q: int = 1024,
                      seqlen_k: int = 1024, accumulate: bool = False, out_dtype=torch.bfloat16,
                      stages: Optional[int] = None, head_dim: int = 128, band_lo: Optional[int] = None,
-                     consumer_regs: int = CONSUMER_REGS, maxnreg: int = MAXNREG):
+                     segments: bool = False, consumer_regs: int = CONSUMER_REGS, maxnreg: int = MAXNREG):
     """The forward compiled for sm_90 on any machine, as ``attn_fwd_sm90`` would specialize
     it on contiguous (1, seqlen_q, heads, 128) q and (1, seqlen_k, kv_heads, 128) k, v, an
-    out of ``out_dtype`` (CPU stand-ins: only their types, alignments and strides are read)."""
+    out of ``out_dtype`` and with ``segments`` segment ids (CPU stand-ins: only their types,
+    alignments and strides are read)."""
     stages = FWD_STAGES if stages is None else stages
     q = torch.zeros(1, seqlen_q, heads, head_dim, dtype=torch.bfloat16)
     k = torch.zeros(1, seqlen_k, kv_heads, head_dim, dtype=torch.bfloat16)
     out, lse = torch.zeros(q.shape, dtype=out_dtype), torch.zeros(1, heads, seqlen_q)
-    values = _fwd_args(q, k, k, out, lse, 0.1, causal_offset, out if accumulate else None, band_lo)
-    consts = dict(CAUSAL=causal_offset is not None, LOWER=band_lo is not None, ACCUMULATE=accumulate, STAGES=stages,
-                  CONSUMER_REGS=consumer_regs, WORKER_REGS=WORKER_REGS)
+    ids = (torch.zeros(1, seqlen_q, dtype=torch.int32), torch.zeros(1, seqlen_k, dtype=torch.int32)) if segments \
+        else (None, None)
+    values = _fwd_args(q, k, k, out, lse, 0.1, causal_offset, out if accumulate else None, band_lo, *ids)
+    consts = dict(CAUSAL=causal_offset is not None, LOWER=band_lo is not None, SEGMENTS=segments,
+                  ACCUMULATE=accumulate, STAGES=stages, CONSUMER_REGS=consumer_regs, WORKER_REGS=WORKER_REGS)
     return _compile(fwd._attn_fwd_sm90_kernel, values, consts, maxnreg)
