@@ -39,6 +39,8 @@ The backward takes the first route that serves the call (``bwd_route``):
   (benchmarks/research/backward_alone.py, one H100, 2026-11-27): causal windows of 1k and
   4k keys at 16k-32k 1.16-1.38x the Triton pair's speed, head_dim 64 at 8k-16k 1.13-1.36x
   (and 0.97-1.06x cuDNN's).
+  Segment ids compile for sm_90 (``attn_bwd_sm90(q_segments=, k_segments=)``): not routed
+  until they run on a GPU.
 - ``triton``: every other CUDA call: every mask, dtype, head_dim and GPU.
 
 By default the Gluon kernel adds each CTA's dQ tile into the running dQ in arrival order

@@ -328,17 +328,18 @@ def segment_ranges(rows_seg: torch.Tensor, cols_seg: torch.Tensor) -> torch.Tens
     return torch.stack([lo, hi, torch.where(some, run_end, 0)]).to(torch.int32).contiguous()
 
 
-def segment_tiles(ranges: torch.Tensor, n_cols: int) -> torch.Tensor:
-    """(B, S_rows / BLOCK, 4) int32 [start, u0, u1, end] per tile of BLOCK rows, from
-    ``segment_ranges``' (3, B, S_rows) and the columns' count (a multiple of BLOCK): the
-    column tiles [start, end) hold a column some row of the tile sees, and every row sees
-    every column of tiles [u0, u1) (all inside its first run: no mask needed there);
-    start <= u0 <= u1 <= end, and start = end where no row sees anything. The Gluon forward
-    intersects them with its band's (kernels/gluon/fwd.py, ``_k_tiles``)."""
-    lo, hi, run_end = (x.reshape(x.shape[0], -1, BLOCK).long() for x in ranges)
-    n_tiles = n_cols // BLOCK
-    start = (lo.amin(-1) // BLOCK).clamp(max=n_tiles)
-    end = torch.maximum((hi.amax(-1) + BLOCK - 1) // BLOCK, start)
-    u0 = torch.minimum(torch.maximum((lo.amax(-1) + BLOCK - 1) // BLOCK, start), end)
-    u1 = torch.minimum(torch.maximum(run_end.amin(-1) // BLOCK, u0), end)
+def segment_tiles(ranges: torch.Tensor, n_cols: int, rows_block: int = BLOCK, cols_block: int = BLOCK) -> torch.Tensor:
+    """(B, S_rows / rows_block, 4) int32 [start, u0, u1, end] per tile of ``rows_block``
+    rows, from ``segment_ranges``' (3, B, S_rows) and the columns' count (a multiple of
+    ``cols_block``), in tiles of ``cols_block`` columns: the column tiles [start, end) hold a
+    column some row of the tile sees, and every row sees every column of tiles [u0, u1) (all
+    inside its first run: no mask needed there); start <= u0 <= u1 <= end, and start = end
+    where no row sees anything. The Gluon kernels narrow their band's walk with them
+    (kernels/gluon/tiles.py): the forward's rows are queries, the backward's keys."""
+    lo, hi, run_end = (x.reshape(x.shape[0], -1, rows_block).long() for x in ranges)
+    n_tiles = n_cols // cols_block
+    start = (lo.amin(-1) // cols_block).clamp(max=n_tiles)
+    end = torch.maximum((hi.amax(-1) + cols_block - 1) // cols_block, start)
+    u0 = torch.minimum(torch.maximum((lo.amax(-1) + cols_block - 1) // cols_block, start), end)
+    u1 = torch.minimum(torch.maximum(run_end.amin(-1) // cols_block, u0), end)
     return torch.stack([start, u0, u1, end], dim=-1).to(torch.int32).contiguous()

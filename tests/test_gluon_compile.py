@@ -60,6 +60,12 @@ VARIANTS = {
     "hd64-causal-det": dict(head_dim=64, causal_offset=0, deterministic=True),
     "hd64-window": dict(head_dim=64, causal_offset=0, band_lo=-300),
     "window-det": dict(causal_offset=0, band_lo=-300, deterministic=True),  # turns count from the window's edge
+    # segment ids (packed documents): alone, with the causal band, GQA and accumulate, a window, head_dim 64
+    "documents": dict(segments=True),
+    "documents-causal": dict(causal_offset=0, segments=True),
+    "documents-gqa-causal-add": dict(heads=8, kv_heads=2, causal_offset=0, accumulate=True, segments=True),
+    "documents-window": dict(causal_offset=0, band_lo=-300, segments=True),
+    "documents-hd64": dict(head_dim=64, causal_offset=0, segments=True),
 }
 # ptxas stack frame allowed per variant (bytes): the masked loop reloads some precomputed
 # wgmma descriptors from the stack (tested below); milestone 1 had 8.
@@ -67,7 +73,13 @@ STACK_BUDGET = {"mha": 64, "causal": 128, "gqa": 64, "gqa-causal": 160, "gqa-cau
                 "causal-det": 128, "gqa-causal-add-det": 160,
                 "window": 256, "window-lo": 128, "gqa-window-add": 256, "hd64": 64, "hd64-causal": 128,
                 "hd64-gqa-causal-add": 160, "hd64-causal-det": 128, "hd64-window": 256,
-                "window-det": 256}
+                "window-det": 256, "documents": 256, "documents-causal": 256, "documents-gqa-causal-add": 256,
+                "documents-window": 256, "documents-hd64": 0}
+# Segment ids at head_dim 128: their masked loops spill (a step's ids and the compare on top
+# of the band's registers); (stores, loads) a step allowed there, their unmasked loops as clean
+# as the others'. Not routed (kernels/dispatch.py): measured first.
+MASKED_SPILLS = {"documents": (13, 32), "documents-causal": (8, 28), "documents-gqa-causal-add": (10, 33),
+                 "documents-window": (8, 29)}
 _COMPILED: dict = {}
 
 
@@ -84,6 +96,21 @@ def _edges(name: str) -> int:
     one (band_lo). Each has a masked loop of its own (per consumer group), whose steps mask
     by every edge."""
     return _causal(name) + (VARIANTS[name].get("band_lo") is not None)
+
+
+def _segments(name: str) -> bool:
+    return bool(VARIANTS[name].get("segments"))
+
+
+def _loops(name: str) -> int:
+    """The masked loops a consumer group runs: one an edge of the band; with segment ids
+    both (the Q tiles before and after the unmasked ones)."""
+    return 2 if _segments(name) else _edges(name)
+
+
+def _masks(name: str) -> int:
+    """The element masks a masked step applies: the band's edges, and the ids' compare."""
+    return _edges(name) + _segments(name)
 
 
 # Local-memory traffic a step allowed in the non-causal window's loops (its unmasked loop
@@ -183,7 +210,7 @@ def test_every_matmul_is_a_wgmma(variant):
     """Per consumer group and step (``_wgmma_a_step``; at head_dim 128: 24 of 64x64 and 8 of
     64x128); two groups, and the step once more for each masked loop (an edge of the band)."""
     name, kernel, _, _ = variant
-    copies = 1 + _edges(name)
+    copies = 1 + _loops(name)
     ops = _ptx_ops(kernel.asm["ptx"])
     for n, count in _wgmma_a_step(_head_dim(name)).items():
         assert ops[f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16"] == copies * 2 * count, (n, ops)
@@ -229,7 +256,7 @@ def test_loads_and_dq_go_through_tma(variant):
     appears once per loop (twice with the band: unmasked and masked steps; LLVM may
     unroll a loop over the group's heads, hence the multiples)."""
     name, kernel, _, _ = variant
-    copies = 1 + _edges(name)
+    copies = 1 + _loops(name)
     ops = _ptx_ops(kernel.asm["ptx"])
     loads4d = ops["cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"]
     loads1d = ops["cp.async.bulk.tensor.1d.shared::cluster.global.mbarrier::complete_tx::bytes"]
@@ -260,12 +287,13 @@ def test_ptxas_neither_serializes_nor_spills_in_the_unmasked_loops(variant):
     assert stack <= STACK_BUDGET[name], stderr
     unmasked, masked = _split_loops(sass)
     assert len(unmasked) == 2, [len(loop) for loop in unmasked]
-    assert len(masked) == 2 * _edges(name), [len(loop) for loop in masked]
-    allowed = SPILL_ALLOWED.get(name, 0)
+    assert len(masked) == 2 * _loops(name), [len(loop) for loop in masked]
+    allowed = SPILL_ALLOWED.get(name, 1 if _segments(name) else 0)
     for loop in unmasked:
         assert loop.count("LDL") + loop.count("STL") <= allowed, Counter(op for op in loop if op in ("LDL", "STL"))
+    stores, loads = MASKED_SPILLS.get(name, (allowed, 16))
     for loop in masked:
-        assert loop.count("STL") <= allowed and loop.count("LDL") <= 16, \
+        assert loop.count("STL") <= stores and loop.count("LDL") <= loads, \
             Counter(op for op in loop if op in ("LDL", "STL"))
 
 
@@ -274,19 +302,19 @@ def test_masked_step_only_with_the_band(variant):
     thread per consumer group and edge, in the masked variants only; in SASS a masked
     loop's FSEL (32 an edge) compare against immediates (the mask's index arithmetic folded,
     not 32 registers of indices), and each edge costs a masked loop at most a third more
-    than the unmasked one."""
+    than the unmasked one (segment ids two thirds: their loads and the compare; 32 FSEL)."""
     name, kernel, sass, _ = variant
     selects = kernel.asm["ptx"].count("selp.f32")
     unmasked, masked = _split_loops(sass)
-    edges = _edges(name)
-    if not edges:
+    loops, masks = _loops(name), _masks(name)
+    if not loops:
         assert selects == 0 and not masked
         return
-    assert selects == 2 * edges * edges * 32, selects  # two groups, a loop an edge, each masking every edge
+    assert selects == 2 * loops * masks * 32, selects  # two groups, their masked loops, each masking every mask
     plain = max(len(loop) for loop in unmasked)
     for loop in masked:
-        assert loop.count("FSEL") == 32 * edges
-        assert len(loop) <= (1 + edges / 3) * plain, (len(loop), plain)
+        assert loop.count("FSEL") == 32 * masks
+        assert len(loop) <= (1 + (masks + _segments(name)) / 3) * plain, (len(loop), plain)  # ids: loads + compare
 
 
 def test_unmasked_loops_keep_milestone_1s_length(variant):
@@ -311,9 +339,15 @@ def test_dk_dv_added_only_with_accumulate(variant):
     loads = len(re.findall(r"ld\.global(?!\.acquire)", ptx))
     stores = len(re.findall(r"st\.global", ptx))
     assert stores > 0
-    assert loads == (stores if VARIANTS[name].get("accumulate") else 0), (loads, stores)
-    for loop in (loop for loops in _split_loops(sass) for loop in loops):
+    if _segments(name):  # the ids' loads on top (masked steps and the tile bounds)
+        assert loads > (stores if VARIANTS[name].get("accumulate") else 0), (loads, stores)
+    else:
+        assert loads == (stores if VARIANTS[name].get("accumulate") else 0), (loads, stores)
+    unmasked, masked = _split_loops(sass)
+    for loop in unmasked + (masked if not _segments(name) else []):
         assert not [op for op in loop if op.startswith("LDG")], "a global load inside a tile loop"
+    for loop in masked if _segments(name) else []:  # the step's ids: its 64 queries' and the group's 64 keys'
+        assert 0 < len([op for op in loop if op.startswith("LDG")]) <= 12
 
 
 def test_causal_offset_is_clamped_to_the_same_pairs():
@@ -374,6 +408,14 @@ def _bf16(*shape):
     (dict(h=8, hkv=2, sk=512, causal_offset=-128), ValueError, "runs on a Hopper (sm_90) GPU"),  # GQA, band
     (dict(accumulate=True, dk=torch.zeros(1, 256, 2, 128), dv=torch.zeros(1, 256, 2, 128)), ValueError,
      "runs on a Hopper (sm_90) GPU"),  # fp32 sums to add into
+    (dict(k_segments=torch.zeros(1, 256, dtype=torch.int32)), ValueError, "q_segments and k_segments go together"),
+    (dict(q_segments=torch.zeros(1, 256), k_segments=torch.zeros(1, 256)), TypeError, "q_segments must be int32"),
+    (dict(sk=512, q_segments=torch.zeros(1, 256, dtype=torch.int32), k_segments=torch.zeros(1, 256, dtype=torch.int32)),
+     ValueError, "k_segments must have shape (1, 512)"),
+    (dict(deterministic=True, q_segments=torch.zeros(1, 256, dtype=torch.int32),
+          k_segments=torch.zeros(1, 256, dtype=torch.int32)), ValueError, "deterministic with segment ids"),
+    (dict(causal_offset=0, q_segments=torch.zeros(1, 256, dtype=torch.int32),
+          k_segments=torch.zeros(1, 256, dtype=torch.int32)), ValueError, "runs on a Hopper (sm_90) GPU"),
 ])
 def test_arguments_outside_the_kernel_raise_naming_them(changes, error, words):
     pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
@@ -411,3 +453,58 @@ print("compiled")
     done = subprocess.run([sys.executable, "-c", script, tests], capture_output=True, text=True, timeout=300,
                           env=env)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+def _q_tiles(n0, offset, band_lo, seqlen_q, tiles):
+    """kernels/gluon/bwd.py's ``_q_tiles`` and ``tiles._narrow``, line for line in Python
+    (K tiles of 128 keys, Q tiles of 64 queries)."""
+    end, first, split = seqlen_q // 64, 0, 0
+    if offset is not None:
+        first = min(max(n0 - offset, 0) // 64, end)
+        full = max(n0 + 127 - offset, 0)
+        split = min(max((full + 63) // 64, first), end)
+    split2 = end
+    if band_lo is not None:
+        end = max(min(max(n0 + 127 - band_lo + 64, 0) // 64, end), first)
+        split = min(split, end)
+        split2 = min(max(max(n0 - band_lo + 1, 0) // 64, split), end)
+    if tiles is not None:
+        first = max(first, tiles[0])
+        end = max(min(end, tiles[3]), first)
+        split = min(max(max(split, tiles[1]), first), end)
+        split2 = min(max(min(split2, tiles[2]), split), end)
+    return first, split, split2, end
+
+
+def test_segment_tiles_walk_every_visible_query():
+    """The backward's walk with segment ids (``masks.segment_tiles`` over keys, in Q tiles of
+    64, narrowing the band's as ``_q_tiles`` does), against brute force on random packed
+    documents (padding at the end and inside documents, the ring's shifted pairs, the
+    causal band with offsets, a window): for each K tile every query that sees one of its
+    keys lies in [first, end), and the Q tiles [split, split2) see all of its keys."""
+    from ringflash.kernels.masks import segment_ranges, segment_tiles
+    from test_gluon_fwd_compile import _ids
+    gen = torch.Generator().manual_seed(1)
+    for trial in range(60):
+        sq, sk = 128 * int(torch.randint(1, 9, (1,), generator=gen)), 128 * int(torch.randint(1, 9, (1,), generator=gen))
+        shifted = trial % 3 == 0
+        ids = _ids(gen, sq + sk if shifted else max(sq, sk), holes=trial % 4 == 1, pad=trial % 5 == 2)
+        q_ids, k_ids = (ids[sk:sk + sq], ids[:sk]) if shifted else (ids[:sq], ids[:sk])
+        offset = [None, 0, 128, -100, 37, sk][trial % 6]
+        band_lo = [None, None, -300, -1, -700][trial % 5]
+        tiles = segment_tiles(segment_ranges(k_ids[None].int(), q_ids[None].int()), sq, cols_block=64)[0]
+        i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+        visible = (q_ids[:, None] == k_ids[None, :]) & (q_ids[:, None] >= 0)
+        if offset is not None:
+            visible &= j <= i + offset
+        if band_lo is not None:
+            visible &= j >= i + band_lo
+        for n in range(sk // 128):
+            first, split, split2, end = _q_tiles(128 * n, offset, band_lo, sq, tiles[n].tolist())
+            assert first <= split <= split2 <= end, (trial, n, first, split, split2, end)
+            cols = visible[:, 128 * n:128 * (n + 1)]
+            rows = cols.any(1).nonzero().flatten()
+            if len(rows):
+                assert first * 64 <= int(rows.min()) and int(rows.max()) < end * 64, (trial, n, first, end)
+            assert bool(cols[split * 64:split2 * 64].all()), (trial, n, split, split2)
+

@@ -8,7 +8,10 @@
     bwd.py     a warp-specialized backward (head_dim 64 and 128, bf16, MHA and GQA,
                unmasked or a band: causal with an offset, a window; dQ's adds in arrival
                order or, deterministic, in a fixed one), the default backward of
-               flash_attn and of the ring's steps on sm_90
+               flash_attn and of the ring's steps on sm_90; segment ids compiled, not
+               routed
+    tiles.py   the tile bounds from the host (segment ids) that narrow either kernel's walk
+    ordered.py the backward's deterministic dQ: its adds in a fixed order of K tiles
     launch.py  their host side: ``attn_fwd_sm90`` and ``attn_bwd_sm90`` check and launch
                them; ``compile_fwd_sm90`` and ``compile_sm90`` build them for sm_90
                without a GPU

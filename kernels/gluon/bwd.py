@@ -15,7 +15,9 @@ addresses 16-byte aligned). Masks: none (``causal_offset=None``) or the causal b
 an offset, as ``PairMask.causal(o)`` (kernels/masks.py): key j is seen by query i iff
 j <= i + o, on the pair's local indices (o = q_start - k_start for two blocks of one
 sequence: the ring's pairs); with it or without it, a window's lower edge ``band_lo``: key
-j seen only if j >= i + band_lo (``PairMask.band_lo``). lse (natural
+j seen only if j >= i + band_lo (``PairMask.band_lo``); with any of these, segment ids
+(``SEGMENTS``, not with ``DETERMINISTIC``: key j seen only if its id equals query i's;
+compiled and checked on the CPU, not yet run on a GPU, so not routed). lse (natural
 log; -inf for a row that sees no key) and delta = rowsum(out * dout) are (B, H, Sq) fp32;
 dq_acc is an fp32 (B, Sq, H, D) running sum the kernel ADDS ``scale * dQ`` into (the
 ring's); dk and dv (B, Sk, Hkv, D), bf16 or
@@ -48,7 +50,7 @@ tile (``_q_tiles``). Four partitions (``gl.warp_specialize``):
   (``cp.reduce.async.bulk.tensor ... .add``) into dq_acc, so CTAs of the same (batch,
   head) sum their dQ without atomics in registers. The order of those adds is arrival
   order by default (dQ's last bits may differ run to run); with ``DETERMINISTIC`` the
-  K tiles add in increasing order (counters, acquire / release: "deterministic dQ" below).
+  K tiles add in increasing order (counters, acquire / release: kernels/gluon/ordered.py).
 
 Causal band: with K/V outer, a CTA skips the Q tiles none of its keys is seen by: its Q
 range starts at the tile of query n0 - o (the first that sees key n0) and runs to the end.
@@ -69,6 +71,13 @@ tile, in increasing order, so under the band the longest CTAs (first K tiles, mo
 tiles) start first; FA3 walks an LPT order over (head, K tile) in chunks sized to L2
 (hopper/tile_scheduler.hpp), not done here.
 
+Segment ids narrow (first, split, split2, end) by the K tile's own four bounds
+(``masks.segment_tiles`` over Q tiles: the tiles some key's document reaches, those inside
+every key's; ``tiles._narrow``), so both masked loops run; a masked step also compares
+its keys' ids with its queries', both read from the kernel's arguments at the step (kept
+out of the loops' registers: at head_dim 128 the masked loops still spill a little,
+tests/test_gluon_compile.py's MASKED_SPILLS).
+
 GQA: GROUP = H / Hkv (a constexpr: one compile per group size) query heads per kv head;
 a CTA's dK and dV sum over all of them, in the same fp32 registers, and dQ goes to each
 query head's rows of dq_acc.
@@ -86,6 +95,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
+
+from .ordered import _landed_then_pass, _wait_for
+from .tiles import _narrow
 
 # Tile constants, read by the kernels (hence constexpr; the host reads their .value).
 HEAD_DIMS = (64, 128)  # head dims served: the kernel reads its own from its descriptors' boxes
@@ -119,7 +131,8 @@ def _tma_reduce_add(desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _q_tiles(n0, offset, band_lo, seqlen_q, CAUSAL: gl.constexpr, LOWER: gl.constexpr):
+def _q_tiles(n0, offset, band_lo, seqlen_q, segs, off_b, CAUSAL: gl.constexpr, LOWER: gl.constexpr,
+             SEGMENTS: gl.constexpr):
     """(first, split, split2, end): the Q tiles (of BLOCK_M rows) [first, end) hold a query
     that sees a key of the K tile [n0, n0 + BLOCK_N); those in [split, split2) see every
     key of it; the others cross an edge of the band (some pair hidden: the masked step).
@@ -127,8 +140,10 @@ def _q_tiles(n0, offset, band_lo, seqlen_q, CAUSAL: gl.constexpr, LOWER: gl.cons
     every query from n0 + BLOCK_N - 1 - offset on sees the whole tile. Lower edge (LOWER,
     a window), j >= i + band_lo: queries up to n0 + BLOCK_N - 1 - band_lo see the tile's
     last key, and every query up to n0 - band_lo sees all of it. Without a band,
-    (0, 0, end, end). Every partition calls this with the same scalars: they walk the same
-    steps."""
+    (0, 0, end, end). SEGMENTS: narrowed by the K tile's own four of batch off_b
+    (``masks.segment_tiles`` over Q tiles: those some key's document reaches, those inside
+    every key's; ``tiles._narrow``). Every partition calls this with the same scalars:
+    they walk the same steps."""
     end = seqlen_q // BLOCK_M
     first = 0
     split = 0
@@ -141,12 +156,15 @@ def _q_tiles(n0, offset, band_lo, seqlen_q, CAUSAL: gl.constexpr, LOWER: gl.cons
         end = gl.maximum(gl.minimum(gl.maximum(n0 + BLOCK_N - 1 - band_lo + BLOCK_M, 0) // BLOCK_M, end), first)
         split = gl.minimum(split, end)
         split2 = gl.minimum(gl.maximum(gl.maximum(n0 - band_lo + 1, 0) // BLOCK_M, split), end)
+    if SEGMENTS:
+        first, split, split2, end = _narrow(first, split, split2, end, segs[4] + off_b.to(gl.int64) * segs[5]
+                                            + (n0 // BLOCK_N) * 4)
     return first, split, split2, end
 
 
 @gluon.jit
-def _loader(descs, smem, bars, tile, GROUP: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr,
-            DETERMINISTIC: gl.constexpr):
+def _loader(descs, smem, bars, tile, segs, GROUP: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr,
+            SEGMENTS: gl.constexpr, DETERMINISTIC: gl.constexpr):
     """One warp: K and V once (even for an empty Q range: the consumers wait for them),
     then per (query head, Q tile) Q + lse (q_ready) and dO + delta (do_ready) into the
     stage both consumers last released (qdo_empty). DETERMINISTIC: the unmasked steps in
@@ -158,12 +176,12 @@ def _loader(descs, smem, bars, tile, GROUP: gl.constexpr, CAUSAL: gl.constexpr, 
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [off_b, n0, off_hk, 0], kv_ready, k_smem)
     tma.async_copy_global_to_shared(v_desc, [off_b, n0, off_hk, 0], kv_ready, v_smem)
-    first, split, split2, end = _q_tiles(n0, offset, band_lo, seqlen_q, CAUSAL, LOWER)
+    first, split, split2, end = _q_tiles(n0, offset, band_lo, seqlen_q, segs, off_b, CAUSAL, LOWER, SEGMENTS)
     _load_unmasked(split, split2, off_b, off_hk, heads, seqlen_q, descs, smem, bars, GROUP, DETERMINISTIC)
-    if CAUSAL:
+    if CAUSAL or SEGMENTS:
         _load_masked(GROUP * (split2 - split), first, split, off_b, off_hk, heads, seqlen_q, descs, smem, bars,
                      GROUP)
-    if LOWER:
+    if LOWER or SEGMENTS:
         _load_masked(GROUP * (split2 - first), split2, end, off_b, off_hk, heads, seqlen_q, descs, smem, bars,
                      GROUP)
 
@@ -215,19 +233,19 @@ def _load_step(t, off_b, off_h, m, heads, seqlen_q, descs, smem, bars):
 
 
 @gluon.jit
-def _dq_writer(descs, smem, bars, tile, turns, GROUP: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr,
-               DETERMINISTIC: gl.constexpr):
+def _dq_writer(descs, smem, bars, tile, segs, turns, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+               LOWER: gl.constexpr, SEGMENTS: gl.constexpr, DETERMINISTIC: gl.constexpr):
     """One warp: per (query head, Q tile), once both consumers filled the shared dQ tile
     (dq_full), add it into that head's rows of dq_acc by TMA, and hand the tile back
     (dq_empty) once TMA has read it. DETERMINISTIC: each add waits for its turn
     (``_wait_for``: K tiles in increasing order) and the tile goes back once the add has
     landed. The loader's order."""
-    first, split, split2, end = _q_tiles(tile[2], tile[5], tile[6], tile[4], CAUSAL, LOWER)
+    first, split, split2, end = _q_tiles(tile[2], tile[5], tile[6], tile[4], segs, tile[0], CAUSAL, LOWER, SEGMENTS)
     _write_unmasked(split, split2, descs, smem, bars, tile, turns, GROUP, LOWER, DETERMINISTIC)
-    if CAUSAL:
+    if CAUSAL or SEGMENTS:
         _write_masked(GROUP * (split2 - split), first, split, descs, smem, bars, tile, turns, GROUP, LOWER,
                       DETERMINISTIC)
-    if LOWER:
+    if LOWER or SEGMENTS:
         _write_masked(GROUP * (split2 - first), split2, end, descs, smem, bars, tile, turns, GROUP, LOWER,
                       DETERMINISTIC)
 
@@ -281,67 +299,6 @@ def _write_step(t, g, m, descs, smem, bars, tile, turns, GROUP: gl.constexpr, LO
     mbarrier.arrive(dq_empty, count=1)
 
 
-# ----------------------------------------------------------------------------- deterministic dQ
-#
-# With ``deterministic`` every Q tile's dQ adds come in increasing order of K tiles,
-# whatever the CTAs' timing: an int32 counter per (batch, query head, Q tile) holds how many
-# adds landed; K tile j waits until it reads j (an acquire load, spun on), adds, waits until
-# its bulk adds are complete (not only read), and increments the counter (a release). The
-# K tiles seeing some query of a Q tile are 0 .. J without the band and with it (key j is
-# seen from query j - offset on, so a tile seen by K tile J is seen by every K tile below),
-# so the turn of K tile j is j; a window's lower edge starts them at the K tile of the
-# tile's first query's lowest key, j0 (``_q_tiles`` reaches the same tiles), and the turn is
-# j - j0. A CTA only ever waits for CTAs dispatched before it
-# (the kernel's grid), so the oldest unfinished CTA never waits and the grid cannot
-# deadlock. The unmasked steps walk the Q tiles downwards from the last one (tile outer,
-# heads inner), so K tiles j - 1 and j reach a Q tile at the same step: under the band the
-# lower K tile has more tiles ahead of it, but they lie at the walk's end. Each K tile's
-# masked steps come last, where the K tiles below it have passed or are passing its
-# diagonal tiles (an offset that puts a diagonal across two K tiles within one Q tile, not
-# a multiple of 64 off one of 128, makes the upper tile wait for the lower one's end).
-
-
-@gluon.jit
-def _lanes():
-    return gl.arange(0, 32, gl.BlockedLayout([1], [32], [1], [0]))
-
-
-@gluon.jit
-def _min(a, b):  # (gl.min is a jit function of triton.language that the CPU suite's interpreter patches)
-    return gl.minimum(a, b)
-
-
-@gluon.jit
-def _read_acquire(ptrs):
-    """The int32 every lane reads at the same address, as one scalar: an acquire load at
-    GPU scope."""
-    seen = gl.inline_asm_elementwise("ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptrs], dtype=gl.int32,
-                                     is_pure=False, pack=1)
-    return gl.reduce(seen, 0, _min)
-
-
-@gluon.jit
-def _wait_for(flag, turn):
-    """Spin (every lane of the warp) until the int32 at ``flag`` reads ``turn``: the adds
-    counted there are then visible to what this warp issues next."""
-    ptrs = flag + _lanes() * 0
-    seen = _read_acquire(ptrs)
-    while seen != turn:
-        seen = _read_acquire(ptrs)
-
-
-@gluon.jit
-def _landed_then_pass(flag):
-    """Wait until this thread's bulk adds are complete (``cp.async.bulk.wait_group 0``: the
-    writes performed, not only the shared tile read), sync the warp (whichever lane issued
-    them), then lane 0 adds 1 to the counter with release semantics at GPU scope."""
-    lanes = _lanes()
-    gl.inline_asm_elementwise(
-        "{ .reg .pred p; cp.async.bulk.wait_group 0; bar.warp.sync -1; setp.eq.s32 p, $1, 0; "
-        "@p red.release.gpu.global.add.s32 [$2], 1; mov.b32 $0, 0; }",
-        "=r,r,l", [lanes, flag + lanes * 0], dtype=gl.int32, is_pure=False, pack=1)
-
-
 @gluon.jit
 def _signal(bar):
     """Every thread of the group has written shared memory that TMA or wgmma (the async
@@ -362,13 +319,23 @@ def _keep_visible(p, row, limit):
 
 
 @gluon.jit
-def _consumer_step(i, dk, dv, k_rows, v_rows, k_cols, smem, bars, qk_scale, sm_scale, diag, diag_lo,
-                   G: gl.constexpr, MASKED: gl.constexpr, MASKED_LO: gl.constexpr):
+def _keep_equal(p, a, b):
+    """p where a == b, else 0 (broadcast int32): a setp + selp an element (``_keep_visible``)."""
+    return gl.inline_asm_elementwise("{ .reg .pred p; setp.eq.s32 p, $2, $3; selp.f32 $0, $1, 0f00000000, p; }",
+                                     "=f,f,r,r", [p, a, b], dtype=gl.float32, is_pure=True, pack=1)
+
+
+@gluon.jit
+def _consumer_step(i, dk, dv, k_rows, v_rows, k_cols, smem, bars, qk_scale, sm_scale, diag, diag_lo, ids,
+                   G: gl.constexpr, MASKED: gl.constexpr, MASKED_LO: gl.constexpr, SEG: gl.constexpr):
     """Step i (a query head's Q tile) into this group's dK, dV (64 K/V rows, fp32
     registers), and this group's half of the tile's dQ columns into the shared fp32 tile.
     MASKED: Pᵀ is zeroed where key row r, query column c have r - c > diag (j > i + offset;
     diag = offset + m0 - first key of the group); MASKED_LO: where r - c < diag_lo (j < i +
-    band_lo, the same way). Returns (dk, dv)."""
+    band_lo, the same way); SEG: where the key's id (the group's 64 from ids' first key;
+    padding made -1) differs from the query's (the step's 64 from its first query; padding
+    made -2): read per masked step from the kernel's arguments, not kept in registers
+    through the loops, whose registers are full. Returns (dk, dv)."""
     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem = smem
     kv_ready, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty = bars
     # 64 x 64 tiles (Sᵀ, dPᵀ), 64 x D/2 (dQ half) and 64 x D (dK, dV); P and dS enter dV
@@ -411,6 +378,16 @@ def _consumer_step(i, dk, dv, k_rows, v_rows, k_cols, smem, bars, qk_scale, sm_s
         lhs = gl.expand_dims(diag_lo - (r & -9), 1) + gl.expand_dims(c & 6, 0)
         rhs = gl.expand_dims(r & 8, 1) - gl.expand_dims(c & -7, 0)
         pT = _keep_visible(pT, lhs, rhs)
+    if SEG:
+        r = gl.arange(0, 64, gl.SliceLayout(1, mma64))
+        c = gl.arange(0, BLOCK_M, cols)
+        segs, off_b, key0, query0 = ids  # the ids from the kernel's arguments: nothing kept in registers
+        k_ids = gl.load(segs[1] + off_b.to(gl.int64) * segs[3] + key0 + r)
+        k_ids = gl.where(k_ids < 0, -1, k_ids)
+        q_ids = gl.load(segs[0] + off_b.to(gl.int64) * segs[2] + query0 + c)
+        q_ids = gl.where(q_ids < 0, -2, q_ids)
+        pT = _keep_equal(pT, gl.expand_dims(k_ids, 1) + gl.expand_dims(c * 0, 0),
+                         gl.expand_dims(q_ids, 0) + gl.expand_dims(r * 0, 1))
     p_op = gl.convert_layout(pT.to(gl.bfloat16), op_a, assert_trivial=True)
     dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
 
@@ -443,8 +420,8 @@ def _consumer_step(i, dk, dv, k_rows, v_rows, k_cols, smem, bars, qk_scale, sm_s
 
 
 @gluon.jit
-def _consumer(descs, smem, bars, tile, out, G: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-              LOWER: gl.constexpr, ADD: gl.constexpr):
+def _consumer(descs, smem, bars, tile, out, segs, G: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+              LOWER: gl.constexpr, SEGMENTS: gl.constexpr, ADD: gl.constexpr):
     """Consumer warp group G: K/V rows [64 G, 64 G + 64) of the CTA's tile over every
     (query head, Q tile) step, then its dK (scaled) and dV rows stored in the output dtype
     (zeros after no step), or with ADD added to the fp32 sums there."""
@@ -460,7 +437,7 @@ def _consumer(descs, smem, bars, tile, out, G: gl.constexpr, GROUP: gl.constexpr
     dk = gl.zeros([64, D], gl.float32, mma_d)
     dv = gl.zeros([64, D], gl.float32, mma_d)
     mbarrier.wait(bars[0], 0)  # kv_ready (also before an empty range: no exit under a TMA in flight)
-    first, split, split2, end = _q_tiles(n0, offset, band_lo, seqlen_q, CAUSAL, LOWER)
+    first, split, split2, end = _q_tiles(n0, offset, band_lo, seqlen_q, segs, off_b, CAUSAL, LOWER, SEGMENTS)
     operands = (k_rows, v_rows, k_cols, qk_scale, sm_scale)
     # The unmasked steps first, every head's: the non-causal kernel's loop, whatever the band,
     # then the masked ones, (tile, head), in loops of their own: the tiles [first, split)
@@ -468,14 +445,16 @@ def _consumer(descs, smem, bars, tile, out, G: gl.constexpr, GROUP: gl.constexpr
     # by both edges: a narrow window's tile may cross both). (Masked loops first, values
     # hoisted for both kinds of loop spill in the unmasked one.)
     dk, dv = _consume_unmasked(GROUP * (split2 - split), dk, dv, operands, smem, bars, G)
-    if CAUSAL:
+    if CAUSAL or SEGMENTS:
         at = first * BLOCK_M - n0 - 64 * G  # the first tile's first query minus the group's first key
         dk, dv = _consume_masked(GROUP * (split2 - split), GROUP * (split - first), offset + at, band_lo + at, dk, dv,
-                                 operands, smem, bars, G, GROUP, CAUSAL, LOWER)
-    if LOWER:
+                                 operands, smem, bars, (segs, off_b, n0 + 64 * G, first * BLOCK_M), G, GROUP, CAUSAL,
+                                 LOWER, SEGMENTS)
+    if LOWER or SEGMENTS:
         at = split2 * BLOCK_M - n0 - 64 * G
         dk, dv = _consume_masked(GROUP * (split2 - first), GROUP * (end - split2), offset + at, band_lo + at, dk, dv,
-                                 operands, smem, bars, G, GROUP, CAUSAL, LOWER)
+                                 operands, smem, bars, (segs, off_b, n0 + 64 * G, split2 * BLOCK_M), G, GROUP, CAUSAL,
+                                 LOWER, SEGMENTS)
     rows = gl.arange(0, 64, gl.SliceLayout(1, mma_d))
     cols = gl.arange(0, D, gl.SliceLayout(0, mma_d))
     row0 = n0 + 64 * G
@@ -488,21 +467,23 @@ def _consume_unmasked(steps, dk, dv, operands, smem, bars, G: gl.constexpr):
     """Steps 0 .. steps - 1, unmasked."""
     k_rows, v_rows, k_cols, qk_scale, sm_scale = operands
     for t in range(steps):
-        dk, dv = _consumer_step(t, dk, dv, k_rows, v_rows, k_cols, smem, bars, qk_scale, sm_scale, 0, 0, G, False,
-                                False)
+        dk, dv = _consumer_step(t, dk, dv, k_rows, v_rows, k_cols, smem, bars, qk_scale, sm_scale, 0, 0, (0, 0), G,
+                                False, False, False)
     return dk, dv
 
 
 @gluon.jit
-def _consume_masked(t0, steps, diag0, diag0_lo, dk, dv, operands, smem, bars, G: gl.constexpr,
-                    GROUP: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr):
-    """Steps t0 .. t0 + steps - 1, masked by the band's edges (each where CAUSAL, LOWER):
-    (Q tile, head), the diagonals ``diag0``, ``diag0_lo`` (``_consumer_step``'s, for the
-    first tile) one Q tile further every GROUP steps."""
+def _consume_masked(t0, steps, diag0, diag0_lo, dk, dv, operands, smem, bars, ids, G: gl.constexpr,
+                    GROUP: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr, SEGMENTS: gl.constexpr):
+    """Steps t0 .. t0 + steps - 1, masked by the band's edges (each where CAUSAL, LOWER) and
+    the ids (SEGMENTS): (Q tile, head), the diagonals ``diag0``, ``diag0_lo`` and the
+    first query ids[3] (``_consumer_step``'s, for the first tile) one Q tile further every
+    GROUP steps."""
     k_rows, v_rows, k_cols, qk_scale, sm_scale = operands
     for j in range(steps):
         dk, dv = _consumer_step(t0 + j, dk, dv, k_rows, v_rows, k_cols, smem, bars, qk_scale, sm_scale,
-                                diag0 + (j // GROUP) * BLOCK_M, diag0_lo + (j // GROUP) * BLOCK_M, G, CAUSAL, LOWER)
+                                diag0 + (j // GROUP) * BLOCK_M, diag0_lo + (j // GROUP) * BLOCK_M,
+                                (ids[0], ids[1], ids[2], ids[3] + (j // GROUP) * BLOCK_M), G, CAUSAL, LOWER, SEGMENTS)
     return dk, dv
 
 
@@ -520,23 +501,25 @@ def _store_rows(ptr, strides, off_b, first, off_h, rows, cols, x, ADD: gl.conste
 
 
 @gluon.jit
-def _consumer0(descs, smem, bars, tile, out, GROUP: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr,
-               ADD: gl.constexpr):
-    _consumer(descs, smem, bars, tile, out, 0, GROUP, CAUSAL, LOWER, ADD)
+def _consumer0(descs, smem, bars, tile, out, segs, GROUP: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr,
+               SEGMENTS: gl.constexpr, ADD: gl.constexpr):
+    _consumer(descs, smem, bars, tile, out, segs, 0, GROUP, CAUSAL, LOWER, SEGMENTS, ADD)
 
 
 @gluon.jit
-def _consumer1(descs, smem, bars, tile, out, GROUP: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr,
-               ADD: gl.constexpr):
-    _consumer(descs, smem, bars, tile, out, 1, GROUP, CAUSAL, LOWER, ADD)
+def _consumer1(descs, smem, bars, tile, out, segs, GROUP: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr,
+               SEGMENTS: gl.constexpr, ADD: gl.constexpr):
+    _consumer(descs, smem, bars, tile, out, segs, 1, GROUP, CAUSAL, LOWER, SEGMENTS, ADD)
 
 
 @gluon.jit
 def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, dk_ptr, dv_ptr,
                           dk_stride_b, dk_stride_s, dk_stride_h, dv_stride_b, dv_stride_s, dv_stride_h,
                           heads, kv_heads, seqlen_q, causal_offset, band_lo, qk_scale, sm_scale, dq_turns,
-                          GROUP: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr, ADD: gl.constexpr,
-                          DETERMINISTIC: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr):
+                          q_ids_ptr, k_ids_ptr, q_ids_stride_b, k_ids_stride_b, tiles_ptr, tiles_stride_b,
+                          GROUP: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr, SEGMENTS: gl.constexpr,
+                          ADD: gl.constexpr, DETERMINISTIC: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                          WORKER_REGS: gl.constexpr):
     """Grid (R, B Hkv, Sk / (128 R)): K/V tile program_id(0) + R program_id(2) of (batch, kv
     head) program_id(1). R = Sk / 128, one round, by default; DETERMINISTIC: rounds of R
     (16, or fewer where they do not divide Sk / 128) K tiles of every (batch, kv head) in
@@ -548,10 +531,13 @@ def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
     read only when CAUSAL, band_lo (a window's lower edge, j >= i + band_lo) only when
     LOWER; ADD: dK, dV added to the fp32 sums at dk_ptr, dv_ptr instead of
     written; dq_turns (DETERMINISTIC only): (B, H, Sq / 64) int32 zeros, the dQ adds'
-    counters."""
+    counters; SEGMENTS (not with DETERMINISTIC): the ids, int32 (B, Sq) and (B, Sk) with
+    contiguous rows, and ``masks.segment_tiles``' (B, Sk / 128, 4) over Q tiles of 64."""
     bh = gl.program_id(1)
     n0 = (gl.program_id(0) + gl.program_id(2) * gl.num_programs(0)) * BLOCK_N
     tile = (bh // kv_heads, bh % kv_heads, n0, heads, seqlen_q, causal_offset, band_lo)
+    # read only when SEGMENTS, each where used (kernel arguments: kept out of the loops' registers)
+    segs = (q_ids_ptr, k_ids_ptr, q_ids_stride_b, k_ids_stride_b, tiles_ptr, tiles_stride_b)
     # Shared memory, about 193 KB: K, V 64 KB; Q, dO 2 x 2 x 16 KB; dSᵀ 2 x 16 KB; dQ 32 KB.
     dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_COLS], gl.float32)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.bfloat16)
@@ -585,8 +571,9 @@ def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
     descs = (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc)
     out = (dk_ptr, dv_ptr, (dk_stride_b, dk_stride_s, dk_stride_h), (dv_stride_b, dv_stride_s, dv_stride_h),
            qk_scale, sm_scale)
-    gl.warp_specialize([(_consumer0, (descs, smem, bars, tile, out, GROUP, CAUSAL, LOWER, ADD)),
-                        (_consumer1, (descs, smem, bars, tile, out, GROUP, CAUSAL, LOWER, ADD)),
-                        (_loader, (descs, smem, bars, tile, GROUP, CAUSAL, LOWER, DETERMINISTIC)),
-                        (_dq_writer, (descs, smem, bars, tile, dq_turns, GROUP, CAUSAL, LOWER, DETERMINISTIC))],
+    gl.warp_specialize([(_consumer0, (descs, smem, bars, tile, out, segs, GROUP, CAUSAL, LOWER, SEGMENTS, ADD)),
+                        (_consumer1, (descs, smem, bars, tile, out, segs, GROUP, CAUSAL, LOWER, SEGMENTS, ADD)),
+                        (_loader, (descs, smem, bars, tile, segs, GROUP, CAUSAL, LOWER, SEGMENTS, DETERMINISTIC)),
+                        (_dq_writer, (descs, smem, bars, tile, segs, dq_turns, GROUP, CAUSAL, LOWER, SEGMENTS,
+                                      DETERMINISTIC))],
                        [4, 1, 1], [CONSUMER_REGS, WORKER_REGS, WORKER_REGS])

@@ -64,6 +64,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
+from .tiles import _narrow
+
 HEAD_DIMS = (64, 128)  # head dims served
 BLOCK_M = gl.constexpr(128)  # query rows a CTA (two consumer groups of 64)
 BLOCK_N = gl.constexpr(128)  # keys a tile
@@ -82,7 +84,7 @@ def _k_tiles(m0, offset, band_lo, seqlen_k, segs, CAUSAL: gl.constexpr, LOWER: g
     on, the last from m0 + BLOCK_M - 1 + band_lo. Dividends clamped >= 0 (integer division
     truncates). Without a band (0, 0, n, n). SEGMENTS: intersected with the Q tile's own
     four (``segment_tiles``: the tiles some row's document reaches, and those whose keys all
-    carry every row's id), at ``segs[2]``."""
+    carry every row's id), at ``segs[2]`` (``tiles._narrow``)."""
     n_k = seqlen_k // BLOCK_N
     end = n_k
     full = n_k
@@ -97,11 +99,7 @@ def _k_tiles(m0, offset, band_lo, seqlen_k, segs, CAUSAL: gl.constexpr, LOWER: g
         u0 = gl.minimum(gl.maximum((gl.maximum(m0 + BLOCK_M - 1 + band_lo, 0) + BLOCK_N - 1) // BLOCK_N, start), end)
         u1 = gl.maximum(full, u0)
     if SEGMENTS:
-        tiles = segs[2]
-        start = gl.maximum(start, gl.load(tiles))
-        end = gl.maximum(gl.minimum(end, gl.load(tiles + 3)), start)
-        u0 = gl.minimum(gl.maximum(gl.maximum(u0, gl.load(tiles + 1)), start), end)
-        u1 = gl.minimum(gl.maximum(gl.minimum(u1, gl.load(tiles + 2)), u0), end)
+        start, u0, u1, end = _narrow(start, u0, u1, end, segs[2])
     return start, u0, u1, end
 
 

@@ -96,9 +96,48 @@ def _device_error(fn: str, q) -> Optional[Exception]:
     return None
 
 
+def _segments_error(fn: str, q, k, q_segments, k_segments) -> Optional[Exception]:
+    """The segment ids, as either kernel takes them: both or neither, int32 (B, Sq) and
+    (B, Sk) on q's device."""
+    if (q_segments is None) != (k_segments is None):
+        return ValueError(f"{fn}: q_segments and k_segments go together (both or neither)")
+    if q_segments is None:
+        return None
+    for name, t, rows in (("q_segments", q_segments, q.shape[1]), ("k_segments", k_segments, k.shape[1])):
+        if not isinstance(t, torch.Tensor):
+            return TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.int32:
+            return TypeError(f"{fn}: {name} must be int32, got {t.dtype}")
+        if tuple(t.shape) != (q.shape[0], rows):
+            return ValueError(f"{fn}: {name} must have shape {(q.shape[0], rows)}, got {tuple(t.shape)}")
+        if t.device != q.device:
+            return ValueError(f"{fn}: {name} is on {t.device}, q on {q.device}")
+    return None
+
+
+def _segment_args(q_segments, k_segments, seqlen_q: int, seqlen_k: int, device, keys_outer: bool) -> tuple:
+    """A kernel's segment arguments: the ids (rows contiguous) and ``masks.segment_tiles``
+    (the forward's over tiles of 128 queries and 128 keys; ``keys_outer``, the backward's,
+    over tiles of 128 keys and 64 queries), from the Triton kernels' segment ranges on a GPU
+    (one tensor of ids for queries and keys: kept while it is passed again); int32 stand-ins
+    without segments."""
+    if q_segments is None:
+        none = _stand_in(device)
+        return none, none, 0, 0, none, 0
+    q_ids, k_ids = q_segments.contiguous(), k_segments.contiguous()
+    rows, cols, n_cols, block = (k_ids, q_ids, seqlen_q, BLOCK_M.value) if keys_outer else (q_ids, k_ids, seqlen_k, 128)
+
+    def tiles_of():
+        ranges = _ranges(rows, cols, True) if rows.is_cuda else segment_ranges(rows, cols)  # CPU: the compile's
+        return segment_tiles(ranges, n_cols, cols_block=block)
+
+    tiles = tensor_memo(q_ids, ("segment_tiles", n_cols, keys_outer), tiles_of) if q_ids is k_ids else tiles_of()
+    return q_ids, k_ids, q_ids.stride(0), k_ids.stride(0), tiles, tiles.stride(0)
+
+
 def unsupported(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal_offset,
-                accumulate: bool = False, band_lo: Optional[int] = None,
-                deterministic: bool = False) -> Optional[Exception]:
+                accumulate: bool = False, band_lo: Optional[int] = None, deterministic: bool = False,
+                q_segments=None, k_segments=None) -> Optional[Exception]:
     """Why this kernel cannot take these arguments: a TypeError / ValueError naming the
     argument (the module's docstring says what it serves), or None. ``dq_acc`` None: not
     checked (a caller about to allocate it; ``kernels/dispatch.py``)."""
@@ -120,9 +159,13 @@ def unsupported(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal
         if name in named and named[name].dtype != torch.float32:
             return TypeError(f"attn_bwd_sm90: {name} must be float32, got {named[name].dtype}")
     error = (_scalar_error("attn_bwd_sm90", softmax_scale, causal_offset, band_lo)
-             or _shape_error("attn_bwd_sm90", q, k, HEAD_DIMS))
+             or _shape_error("attn_bwd_sm90", q, k, HEAD_DIMS)
+             or _segments_error("attn_bwd_sm90", q, k, q_segments, k_segments))
     if error is not None:
         return error
+    if deterministic and q_segments is not None:
+        return ValueError("attn_bwd_sm90: deterministic with segment ids is not served (the Triton backward "
+                          "repeats its bits)")
     b, sq, h, _ = q.shape
     hkv = k.shape[2]
     for name, like in (("dout", "q"), ("dq_acc", "q"), ("v", "k"), ("dk", "k"), ("dv", "k")):
@@ -167,7 +210,7 @@ def _kernel_offset(causal_offset, seqlen_q, seqlen_k) -> int:
 
 def attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale: float,
                   causal_offset: Optional[int] = None, accumulate: bool = False, deterministic: bool = False,
-                  band_lo: Optional[int] = None):
+                  band_lo: Optional[int] = None, q_segments=None, k_segments=None):
     """The backward of one (query block, key block) pair (head_dim 64 or 128, bf16):
     ``dq_acc += scale * dQ`` (fp32), dk = scale * dK and dv = dV written (bf16 or fp32), or
     with ``accumulate`` added into dk and dv (fp32 sums). ``deterministic``: the dQ adds
@@ -180,10 +223,11 @@ def attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale: floa
     kernels.attn_delta) are (B, H, Sq) fp32 (copied if not contiguous). causal_offset:
     None sees every key; an int o lets query i see key j iff j <= i + o (PairMask.causal,
     o = q_start - k_start for two blocks of one sequence). band_lo: a window's lower edge,
-    key j seen only if j >= i + band_lo (PairMask.band_lo). Returns
-    (dq_acc, dk, dv)."""
+    key j seen only if j >= i + band_lo (PairMask.band_lo). q_segments (B, Sq), k_segments
+    (B, Sk) int32, both or neither (not with deterministic): key j seen only if its id
+    equals query i's (``attn_fwd_sm90``'s). Returns (dq_acc, dk, dv)."""
     _check(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal_offset, accumulate, band_lo,
-           deterministic)
+           deterministic, q_segments, k_segments)
     b, sq, h, _ = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     lse, delta = lse.contiguous(), delta.contiguous()
@@ -192,9 +236,10 @@ def attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale: floa
     _attn_bwd_sm90_kernel[_grid(sk // BLOCK_N.value, b * hkv, deterministic)](
         *_descriptors(q, k, v, dout, lse, delta, dq_acc), dk, dv, dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2), h, hkv, sq, _kernel_offset(causal_offset, sq, sk),
-        _kernel_offset(band_lo, sq, sk), softmax_scale * LOG2E, softmax_scale, turns, h // hkv,
-        causal_offset is not None, band_lo is not None, bool(accumulate), bool(deterministic), CONSUMER_REGS,
-        WORKER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)
+        _kernel_offset(band_lo, sq, sk), softmax_scale * LOG2E, softmax_scale, turns,
+        *_segment_args(q_segments, k_segments, sq, sk, q.device, keys_outer=True), h // hkv,
+        causal_offset is not None, band_lo is not None, q_segments is not None, bool(accumulate), bool(deterministic),
+        CONSUMER_REGS, WORKER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)
     return dq_acc, dk, dv
 
 
@@ -212,12 +257,12 @@ def _grid(k_tiles: int, heads: int, deterministic: bool) -> tuple[int, int, int]
 def compile_sm90(consumer_regs: int = CONSUMER_REGS, worker_regs: int = WORKER_REGS, maxnreg: int = MAXNREG,
                  causal_offset: Optional[int] = None, heads: int = 4, kv_heads: int = 4, seqlen_q: int = 1024,
                  seqlen_k: int = 1024, accumulate: bool = False, deterministic: bool = False,
-                 band_lo: Optional[int] = None, head_dim: int = 128):
+                 band_lo: Optional[int] = None, head_dim: int = 128, segments: bool = False):
     """The kernel compiled for sm_90 on any machine, no GPU needed (triton ships ptxas):
     its ``.asm`` holds "ttgir", "ptx", "cubin"; ``.metadata.shared`` its shared memory in
     bytes. Specialized as ``attn_bwd_sm90`` would specialize it on contiguous (1, seqlen_q,
     heads, head_dim) q and (1, seqlen_k, kv_heads, head_dim) k inputs with this causal_offset, band_lo,
-    accumulate (dk, dv then fp32) and deterministic (CPU
+    accumulate (dk, dv then fp32), deterministic and ``segments`` segment ids (CPU
     stand-ins: only their types, alignments and strides are read; as in a launch, an int
     argument equal to 1, e.g. kv_heads, is compiled in as a constant, and those divisible
     by 16 are marked so)."""
@@ -228,9 +273,12 @@ def compile_sm90(consumer_regs: int = CONSUMER_REGS, worker_regs: int = WORKER_R
     values = (*_descriptors(q, k, k, q, stats, stats, torch.zeros(q.shape)), dkv, dkv, *k.stride()[:3], *k.stride()[:3],
               heads, kv_heads, seqlen_q, _kernel_offset(causal_offset, seqlen_q, seqlen_k),
               _kernel_offset(band_lo, seqlen_q, seqlen_k), 0.1 * LOG2E, 0.1,
-              torch.zeros(heads * seqlen_q // BLOCK_M.value, dtype=torch.int32) if deterministic else stats)
-    consts = dict(GROUP=heads // kv_heads, CAUSAL=causal_offset is not None, LOWER=band_lo is not None, ADD=accumulate,
-                  DETERMINISTIC=deterministic, CONSUMER_REGS=consumer_regs, WORKER_REGS=worker_regs)
+              torch.zeros(heads * seqlen_q // BLOCK_M.value, dtype=torch.int32) if deterministic else stats,
+              *_segment_args(*((torch.zeros(1, seqlen_q, dtype=torch.int32), torch.zeros(1, seqlen_k, dtype=torch.int32))
+                               if segments else (None, None)), seqlen_q, seqlen_k, q.device, keys_outer=True))
+    consts = dict(GROUP=heads // kv_heads, CAUSAL=causal_offset is not None, LOWER=band_lo is not None,
+                  SEGMENTS=segments, ADD=accumulate, DETERMINISTIC=deterministic, CONSUMER_REGS=consumer_regs,
+                  WORKER_REGS=worker_regs)
     return _compile(_attn_bwd_sm90_kernel, values, consts, maxnreg)
 
 
@@ -276,10 +324,6 @@ def fwd_unsupported(q, k, v, out, lse, softmax_scale, causal_offset, accumulate:
     named = dict(q=q, k=k, v=v, out=out, lse=lse)
     if out_in is not None:
         named["out_partial"] = out_in
-    if (q_segments is None) != (k_segments is None):
-        return ValueError("attn_fwd_sm90: q_segments and k_segments go together (both or neither)")
-    if q_segments is not None:
-        named.update(q_segments=q_segments, k_segments=k_segments)
     for name, t in named.items():
         if not isinstance(t, torch.Tensor):
             return TypeError(f"attn_fwd_sm90: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -288,19 +332,16 @@ def fwd_unsupported(q, k, v, out, lse, softmax_scale, causal_offset, accumulate:
             return TypeError(f"attn_fwd_sm90: {name} must be bfloat16, got {named[name].dtype}")
     if lse.dtype != torch.float32:
         return TypeError(f"attn_fwd_sm90: lse must be float32, got {lse.dtype}")
-    for name in ("q_segments", "k_segments"):
-        if name in named and named[name].dtype != torch.int32:
-            return TypeError(f"attn_fwd_sm90: {name} must be int32, got {named[name].dtype}")
     for name in ("out", "out_partial"):
         if name in named and not named[name].dtype.is_floating_point:
             return TypeError(f"attn_fwd_sm90: {name} must be a float tensor, got {named[name].dtype}")
     error = (_scalar_error("attn_fwd_sm90", softmax_scale, causal_offset, band_lo)
-             or _shape_error("attn_fwd_sm90", q, k, fwd.HEAD_DIMS))
+             or _shape_error("attn_fwd_sm90", q, k, fwd.HEAD_DIMS)
+             or _segments_error("attn_fwd_sm90", q, k, q_segments, k_segments))
     if error is not None:
         return error
     b, sq, h, _ = q.shape
-    for name, want in (("v", k.shape), ("out", q.shape), ("out_partial", q.shape), ("lse", (b, h, sq)),
-                       ("q_segments", (b, sq)), ("k_segments", (b, k.shape[1]))):
+    for name, want in (("v", k.shape), ("out", q.shape), ("out_partial", q.shape), ("lse", (b, h, sq))):
         if name in named and tuple(named[name].shape) != tuple(want):
             return ValueError(f"attn_fwd_sm90: {name} must have shape {tuple(want)}, got {tuple(named[name].shape)}")
     if out_in is not None and not accumulate:
@@ -310,7 +351,7 @@ def fwd_unsupported(q, k, v, out, lse, softmax_scale, causal_offset, accumulate:
     for name, t in named.items():
         if t.device != q.device:
             return ValueError(f"attn_fwd_sm90: {name} is on {t.device}, q on {q.device}")
-        if name not in ("lse", "q_segments", "k_segments") and t.stride(-1) != 1:
+        if name != "lse" and t.stride(-1) != 1:
             return ValueError(f"attn_fwd_sm90: {name} must have a contiguous last dimension, strides {t.stride()}")
     for name in ("q", "k", "v"):
         if (error := _tma_error("attn_fwd_sm90", name, named[name])) is not None:
@@ -323,29 +364,12 @@ def fwd_unsupported(q, k, v, out, lse, softmax_scale, causal_offset, accumulate:
     return _device_error("attn_fwd_sm90", q)
 
 
-def _segment_args(q_segments, k_segments, seqlen_k: int, device) -> tuple:
-    """The forward's segment arguments: the ids (rows contiguous) and ``masks.segment_tiles``
-    (from the Triton kernels' segment ranges on a GPU; one tensor of ids for queries and
-    keys: kept while it is passed again); int32 stand-ins without segments."""
-    if q_segments is None:
-        none = _stand_in(device)
-        return none, none, 0, 0, none, 0
-    q_ids, k_ids = q_segments.contiguous(), k_segments.contiguous()
-
-    def tiles_of():
-        ranges = _ranges(q_ids, k_ids, True) if q_ids.is_cuda else segment_ranges(q_ids, k_ids)  # CPU: the compile's
-        return segment_tiles(ranges, seqlen_k)
-
-    tiles = tensor_memo(q_ids, ("segment_tiles", seqlen_k), tiles_of) if q_ids is k_ids else tiles_of()
-    return q_ids, k_ids, q_ids.stride(0), k_ids.stride(0), tiles, tiles.stride(0)
-
-
 def _fwd_args(q, k, v, out, lse, softmax_scale, causal_offset, out_in, band_lo, q_segments=None, k_segments=None):
     b, sq, h, _ = q.shape
     return (*_fwd_descriptors(q, k, v), out, out if out_in is None else out_in, lse, *out.stride()[:3], *lse.stride(),
             h, h // k.shape[2], k.shape[1], _kernel_offset(causal_offset, sq, k.shape[1]),
             _kernel_offset(band_lo, sq, k.shape[1]), softmax_scale * LOG2E,
-            *_segment_args(q_segments, k_segments, k.shape[1], q.device))
+            *_segment_args(q_segments, k_segments, sq, k.shape[1], q.device, keys_outer=False))
 
 
 def attn_fwd_sm90(q, k, v, out, lse, softmax_scale: float, causal_offset: Optional[int] = None,
