@@ -73,9 +73,9 @@ tiles) start first; FA3 walks an LPT order over (head, K tile) in chunks sized t
 
 Segment ids narrow (first, split, split2, end) by the K tile's own four bounds
 (``masks.segment_tiles`` over Q tiles: the tiles some key's document reaches, those inside
-every key's; ``tiles._narrow``), so both masked loops run; a masked step also compares
-its keys' ids with its queries', both read from the kernel's arguments at the step (kept
-out of the loops' registers: at head_dim 128 the masked loops still spill a little,
+every key's; ``tiles._narrow``), so both masked loops run; a masked step also masks by
+each key's hull of queries sharing its id, two more edges read at the step
+(``_consumer_step``; at head_dim 128 the masked loops spill a little,
 tests/test_gluon_compile.py's MASKED_SPILLS).
 
 GQA: GROUP = H / Hkv (a constexpr: one compile per group size) query heads per kv head;
@@ -319,23 +319,19 @@ def _keep_visible(p, row, limit):
 
 
 @gluon.jit
-def _keep_equal(p, a, b):
-    """p where a == b, else 0 (broadcast int32): a setp + selp an element (``_keep_visible``)."""
-    return gl.inline_asm_elementwise("{ .reg .pred p; setp.eq.s32 p, $2, $3; selp.f32 $0, $1, 0f00000000, p; }",
-                                     "=f,f,r,r", [p, a, b], dtype=gl.float32, is_pure=True, pack=1)
-
-
-@gluon.jit
 def _consumer_step(i, dk, dv, k_rows, v_rows, k_cols, smem, bars, qk_scale, sm_scale, diag, diag_lo, ids,
                    G: gl.constexpr, MASKED: gl.constexpr, MASKED_LO: gl.constexpr, SEG: gl.constexpr):
     """Step i (a query head's Q tile) into this group's dK, dV (64 K/V rows, fp32
     registers), and this group's half of the tile's dQ columns into the shared fp32 tile.
     MASKED: Pᵀ is zeroed where key row r, query column c have r - c > diag (j > i + offset;
     diag = offset + m0 - first key of the group); MASKED_LO: where r - c < diag_lo (j < i +
-    band_lo, the same way); SEG: where the key's id (the group's 64 from ids' first key;
-    padding made -1) differs from the query's (the step's 64 from its first query; padding
-    made -2): read per masked step from the kernel's arguments, not kept in registers
-    through the loops, whose registers are full. Returns (dk, dv)."""
+    band_lo, the same way); SEG: where the query lies outside the key's hull [lo, hi) of
+    queries sharing its id (``masks.segment_ranges``, read per masked step from the kernel's
+    arguments for the group's 64 keys), as two more edges split the band's way, and where
+    the query sees no key at all (a padding query inside a hull: its lse taken as +inf, so
+    exp2 gives 0). Inside a hull every query that sees a key has the key's id (the ids are
+    non-decreasing but for padding), so this is the id compare without the queries' ids.
+    Returns (dk, dv)."""
     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem = smem
     kv_ready, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty = bars
     # 64 x 64 tiles (Sᵀ, dPᵀ), 64 x D/2 (dQ half) and 64 x D (dK, dV); P and dS enter dV
@@ -359,6 +355,8 @@ def _consumer_step(i, dk, dv, k_rows, v_rows, k_cols, smem, bars, qk_scale, sm_s
     mbarrier.wait(do_ready.index(s), ph)
     dpT = warpgroup_mma(v_rows, do_s.permute((1, 0)), zero, use_acc=False, is_async=True)
     lse = lse_smem.index(s).load(cols) * 1.4426950408889634  # natural log -> log2, as exp2 wants
+    if SEG:  # a query that sees nothing (padding, inside some key's hull): P = exp2(-inf) = 0
+        lse = gl.where(lse == float("-inf"), float("inf"), lse)
     sT = warpgroup_mma_wait(1, deps=[sT])
     pT = gl.exp2(sT * qk_scale - gl.expand_dims(lse, 0))
     if MASKED:  # after the exp2: a row that sees no key (lse -inf, exp2 inf) gets 0 too
@@ -378,16 +376,16 @@ def _consumer_step(i, dk, dv, k_rows, v_rows, k_cols, smem, bars, qk_scale, sm_s
         lhs = gl.expand_dims(diag_lo - (r & -9), 1) + gl.expand_dims(c & 6, 0)
         rhs = gl.expand_dims(r & 8, 1) - gl.expand_dims(c & -7, 0)
         pT = _keep_visible(pT, lhs, rhs)
-    if SEG:
+    if SEG:  # query0 + c in [lo, hi) of key key0 + r, split as the band's edges: c = (c & 6) + (c & -7)
         r = gl.arange(0, 64, gl.SliceLayout(1, mma64))
         c = gl.arange(0, BLOCK_M, cols)
-        segs, off_b, key0, query0 = ids  # the ids from the kernel's arguments: nothing kept in registers
-        k_ids = gl.load(segs[1] + off_b.to(gl.int64) * segs[3] + key0 + r)
-        k_ids = gl.where(k_ids < 0, -1, k_ids)
-        q_ids = gl.load(segs[0] + off_b.to(gl.int64) * segs[2] + query0 + c)
-        q_ids = gl.where(q_ids < 0, -2, q_ids)
-        pT = _keep_equal(pT, gl.expand_dims(k_ids, 1) + gl.expand_dims(c * 0, 0),
-                         gl.expand_dims(q_ids, 0) + gl.expand_dims(r * 0, 1))
+        segs, off_b, key0, query0 = ids  # from the kernel's arguments: nothing kept in registers
+        lo = gl.load(segs[0] + off_b.to(gl.int64) * segs[2] + key0 + r) - query0
+        hi = gl.load(segs[1] + off_b.to(gl.int64) * segs[3] + key0 + r) - query0
+        pT = _keep_visible(pT, gl.expand_dims(lo, 1) - gl.expand_dims(c & 6, 0),
+                           gl.expand_dims(c & -7, 0) + gl.expand_dims(r * 0, 1))
+        pT = _keep_visible(pT, gl.expand_dims(c & 6, 0) - gl.expand_dims(hi - 1, 1),
+                           gl.expand_dims(-(c & -7), 0) + gl.expand_dims(r * 0, 1))
     p_op = gl.convert_layout(pT.to(gl.bfloat16), op_a, assert_trivial=True)
     dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
 
@@ -516,7 +514,7 @@ def _consumer1(descs, smem, bars, tile, out, segs, GROUP: gl.constexpr, CAUSAL: 
 def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, dk_ptr, dv_ptr,
                           dk_stride_b, dk_stride_s, dk_stride_h, dv_stride_b, dv_stride_s, dv_stride_h,
                           heads, kv_heads, seqlen_q, causal_offset, band_lo, qk_scale, sm_scale, dq_turns,
-                          q_ids_ptr, k_ids_ptr, q_ids_stride_b, k_ids_stride_b, tiles_ptr, tiles_stride_b,
+                          keys_lo_ptr, keys_hi_ptr, keys_lo_stride_b, keys_hi_stride_b, tiles_ptr, tiles_stride_b,
                           GROUP: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr, SEGMENTS: gl.constexpr,
                           ADD: gl.constexpr, DETERMINISTIC: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                           WORKER_REGS: gl.constexpr):
@@ -531,13 +529,14 @@ def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
     read only when CAUSAL, band_lo (a window's lower edge, j >= i + band_lo) only when
     LOWER; ADD: dK, dV added to the fp32 sums at dk_ptr, dv_ptr instead of
     written; dq_turns (DETERMINISTIC only): (B, H, Sq / 64) int32 zeros, the dQ adds'
-    counters; SEGMENTS (not with DETERMINISTIC): the ids, int32 (B, Sq) and (B, Sk) with
-    contiguous rows, and ``masks.segment_tiles``' (B, Sk / 128, 4) over Q tiles of 64."""
+    counters; SEGMENTS (not with DETERMINISTIC): each key's hull of queries [lo, hi), int32
+    (B, Sk) with contiguous rows (``masks.segment_ranges``), and ``masks.segment_tiles``'
+    (B, Sk / 128, 4) over Q tiles of 64."""
     bh = gl.program_id(1)
     n0 = (gl.program_id(0) + gl.program_id(2) * gl.num_programs(0)) * BLOCK_N
     tile = (bh // kv_heads, bh % kv_heads, n0, heads, seqlen_q, causal_offset, band_lo)
     # read only when SEGMENTS, each where used (kernel arguments: kept out of the loops' registers)
-    segs = (q_ids_ptr, k_ids_ptr, q_ids_stride_b, k_ids_stride_b, tiles_ptr, tiles_stride_b)
+    segs = (keys_lo_ptr, keys_hi_ptr, keys_lo_stride_b, keys_hi_stride_b, tiles_ptr, tiles_stride_b)
     # Shared memory, about 193 KB: K, V 64 KB; Q, dO 2 x 2 x 16 KB; dSᵀ 2 x 16 KB; dQ 32 KB.
     dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_COLS], gl.float32)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.bfloat16)

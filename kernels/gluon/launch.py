@@ -116,23 +116,26 @@ def _segments_error(fn: str, q, k, q_segments, k_segments) -> Optional[Exception
 
 
 def _segment_args(q_segments, k_segments, seqlen_q: int, seqlen_k: int, device, keys_outer: bool) -> tuple:
-    """A kernel's segment arguments: the ids (rows contiguous) and ``masks.segment_tiles``
-    (the forward's over tiles of 128 queries and 128 keys; ``keys_outer``, the backward's,
-    over tiles of 128 keys and 64 queries), from the Triton kernels' segment ranges on a GPU
-    (one tensor of ids for queries and keys: kept while it is passed again); int32 stand-ins
-    without segments."""
+    """A kernel's six segment arguments: two int32 (B, S) tensors with contiguous rows, their
+    batch strides, and ``masks.segment_tiles`` with its batch stride. The forward's: the
+    queries' and keys' ids, and tiles of 128 queries over 128 keys. The backward's
+    (``keys_outer``): each key's hull of queries [lo, hi) (``masks.segment_ranges`` of the
+    keys against the queries), and tiles of 128 keys over 64 queries. The ranges come from
+    the Triton kernels' (on a GPU) and are kept while one tensor of ids for queries and
+    keys is passed again; int32 stand-ins without segments."""
     if q_segments is None:
         none = _stand_in(device)
         return none, none, 0, 0, none, 0
     q_ids, k_ids = q_segments.contiguous(), k_segments.contiguous()
     rows, cols, n_cols, block = (k_ids, q_ids, seqlen_q, BLOCK_M.value) if keys_outer else (q_ids, k_ids, seqlen_k, 128)
 
-    def tiles_of():
+    def build():
         ranges = _ranges(rows, cols, True) if rows.is_cuda else segment_ranges(rows, cols)  # CPU: the compile's
-        return segment_tiles(ranges, n_cols, cols_block=block)
+        return ranges, segment_tiles(ranges, n_cols, cols_block=block)
 
-    tiles = tensor_memo(q_ids, ("segment_tiles", n_cols, keys_outer), tiles_of) if q_ids is k_ids else tiles_of()
-    return q_ids, k_ids, q_ids.stride(0), k_ids.stride(0), tiles, tiles.stride(0)
+    ranges, tiles = tensor_memo(q_ids, ("segment_tiles", n_cols, keys_outer), build) if q_ids is k_ids else build()
+    a, b = (ranges[0], ranges[1]) if keys_outer else (q_ids, k_ids)
+    return a, b, a.stride(0), b.stride(0), tiles, tiles.stride(0)
 
 
 def unsupported(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal_offset,
