@@ -4,11 +4,13 @@ on the same inputs, with lse and delta given (docs/notes/gluon-backward.md, "Fir
 and "A deterministic order for dQ"):
 
     python benchmarks/research/backward_alone.py [--seqlens 8192 16384] [--kv-heads 32 8] [--det-rounds 16]
-        [--head-dim 128] [--windows 4096]
+        [--head-dim 128] [--windows 4096] [--documents]
 
 bf16, batch 1, 32 heads, head_dim 128 (or ``--head-dim``), causal and not, and with
 ``--windows`` causal sliding windows of those many keys (no cuDNN nor deterministic row: SDPA
-has no window, and the deterministic order takes no window). Prints one JSON line per
+has no window, and the deterministic order takes no window); with ``--documents`` causal
+packed documents instead (bench_masks.py's draw: log-normal lengths, median 2k; no cuDNN
+nor deterministic row; FLOPs over the visible pairs). Prints one JSON line per
 configuration: milliseconds (triton.testing.do_bench medians), backward TFLOP/s (2.5x the
 forward's FLOPs, halved when causal), the Gluon gradients' relative error against the
 Triton pair's, and whether two deterministic runs gave the same dQ bits (``det_repeats``).
@@ -19,12 +21,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_masks import documents as draw_documents  # noqa: E402
 from ringflash.kernels import PairMask
 from ringflash.kernels import triton as triton_kernels
 from ringflash.kernels.gluon import attn_bwd_sm90
@@ -37,8 +43,17 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def one(seqlen: int, kv_heads: int, causal: bool, det_rounds=(16,), head_dim: int = 128, window: int = 0) -> dict:
-    """One configuration's timings; ``window`` > 0: causal, each query seeing its last ``window`` keys."""
+def segment_ids(seqlen: int) -> tuple[torch.Tensor, int]:
+    """(ids (1, seqlen) int32 on the GPU, visible causal pairs) of bench_masks.py's documents."""
+    lengths = draw_documents(seqlen)
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    return ids[None].int().cuda(), sum(n * (n + 1) // 2 for n in lengths)
+
+
+def one(seqlen: int, kv_heads: int, causal: bool, det_rounds=(16,), head_dim: int = 128, window: int = 0,
+        documents: bool = False) -> dict:
+    """One configuration's timings; ``window`` > 0: causal, each query seeing its last
+    ``window`` keys; ``documents``: causal packed documents."""
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def randn(heads):
@@ -47,22 +62,24 @@ def one(seqlen: int, kv_heads: int, causal: bool, det_rounds=(16,), head_dim: in
     q, dout, k, v = randn(HEADS), randn(HEADS), randn(kv_heads), randn(kv_heads)
     scale, offset = head_dim ** -0.5, 0 if causal or window else None
     band_lo = -(window - 1) if window else None
-    mask = PairMask(band_lo=band_lo, band_hi=offset)
+    ids, pairs = segment_ids(seqlen) if documents else (None, 0)
+    mask = PairMask(band_lo=band_lo, band_hi=offset, q_segments=ids, k_segments=ids)
+    segs = dict(q_segments=ids, k_segments=ids)
     out, lse = torch.empty_like(q), torch.empty(1, HEADS, seqlen, device="cuda")
     triton_kernels.fwd(q, k, v, out, lse, softmax_scale=scale, mask=mask, accumulate=False)
     delta = triton_kernels.delta(out, dout)
     dq_acc, dk, dv = torch.zeros(q.shape, device="cuda"), torch.empty_like(k), torch.empty_like(v)
-    attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, scale, causal_offset=offset, band_lo=band_lo)
+    attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, scale, causal_offset=offset, band_lo=band_lo, **segs)
     ref = [torch.empty(t.shape, device="cuda") for t in (q, k, v)]
     triton_kernels.bwd(dout, q, k, v, lse, delta, *ref, softmax_scale=scale, mask=mask, accumulate=False)
     errors = {name: rel(got, want) for name, got, want in zip(("dq", "dk", "dv"), (dq_acc, dk, dv), ref)}
     grads = [torch.empty_like(t) for t in (q, k, v)]
     ms = {"gluon": do_bench(lambda: attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, scale,
-                                                  causal_offset=offset, band_lo=band_lo)),
+                                                  causal_offset=offset, band_lo=band_lo, **segs)),
           "triton": do_bench(lambda: triton_kernels.bwd(dout, q, k, v, lse, delta, *grads, softmax_scale=scale,
                                                         mask=mask, accumulate=False))}
     repeats = []
-    for det_round in det_rounds if not window else ():
+    for det_round in det_rounds if not (window or documents) else ():
         gluon_launch.DET_ROUND = det_round
         runs = [torch.zeros(q.shape, device="cuda") for _ in range(2)]
         for acc in runs:
@@ -72,13 +89,15 @@ def one(seqlen: int, kv_heads: int, causal: bool, det_rounds=(16,), head_dim: in
         ms[f"gluon_det{det_round}"] = do_bench(lambda: attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, scale,
                                                                      causal_offset=offset, deterministic=True))
     leaves = [t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v)]
-    if not window:
+    if not (window or documents):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             o = F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=kv_heads != HEADS)
             ms["cudnn"] = do_bench(lambda: torch.autograd.grad(o, leaves, dout.transpose(1, 2), retain_graph=True))
-    pairs = seqlen * window - window * (window - 1) / 2 if window else seqlen * seqlen / (2 if causal else 1)
+    if not documents:
+        pairs = seqlen * window - window * (window - 1) / 2 if window else seqlen * seqlen / (2 if causal else 1)
     flops = 2.5 * 4 * HEADS * pairs * head_dim
-    return dict(seqlen=seqlen, heads=HEADS, kv_heads=kv_heads, head_dim=head_dim, causal=causal, window=window, ms=ms,
+    return dict(seqlen=seqlen, heads=HEADS, kv_heads=kv_heads, head_dim=head_dim, causal=causal, window=window,
+                documents=documents, ms=ms,
                 bwd_tflops={name: round(flops / t / 1e9, 1) for name, t in ms.items()},
                 gluon_rel_err_vs_triton=errors, det_repeats=all(repeats))
 
@@ -91,13 +110,17 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=128, choices=gluon_launch.HEAD_DIMS)
     p.add_argument("--windows", type=int, nargs="+", default=[],
                    help="also time causal sliding windows of these many keys (instead of causal and not)")
+    p.add_argument("--documents", action="store_true", help="time causal packed documents (instead of the above)")
     args = p.parse_args()
     print(f"# {torch.cuda.get_device_name()}", flush=True)
     cases = [(causal, 0) for causal in (False, True)] if not args.windows else [(True, w) for w in args.windows]
+    if args.documents:
+        cases = [(True, 0)]
     for kv_heads in args.kv_heads:
         for seqlen in args.seqlens:
             for causal, window in cases:
-                print(json.dumps(one(seqlen, kv_heads, causal, args.det_rounds, args.head_dim, window)), flush=True)
+                print(json.dumps(one(seqlen, kv_heads, causal, args.det_rounds, args.head_dim, window, args.documents)),
+                      flush=True)
                 torch.cuda.empty_cache()
 
 
