@@ -492,7 +492,7 @@ def test_segment_tiles_walk_every_visible_query():
     from test_gluon_fwd_compile import _ids
     gen = torch.Generator().manual_seed(1)
     for trial in range(60):
-        sq, sk = 128 * int(torch.randint(1, 9, (1,), generator=gen)), 128 * int(torch.randint(1, 9, (1,), generator=gen))
+        sq, sk = (128 * int(torch.randint(1, 9, (1,), generator=gen)) for _ in range(2))
         shifted = trial % 3 == 0
         ids = _ids(gen, sq + sk if shifted else max(sq, sk), holes=trial % 4 == 1, pad=trial % 5 == 2)
         q_ids, k_ids = (ids[sk:sk + sq], ids[:sk]) if shifted else (ids[:sq], ids[:sk])

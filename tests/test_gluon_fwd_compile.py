@@ -5,8 +5,8 @@ ring's merging step into fp32 sums with GQA, three stages, head_dim 64, a window
 edge): the scores and P V are wgmmas of the expected shapes and counts, the partitions
 keep their register budgets, shared memory fits an H100's 227 KB, K and V arrive by TMA,
 ptxas neither serializes the wgmmas nor spills, every tile loop holds one step's wgmmas
-and 64 exp2 a thread (and 2 for the rescale), and the element mask (a selp to -inf) exists in the banded variants only, in
-loops of their own. The argument checks run too. Correctness on a GPU is
+and 64 exp2 a thread (and 2 for the rescale), and the element mask (a selp to -inf) exists
+in the masked variants only, in loops of their own. The argument checks run too. Correctness on a GPU is
 tests/test_gluon_fwd_gpu.py's; the compile helpers are tests/test_gluon_compile.py's.
 """
 
@@ -223,7 +223,7 @@ def test_segment_tiles_walk_every_visible_key():
     from ringflash.kernels.masks import segment_ranges, segment_tiles
     gen = torch.Generator().manual_seed(0)
     for trial in range(60):
-        sq, sk = 128 * int(torch.randint(1, 9, (1,), generator=gen)), 128 * int(torch.randint(1, 9, (1,), generator=gen))
+        sq, sk = (128 * int(torch.randint(1, 9, (1,), generator=gen)) for _ in range(2))
         shifted = trial % 3 == 0
         ids = _ids(gen, sq + sk if shifted else max(sq, sk), holes=trial % 4 == 1, pad=trial % 5 == 2)
         q_ids, k_ids = (ids[sk:sk + sq], ids[:sk]) if shifted else (ids[:sq], ids[:sk])

@@ -8,8 +8,9 @@ the same inputs (docs/notes/gluon-backward.md, "The Gluon forward"):
 bf16, batch 1, 32 heads, head_dim 128 (or ``--head-dim``), causal and not, and with
 ``--windows`` causal sliding windows of those many keys instead (no cuDNN row: SDPA has no
 window); with ``--documents`` causal packed documents instead (backward_alone.py's; no
-cuDNN row). Prints one JSON line per configuration: milliseconds (triton.testing.do_bench medians), forward TFLOP/s (halved
-when causal), and the Gluon out's and lse's relative error against the Triton forward's.
+cuDNN row). Prints one JSON line per configuration: milliseconds (triton.testing.do_bench
+medians), forward TFLOP/s (over the visible pairs), and the Gluon out's and lse's relative
+error against the Triton forward's.
 """
 
 from __future__ import annotations

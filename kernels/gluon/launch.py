@@ -257,6 +257,13 @@ def _grid(k_tiles: int, heads: int, deterministic: bool) -> tuple[int, int, int]
     return rounds, heads, k_tiles // rounds
 
 
+def _stand_in_ids(segments: bool, seqlen_q: int, seqlen_k: int) -> tuple:
+    """The CPU compile's (q_segments, k_segments): int32 zeros, or None without segments."""
+    if not segments:
+        return None, None
+    return torch.zeros(1, seqlen_q, dtype=torch.int32), torch.zeros(1, seqlen_k, dtype=torch.int32)
+
+
 def compile_sm90(consumer_regs: int = CONSUMER_REGS, worker_regs: int = WORKER_REGS, maxnreg: int = MAXNREG,
                  causal_offset: Optional[int] = None, heads: int = 4, kv_heads: int = 4, seqlen_q: int = 1024,
                  seqlen_k: int = 1024, accumulate: bool = False, deterministic: bool = False,
@@ -277,8 +284,8 @@ def compile_sm90(consumer_regs: int = CONSUMER_REGS, worker_regs: int = WORKER_R
               heads, kv_heads, seqlen_q, _kernel_offset(causal_offset, seqlen_q, seqlen_k),
               _kernel_offset(band_lo, seqlen_q, seqlen_k), 0.1 * LOG2E, 0.1,
               torch.zeros(heads * seqlen_q // BLOCK_M.value, dtype=torch.int32) if deterministic else stats,
-              *_segment_args(*((torch.zeros(1, seqlen_q, dtype=torch.int32), torch.zeros(1, seqlen_k, dtype=torch.int32))
-                               if segments else (None, None)), seqlen_q, seqlen_k, q.device, keys_outer=True))
+              *_segment_args(*_stand_in_ids(segments, seqlen_q, seqlen_k), seqlen_q, seqlen_k, q.device,
+                             keys_outer=True))
     consts = dict(GROUP=heads // kv_heads, CAUSAL=causal_offset is not None, LOWER=band_lo is not None,
                   SEGMENTS=segments, ADD=accumulate, DETERMINISTIC=deterministic, CONSUMER_REGS=consumer_regs,
                   WORKER_REGS=worker_regs)
@@ -415,9 +422,8 @@ def compile_fwd_sm90(causal_offset: Optional[int] = None, heads: int = 4, kv_hea
     q = torch.zeros(1, seqlen_q, heads, head_dim, dtype=torch.bfloat16)
     k = torch.zeros(1, seqlen_k, kv_heads, head_dim, dtype=torch.bfloat16)
     out, lse = torch.zeros(q.shape, dtype=out_dtype), torch.zeros(1, heads, seqlen_q)
-    ids = (torch.zeros(1, seqlen_q, dtype=torch.int32), torch.zeros(1, seqlen_k, dtype=torch.int32)) if segments \
-        else (None, None)
-    values = _fwd_args(q, k, k, out, lse, 0.1, causal_offset, out if accumulate else None, band_lo, *ids)
+    values = _fwd_args(q, k, k, out, lse, 0.1, causal_offset, out if accumulate else None, band_lo,
+                       *_stand_in_ids(segments, seqlen_q, seqlen_k))
     consts = dict(CAUSAL=causal_offset is not None, LOWER=band_lo is not None, SEGMENTS=segments,
                   ACCUMULATE=accumulate, STAGES=stages, CONSUMER_REGS=consumer_regs, WORKER_REGS=WORKER_REGS)
     return _compile(fwd._attn_fwd_sm90_kernel, values, consts, maxnreg)
