@@ -483,33 +483,17 @@ def _q_tiles(n0, offset, band_lo, seqlen_q, tiles):
 def test_segment_tiles_walk_every_visible_query():
     """The backward's walk with segment ids (``masks.segment_tiles`` over keys, in Q tiles of
     64, narrowing the band's as ``_q_tiles`` does), against brute force on random packed
-    documents (padding at the end and inside documents, the ring's shifted pairs, the
-    causal band with offsets, a window): for each K tile every query that sees one of its
-    keys lies in [first, end), and the Q tiles [split, split2) see all of its keys; and the
-    masked step's rule (a query inside the key's hull of queries that sees some key at all)
-    is the ids' compare."""
+    documents (tests/test_gluon_fwd_compile.py's ``segment_draws``): for each K tile every
+    query that sees one of its keys lies in [first, end), and the Q tiles [split, split2)
+    see all of its keys; and the masked step's rule (a query inside the key's hull of
+    queries that sees some key at all) is the ids' compare."""
     from ringflash.kernels.masks import segment_ranges, segment_tiles
-    from test_gluon_fwd_compile import _ids
-    gen = torch.Generator().manual_seed(1)
-    for trial in range(60):
-        sq, sk = (128 * int(torch.randint(1, 9, (1,), generator=gen)) for _ in range(2))
-        shifted = trial % 3 == 0
-        ids = _ids(gen, sq + sk if shifted else max(sq, sk), holes=trial % 4 == 1, pad=trial % 5 == 2)
-        q_ids, k_ids = (ids[sk:sk + sq], ids[:sk]) if shifted else (ids[:sq], ids[:sk])
-        offset = [None, 0, 128, -100, 37, sk][trial % 6]
-        band_lo = [None, None, -300, -1, -700][trial % 5]
+    from test_gluon_fwd_compile import segment_draws
+    for trial, (sq, sk, q_ids, k_ids, offset, band_lo, band, visible) in enumerate(segment_draws(1)):
         ranges = segment_ranges(k_ids[None].int(), q_ids[None].int())
         tiles = segment_tiles(ranges, sq, cols_block=64)[0]
-        i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
-        visible = (q_ids[:, None] == k_ids[None, :]) & (q_ids[:, None] >= 0)
-        band = torch.ones(sq, sk, dtype=torch.bool)
-        if offset is not None:
-            band &= j <= i + offset
-        if band_lo is not None:
-            band &= j >= i + band_lo
-        visible &= band
         # the masked step's rule: query i inside key j's hull [lo, hi), seeing some key (finite lse), in the band
-        lo, hi = ranges[0, 0][None, :], ranges[1, 0][None, :]
+        i, lo, hi = torch.arange(sq)[:, None], ranges[0, 0][None, :], ranges[1, 0][None, :]
         assert torch.equal(visible, (lo <= i) & (i < hi) & visible.any(1, keepdim=True) & band), trial
         for n in range(sk // 128):
             first, split, split2, end = _q_tiles(128 * n, offset, band_lo, sq, tiles[n].tolist())
@@ -519,4 +503,3 @@ def test_segment_tiles_walk_every_visible_query():
             if len(rows):
                 assert first * 64 <= int(rows.min()) and int(rows.max()) < end * 64, (trial, n, first, end)
             assert bool(cols[split * 64:split2 * 64].all()), (trial, n, split, split2)
-

@@ -214,28 +214,37 @@ def _ids(gen, n, holes: bool, pad: bool):
     return ids
 
 
-def test_segment_tiles_walk_every_visible_key():
-    """The forward's tile walk with segment ids (``masks.segment_tiles`` intersected with the
-    band as ``_k_tiles`` does), against brute force on random packed documents (padding at
-    the end and inside documents, the ring's shifted pairs, the causal band with offsets, a
-    window): every visible (query, key) pair lies in its Q tile's [start, end), and every
-    pair of tiles [u0, u1) is visible (the kernel skips the mask there)."""
-    from ringflash.kernels.masks import segment_ranges, segment_tiles
-    gen = torch.Generator().manual_seed(0)
-    for trial in range(60):
+def segment_draws(seed: int, trials: int = 60):
+    """Random packed documents for the tile walks' tests, one a trial: (sq, sk, q_ids, k_ids,
+    causal offset, band_lo, the band (sq, sk) bool, visible: the band and the same document,
+    padding seeing nothing). Padding at the end and inside documents, the ring's shifted
+    pairs (queries the shard after the keys'), the causal band with offsets, a window."""
+    gen = torch.Generator().manual_seed(seed)
+    for trial in range(trials):
         sq, sk = (128 * int(torch.randint(1, 9, (1,), generator=gen)) for _ in range(2))
         shifted = trial % 3 == 0
         ids = _ids(gen, sq + sk if shifted else max(sq, sk), holes=trial % 4 == 1, pad=trial % 5 == 2)
         q_ids, k_ids = (ids[sk:sk + sq], ids[:sk]) if shifted else (ids[:sq], ids[:sk])
         offset = [None, 0, 128, -100, 37, sk][trial % 6]
         band_lo = [None, None, -300, -1, -700][trial % 5]
-        tiles = segment_tiles(segment_ranges(q_ids[None].int(), k_ids[None].int()), sk)[0]
         i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
-        visible = (q_ids[:, None] == k_ids[None, :]) & (q_ids[:, None] >= 0)
+        band = torch.ones(sq, sk, dtype=torch.bool)
         if offset is not None:
-            visible &= j <= i + offset
+            band &= j <= i + offset
         if band_lo is not None:
-            visible &= j >= i + band_lo
+            band &= j >= i + band_lo
+        visible = (q_ids[:, None] == k_ids[None, :]) & (q_ids[:, None] >= 0) & band
+        yield sq, sk, q_ids, k_ids, offset, band_lo, band, visible
+
+
+def test_segment_tiles_walk_every_visible_key():
+    """The forward's tile walk with segment ids (``masks.segment_tiles`` intersected with the
+    band as ``_k_tiles`` does), against brute force on random packed documents
+    (``segment_draws``): every visible (query, key) pair lies in its Q tile's [start, end),
+    and every pair of tiles [u0, u1) is visible (the kernel skips the mask there)."""
+    from ringflash.kernels.masks import segment_ranges, segment_tiles
+    for trial, (sq, sk, q_ids, k_ids, offset, band_lo, _, visible) in enumerate(segment_draws(0)):
+        tiles = segment_tiles(segment_ranges(q_ids[None].int(), k_ids[None].int()), sk)[0]
         for m in range(sq // 128):
             start, u0, u1, end = _k_tiles(128 * m, offset, band_lo, sk // 128, tiles[m].tolist())
             assert start <= u0 <= u1 <= end, (trial, m, start, u0, u1, end)
@@ -244,4 +253,3 @@ def test_segment_tiles_walk_every_visible_key():
             if len(cols):
                 assert start * 128 <= int(cols.min()) and int(cols.max()) < end * 128, (trial, m, start, end)
             assert bool(rows[:, u0 * 128:u1 * 128].all()), (trial, m, u0, u1)
-
