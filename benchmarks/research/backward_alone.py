@@ -102,26 +102,35 @@ def one(seqlen: int, kv_heads: int, causal: bool, det_rounds=(16,), head_dim: in
                 gluon_rel_err_vs_triton=errors, det_repeats=all(repeats))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def case_args(p: argparse.ArgumentParser) -> None:
+    """The problem flags this script and forward_alone.py share."""
     p.add_argument("--seqlens", type=int, nargs="+", default=[8192, 16384])
     p.add_argument("--kv-heads", type=int, nargs="+", default=[32, 8])
-    p.add_argument("--det-rounds", type=int, nargs="+", default=[gluon_launch.DET_ROUND])
     p.add_argument("--head-dim", type=int, default=128, choices=gluon_launch.HEAD_DIMS)
     p.add_argument("--windows", type=int, nargs="+", default=[],
-                   help="also time causal sliding windows of these many keys (instead of causal and not)")
+                   help="time causal sliding windows of these many keys (instead of causal and not)")
     p.add_argument("--documents", action="store_true", help="time causal packed documents (instead of the above)")
-    args = p.parse_args()
+
+
+def run_cases(args, time_one) -> None:
+    """Prints the device, then ``time_one(seqlen, kv_heads, causal, window)``'s JSON line for
+    every configuration of ``case_args``' flags."""
     print(f"# {torch.cuda.get_device_name()}", flush=True)
     cases = [(causal, 0) for causal in (False, True)] if not args.windows else [(True, w) for w in args.windows]
-    if args.documents:
-        cases = [(True, 0)]
     for kv_heads in args.kv_heads:
         for seqlen in args.seqlens:
-            for causal, window in cases:
-                print(json.dumps(one(seqlen, kv_heads, causal, args.det_rounds, args.head_dim, window, args.documents)),
-                      flush=True)
+            for causal, window in [(True, 0)] if args.documents else cases:
+                print(json.dumps(time_one(seqlen, kv_heads, causal, window)), flush=True)
                 torch.cuda.empty_cache()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    case_args(p)
+    p.add_argument("--det-rounds", type=int, nargs="+", default=[gluon_launch.DET_ROUND])
+    args = p.parse_args()
+    run_cases(args, lambda seqlen, kv_heads, causal, window: one(seqlen, kv_heads, causal, args.det_rounds,
+                                                                 args.head_dim, window, args.documents))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ error against the Triton forward's.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from backward_alone import segment_ids  # noqa: E402
+from backward_alone import case_args, run_cases, segment_ids  # noqa: E402
 from ringflash.kernels import PairMask
 from ringflash.kernels import triton as triton_kernels
 from ringflash.kernels.gluon import attn_fwd_sm90
@@ -81,24 +80,11 @@ def one(seqlen: int, kv_heads: int, causal: bool, stages=(2,), head_dim: int = 1
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seqlens", type=int, nargs="+", default=[8192, 16384])
-    p.add_argument("--kv-heads", type=int, nargs="+", default=[32, 8])
+    case_args(p)
     p.add_argument("--stages", type=int, nargs="+", default=[gluon_launch.FWD_STAGES])
-    p.add_argument("--head-dim", type=int, default=128, choices=gluon_launch.HEAD_DIMS)
-    p.add_argument("--windows", type=int, nargs="+", default=[],
-                   help="time causal sliding windows of these many keys (instead of causal and not)")
-    p.add_argument("--documents", action="store_true", help="time causal packed documents (instead of the above)")
     args = p.parse_args()
-    print(f"# {torch.cuda.get_device_name()}", flush=True)
-    cases = [(causal, 0) for causal in (False, True)] if not args.windows else [(True, w) for w in args.windows]
-    if args.documents:
-        cases = [(True, 0)]
-    for kv_heads in args.kv_heads:
-        for seqlen in args.seqlens:
-            for causal, window in cases:
-                print(json.dumps(one(seqlen, kv_heads, causal, args.stages, args.head_dim, window, args.documents)),
-                      flush=True)
-                torch.cuda.empty_cache()
+    run_cases(args, lambda seqlen, kv_heads, causal, window: one(seqlen, kv_heads, causal, args.stages,
+                                                                 args.head_dim, window, args.documents))
 
 
 if __name__ == "__main__":
