@@ -248,10 +248,12 @@ def predicted(records: list[dict], world: int, args) -> list[dict]:
 
 def plot(json_path) -> str:
     """Bars of forward+backward TFLOP/s over visible pairs (per GPU in the ring file), one
-    group per (mask, seqlen), one bar per implementation (and layout), beside the JSON."""
+    group per (mask, seqlen), one bar per implementation (and layout; of several runs the
+    latest), beside the JSON."""
     plt = plots.import_pyplot()
     data = results.load_results(json_path)
-    records = [r for r in data["records"] if r["impl"] != "cost_model"]
+    records = results.latest_runs([r for r in data["records"] if r["impl"] != "cost_model"],
+                                  lambda r: (r["impl"], r.get("layout"), r["mask"], r["seqlen"]))
     key = ("fwdbwd_tflops_visible_per_gpu" if any("fwdbwd_tflops_visible_per_gpu" in r for r in records)
            else "fwdbwd_tflops_visible")
     groups = sorted({(r["mask"], r["seqlen"]) for r in records}, key=lambda g: (g[1], g[0]))

@@ -17,6 +17,8 @@ Efficiency = 1-GPU time / (W x ring time). ``--fit`` fits the model's constants 
 (``cost.FITTED``; the rest held at ``cost.H100``'s). Also checked, not fitted to: the ring-alone
 rows on packed documents of bench_ring.py's grid runs (``MESH_MEASURED``), and the ring rows
 of ``CURRENT_LAYOUT`` (measured with the document layout as it is now, and counted so).
+Left out: runs whose segment ids ran on the Gluon kernels (meta.runs' ``segment_kernels``),
+faster than the Triton kernels the constants describe.
 
 The grid (``ringflash.cost_grid``): every grid row (U > 1) of ``MESH_MEASURED``, its
 efficiency, its all-to-alls timed alone (``alltoall_ms``: what ``cost_grid.NVLINK`` is fitted
@@ -63,6 +65,15 @@ CURRENT_LAYOUT = ("masks_h200x2_documents.json",)
 CURRENT_LAYOUT_COMMITS = ("85a2f25f6afd0b9315a03360e615a66144d8442d", "4343b21699db8aad437becc6feae7c66980f1a6e")
 
 
+def _triton_documents(data: dict, record: dict) -> bool:
+    """Whether ``record`` ran packed documents on the Triton kernels, whose rates the model's
+    constants are fitted to: not a run whose meta.runs entry says its segment ids ran on
+    the Gluon kernels (``segment_kernels``; 1.14-1.62x faster, kernels/dispatch.py), which
+    the model does not count yet."""
+    runs = data["meta"].get("runs")
+    return runs is None or runs[record.get("run", 0)].get("segment_kernels") != "gluon_sm90"
+
+
 def _current_layout(name: str, data: dict, record: dict) -> bool:
     """Whether ``record`` of results file ``name`` ran with the document layout as it is now."""
     runs = data["meta"].get("runs")
@@ -100,22 +111,25 @@ def measured_rows() -> list[dict]:
     rows = []
     for name in MEASURED + CURRENT_LAYOUT:
         data = results.load_results(results.RESULTS_DIR / name)
-        one = {(r["mask"], r["seqlen"]): r["fwdbwd_ms"] for r in data["records"] if r["impl"] == "ringflash_1gpu"}
-        for r in data["records"]:
+        kept = [r for r in data["records"] if _triton_documents(data, r)]
+        one = {(r.get("run"), r["mask"], r["seqlen"]): r["fwdbwd_ms"] for r in kept if r["impl"] == "ringflash_1gpu"}
+        for r in kept:
             if r["impl"] == "ringflash" and r.get("gpus"):
-                t1 = one[(r["mask"], r["seqlen"])]
+                t1 = one[(r.get("run"), r["mask"], r["seqlen"])]
                 rows.append(dict(source=name, device=data["meta"]["device"], gpus=r["gpus"], mask=r["mask"],
                                  seqlen=r["seqlen"], layout=r["layout"], one_ms=t1,
                                  measured=t1 / (r["gpus"] * r["fwdbwd_ms"]),
                                  current_layout=_current_layout(name, data, r)))
     for name in MESH_MEASURED:  # the ring alone (U = 1) on packed documents, MHA, beside its 1-GPU row
         data = results.load_results(results.RESULTS_DIR / name)
-        mha = [r for r in data["records"] if r["mask"] == "documents" and r.get("kv_heads") == r.get("heads")]
-        one = {r["seqlen"]: r["fwdbwd_ms"] for r in mha if r["impl"] == "ringflash_1gpu"}
+        mha = [r for r in data["records"] if r["mask"] == "documents" and r.get("kv_heads") == r.get("heads")
+               and _triton_documents(data, r)]
+        one = {(r.get("run"), r["seqlen"]): r["fwdbwd_ms"] for r in mha if r["impl"] == "ringflash_1gpu"}
         rows += [dict(source=name, device=data["meta"]["device"], gpus=r["gpus"], mask="documents",
-                      seqlen=r["seqlen"], layout=r["layout"], one_ms=one[r["seqlen"]], measured=r["efficiency"],
-                      current_layout=_current_layout(name, data, r))
-                 for r in mha if r["impl"] == "ringflash" and r.get("heads_parallel") == 1 and r["seqlen"] in one]
+                      seqlen=r["seqlen"], layout=r["layout"], one_ms=one[(r.get("run"), r["seqlen"])],
+                      measured=r["efficiency"], current_layout=_current_layout(name, data, r))
+                 for r in mha if r["impl"] == "ringflash" and r.get("heads_parallel") == 1
+                 and (r.get("run"), r["seqlen"]) in one]
     h100 = {(r["mask"], r["seqlen"]): r["one_ms"] for r in rows if r["source"] == MEASURED[0]}
     rows += [dict(source="4 x H100, quoted", device="4 x H100 (2026-11-26)", gpus=4, mask=m, seqlen=n, layout=lay,
                   one_ms=h100[(m, n)], measured=eff) for m, n, lay, eff in QUOTED_H100X4]
@@ -214,7 +228,7 @@ def grid_rows(keep=lambda record: True) -> list[dict]:
         data = results.load_results(results.RESULTS_DIR / name)
         for r in data["records"]:
             if (r["impl"] != "ringflash" or r.get("heads_parallel", 1) < 2 or r.get("fwdbwd_ms") is None
-                    or not keep(r)):
+                    or not keep(r) or not _triton_documents(data, r)):
                 continue
             rows.append(dict(source=name, device=data["meta"]["device"], gpus=r["ring"], world=r["gpus"],
                              heads_parallel=r["heads_parallel"], ring_world=r["ring"], chunks=r["head_chunks"],

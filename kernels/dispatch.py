@@ -6,10 +6,11 @@ The forward takes the first route that serves the call (``fwd_route``):
 
 - ``reference``: tensors off CUDA; the PyTorch twin (CPU, tests).
 - ``gluon_sm90`` (kernels/gluon/fwd.py): a Hopper GPU (sm_90), bf16, head_dim 128, Sq and
-  Sk multiples of 128, no mask or a band on local indices (causal, a window, or both),
-  MHA, GQA or MQA, k and v in one tensor each (not ``Joined``); out written, or with
-  ``accumulate`` merged with the running out (or ``out_partial``) and lse:
-  ``flash_attn``'s forward and the ring's steps alike.
+  Sk multiples of 128, no mask, a band on local indices (causal, a window, or both),
+  segment ids (packed documents, padding) or a band with them, MHA, GQA or MQA, k and v
+  in one tensor each (not ``Joined``); out written, or with ``accumulate`` merged with
+  the running out (or ``out_partial``) and lse: ``flash_attn``'s forward and the ring's
+  steps alike.
   Why: on one H100 (2026-11-27, benchmarks/research/forward_alone.py, 8k-32k tokens, 32
   heads, 32 or 8 kv heads, causal and not) 586-684 TFLOP/s against the Triton forward's
   526-575 and SDPA cuDNN's 559-639: 1.00-1.11x cuDNN, with out and lse bit-equal to the
@@ -18,29 +19,32 @@ The forward takes the first route that serves the call (``fwd_route``):
   H200 (same script, ``--windows``): 1.07-1.11x the Triton forward in 3 of 4, 0.98x at
   32k with 4k keys, out and lse bit-equal. head_dim 64 stays on Triton: the Gluon forward
   compiles and passes its tests there but measured level with it (0.99-1.03x, one H200,
-  8k-32k, ``--head-dim 64``), so it would add a route for no gain. Segment ids (packed
-  documents) compile for sm_90 (``attn_fwd_sm90(q_segments=, k_segments=)``): not routed
-  until they run on a GPU.
+  8k-32k, ``--head-dim 64``), so it would add a route for no gain. Causal packed documents
+  (bench_masks.py's draw, log-normal lengths, median 2k) at 16k-64k, 32 or 8 kv heads, one
+  H200 (2026-11-27, ``--documents``): 572-664 TFLOP/s against the Triton forward's 497-555,
+  1.14-1.20x, out and lse bit-equal.
 - ``triton``: every other CUDA call.
 
 The backward takes the first route that serves the call (``bwd_route``):
 
 - ``reference``: tensors off CUDA.
 - ``gluon_sm90`` (kernels/gluon/bwd.py): a Hopper GPU (sm_90), bf16, head_dim 64 or 128,
-  Sq and Sk multiples of 128, no mask or a band on local indices (causal, a window, or
-  both: ``band_lo <= j - i <= band_hi``), MHA, GQA or MQA; dq, dk and dv in one call
-  (``flash_attn``'s backward, and each block pair of the ring's steps where every pair of
-  the step is served: ringflash/ring/rotate.py), written or, with ``accumulate``, added to
-  fp32 sums (dq and dk/dv alike: fp32 running sums, not ``*_partial`` ones).
+  Sq and Sk multiples of 128, no mask, a band on local indices (causal, a window, or
+  both: ``band_lo <= j - i <= band_hi``), segment ids or a band with them (not with
+  ``deterministic``: the Triton backward serves that, and repeats its bits), MHA, GQA or
+  MQA; dq, dk and dv in one call (``flash_attn``'s backward, and the ring's block pairs
+  where its fused schedule runs: ringflash/ring/rotate.py), written or, with
+  ``accumulate``, added to fp32 sums (dq and dk/dv alike: fp32 running sums, not
+  ``*_partial`` ones).
   Why: on one H100 (2026-11-27, 8k-64k tokens, 32 heads, causal and not) forward +
   backward 0.95-1.03x SDPA cuDNN's, and 0.84-0.97x with ``deterministic``, against
   0.73-0.82x with the Triton backward (benchmarks/results/kernel_h100.json;
   docs/performance.md, "The Hopper backward"). The backward alone
   (benchmarks/research/backward_alone.py, one H100, 2026-11-27): causal windows of 1k and
   4k keys at 16k-32k 1.16-1.38x the Triton pair's speed, head_dim 64 at 8k-16k 1.13-1.36x
-  (and 0.97-1.06x cuDNN's).
-  Segment ids compile for sm_90 (``attn_bwd_sm90(q_segments=, k_segments=)``): not routed
-  until they run on a GPU.
+  (and 0.97-1.06x cuDNN's). Causal packed documents at 16k-64k, 32 or 8 kv heads, one
+  H200 (2026-11-27, ``--documents``): 519-556 TFLOP/s against the Triton pair's 333-405,
+  1.34-1.62x.
 - ``triton``: every other CUDA call: every mask, dtype, head_dim and GPU.
 
 By default the Gluon kernel adds each CTA's dQ tile into the running dQ in arrival order
@@ -89,19 +93,30 @@ class Route(NamedTuple):
     why: Optional[str] = None
 
 
-def local_band(mask: PairMask) -> bool:
-    """Whether ``mask`` is no mask or a band on local indices alone (causal, a window, both)."""
-    return (mask.q_segments is None and mask.dropout_p == 0 and mask.blocks is None
-            and not mask.band_on_positions)
+MASK_WHY = "mask: only no mask, a band on local indices and segment ids"
 
 
-def gluon_serves(q: torch.Tensor, k: torch.Tensor, rows_q: int, rows_k: int, mask: PairMask) -> bool:
+def gluon_mask(mask: PairMask) -> bool:
+    """Whether the Gluon kernels serve ``mask``: no mask, a band on local indices (causal, a
+    window, both), segment ids, or a band with segment ids (no dropout, block mask or band
+    on global positions)."""
+    return mask.dropout_p == 0 and mask.blocks is None and not mask.band_on_positions
+
+
+def deterministic_mode(deterministic: bool) -> bool:
+    """``deterministic`` or torch's deterministic mode (``torch.use_deterministic_algorithms``)."""
+    return bool(deterministic) or torch.are_deterministic_algorithms_enabled()
+
+
+def gluon_serves(q: torch.Tensor, k: torch.Tensor, rows_q: int, rows_k: int, mask: PairMask,
+                 deterministic: bool = False) -> bool:
     """Whether the Gluon backward serves a block pair of ``rows_q`` query and ``rows_k`` key
-    rows of q's and k's heads, dtype and GPU under ``mask``, judged only from what every rank of
-    a ring agrees on (not strides or addresses, which ``bwd_route`` checks per call): the
-    ring chooses its schedule from this (ringflash/ring/rotate.py), and every rank must
-    choose alike."""
-    return (capability(q) == (9, 0) and local_band(mask) and q.dtype == torch.bfloat16 and q.shape[-1] in (64, 128)
+    rows of q's and k's heads, dtype and GPU under ``mask`` (and ``deterministic``, with
+    torch's mode), judged only from what every rank of a ring agrees on (not strides or
+    addresses, which ``bwd_route`` checks per call): the ring chooses its schedule from
+    this (ringflash/ring/rotate.py), and every rank must choose alike."""
+    return (capability(q) == (9, 0) and gluon_mask(mask) and q.dtype == torch.bfloat16 and q.shape[-1] in (64, 128)
+            and not (mask.q_segments is not None and deterministic_mode(deterministic))
             and k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0
             and rows_q > 0 and rows_k > 0 and rows_q % 128 == 0 and rows_k % 128 == 0)
 
@@ -113,8 +128,8 @@ def fwd_route(q, k, v, out, lse, *, softmax_scale: float, mask: PairMask, accumu
     arch = capability(q)
     if arch is None:
         return Route("reference")
-    if not local_band(mask):
-        why = "mask: only no mask or a band on local indices"
+    if not gluon_mask(mask):
+        why = MASK_WHY
     elif tail is not None or arrival is not None:
         why = "k, v Joined from two tensors"
     elif q.shape[-1] != 128:
@@ -125,7 +140,7 @@ def fwd_route(q, k, v, out, lse, *, softmax_scale: float, mask: PairMask, accumu
         from .gluon import launch as kernel  # imported on Hopper only; it compiles nothing at import
 
         error = kernel.fwd_unsupported(q, k, v, out, lse, softmax_scale, mask.band_hi, accumulate, out_partial,
-                                       mask.band_lo)
+                                       mask.band_lo, mask.q_segments, mask.k_segments)
         why = None if error is None else str(error)
     return Route("triton", why) if why else Route(GLUON)
 
@@ -140,21 +155,23 @@ def fwd(q, k, v, out, lse, *, softmax_scale: float, mask: PairMask, accumulate: 
         from .gluon import attn_fwd_sm90
 
         attn_fwd_sm90(q, k, v, out, lse, softmax_scale, causal_offset=mask.band_hi, accumulate=accumulate,
-                      out_partial=out_partial, band_lo=mask.band_lo)
+                      out_partial=out_partial, band_lo=mask.band_lo, q_segments=mask.q_segments,
+                      k_segments=mask.k_segments)
     else:
         backend(q).fwd(q, k, v, out, lse, softmax_scale=softmax_scale, mask=mask, accumulate=accumulate,
                        out_partial=out_partial, tail=tail, arrival=arrival)
 
 
 def bwd_route(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask: PairMask,
-              accumulate: bool, partials=(None, None, None), tails=(None, None)) -> Route:
+              accumulate: bool, partials=(None, None, None), tails=(None, None),
+              deterministic: bool = False) -> Route:
     """The route of one ``flash_attn_bwd`` call (arguments as there; tails: the Joined
     second parts, or None)."""
     arch = capability(q)
     if arch is None:
         return Route("reference")
-    if not local_band(mask):
-        why = "mask: only no mask or a band on local indices"
+    if not gluon_mask(mask):
+        why = MASK_WHY
     elif dq is None or dk is None:
         why = "dq or dk/dv skipped: the Gluon kernel computes them together"
     elif any(p is not None for p in partials) or any(t is not None for t in tails):
@@ -169,7 +186,8 @@ def bwd_route(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, ma
         from .gluon import launch as kernel  # imported on Hopper only; it compiles nothing at import
 
         error = kernel.unsupported(dout, q, k, v, lse, delta, dq if dq.dtype == torch.float32 else None, dk, dv,
-                                   softmax_scale, mask.band_hi, accumulate, mask.band_lo)
+                                   softmax_scale, mask.band_hi, accumulate, mask.band_lo,
+                                   deterministic_mode(deterministic), mask.q_segments, mask.k_segments)
         why = None if error is None else str(error)
     return Route("triton", why) if why else Route(GLUON)
 
@@ -188,7 +206,7 @@ def gluon_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, ma
     else:
         acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     attn_bwd_sm90(dout, q, k, v, lse, delta, acc, dk, dv, softmax_scale, causal_offset=mask.band_hi,
-                  band_lo=mask.band_lo, accumulate=accumulate,
-                  deterministic=deterministic or torch.are_deterministic_algorithms_enabled())
+                  band_lo=mask.band_lo, accumulate=accumulate, deterministic=deterministic_mode(deterministic),
+                  q_segments=mask.q_segments, k_segments=mask.k_segments)
     if acc is not dq:
         dq.copy_(acc)

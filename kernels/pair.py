@@ -240,7 +240,7 @@ def flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: floa
     dout, q, k, v = (_rowmajor(t.first if isinstance(t, Joined) else t) for t in (dout, q, k, v))
     partials, tails = (dq_partial, dk_partial, dv_partial), (q_tails, k_tails)
     route = dispatch.bwd_route(dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale=softmax_scale, mask=mask,
-                               accumulate=accumulate, partials=partials, tails=tails)
+                               accumulate=accumulate, partials=partials, tails=tails, deterministic=deterministic)
     if route.name == dispatch.GLUON:
         dispatch.gluon_bwd(dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale=softmax_scale, mask=mask,
                            accumulate=accumulate, deterministic=deterministic)

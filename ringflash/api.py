@@ -116,10 +116,11 @@ def ring_flash_attn(q, k, v, *, causal: bool = False, softmax_scale: float | Non
             ``ringflash.kernels.block_sparse``.
         deterministic: the backward's bits the same run to run. The default may add
             dQ in arrival order where the Gluon backward runs the ring's steps (Hopper,
-            bf16, head_dim 128, no mask or causal): dQ may then differ in its last bits
-            between runs (out, lse, dK and dV do not). True, or
+            bf16, head_dim 64 or 128, no mask, causal, windows, segment ids): dQ may then
+            differ in its last bits between runs (out, lse, dK and dV do not). True, or
             ``torch.use_deterministic_algorithms(True)``, makes the Gluon backward add
-            them in a fixed order of key tiles (the Triton kernels' sums always have one).
+            them in a fixed order of key tiles, or with segment ids hands the backward to
+            the Triton kernels (their sums always have one order).
 
     Returns:
         out (batch, seqlen_local, heads, head_dim) in q's dtype: rows of

@@ -655,8 +655,9 @@ def test_torch_compile_traces_the_op():
 
 def test_forward_route_rules(monkeypatch):
     """kernels/dispatch.py's forward route, read on CPU stand-ins of a Hopper call: the
-    twin off CUDA; on sm_90 the Gluon forward only for no mask or a band on local indices,
-    k and v whole, head_dim 128, bf16 (the stand-ins pass every rule but the device)."""
+    twin off CUDA; on sm_90 the Gluon forward only for no mask, a band on local indices and
+    segment ids, k and v whole, head_dim 128, bf16 (the stand-ins pass every rule but the
+    device)."""
     from ringflash.kernels.dispatch import Route, fwd_route
 
     def call(sq=256, d=128, dtype=torch.bfloat16, out=torch.bfloat16, **kwargs):
@@ -674,11 +675,13 @@ def test_forward_route_rules(monkeypatch):
     assert call(accumulate=True, out_partial=torch.zeros(1, 256, 4, 128)).why == device  # the ring's last step
     assert "out_partial is read only with accumulate=True" in call(out_partial=torch.zeros(1, 256, 4, 128)).why
     seg = torch.zeros(1, 256, dtype=torch.int32)
-    for mask in (PairMask(band_lo=-64, band_hi=0), PairMask(band_lo=-64)):  # windows
+    for mask in (PairMask(band_lo=-64, band_hi=0), PairMask(band_lo=-64),  # windows
+                 PairMask(q_segments=seg, k_segments=seg), PairMask(band_hi=0, q_segments=seg, k_segments=seg)):
         assert call(mask=mask).why == device, mask
-    for mask in (PairMask(q_segments=seg, k_segments=seg), PairMask(dropout_p=0.1), PairMask(blocks=object()),
-                 PairMask(band_hi=0, band_on_positions=True)):
-        assert call(mask=mask).why == "mask: only no mask or a band on local indices", mask
+    assert "k_segments must be int32" in call(mask=PairMask(q_segments=seg, k_segments=seg.long())).why
+    assert "k_segments must have shape (1, 256)" in call(mask=PairMask(q_segments=seg, k_segments=seg[:, :128])).why
+    for mask in (PairMask(dropout_p=0.1), PairMask(blocks=object()), PairMask(band_hi=0, band_on_positions=True)):
+        assert call(mask=mask).why == dispatch.MASK_WHY, mask
     assert call(tail=(None, None)).why == "k, v Joined from two tensors"
     assert call(d=64).why == "head_dim 64: the Gluon forward is routed at 128 (level with Triton at 64)"
     assert "must be bfloat16" in call(dtype=torch.float16).why
@@ -716,9 +719,19 @@ def test_backward_route_rules(monkeypatch):
     for mask in (PairMask(band_lo=-64, band_hi=0), PairMask(band_lo=-64)):  # windows (deterministic too)
         assert call(mask=mask).why == call().why, mask
     seg = torch.zeros(1, 256, dtype=torch.int32)
-    for mask in (PairMask(q_segments=seg, k_segments=seg), PairMask(dropout_p=0.1), PairMask(blocks=object()),
-                 PairMask(band_hi=0, band_on_positions=True)):
-        assert call(mask=mask).why == "mask: only no mask or a band on local indices", mask
+    for mask in (PairMask(q_segments=seg, k_segments=seg), PairMask(band_hi=0, q_segments=seg, k_segments=seg),
+                 PairMask(band_lo=-64, band_hi=0, q_segments=seg, k_segments=seg)):  # packed documents
+        assert call(mask=mask).why == call().why, mask
+        # not deterministic: the Triton backward serves that (and repeats its bits)
+        assert "deterministic with segment ids is not served" in call(mask=mask, deterministic=True).why
+        torch.use_deterministic_algorithms(True)
+        try:
+            assert "deterministic with segment ids is not served" in call(mask=mask).why
+        finally:
+            torch.use_deterministic_algorithms(False)
+    assert "q_segments must have shape (1, 256)" in call(mask=PairMask(q_segments=seg[:, :64], k_segments=seg)).why
+    for mask in (PairMask(dropout_p=0.1), PairMask(blocks=object()), PairMask(band_hi=0, band_on_positions=True)):
+        assert call(mask=mask).why == dispatch.MASK_WHY, mask
     assert "together" in call(dq=None).why
     # the ring's steps: dq, dk and dv added into fp32 sums, not *_partial ones
     assert call(accumulate=True, dkv=torch.float32).why == call().why
@@ -730,8 +743,16 @@ def test_backward_route_rules(monkeypatch):
     assert call(d=96).why == "head_dim 96: the Gluon kernel serves 64 and 128"
     assert "must be bfloat16" in call(dtype=torch.float16).why
     assert "multiple of 128" in call(sq=200).why
+    # the ring's schedule choice (dispatch.gluon_serves) follows the same rules
+    q, k = torch.zeros(1, 256, 4, 128, dtype=torch.bfloat16), torch.zeros(1, 256, 2, 128, dtype=torch.bfloat16)
+    docs = PairMask(band_hi=0, q_segments=seg, k_segments=seg)
+    assert dispatch.gluon_serves(q, k, 256, 256, docs) and dispatch.gluon_serves(q, k, 256, 256, PairMask(), True)
+    assert not dispatch.gluon_serves(q, k, 256, 256, docs, True)
+    assert not dispatch.gluon_serves(q, k, 256, 200, docs)
+    assert not dispatch.gluon_serves(q, k, 256, 256, PairMask(dropout_p=0.1))
     monkeypatch.setattr(dispatch, "capability", lambda t: (8, 0))
     assert call() == Route("triton", "sm_80, not sm_90")
+    assert not dispatch.gluon_serves(q, k, 256, 256, PairMask())
 
 
 @pytest.mark.parametrize("backend", ["twin", "triton"])

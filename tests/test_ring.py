@@ -22,6 +22,7 @@ import ringflash
 from dist_utils import raised
 from oracle import (LAYOUTS, TOL, RingCase, attention_oracle, oracle_grads, rel_err, tokens_per_rank,
                     with_blocks)
+from test_ring_masks import with_fused_backward
 
 # ----------------------------------------------------------------------------- configurations
 
@@ -312,20 +313,64 @@ def test_fused_backward_hides_every_trip(monkeypatch, world, layout, band):
                 assert ev[i - 1] in (("both",), ("wait",)), (i, ev)
 
 
-def check_fused_schedule(rank, world, configs):
-    """check_configs with the fused schedule (every pair's dQ and dK/dV in one call, as
-    the Gluon backward runs them), here on the CPU twin: ``gluon_serves`` patched on."""
+@pytest.mark.parametrize("rows", [(84, 3174, 0, 1000), (0, 512, 0, 256), (256, 100, 0, 700), (5, 300, 130, 641)],
+                         ids=lambda r: f"q{r[0]}+{r[1]}-k{r[2]}+{r[3]}")
+@pytest.mark.parametrize("band", [(None, None), (None, 0), (-300, 40), (None, -2000)], ids=str)
+@pytest.mark.parametrize("jump", [0, 3 * 128])
+def test_tile_pieces_hold_every_element_of_the_pair_once(rows, band, jump):
+    """``plan.tile_pieces``: a pair whose rows are not whole tiles of 128 is cut into the
+    part of whole tiles (rows of both sides multiples of 128) and the rest; each element
+    the pair sees lies in exactly one piece, seen there under the piece's own band, at the
+    same global positions (dropout's key)."""
+    from ringflash.kernels.masks import BLOCK, PairMask, pair_positions, visible
+    from ringflash.layouts import Pair
+    from ringflash.ring.plan import tile_pieces
+    q0, nq, k0, nk = rows
+    n = 4096
+    pair = Pair(slice(q0, q0 + nq), slice(k0, k0 + nk), *band, (7000, 123, 1, jump))
+
+    def seen(p: Pair) -> torch.Tensor:  # (n, n): the elements p sees, at shard rows
+        qi, kj = torch.arange(p.q.stop - p.q.start), torch.arange(p.k.stop - p.k.start)
+        ok = visible(qi, kj, PairMask(p.band_lo, p.band_hi))
+        grid = torch.zeros(n, n, dtype=torch.int32)
+        grid[p.q, p.k] = 1 if ok is None else ok.int()
+        return grid
+
+    pieces = tile_pieces(pair, n)
+    whole = nq >= BLOCK and nk >= BLOCK and (nq % BLOCK or nk % BLOCK)
+    assert len(pieces) == (1 + bool(nq % BLOCK) + bool(nk % BLOCK) + bool(nq % BLOCK and nk % BLOCK) if whole else 1)
+    first = pieces[0]
+    assert not whole or ((first.q.stop - first.q.start) % BLOCK, (first.k.stop - first.k.start) % BLOCK) == (0, 0)
+    assert torch.equal(sum(seen(p) for p in pieces), seen(pair))
+    for p in pieces:
+        qi, kj = torch.arange(p.q.stop - p.q.start), torch.arange(p.k.stop - p.k.start)
+        qp, kp = pair_positions(p.pos, qi, kj)
+        want_q, want_k = pair_positions(pair.pos, qi + p.q.start - q0, kj + p.k.start - k0)
+        assert torch.equal(qp, want_q) and torch.equal(kp, want_k), p
+
+
+def test_fused_schedule_is_chosen_from_the_shard_not_its_pairs(monkeypatch):
+    """The fused schedule's choice reads the shard's rows, the same on every rank, not each
+    pair's: under a document layout ranks share pieces of documents of any length (whose
+    calls then run the Triton kernels, inside the fused schedule), yet every rank chooses
+    it where the Gluon backward serves the masks (bf16, head_dim 128, causal documents),
+    and none with ``deterministic`` (segment ids then take the Triton backward)."""
     from ringflash.kernels import dispatch
-    from ringflash.ring import rotate
-    calls = []
-    serves, fused_pass = dispatch.gluon_serves, rotate._Grads.fused_pass
-    dispatch.gluon_serves = lambda *args: True
-    rotate._Grads.fused_pass = lambda self, *args: (calls.append(1), fused_pass(self, *args))
-    try:
-        failures = check_configs(rank, world, configs, seed=31)
-    finally:
-        dispatch.gluon_serves, rotate._Grads.fused_pass = serves, fused_pass
-    return failures + ([] if calls else [f"rank {rank}: no fused pass ran"])
+    from ringflash.ring.rotate import _fuses
+    from test_documents import _lognormal
+    monkeypatch.setattr(dispatch, "capability", lambda t: (9, 0))
+    world, n = 4, 512
+    layout = ringflash.document_layout(_lognormal(n * world - 200, 300, seed=3), n * world, world=world)
+    q, k = torch.zeros(1, n, 4, 128, dtype=torch.bfloat16), torch.zeros(1, n, 2, 128, dtype=torch.bfloat16)
+    ids = torch.zeros(1, n, dtype=torch.int32)
+    ragged = 0
+    for rank in range(world):
+        steps = [layout.pairs(rank, (rank - s) % world, world, n, (None, 0), True, None) for s in range(world)]
+        ragged += sum(len(range(n)[p.q]) % 128 != 0 or len(range(n)[p.k]) % 128 != 0 for st in steps for p in st)
+        assert _fuses(q, k, steps, ids, (0.0, 0), None, None, False), rank
+        assert not _fuses(q, k, steps, ids, (0.0, 0), None, None, True), rank
+        assert not _fuses(q.float(), k.float(), steps, ids, (0.0, 0), None, None, False), rank
+    assert ragged > 0
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -336,7 +381,7 @@ def test_fused_schedule_matches_oracle(worlds, world_size):
     pieces of key rows on the own step)."""
     configs = [RingCase(layout, causal, tokens_per_rank(layout, 300), 4, 2, head_dim=8, use_lse=True)
                for layout in LAYOUTS for causal in (False, True)]
-    _assert_no_failures(worlds(world_size).run(check_fused_schedule, configs, timeout=120))
+    _assert_no_failures(worlds(world_size).run(with_fused_backward, check_configs, configs, seed=31, timeout=120))
 
 
 @pytest.mark.parametrize("mask, early", [("ones", True), ("local", False)])

@@ -153,13 +153,11 @@ def test_masked_ring_of_two_cuts_its_keys(worlds, layout):
     assert not failures, "\n".join(failures)
 
 
-WINDOWS = ("window-short", "window-across", "window-both", "window-0", "window-wide")
-
-
-def check_fused_windows(rank, world, layout):
-    """check_masked_ring's windows with the fused backward schedule (every pair's dQ and
-    dK/dV in one call, as the Gluon backward runs them on Hopper, where it serves windows
-    on local indices), here on the CPU twin: ``gluon_serves`` patched on."""
+def with_fused_backward(rank, world, check, *args, **kwargs) -> list[str]:
+    """``check(rank, world, *args, **kwargs)``'s failures with the fused backward schedule
+    (every pair's dQ and dK/dV in one call, as the Gluon backward runs them on Hopper), here
+    on the CPU twin: ``dispatch.gluon_serves`` patched on; one failure more if no fused
+    pass ran."""
     from ringflash.kernels import dispatch
     from ringflash.ring import rotate
     calls = []
@@ -167,17 +165,24 @@ def check_fused_windows(rank, world, layout):
     dispatch.gluon_serves = lambda *args: True
     rotate._Grads.fused_pass = lambda self, *args: (calls.append(1), fused_pass(self, *args))
     try:
-        failures = check_masked_ring(rank, world, layout, seed=7, names=WINDOWS)
+        failures = check(rank, world, *args, **kwargs)
     finally:
         dispatch.gluon_serves, rotate._Grads.fused_pass = serves, fused_pass
-    return failures + ([] if calls or world == 1 else [f"rank {rank}: no fused pass ran"])
+    return failures + ([] if calls else [f"rank {rank}: no fused pass ran"])
+
+
+# What the Gluon backward serves on Hopper: windows on local indices and segment ids.
+FUSED = ("window-short", "window-across", "window-both", "window-0", "window-wide", "docs", "docs-full", "padded",
+         "window+docs")
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("world_size", [2, 3, 4], ids=lambda w: f"W{w}")
-def test_fused_schedule_with_windows_matches_oracle(worlds, world_size, layout):
-    """Windows (short, across ranks, two-sided, zero-width, wider than the sequence) through
-    the fused backward schedule against the float64 oracle."""
-    per_rank = worlds(world_size).run(check_fused_windows, layout, timeout=300)
+def test_fused_schedule_matches_oracle(worlds, world_size, layout):
+    """Windows (short, across ranks, two-sided, zero-width, wider than the sequence) and
+    packed documents (causal and not, padding, with a window) through the fused backward
+    schedule against the float64 oracle."""
+    per_rank = worlds(world_size).run(with_fused_backward, check_masked_ring, layout, seed=7, names=FUSED,
+                                      timeout=300)
     failures = [f for fs in per_rank for f in fs]
     assert not failures, "\n".join(failures)

@@ -11,7 +11,7 @@ from typing import Callable, Optional, Sequence
 
 from .checks import short_error
 from .cli import fmt_size
-from .results import load_results
+from .results import latest_runs, load_results
 
 # Keys that describe a configuration (one subplot row per distinct combination).
 PANEL_KEYS = ("heads", "kv_heads", "head_dim", "causal")
@@ -87,7 +87,8 @@ def import_pyplot():
 def plot_results(data: dict, png_path: os.PathLike, *, panel_keys: Optional[Sequence[str]] = None,
                  label_fn: Callable[[dict], str] = default_label, ylabel: Optional[str] = None) -> Path:
     """PNG of TFLOP/s against seqlen: one line per implementation, one subplot per
-    (configuration, forward / forward+backward)."""
+    (configuration, forward / forward+backward); of a file of several runs, each point's
+    latest (``results.latest_runs``)."""
     plt = import_pyplot()
 
     records = [r for r in data["records"] if isinstance(r, dict) and "seqlen" in r]
@@ -97,6 +98,7 @@ def plot_results(data: dict, png_path: os.PathLike, *, panel_keys: Optional[Sequ
         raise ValueError("nothing to plot: no records with a seqlen and a *_tflops field")
     if panel_keys is None:
         panel_keys = [k for k in PANEL_KEYS if any(k in r for r in records)]
+    records = latest_runs(records, lambda r: (label_fn(r), tuple(r.get(k) for k in panel_keys), r["seqlen"]))
     configs: list[tuple] = []
     for r in records:
         key = tuple(r.get(k) for k in panel_keys)

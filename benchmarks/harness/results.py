@@ -181,6 +181,19 @@ def _cell(value, fmt) -> str:
     return format(value, fmt) if fmt else str(value)
 
 
+def latest_runs(records: list[dict], key) -> list[dict]:
+    """The records of a file that holds several runs (each record's ``run`` indexes
+    meta.runs; a record without one is run 0), keeping of each ``key(record)`` only the
+    latest run's, in file order: what a plot of the file shows."""
+    latest: dict = {}
+    for r in records:
+        k = key(r)
+        if k not in latest or r.get("run", 0) >= latest[k].get("run", 0):
+            latest[k] = r
+    kept = {id(r) for r in latest.values()}
+    return [r for r in records if id(r) in kept]
+
+
 def format_table(rows: list[dict], columns: Sequence[tuple]) -> str:
     """Fixed-width plain-text table. columns: (key, header) or (key, header, fmt), where fmt is
     a format spec ('.1f') or a callable; None prints as '-'. Text is left-aligned, numbers

@@ -44,9 +44,12 @@ passes run in two halves of key rows (``layouts.step_pieces``), so the first hal
 travels while the second is computed. dQ never leaves the rank.
 
 Where one kernel computes a pair's dQ and dK/dV together (the Gluon backward on Hopper:
-bf16, head_dim 128, no mask or causal; ``rotate._fuses`` asks ``dispatch.gluon_serves``
+bf16, head_dim 64 or 128, a band on local indices and segment ids, segment ids not with
+``deterministic``; ``rotate._fuses`` asks ``dispatch.gluon_serves``
 from what every rank agrees on, so all choose alike) the backward is fused: each pair is
-one call adding dQ into the fp32 dQ and dK/dV into fp32 sums. The own step then runs in
+one call adding dQ into the fp32 dQ and dK/dV into fp32 sums (a pair whose rows are not
+whole tiles of 128, as a document layout's shared pieces, runs as its whole tiles and the
+rest: ``plan.tile_pieces``). The own step then runs in
 two halves of key rows, the first under the first K/V trip, the second under the trip
 home; a visiting step adds into a zeroed buffer of its own while the running sum arrives,
 then that buffer into the sum (one add over the rows it touched), so no kernel waits for

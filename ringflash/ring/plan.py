@@ -13,8 +13,8 @@ import torch
 from ..exchange import Ring
 from ..kernels import PairMask
 from ..kernels.masks import BAND_INF, BLOCK, Blocks, block_work, computed_blocks, pair_positions, tensor_memo
-from ..layouts import (Band, active_steps, keys_within, occupied_chunks, step_pairs, step_pieces, visible_keys,
-                       writes_first)
+from ..layouts import (Band, Pair, active_steps, keys_within, occupied_chunks, step_pairs, step_pieces,
+                       visible_keys, writes_first)
 from .rows import uncovered
 
 
@@ -214,3 +214,32 @@ def pair_mask(pair, q_segments, k_segments, dropout: tuple, plan, blocks) -> Pai
     p, seed, *head0 = dropout  # (p, seed[, the global index of head 0])
     return PairMask(lo, hi, q_segments, k_segments, p, seed, pair.pos, pair_blocks, on_positions,
                     head0[0] if head0 else 0)
+
+
+def tile_pieces(pair: Pair, n: int) -> tuple[Pair, ...]:
+    """``pair`` (of a shard of ``n`` rows) cut where its rows stop filling whole tiles of
+    BLOCK: the part of whole tiles on both sides, which the Gluon backward takes, and the
+    rest (a sliver of queries, one of keys, their corner), each with its band and positions
+    moved to its own first rows; ``(pair,)`` where nothing is cut (rows already whole
+    tiles, fewer than one tile, strided, or a band on positions). Every element of the pair
+    lies in one piece, so the pieces' gradients add up to the pair's. A document layout's
+    pieces that two ranks share have rows of any length (ringflash/documents.py)."""
+    q, k = range(n)[pair.q], range(n)[pair.k]
+    whole_q, whole_k = len(q) // BLOCK * BLOCK, len(k) // BLOCK * BLOCK
+    if (q.step != 1 or k.step != 1 or pair.on_positions or not whole_q or not whole_k
+            or (whole_q, whole_k) == (len(q), len(k))):
+        return (pair,)
+    return tuple(_sub_pair(pair, q.start, k.start, a, b, c, d)
+                 for a, b in ((0, whole_q), (whole_q, len(q))) for c, d in ((0, whole_k), (whole_k, len(k)))
+                 if a < b and c < d)
+
+
+def _sub_pair(pair: Pair, q0: int, k0: int, a: int, b: int, c: int, d: int) -> Pair:
+    """The pair's query rows [a, b) and key rows [c, d) (a and c multiples of BLOCK), as a
+    pair of their own: j - i of its rows is the pair's minus c - a."""
+    lo, hi = (None if x is None else x - (c - a) for x in (pair.band_lo, pair.band_hi))
+    pos = pair.pos
+    if pos is not None:
+        qp, kp, stride, jump = pos
+        pos = (qp + a * stride + a // BLOCK * jump, kp + c * stride + c // BLOCK * jump, stride, jump)
+    return Pair(slice(q0 + a, q0 + b), slice(k0 + c, k0 + d), lo, hi, pos, pair.on_positions)

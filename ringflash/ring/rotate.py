@@ -14,7 +14,7 @@ from ..exchange import Ring
 from ..kernels import attn_delta, dispatch
 from ..layouts import Band, remote_share
 from .gathered import gathered_backward, gathered_forward
-from .plan import pair_mask, schedule_of
+from .plan import pair_mask, schedule_of, tile_pieces
 from .rows import Aside, add_rows, copy_rows, home_cuts, key_rows, uncovered
 
 
@@ -136,8 +136,8 @@ class _Grads:
     ``result`` casts the sums once every pass has added into them).
 
     ``fused``: each pair runs as one call computing dQ and dK/dV together (``fused_pass``),
-    where the Gluon backward serves every pair (``_fuses``); else a step runs a dQ pass and a
-    dK/dV pass apart (the Triton kernels: two kernels a pair either way)."""
+    where the Gluon backward serves the ring's masks (``_fuses``); else a step runs a dQ
+    pass and a dK/dV pass apart (the Triton kernels: two kernels a pair either way)."""
 
     def __init__(self, dout, q, lse, delta, segments, *, softmax_scale: float, dropout, plan, blocks,
                  first_writes: bool, deterministic: bool = False, fused: bool = False):
@@ -169,9 +169,12 @@ class _Grads:
 
     def fused_pass(self, pairs, kv, seg, dest) -> None:
         """A step's pairs, one call each: dQ added into the fp32 dq, dK/dV into the fp32
-        packed sums ``dest`` (2, B, rows, Hkv, D), zeroed by the caller where they start."""
+        packed sums ``dest`` (2, B, rows, Hkv, D), zeroed by the caller where they start. A
+        pair whose rows are not whole tiles runs as its whole tiles (the Gluon kernel) and
+        the rest (``tile_pieces``), without a block mask, whose blocks are the pair's."""
         for pair in pairs:
-            self.pair(pair, kv, seg, False, dq=self.dq, dkv=dest)
+            for piece in (pair,) if self.plan is not None else tile_pieces(pair, self.n):
+                self.pair(piece, kv, seg, False, dq=self.dq, dkv=dest)
 
     def result(self) -> torch.Tensor:
         """dq in q's dtype, once every pass has run (a fused backward casts its sums here)."""
@@ -228,7 +231,7 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
     # With the fused kernel the own step runs in two pieces of key rows: the first hides
     # the first K/V trip, the second the trip home of the last sums (``_rotate``).
     own_pieces = pieces(0, home_cuts(n)) if steps > 1 else (schedule[0],)
-    fused = _fuses(q, k, (*own_pieces, *schedule[1:]), segments, dropout, plan, blocks)
+    fused = _fuses(q, k, (*own_pieces, *schedule[1:]), segments, dropout, plan, blocks, deterministic)
     grads = _Grads(dout, q, lse, delta, segments, softmax_scale=softmax_scale, dropout=dropout, plan=plan,
                    blocks=blocks, first_writes=first_writes, deterministic=deterministic, fused=fused)
     own = ((k, v), segments)
@@ -259,15 +262,20 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
     return grads.result(), dkv
 
 
-def _fuses(q, k, steps, segments, dropout, plan, blocks) -> bool:
-    """Whether the Gluon backward serves every pair of ``steps`` (lists of pairs), judged
-    from what every rank agrees on (``dispatch.gluon_serves``), so that all ranks choose
-    the same schedule."""
+def _fuses(q, k, steps, segments, dropout, plan, blocks, deterministic: bool) -> bool:
+    """Whether the backward takes the fused schedule: the Gluon backward serves the masks of
+    every pair of ``steps`` (lists of pairs) on shards of this rank's rows
+    (``dispatch.gluon_serves``), judged from what every rank agrees on (the shard's rows,
+    not each pair's, which differ from rank to rank under a document layout; ranks agree
+    on ``deterministic`` and torch's mode: ringflash/agreement.py), so that all ranks
+    choose the same schedule. A pair whose rows the Gluon kernel does not take (not
+    multiples of 128: the pieces of a document two ranks share, zigzag's chunks of a
+    384-row shard) runs the Triton kernels inside that schedule, adding into the same fp32
+    sums (``kernels/dispatch.py`` routes each call)."""
     n = q.shape[1]
     pairs = [pair for step in steps for pair in step]
     return bool(pairs) and all(
-        dispatch.gluon_serves(q, k, len(range(n)[pair.q]), len(range(n)[pair.k]),
-                              pair_mask(pair, segments, segments, dropout, plan, blocks))
+        dispatch.gluon_serves(q, k, n, n, pair_mask(pair, segments, segments, dropout, plan, blocks), deterministic)
         for pair in pairs)
 
 
