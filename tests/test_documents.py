@@ -18,7 +18,7 @@ from ringflash.documents import _rank_work
 from ringflash.layouts import NO_BAND, active_steps, step_pairs
 from test_dropout import dropped
 from test_heads import _grid
-from test_ring_masks import _err, ring_results, with_fused_backward
+from test_ring_masks import _err, as_on_hopper, ring_results, with_fused_backward
 
 
 def _cu(lengths, seqlen=None) -> torch.Tensor:
@@ -286,19 +286,20 @@ def test_document_ring_matches_oracle(worlds, world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 4], ids=lambda w: f"W{w}")
-def test_document_ring_on_the_fused_backward_matches_oracle(worlds, world_size):
-    """The configurations without dropout through the fused backward schedule (the Gluon
-    backward's on Hopper, where it serves segment ids), on the CPU twin, 512 tokens a rank:
-    pieces of documents that ranks share, longer than a tile but not whole tiles, run cut
-    into their whole tiles and the rest (``plan.tile_pieces``)."""
+def test_document_ring_on_the_hopper_schedule_matches_oracle(worlds, world_size):
+    """The configurations without dropout as the ring runs them on Hopper (where the Gluon
+    kernels serve segment ids): the fused backward schedule, and pieces of documents that
+    ranks share, longer than a tile but not whole tiles, cut into their whole tiles and the
+    rest in the forward and the backward (``plan.tile_pieces``), on the CPU twin, 512
+    tokens a rank."""
     from ringflash.ring.plan import tile_pieces
     n = 512
     configs = [c for c in _configs(world_size, n) if c[-1] == 0]
     layout = ringflash.document_layout(_cu(configs[0][1]), n * world_size, world=world_size)
     assert any(len(tile_pieces(pair, n)) > 1 for rank in range(world_size) for step in range(1, world_size)
                for pair in layout.pairs(rank, (rank - step) % world_size, world_size, n, (None, 0), True, None))
-    per_rank = worlds(world_size).run(with_fused_backward, check_document_ring, n, 0, "cpu", 1, slice(None),
-                                      configs, timeout=300)
+    per_rank = worlds(world_size).run(with_fused_backward, as_on_hopper, check_document_ring, n, 0, "cpu", 1,
+                                      slice(None), configs, timeout=300)
     failures = [f for fs in per_rank for f in fs]
     assert not failures, "\n".join(failures)
 

@@ -171,6 +171,19 @@ def with_fused_backward(rank, world, check, *args, **kwargs) -> list[str]:
     return failures + ([] if calls else [f"rank {rank}: no fused pass ran"])
 
 
+def as_on_hopper(rank, world, check, *args, **kwargs) -> list[str]:
+    """``check(rank, world, *args, **kwargs)`` with ``dispatch.capability`` saying sm_90, so
+    that the ring's forward cuts pairs that are not whole tiles as on Hopper
+    (``plan.tile_pieces``; the calls still run on the twin: CPU tensors)."""
+    from ringflash.kernels import dispatch
+    capability = dispatch.capability
+    dispatch.capability = lambda t: (9, 0)
+    try:
+        return check(rank, world, *args, **kwargs)
+    finally:
+        dispatch.capability = capability
+
+
 # What the Gluon backward serves on Hopper: windows on local indices and segment ids.
 FUSED = ("window-short", "window-across", "window-both", "window-0", "window-wide", "docs", "docs-full", "padded",
          "window+docs")
@@ -184,5 +197,18 @@ def test_fused_schedule_matches_oracle(worlds, world_size, layout):
     schedule against the float64 oracle."""
     per_rank = worlds(world_size).run(with_fused_backward, check_masked_ring, layout, seed=7, names=FUSED,
                                       timeout=300)
+    failures = [f for fs in per_rank for f in fs]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("world_size", [1, 2, 4], ids=lambda w: f"W{w}")
+def test_hopper_schedule_on_ragged_shards_matches_oracle(worlds, world_size, layout):
+    """300 tokens a rank (zigzag: chunks of 150), as the ring runs them on Hopper: pairs that
+    are not whole tiles of 128 cut into their whole tiles and the rest in the forward (the
+    first step's pieces writing, later ones merging, the last step's last piece writing the
+    result in bf16) and in the fused backward, windows and documents, fp32 and bf16."""
+    per_rank = worlds(world_size).run(with_fused_backward, as_on_hopper, check_masked_ring, layout, seed=3, n=300,
+                                      names=FUSED + ("docs-bf16",), timeout=300)
     failures = [f for fs in per_rank for f in fs]
     assert not failures, "\n".join(failures)

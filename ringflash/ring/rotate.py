@@ -106,6 +106,9 @@ def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout
         if segments is not None:
             kept[1][:, ring.rank * n:(ring.rank + 1) * n] = segments
     cur = ((k, v), segments)
+    # Where the Gluon forward runs (whole tiles of 128 rows only), a pair that is not whole
+    # tiles runs as its whole tiles and the rest (``tile_pieces``), as the fused backward's.
+    cut = plan is None and dispatch.capability(q) == (9, 0)
     for step, pairs in enumerate(schedule):
         nxt = slots.at(step + 1) if step + 1 < steps else None
         pending = [] if nxt is None else slots.send_own(k, v, segments) if step == 0 else pass_on(ring, cur, nxt)
@@ -113,10 +116,18 @@ def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout
         final = step == steps - 1 and gaps is not None
         merge = not (first_writes and step == 0)
         for pair in pairs:
-            kernels.flash_attn_fwd(q[:, pair.q], kv[0][:, pair.k], kv[1][:, pair.k], softmax_scale=softmax_scale,
-                                   mask=pair_mask(pair, segments, seg, dropout, plan, blocks),
-                                   out=(result if final else out)[:, pair.q], lse=lse[:, :, pair.q],
-                                   accumulate=merge, out_partial=out[:, pair.q] if final and merge else None)
+            pieces = tile_pieces(pair, n) if cut else (pair,)
+            for i, piece in enumerate(pieces):
+                # Pieces of one query rows follow each other: the first takes the pair's mode,
+                # the others merge into the fp32 out, and the last writes where the pair would.
+                first = i == 0 or pieces[i - 1].q != piece.q
+                last = i + 1 == len(pieces) or pieces[i + 1].q != piece.q
+                merges, writes = merge or not first, final and last
+                kernels.flash_attn_fwd(q[:, piece.q], kv[0][:, piece.k], kv[1][:, piece.k],
+                                       softmax_scale=softmax_scale,
+                                       mask=pair_mask(piece, segments, seg, dropout, plan, blocks),
+                                       out=(result if writes else out)[:, piece.q], lse=lse[:, :, piece.q],
+                                       accumulate=merges, out_partial=out[:, piece.q] if writes and merges else None)
         ring.wait(pending)
         cur = nxt
         if kept is not None and step == 0:  # out of the ring's buffer, which the next call reuses
