@@ -349,6 +349,32 @@ def test_tile_pieces_hold_every_element_of_the_pair_once(rows, band, jump):
         assert torch.equal(qp, want_q) and torch.equal(kp, want_k), p
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_forward_on_hopper_cuts_pairs_into_whole_tiles(monkeypatch, dtype):
+    """On Hopper (``dispatch.capability`` patched) the ring's forward runs a pair that is not
+    whole tiles as its whole tiles and the rest: one rank, 300 rows, causal, runs
+    (256, 256), (256, 44), (44, 256), (44, 44) query x key rows, the first writing (bf16:
+    into the fp32 out, the last of each query rows writing the result), and gives the
+    uncut call's out and lse (fp32: to rounding)."""
+    from ringflash.kernels import dispatch
+    from ringflash.ring import ring_forward
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 300, 2, 8, generator=gen).to(dtype) for _ in range(3))
+    args = dict(softmax_scale=0.3, band=(None, 0), dropout=(0.0, 0), layout="contiguous")
+    want_out, want_lse, _ = ring_forward(q, k, v, None, ring=_RecordingRing(1), **args)
+    calls = []
+    forward = ringflash.kernels.flash_attn_fwd
+    monkeypatch.setattr(dispatch, "capability", lambda t: (9, 0))
+    monkeypatch.setattr(ringflash.kernels, "flash_attn_fwd", lambda q, k, *a, **kw: (
+        calls.append((q.shape[1], k.shape[1], kw["accumulate"], kw["out"].dtype)), forward(q, k, *a, **kw)))
+    out, lse, _ = ring_forward(q, k, v, None, ring=_RecordingRing(1), **args)
+    last = dtype  # the last piece of each query rows writes the result in q's dtype
+    assert calls == [(256, 256, False, torch.float32), (256, 44, True, last), (44, 256, False, torch.float32),
+                     (44, 44, True, last)], calls
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert rel_err(out, want_out) <= tol and rel_err(lse, want_lse) <= 1e-6
+
+
 def test_fused_schedule_is_chosen_from_the_shard_not_its_pairs(monkeypatch):
     """The fused schedule's choice reads the shard's rows, the same on every rank, not each
     pair's: under a document layout ranks share pieces of documents of any length (whose
