@@ -472,12 +472,16 @@ def _q_tiles(n0, offset, band_lo, seqlen_q, tiles):
         end = max(min(max(n0 + 127 - band_lo + 64, 0) // 64, end), first)
         split = min(split, end)
         split2 = min(max(max(n0 - band_lo + 1, 0) // 64, split), end)
-    if tiles is not None:
-        first = max(first, tiles[0])
-        end = max(min(end, tiles[3]), first)
-        split = min(max(max(split, tiles[1]), first), end)
-        split2 = min(max(min(split2, tiles[2]), split), end)
-    return first, split, split2, end
+    return (first, split, split2, end) if tiles is None else narrow(first, split, split2, end, tiles)
+
+
+def narrow(a, b, c, d, tiles):
+    """kernels/gluon/tiles.py ``_narrow`` in Python: (a, b, c, d) intersected with the four
+    ``tiles`` (``masks.segment_tiles``' of one tile), kept a <= b <= c <= d."""
+    a = max(a, tiles[0])
+    d = max(min(d, tiles[3]), a)
+    b = min(max(max(b, tiles[1]), a), d)
+    return a, b, min(max(min(c, tiles[2]), b), d), d
 
 
 def test_segment_tiles_walk_every_visible_query():

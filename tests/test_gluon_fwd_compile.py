@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper",
                     reason="this triton has no Gluon Hopper module")
 
-from test_gluon_compile import BIN, H100_SHARED, _ptx_ops, _tile_loops, assemble  # noqa: E402
+from test_gluon_compile import BIN, H100_SHARED, _ptx_ops, _tile_loops, assemble, narrow  # noqa: E402
 
 def _head_dim(name: str) -> int:
     return VARIANTS[name].get("head_dim", 128)
@@ -193,12 +193,7 @@ def _k_tiles(m0, offset, band_lo, n_k, tiles):
         start = min(max(m0 + band_lo, 0) // 128, end)
         u0 = min(max((max(m0 + 127 + band_lo, 0) + 127) // 128, start), end)
         u1 = max(full, u0)
-    if tiles is not None:
-        start = max(start, tiles[0])
-        end = max(min(end, tiles[3]), start)
-        u0 = min(max(max(u0, tiles[1]), start), end)
-        u1 = min(max(min(u1, tiles[2]), u0), end)
-    return start, u0, u1, end
+    return (start, u0, u1, end) if tiles is None else narrow(start, u0, u1, end, tiles)
 
 
 def _ids(gen, n, holes: bool, pad: bool):

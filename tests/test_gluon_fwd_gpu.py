@@ -33,6 +33,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from test_gluon_gpu import _hopper, mask_id
+
 pytestmark = pytest.mark.gpu
 
 TESTS = Path(__file__).resolve().parent
@@ -80,15 +82,8 @@ CASES = [
 ]
 
 
-def _hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
 def _id(b, sq, sk, h, hkv, offset, mode, layout, band_lo=None, segments=None) -> str:
-    mask = "full" if offset is None else f"causal{offset:+d}"
-    mask += "" if band_lo is None else f"-lo{band_lo:+d}"
-    mask += "" if segments is None else f"-{segments}"
-    return f"b{b}-q{sq}-k{sk}-h{h}kv{hkv}-{mask}-{mode}-{layout}"
+    return f"b{b}-q{sq}-k{sk}-h{h}kv{hkv}-{mask_id(offset, band_lo, segments)}-{mode}-{layout}"
 
 
 def _segment_ids(pattern: str, b: int, sq: int, sk: int):

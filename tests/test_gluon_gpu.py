@@ -100,10 +100,15 @@ def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-def _id(b, sq, sk, h, hkv, offset, layout, scale, band_lo=None, segments=None) -> str:
+def mask_id(offset, band_lo=None, segments=None) -> str:
+    """A case's mask in its test id: the causal offset, the band's lower edge, the ids."""
     mask = "full" if offset is None else f"causal{offset:+d}"
     mask += "" if band_lo is None else f"-lo{band_lo:+d}"
-    mask += "" if segments is None else f"-{segments}"
+    return mask + ("" if segments is None else f"-{segments}")
+
+
+def _id(b, sq, sk, h, hkv, offset, layout, scale, band_lo=None, segments=None) -> str:
+    mask = mask_id(offset, band_lo, segments)
     return f"b{b}-q{sq}-k{sk}-h{h}kv{hkv}-{mask}-{layout}" + (f"-scale{scale}" if scale else "")
 
 
