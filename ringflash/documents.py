@@ -29,7 +29,9 @@ else the most even. On 4 ranks at 128k this takes the ring from 4 steps to 2
 A rank holds its tokens in increasing global position. Under causal (or full) attention
 its own step is then one kernel call over the shard (key row <= query row; the segment
 ids tell documents apart); the other steps compute only the pieces of the documents that
-cross ranks (``DocumentLayout.pairs``), and the ring runs only as far as they reach
+cross ranks (``DocumentLayout.pairs``; where a rank's shard is whole tiles of 128 rows and
+a crossing document's queries see all of its keys on the other rank, as pairs widened to
+whole tiles that the segment ids mask: ``_whole_tile_pairs``), and the ring runs only as far as they reach
 (``layouts.active_steps``; ``DocumentLayout.steps``): 2 steps when every crossing document
 spans two neighbours (the one hop hides behind the own step), W where one is split zigzag.
 """
@@ -45,6 +47,7 @@ import torch
 
 from .api import check_cu_seqlens, positive_int
 from .groups import resolve_grid
+from .kernels.masks import BLOCK
 from .layouts import (_ALL, NO_BAND, Layout, Pair, _Chunk, _local_pair, _merged, _MADE_PREFIX,
                       remember, spec_maker)
 
@@ -323,10 +326,49 @@ class DocumentLayout(Layout):
                 together.update((a, b) for a in held for b in held)
             chunks = [(runs[a].chunk(), runs[b].chunk()) for a, b in sorted(together)]
         else:
-            chunks = [(q.chunk(), k.chunk()) for pieces in self.shared.values()
-                      if rank in pieces and src in pieces for q in pieces[rank] for k in pieces[src]]
+            both = [(pieces[rank], pieces[src]) for pieces in self.shared.values() if rank in pieces and src in pieces]
+            if merge and band in (NO_BAND, (None, 0)) and (tiled := _whole_tile_pairs(both, band, local_len)):
+                return tiled
+            chunks = [(q.chunk(), k.chunk()) for qs, ks in both for q in qs for k in ks]
         pairs = [p for qc, kc in chunks if (p := _local_pair(qc, kc, band, local_len)) is not None]
         return tuple(_merged(pairs, local_len)) if merge else tuple(pairs)
+
+
+def _whole_tile_pairs(both: list, band, n: int) -> Optional[tuple[Pair, ...]]:
+    """A remote step's pairs over whole tiles of BLOCK rows, or None where they cannot be.
+
+    ``both``: for each document the two ranks share, (its pieces on the query rank, its
+    pieces on the key rank). Where every such document's queries see all of its keys there
+    (causal: its pieces on the key rank come first; or no band), the step needs no band: the segment ids mask the rest. Each document's query rows and key rows,
+    widened to whole tiles, make a pair; pairs whose query rows overlap join (their hull),
+    so every query row lies in one pair and each document within one pair, computed once;
+    the rows the widening takes in belong to documents the other rank does not hold, which
+    the segment ids hide. So the Gluon kernels serve a document layout's remote steps
+    whole, with no pieces cut out for the Triton kernels (``ring.plan.tile_pieces``); the
+    kernels skip the tiles no document reaches. None where some shared document's queries
+    see only some of its keys there, or none (a step the ring does not run), or where ``n``
+    is not a multiple of BLOCK."""
+    def tiles(pieces) -> tuple[int, int]:
+        lo, hi = min(p.local for p in pieces), max(p.local + p.length for p in pieces)
+        return lo // BLOCK * BLOCK, -(-hi // BLOCK) * BLOCK
+
+    def all_seen(qs, ks) -> bool:
+        return band == NO_BAND or max(p.start + p.length for p in ks) <= min(p.start for p in qs)
+
+    if n % BLOCK or not both or not all(all_seen(qs, ks) for qs, ks in both):
+        return None
+    groups: list[list[int]] = []
+    for q0, q1, k0, k1 in sorted((*tiles(qs), *tiles(ks)) for qs, ks in both):
+        if groups and q0 < groups[-1][1]:
+            last = groups[-1]
+            last[1:] = max(last[1], q1), min(last[2], k0), max(last[3], k1)
+        else:
+            groups.append([q0, q1, k0, k1])
+
+    def part(lo: int, hi: int) -> slice:
+        return _ALL if (lo, hi) == (0, n) else slice(lo, hi)
+
+    return tuple(Pair(part(q0, q1), part(k0, k1)) for q0, q1, k0, k1 in groups)
 
 
 def document_layout(cu_seqlens, seqlen: int, group=None, *, world: Optional[int] = None) -> DocumentLayout:

@@ -15,6 +15,7 @@ import ringflash
 from dist_utils import raised
 from oracle import TOL, global_mask, oracle_results
 from ringflash.documents import _rank_work
+from ringflash.kernels.masks import BLOCK
 from ringflash.layouts import NO_BAND, active_steps, step_pairs
 from test_dropout import dropped
 from test_heads import _grid
@@ -146,9 +147,60 @@ def test_own_step_is_one_call_and_remote_steps_only_crossing_documents():
     n = seqlen // world
     own = step_pairs(layout, 0, 0, world, n, (None, 0))
     assert len(own) == 1 and own[0].q == own[0].k == slice(None)
-    remote_rows = sum(len(range(n)[p.q]) for p in step_pairs(layout, 1, 0, world, n, (None, 0)))
+    remote = step_pairs(layout, 1, 0, world, n, (None, 0))
+    remote_rows = sum(len(range(n)[p.q]) for p in remote)
     crossing = sum(p.length for pieces in layout.shared.values() for p in pieces.get(1, ()))
-    assert 0 < remote_rows <= crossing < n
+    # their rows widened to whole tiles (``documents._whole_tile_pairs``)
+    assert 0 < remote_rows <= crossing + 2 * BLOCK * len(remote) < n
+
+
+def _computed(layout, world: int, n: int, band) -> torch.Tensor:
+    """(S, S) int: how many times the ring's pairs over ``layout`` compute each (query
+    position, key position) element that the segment ids leave (the same document), every
+    rank and step together; each pair's band on its own rows."""
+    seqlen = n * world
+    doc = _document_of(layout.bounds, seqlen)
+    count = torch.zeros(seqlen, seqlen, dtype=torch.int64)
+    for rank in range(world):
+        for step in range(world):
+            src = (rank - step) % world
+            qpos, kpos = layout.positions(seqlen, rank, world), layout.positions(seqlen, src, world)
+            for pair in step_pairs(layout, rank, src, world, n, band):
+                qp, kp = qpos[pair.q], kpos[pair.k]
+                diff = torch.arange(len(kp))[None] - torch.arange(len(qp))[:, None]
+                keep = (doc[qp][:, None] == doc[kp][None]) & (doc[qp][:, None] >= 0)
+                keep &= (diff >= (pair.band_lo if pair.band_lo is not None else -seqlen))
+                keep &= (diff <= (pair.band_hi if pair.band_hi is not None else seqlen))
+                count[qp[:, None], kp[None]] += keep.long()
+    return count
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_remote_steps_run_whole_tiles_and_compute_each_element_once(world):
+    """Where a rank's shard is whole tiles of BLOCK rows, a remote step under causal or full
+    attention runs pairs over whole tiles (widened past the shared documents; the segment
+    ids hide the rows taken in), so the Gluon kernels serve them uncut; over every rank and
+    step each (query, key) element of a document is computed exactly once, and no other.
+    Log-normal draws whose documents cross ranks, split in ring order and by the pour."""
+    n, whole = 4 * BLOCK, 0
+    seqlen = n * world
+    for seed in range(6):
+        lengths = _lognormal_sigma(seqlen - 41, 96, 1.5, seed)  # 41 tokens of padding
+        layout = ringflash.document_layout(_cu(lengths), seqlen, world=world)
+        doc = _document_of(layout.bounds, seqlen)
+        for band in ((None, 0), NO_BAND):
+            pos = torch.arange(seqlen)
+            want = (doc[:, None] == doc[None]) & (doc[:, None] >= 0)
+            if band == (None, 0):
+                want &= pos[None] <= pos[:, None]
+            assert torch.equal(_computed(layout, world, n, band), want.long()), (seed, band)
+            for rank in range(world):
+                for step in range(1, world):
+                    pairs = step_pairs(layout, rank, (rank - step) % world, world, n, band)
+                    tiled = [range(n)[p.q].start % BLOCK == range(n)[p.k].start % BLOCK == 0
+                             and len(range(n)[p.q]) % BLOCK == len(range(n)[p.k]) % BLOCK == 0 for p in pairs]
+                    whole += all(tiled) and bool(pairs)
+    assert whole >= 2 * world, "some remote steps run over whole tiles"
 
 
 def test_equal_documents_give_equal_layouts_and_names():
@@ -288,16 +340,21 @@ def test_document_ring_matches_oracle(worlds, world_size):
 @pytest.mark.parametrize("world_size", [2, 4], ids=lambda w: f"W{w}")
 def test_document_ring_on_the_hopper_schedule_matches_oracle(worlds, world_size):
     """The configurations without dropout as the ring runs them on Hopper (where the Gluon
-    kernels serve segment ids): the fused backward schedule, and pieces of documents that
-    ranks share, longer than a tile but not whole tiles, cut into their whole tiles and the
-    rest in the forward and the backward (``plan.tile_pieces``), on the CPU twin, 512
-    tokens a rank."""
+    kernels serve segment ids): the fused backward schedule, on the CPU twin, 512 tokens a
+    rank. Documents whose queries see all of their keys on the other rank run remote steps
+    over whole tiles (``documents._whole_tile_pairs``); a document longer than every shard
+    (zigzag) keeps its band, and its pieces are cut into whole tiles and the rest in the
+    forward and the backward (``plan.tile_pieces``)."""
     from ringflash.ring.plan import tile_pieces
-    n = 512
-    configs = [c for c in _configs(world_size, n) if c[-1] == 0]
-    layout = ringflash.document_layout(_cu(configs[0][1]), n * world_size, world=world_size)
-    assert any(len(tile_pieces(pair, n)) > 1 for rank in range(world_size) for step in range(1, world_size)
-               for pair in layout.pairs(rank, (rank - step) % world_size, world_size, n, (None, 0), True, None))
+    n, world = 512, world_size
+    configs = [c for c in _configs(world, n) if c[-1] == 0]
+    cut = {}
+    for name, lengths, causal, *_ in configs:
+        layout = ringflash.document_layout(_cu(lengths), n * world, world=world)
+        cut[name] = any(len(tile_pieces(pair, n)) > 1 for rank in range(world) for step in range(1, world)
+                        for pair in layout.pairs(rank, (rank - step) % world, world, n,
+                                                 (None, 0) if causal else NO_BAND, True, None))
+    assert cut["docs"] and not cut["docs-bf16"] and not cut["docs-full"], cut
     per_rank = worlds(world_size).run(with_fused_backward, as_on_hopper, check_document_ring, n, 0, "cpu", 1,
                                       slice(None), configs, timeout=300)
     failures = [f for fs in per_rank for f in fs]

@@ -48,8 +48,9 @@ bf16, head_dim 64 or 128, a band on local indices and segment ids, segment ids n
 ``deterministic``; ``rotate._fuses`` asks ``dispatch.gluon_serves``
 from what every rank agrees on, so all choose alike) the backward is fused: each pair is
 one call adding dQ into the fp32 dQ and dK/dV into fp32 sums (a pair whose rows are not
-whole tiles of 128, as a document layout's shared pieces, runs as its whole tiles and the
-rest: ``plan.tile_pieces``; on Hopper the forward cuts such pairs too). The own step then runs in
+whole tiles of 128, as the chunks of a short zigzag shard or the pieces of a document
+that a band still cuts, runs as its whole tiles and the rest: ``plan.tile_pieces``; on
+Hopper the forward cuts such pairs too). The own step then runs in
 two halves of key rows, the first under the first K/V trip, the second under the trip
 home; a visiting step adds into a zeroed buffer of its own while the running sum arrives,
 then that buffer into the sum (one add over the rows it touched), so no kernel waits for
