@@ -364,6 +364,28 @@ def test_segment_ranges_kernel_matches_definition(pad, n_rows, n_cols):
     assert torch.equal(same, masks.segment_ranges(cols, cols))
 
 
+@pytest.mark.parametrize("pad", [0.0, 0.1, 0.6])
+@pytest.mark.parametrize("n_rows,n_cols,cols_block", [(1024, 768, 128), (768, 1024, 64), (512, 512, 128)])
+def test_segment_tiles_kernel_matches_definition(pad, n_rows, n_cols, cols_block):
+    """The one-launch Triton segment_tiles (the Gluon kernels' tile bounds on a GPU) equals
+    masks.segment_tiles (torch ops), over the ranges of ids drawn apart on each side."""
+    gen = torch.Generator().manual_seed(n_rows + n_cols + int(pad * 10))
+    rows, cols = _monotone_ids(gen, 2, n_rows, pad), _monotone_ids(gen, 2, n_cols, pad)
+    # and documents of 200-700 tokens on both sides, whose tiles hold whole runs (u0 < u1),
+    # the last tokens padding
+    lengths = torch.randint(200, 700, (64,), generator=gen)
+    docs = torch.repeat_interleave(torch.arange(64), lengths)[:max(n_rows, n_cols)].int()
+    docs[len(docs) - int(pad * len(docs) / 2):] = -1
+    docs = docs.expand(2, -1)
+    device = "cuda" if HAS_CUDA else "cpu"
+    for r, c in ((rows, cols), (docs[:, :n_rows], docs[:, :n_cols])):
+        ranges = masks.segment_ranges(r, c)
+        want = masks.segment_tiles(ranges, n_cols, cols_block=cols_block)
+        got = triton_segments.segment_tiles(ranges.to(device), n_cols, masks.BLOCK, cols_block).cpu()
+        assert torch.equal(got, want)
+    assert bool((want[..., 2] > want[..., 1]).any()), "some tile inside one run of columns"
+
+
 def test_segment_ranges_once_per_tensor(monkeypatch):
     """flash_attn's three kernels share one tensor of segment ids on both sides: its ranges
     are computed once, kept while the tensor lives unmodified, and recomputed after an

@@ -13,9 +13,9 @@ import triton
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..masks import segment_ranges, segment_tiles, tensor_memo
+from ..masks import BLOCK, segment_ranges, segment_tiles, tensor_memo
 from ..triton.launch import _stand_in
-from ..triton.segments import _ranges
+from ..triton.segments import _ranges, segment_tiles as triton_segment_tiles
 from . import fwd
 from .bwd import BLOCK_M, BLOCK_N, DQ_COLS, HEAD_DIMS, _attn_bwd_sm90_kernel
 
@@ -130,8 +130,11 @@ def _segment_args(q_segments, k_segments, seqlen_q: int, seqlen_k: int, device, 
     rows, cols, n_cols, block = (k_ids, q_ids, seqlen_q, BLOCK_M.value) if keys_outer else (q_ids, k_ids, seqlen_k, 128)
 
     def build():
-        ranges = _ranges(rows, cols, True) if rows.is_cuda else segment_ranges(rows, cols)  # CPU: the compile's
-        return ranges, segment_tiles(ranges, n_cols, cols_block=block)
+        if not rows.is_cuda:  # the compile's, on the CPU
+            ranges = segment_ranges(rows, cols)
+            return ranges, segment_tiles(ranges, n_cols, cols_block=block)
+        ranges = _ranges(rows, cols, True)
+        return ranges, triton_segment_tiles(ranges, n_cols, BLOCK, block)  # one launch, not ~20
 
     ranges, tiles = tensor_memo(q_ids, ("segment_tiles", n_cols, keys_outer), build) if q_ids is k_ids else build()
     a, b = (ranges[0], ranges[1]) if keys_outer else (q_ids, k_ids)

@@ -1,6 +1,7 @@
 """Segment ranges on the GPU: for every row, the hull of the columns that carry its segment
 id and where the run of them from its first column ends (masks.segment_ranges is the
-definition, in torch ops), in three launches."""
+definition, in torch ops), in three launches; and the Gluon kernels' tile bounds from them
+(masks.segment_tiles is the definition) in one."""
 
 import torch
 import triton
@@ -132,3 +133,35 @@ def _ranges(rows_seg, cols_seg, segments: bool):
         return tensor_memo(rows_seg, ("segment_ranges",), lambda: segment_ranges(rows_seg, rows_seg))
     return segment_ranges(rows_seg, cols_seg)
 
+
+
+@triton.jit
+def _segment_tiles_kernel(RANGES, TILES, n_tiles, stride_rp, stride_rb, stride_tb, ROWS: tl.constexpr,
+                          COLS: tl.constexpr):
+    """Per tile of ROWS rows (program_id(0)) of one batch row (program_id(1)): [start, u0,
+    u1, end] in tiles of COLS columns, from its rows' [lo, hi, run_end]."""
+    tile, off_b = tl.program_id(0), tl.program_id(1)
+    rows = RANGES + off_b * stride_rb + tile * ROWS + tl.arange(0, ROWS)
+    lo, hi, run_end = tl.load(rows), tl.load(rows + stride_rp), tl.load(rows + 2 * stride_rp)
+    start = tl.minimum(tl.min(lo, 0) // COLS, n_tiles)
+    end = tl.maximum((tl.max(hi, 0) + COLS - 1) // COLS, start)
+    u0 = tl.minimum(tl.maximum((tl.max(lo, 0) + COLS - 1) // COLS, start), end)
+    u1 = tl.minimum(tl.maximum(tl.min(run_end, 0) // COLS, u0), end)
+    out = TILES + off_b * stride_tb + tile * 4
+    tl.store(out, start)
+    tl.store(out + 1, u0)
+    tl.store(out + 2, u1)
+    tl.store(out + 3, end)
+
+
+def segment_tiles(ranges: torch.Tensor, n_cols: int, rows_block: int, cols_block: int) -> torch.Tensor:
+    """masks.segment_tiles (its definition, in some twenty torch ops) in one launch: (B,
+    S_rows / rows_block, 4) int32 from ``segment_ranges``' (3, B, S_rows), S_rows a multiple
+    of ``rows_block`` and ``n_cols`` of ``cols_block``."""
+    ranges = ranges.contiguous()
+    _, b, n_rows = ranges.shape
+    tiles = torch.empty((b, n_rows // rows_block, 4), dtype=torch.int32, device=ranges.device)
+    _segment_tiles_kernel[(n_rows // rows_block, b)](ranges, tiles, n_cols // cols_block, ranges.stride(0),
+                                                     ranges.stride(1), tiles.stride(0), ROWS=rows_block,
+                                                     COLS=cols_block)
+    return tiles
