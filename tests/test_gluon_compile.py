@@ -488,7 +488,8 @@ def test_segment_tiles_walk_every_visible_query():
     """The backward's walk with segment ids (``masks.segment_tiles`` over keys, in Q tiles of
     64, narrowing the band's as ``_q_tiles`` does), against brute force on random packed
     documents (tests/test_gluon_fwd_compile.py's ``segment_draws``): for each K tile every
-    query that sees one of its keys lies in [first, end), and the Q tiles [split, split2)
+    query that sees one of its keys lies in [first, end) (exactly the tiles from the first
+    such query's to the last's, without a band), and the Q tiles [split, split2)
     see all of its keys; and the masked step's rule (a query inside the key's hull of
     queries that sees some key at all) is the ids' compare."""
     from ringflash.kernels.masks import segment_ranges, segment_tiles
@@ -507,3 +508,6 @@ def test_segment_tiles_walk_every_visible_query():
             if len(rows):
                 assert first * 64 <= int(rows.min()) and int(rows.max()) < end * 64, (trial, n, first, end)
             assert bool(cols[split * 64:split2 * 64].all()), (trial, n, split, split2)
+            if offset is None and band_lo is None:  # the ids alone: the walk is the visible queries' tiles, no more
+                hull = (int(rows.min()) // 64, int(rows.max()) // 64 + 1) if len(rows) else (first, first)
+                assert (first, end) == hull, (trial, n, first, end, hull)

@@ -236,7 +236,8 @@ def test_segment_tiles_walk_every_visible_key():
     """The forward's tile walk with segment ids (``masks.segment_tiles`` intersected with the
     band as ``_k_tiles`` does), against brute force on random packed documents
     (``segment_draws``): every visible (query, key) pair lies in its Q tile's [start, end),
-    and every pair of tiles [u0, u1) is visible (the kernel skips the mask there)."""
+    and every pair of tiles [u0, u1) is visible (the kernel skips the mask there); without a
+    band, [start, end) is exactly the tiles from the first visible key's to the last's."""
     from ringflash.kernels.masks import segment_ranges, segment_tiles
     for trial, (sq, sk, q_ids, k_ids, offset, band_lo, _, visible) in enumerate(segment_draws(0)):
         tiles = segment_tiles(segment_ranges(q_ids[None].int(), k_ids[None].int()), sk)[0]
@@ -248,3 +249,6 @@ def test_segment_tiles_walk_every_visible_key():
             if len(cols):
                 assert start * 128 <= int(cols.min()) and int(cols.max()) < end * 128, (trial, m, start, end)
             assert bool(rows[:, u0 * 128:u1 * 128].all()), (trial, m, u0, u1)
+            if offset is None and band_lo is None:  # the ids alone: the walk is the visible keys' tiles, no more
+                hull = (int(cols.min()) // 128, int(cols.max()) // 128 + 1) if len(cols) else (start, start)
+                assert (start, end) == hull, (trial, m, start, end, hull)
