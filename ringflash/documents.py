@@ -31,9 +31,10 @@ its own step is then one kernel call over the shard (key row <= query row; the s
 ids tell documents apart); the other steps compute only the pieces of the documents that
 cross ranks (``DocumentLayout.pairs``; where a rank's shard is whole tiles of 128 rows and
 a crossing document's queries see all of its keys on the other rank, as pairs widened to
-whole tiles that the segment ids mask: ``_whole_tile_pairs``), and the ring runs only as far as they reach
-(``layouts.active_steps``; ``DocumentLayout.steps``): 2 steps when every crossing document
-spans two neighbours (the one hop hides behind the own step), W where one is split zigzag.
+whole tiles that the segment ids mask: ``_whole_tile_pairs``), and the ring runs only as
+far as they reach (``layouts.active_steps``; ``DocumentLayout.steps``): 2 steps when every
+crossing document spans two neighbours (the one hop hides behind the own step), W where
+one is split zigzag.
 """
 
 from __future__ import annotations
@@ -339,8 +340,9 @@ def _whole_tile_pairs(both: list, band, n: int) -> Optional[tuple[Pair, ...]]:
 
     ``both``: for each document the two ranks share, (its pieces on the query rank, its
     pieces on the key rank). Where every such document's queries see all of its keys there
-    (causal: its pieces on the key rank come first; or no band), the step needs no band: the segment ids mask the rest. Each document's query rows and key rows,
-    widened to whole tiles, make a pair; pairs whose query rows overlap join (their hull),
+    (causal: its pieces on the key rank come first; or no band), the step needs no band:
+    the segment ids mask the rest. Each document's query rows and key rows, widened to
+    whole tiles, make a pair; pairs whose query rows overlap join (their hull),
     so every query row lies in one pair and each document within one pair, computed once;
     the rows the widening takes in belong to documents the other rank does not hold, which
     the segment ids hide. So the Gluon kernels serve a document layout's remote steps

@@ -134,7 +134,6 @@ def _ranges(rows_seg, cols_seg, segments: bool):
     return segment_ranges(rows_seg, cols_seg)
 
 
-
 @triton.jit
 def _segment_tiles_kernel(RANGES, TILES, n_tiles, stride_rp, stride_rb, stride_tb, ROWS: tl.constexpr,
                           COLS: tl.constexpr):
