@@ -4,7 +4,7 @@ Knows nothing of torch.distributed. By role:
 
     op.py          ``flash_attn``, the differentiable op (custom op -> autograd -> function)
     pair.py        ``flash_attn_fwd`` / ``flash_attn_bwd`` / ``attn_delta``: one (query block,
-                   key block) pair, what the ring calls at every step
+                   key block) pair, what the ring calls at every step; ``add_rounded``
     dispatch.py    which kernels run a call: the one place that chooses
     checks.py      argument checks shared by every entry point
     masks.py       what a pair masks (``PairMask``), block lists, segment ranges
@@ -19,13 +19,14 @@ from .checks import (SUPPORTED_DTYPES, check_block_mask, check_causal, check_det
 from .dropout import dropout_keep_mask
 from .masks import PairMask, band_of_window
 from .op import eager, eager_function, flash_attn, no_double_backward
-from .pair import Arrival, Joined, attn_delta, flash_attn_bwd, flash_attn_fwd
+from .pair import Arrival, Joined, add_rounded, attn_delta, flash_attn_bwd, flash_attn_fwd
 
 __all__ = [
     "SUPPORTED_DTYPES",
     "Arrival",
     "Joined",
     "PairMask",
+    "add_rounded",
     "attn_delta",
     "band_of_window",
     "check_block_mask",

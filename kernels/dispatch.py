@@ -1,6 +1,7 @@
 """The one place that chooses which kernels run a block pair.
 
-Delta: the Triton kernel on CUDA tensors, the PyTorch twin elsewhere (``backend``).
+Delta and ``add_rounded``: the Triton kernels on CUDA tensors, the PyTorch twin elsewhere
+(``backend``).
 
 The forward takes the first route that serves the call (``fwd_route``):
 
@@ -164,7 +165,7 @@ def fwd(q, k, v, out, lse, *, softmax_scale: float, mask: PairMask, accumulate: 
 
 def bwd_route(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask: PairMask,
               accumulate: bool, partials=(None, None, None), tails=(None, None),
-              deterministic: bool = False) -> Route:
+              deterministic: bool = False, accumulate_dkv: Optional[bool] = None) -> Route:
     """The route of one ``flash_attn_bwd`` call (arguments as there; tails: the Joined
     second parts, or None)."""
     arch = capability(q)
@@ -186,17 +187,19 @@ def bwd_route(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, ma
         from .gluon import launch as kernel  # imported on Hopper only; it compiles nothing at import
 
         error = kernel.unsupported(dout, q, k, v, lse, delta, dq if dq.dtype == torch.float32 else None, dk, dv,
-                                   softmax_scale, mask.band_hi, accumulate, mask.band_lo,
+                                   softmax_scale, mask.band_hi,
+                                   accumulate if accumulate_dkv is None else accumulate_dkv, mask.band_lo,
                                    deterministic_mode(deterministic), mask.q_segments, mask.k_segments)
         why = None if error is None else str(error)
     return Route("triton", why) if why else Route(GLUON)
 
 
 def gluon_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, mask: PairMask,
-              accumulate: bool = False, deterministic: bool = False) -> None:
+              accumulate: bool = False, deterministic: bool = False, accumulate_dkv: Optional[bool] = None) -> None:
     """The ``gluon_sm90`` route: dq written through an fp32 sum the kernel adds into (dq
     itself when fp32: zeroed first unless ``accumulate``), dk and dv (bf16 or fp32)
-    written, or with ``accumulate`` all three added to (fp32 sums; ``bwd_route``).
+    written, or with ``accumulate`` all three added to (fp32 sums; ``bwd_route``);
+    ``accumulate_dkv`` (None: as accumulate) False: dk and dv written all the same.
     deterministic (or ``torch.use_deterministic_algorithms(True)``): dQ's adds in a fixed
     order."""
     from .gluon import attn_bwd_sm90
@@ -206,7 +209,8 @@ def gluon_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, ma
     else:
         acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     attn_bwd_sm90(dout, q, k, v, lse, delta, acc, dk, dv, softmax_scale, causal_offset=mask.band_hi,
-                  band_lo=mask.band_lo, accumulate=accumulate, deterministic=deterministic_mode(deterministic),
+                  band_lo=mask.band_lo, accumulate=accumulate if accumulate_dkv is None else accumulate_dkv,
+                  deterministic=deterministic_mode(deterministic),
                   q_segments=mask.q_segments, k_segments=mask.k_segments)
     if acc is not dq:
         dq.copy_(acc)

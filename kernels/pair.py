@@ -204,11 +204,23 @@ def _tails(pair: dict) -> Optional[tuple]:
     return tuple(t.second for t in pair.values())
 
 
+def add_rounded(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """out = a + b, rounded once to out's dtype: fp32 sums finished in one pass (the ring's
+    dK/dV: the own shard's sum and the one that came home). (P, m) views, each row
+    contiguous; the Triton kernel on CUDA, torch elsewhere."""
+    if not (out.shape == a.shape == b.shape and out.dim() == 2):
+        raise ValueError(f"add_rounded: out, a and b must be (P, m) views of one shape, got "
+                         f"{tuple(out.shape)}, {tuple(a.shape)}, {tuple(b.shape)}")
+    if any(t.shape[1] > 1 and t.stride(1) != 1 for t in (out, a, b)):
+        raise ValueError("add_rounded: each row of out, a and b must be contiguous")
+    dispatch.backend(out).add_rounded(out, a, b)
+
+
 def flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float,
                    mask: Optional[PairMask] = None, causal_offset: Optional[int] = None,
                    accumulate: bool = False, dq_partial: Optional[torch.Tensor] = None,
                    dk_partial: Optional[torch.Tensor] = None, dv_partial: Optional[torch.Tensor] = None,
-                   deterministic: bool = False):
+                   deterministic: bool = False, accumulate_dkv: Optional[bool] = None):
     """Gradients of one block pair, written (or, with accumulate, added) into dq, dk, dv.
 
     dout, q, dq (B, Sq, H, D); k, v, dk, dv (B, Sk, Hkv, D); lse, delta (B, H, Sq) fp32:
@@ -223,9 +235,18 @@ def flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: floa
     deterministic: the same bits run to run (kernels/dispatch.py: the Gluon backward's dQ
         adds in arrival order by default; this, or ``torch.use_deterministic_algorithms(True)``,
         makes it add them in a fixed order).
+    accumulate_dkv: None (as ``accumulate``), or False with accumulate: dQ is added into
+        dq while dK and dV are written (every key row of the pair: zeros where no query
+        sees it), so a caller whose dK/dV sums start at this pair need not zero them.
     """
     if (dk is None) != (dv is None):
         raise ValueError("dk and dv are computed together: pass both or neither")
+    if accumulate_dkv is not None and not isinstance(accumulate_dkv, bool):
+        raise TypeError(f"accumulate_dkv must be a bool or None, got {type(accumulate_dkv).__name__}")
+    if accumulate_dkv is not None and accumulate_dkv != accumulate and (not accumulate or dk_partial is not None):
+        raise ValueError("accumulate_dkv=False goes with accumulate=True (dQ added, dK/dV written) and "
+                         "no dk_partial / dv_partial; accumulate_dkv=True needs accumulate=True")
+    add_dkv = accumulate if accumulate_dkv is None else accumulate_dkv
     _check_outputs(lse=lse, delta=delta, dq=dq, dk=dk, dv=dv)
     _check_partials(accumulate, dq=(dq, dq_partial), dk=(dk, dk_partial), dv=(dv, dv_partial))
     mask = _pair_mask(mask, causal_offset)
@@ -240,11 +261,15 @@ def flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: floa
     dout, q, k, v = (_rowmajor(t.first if isinstance(t, Joined) else t) for t in (dout, q, k, v))
     partials, tails = (dq_partial, dk_partial, dv_partial), (q_tails, k_tails)
     route = dispatch.bwd_route(dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale=softmax_scale, mask=mask,
-                               accumulate=accumulate, partials=partials, tails=tails, deterministic=deterministic)
+                               accumulate=accumulate, partials=partials, tails=tails, deterministic=deterministic,
+                               accumulate_dkv=add_dkv)
     if route.name == dispatch.GLUON:
         dispatch.gluon_bwd(dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale=softmax_scale, mask=mask,
-                           accumulate=accumulate, deterministic=deterministic)
+                           accumulate=accumulate, deterministic=deterministic, accumulate_dkv=add_dkv)
     else:
+        if dk is not None and accumulate and not add_dkv:  # the other kernels add all three or none
+            dk.zero_()
+            dv.zero_()
         dispatch.backend(q).bwd(dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale=softmax_scale, mask=mask,
                                 accumulate=accumulate, partials=partials, tails=tails)
     return dq, dk, dv

@@ -120,6 +120,11 @@ def delta(out, do):
     return (out.float() * do.float()).sum(dim=-1).transpose(1, 2).contiguous()
 
 
+def add_rounded(out, a, b) -> None:
+    """out = a + b, rounded once to out's dtype ((P, m) views)."""
+    torch.add(a, b, out=out)
+
+
 @_FP32
 def bwd(do, q, k, v, lse, delta_, dq, dk, dv, *, softmax_scale: float, mask: PairMask,
         accumulate: bool, partials=(None, None, None), tails=(None, None)):

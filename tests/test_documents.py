@@ -203,6 +203,66 @@ def test_remote_steps_run_whole_tiles_and_compute_each_element_once(world):
     assert whole >= 2 * world, "some remote steps run over whole tiles"
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_own_step_pieces_keep_travelling_rows_apart(world):
+    """The fused backward's own step (``rotate._own_pieces``): its pieces of key rows
+    compute every element of the own step once; they are whole tiles, none under an
+    eighth of the shard; the first pieces start before the home cut, the last after it.
+    Pieces of whole tiles that stay home write their dK/dV straight in k's dtype
+    (``_Grads.writes``): no fp32 sums to zero, round and copy."""
+    from ringflash.layouts import pair_area, step_pieces
+    from ringflash.ring import rotate
+    from ringflash.ring.plan import travelling_rows
+    from ringflash.ring.rows import home_cuts, overlap
+    n, straight = 16 * BLOCK, 0
+    seqlen = n * world
+    q = torch.zeros(1, n, 1, 8)
+    grads = rotate._Grads(q, q, q[..., 0].transpose(1, 2), q[..., 0].transpose(1, 2), None, softmax_scale=1.0,
+                          dropout=(0.0, 0, 0), plan=None, blocks=None, first_writes=True, fused=True)
+    for seed in range(6):
+        layout = ringflash.document_layout(_cu(_lognormal_sigma(seqlen - 41, 128, 1.5, seed)), seqlen, world=world)
+        for band in ((None, 0), NO_BAND):
+            steps = active_steps(layout, world, n, band)
+            if steps < 2:
+                continue
+            sent = travelling_rows(layout, world, n, band, True, steps) or ((0, n),) * world
+            for rank in range(world):
+                travelling = range(*sent[rank])
+                first, last = rotate._own_pieces(
+                    lambda s, cuts: step_pieces(layout, rank, (rank - s) % world, world, n, band, True, None, cuts),
+                    n, travelling)
+                parts = first + last
+                assert [r.start for r, _ in parts] == sorted(r.start for r, _ in parts)
+                assert sum(len(r) for r, _ in parts) == n and parts[0][0].start == 0
+                assert all(r.start < home_cuts(n)[0] for r, _ in first) and all(
+                    r.start >= home_cuts(n)[0] for r, _ in last)
+                assert sum(pair_area(p, n) for _, pairs in parts for p in pairs) == sum(
+                    pair_area(p, n) for p in step_pairs(layout, rank, rank, world, n, band))
+                tiles = range(travelling.start // BLOCK * BLOCK, min(n, -(-travelling.stop // BLOCK) * BLOCK))
+                for rows, pairs in parts:
+                    assert all(range(n)[p.k].start >= rows.start and range(n)[p.k].stop <= rows.stop for p in pairs)
+                    assert rows.start % BLOCK == 0 and (len(rows) >= n // 8 or len(parts) == 1), rows
+                    straight += not overlap(rows, tiles) and grads.writes(pairs, rows)
+    assert straight >= 2 * world, "some own pieces write final gradients"
+
+
+@pytest.mark.parametrize("travelling,first,last", [
+    ((0, 19584), [(0, 19584)], [(19584, 32768)]),  # the home cut goes: the halves need not be equal
+    ((27520, 28416), [(0, 16384)], [(16384, 27520), (27520, 32768)]),  # 896 rows join the next piece
+    ((11264, 30080), [(0, 11264), (11264, 16384)], [(16384, 32768)]),
+    ((0, 1), [(0, 16384)], [(16384, 32768)]),  # a row (nothing really travels)
+    ((0, 32768), [(0, 16384)], [(16384, 32768)]),  # whole shards: the halves
+    ((4096, 8192), [(0, 4096), (4096, 8192), (8192, 16384)], [(16384, 32768)]),
+])
+def test_own_pieces_cut_at_travelling_rows(travelling, first, last):
+    """Where ``rotate._own_pieces`` cuts a shard of 32768 rows (the travelling rows of the
+    four ranks of bench_ring's 128k documents among them): at the ends of the travelling
+    rows and the home cut, none of the pieces under 4096 rows."""
+    from ringflash.ring import rotate
+    got = rotate._own_pieces(lambda s, cuts: [()] * (len(cuts) + 1), 32768, range(*travelling))
+    assert [[(r.start, r.stop) for r, _ in part] for part in got] == [first, last]
+
+
 def test_equal_documents_give_equal_layouts_and_names():
     cu = _lognormal(8192, 500, 0)
     a, b = (ringflash.document_layout(cu, 8192, world=4) for _ in range(2))

@@ -437,6 +437,67 @@ def test_partials_need_accumulate_and_the_layout():
                        dk_partial=dk[:, :10])
 
 
+@pytest.mark.parametrize("device", ["cpu", TRITON_DEVICE], ids=["twin", "triton"])
+def test_bwd_adds_dq_and_writes_dkv(device):
+    """accumulate=True, accumulate_dkv=False: dQ added into the running dq, dK and dV
+    written over whatever dk and dv held (NaN here), every key row of the pair, zeros for
+    keys no query sees: equal to adding into zeroed sums."""
+    case = Case(1, 45, 70, 4, 2, 32, 10)
+    q, k, v, dout = make_inputs(case, F32, device)
+    kw = dict(softmax_scale=case.softmax_scale, mask=PairMask.causal(-20))  # keys 26.. unseen
+    out, lse = flash_attn_fwd(q, k, v, **kw)
+    delta = attn_delta(out, dout)
+    running = torch.randn(q.shape, generator=torch.Generator().manual_seed(4)).to(device)
+    dq, dk, dv = running.clone(), torch.full_like(k, NAN), torch.full_like(v, NAN)
+    flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, accumulate=True, accumulate_dkv=False, **kw)
+    want = [running.clone(), torch.zeros_like(k), torch.zeros_like(v)]
+    flash_attn_bwd(dout, q, k, v, lse, delta, *want, accumulate=True, **kw)
+    for got, expected in zip((dq, dk, dv), want):
+        assert not got.isnan().any() and torch.equal(got, expected)
+    assert (dk[:, 26:] == 0).all() and (dk[:, :26] != 0).any()
+
+
+def test_accumulate_dkv_is_checked():
+    case = Case(1, 30, 30, 2, 2, 16, 0)
+    q, k, v, dout = make_inputs(case, F32, "cpu")
+    out, lse = flash_attn_fwd(q, k, v, softmax_scale=1.0)
+    delta = attn_delta(out, dout)
+    dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
+    with pytest.raises(ValueError, match="accumulate_dkv=True needs accumulate=True"):
+        flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale=1.0, accumulate_dkv=True)
+    with pytest.raises(ValueError, match="no dk_partial"):
+        flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale=1.0, accumulate=True,
+                       accumulate_dkv=False, dk_partial=dk.clone(), dv_partial=dv.clone())
+    with pytest.raises(TypeError, match="accumulate_dkv must be a bool"):
+        flash_attn_bwd(dout, q, k, v, lse, delta, dq, dk, dv, softmax_scale=1.0, accumulate=True,
+                       accumulate_dkv=0)
+
+
+@pytest.mark.parametrize("rows,cols", [(2, 5000), (4, 16384 + 3), (1, 1)])
+def test_add_rounded_matches_torch(rows, cols):
+    """kernels.add_rounded (the ring's last dK/dV sums) on (P, m) views whose rows lie apart
+    in memory: the twin is torch's add into bf16, and the Triton kernel equals it (Triton's
+    interpreter rounds toward zero: there, within one bf16 step)."""
+    from ringflash.kernels import add_rounded
+    gen = torch.Generator().manual_seed(rows + cols)
+    a, b = (torch.randn(rows, cols + 7, generator=gen)[:, 3:cols + 3] for _ in range(2))
+    want = torch.empty(rows, cols, dtype=BF16)
+    torch.add(a, b, out=want)
+    for run, device in ((add_rounded, "cpu"), (triton_kernels.add_rounded, TRITON_DEVICE)):
+        out = torch.full((rows, 2 * cols), NAN, dtype=BF16, device=device)[:, cols // 2:cols // 2 + cols]
+        run(out, a.to(device), b.to(device))
+        got = out.cpu()
+        if run is add_rounded or HAS_CUDA:
+            assert torch.equal(got, want)
+        else:
+            assert bool(((got.float() - want.float()).abs() <= want.float().abs() * 2 ** -7).all())
+    with pytest.raises(ValueError, match="one shape"):
+        add_rounded(want, a, b[:, 1:])
+    wide = torch.zeros(3, 4)
+    with pytest.raises(ValueError, match="contiguous"):
+        add_rounded(wide.t(), wide.t(), wide.t())
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["fp32", "bf16"])
 def test_delta_kernel_matches_twin(dtype):
     """The backward's delta = rowsum(dout * out) in one Triton pass equals the twin's fp32

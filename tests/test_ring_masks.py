@@ -163,7 +163,7 @@ def with_fused_backward(rank, world, check, *args, **kwargs) -> list[str]:
     calls = []
     serves, fused_pass = dispatch.gluon_serves, rotate._Grads.fused_pass
     dispatch.gluon_serves = lambda *args: True
-    rotate._Grads.fused_pass = lambda self, *args: (calls.append(1), fused_pass(self, *args))
+    rotate._Grads.fused_pass = lambda self, *args, **kwargs: (calls.append(1), fused_pass(self, *args, **kwargs))
     try:
         failures = check(rank, world, *args, **kwargs)
     finally:

@@ -51,10 +51,13 @@ one call adding dQ into the fp32 dQ and dK/dV into fp32 sums (a pair whose rows 
 whole tiles of 128, as the chunks of a short zigzag shard or the pieces of a document
 that a band still cuts, runs as its whole tiles and the rest: ``plan.tile_pieces``; on
 Hopper the forward cuts such pairs too). The own step then runs in
-two halves of key rows, the first under the first K/V trip, the second under the trip
-home; a visiting step adds into a zeroed buffer of its own while the running sum arrives,
-then that buffer into the sum (one add over the rows it touched), so no kernel waits for
-a trip; dQ is cast to q's dtype once at the end. A ring of two takes this rotation too.
+pieces of key rows, those of the first half under the first K/V trip, the others under
+the trip home, cut also where the rows that travel start and end (``rotate._own_pieces``):
+a piece whose rows never travel writes its dK/dV straight into the gradients in k's
+dtype, the others their fp32 sums, which meet the sum coming home in one pass
+(``kernels.add_rounded``); a visiting step adds into a zeroed buffer of its own while
+the running sum arrives, then that buffer into the sum (one add over the rows it
+touched), so no kernel waits for a trip; dQ is cast to q's dtype once at the end. A ring of two takes this rotation too.
 By default the Gluon kernel's dQ adds land in arrival order; ``deterministic=True`` (or
 torch's deterministic mode) makes it add them in a fixed order of key tiles, on the same
 fused schedule.

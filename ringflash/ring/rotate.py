@@ -12,10 +12,11 @@ import torch
 from .. import kernels
 from ..exchange import Ring
 from ..kernels import attn_delta, dispatch
+from ..kernels.masks import BLOCK
 from ..layouts import Band, remote_share
 from .gathered import gathered_backward, gathered_forward
 from .plan import pair_mask, schedule_of, tile_pieces
-from .rows import Aside, add_rows, copy_rows, home_cuts, key_rows, uncovered
+from .rows import Aside, add_rows, copy_rows, home_cuts, key_rows, overlap, sum_rows, uncovered
 
 
 class _Slots:
@@ -162,9 +163,10 @@ class _Grads:
         self.dq_out = self.dq if q.dtype == torch.float32 else torch.empty(q.shape, device=q.device,
                                                                             dtype=q.dtype)
 
-    def pair(self, pair, kv, seg, write: bool, dq=None, dkv=None, partial=None) -> None:
+    def pair(self, pair, kv, seg, write: bool, dq=None, dkv=None, partial=None, write_dkv: bool = False) -> None:
         """One block pair's dQ pass (into dq) or dK/dV pass (into packed dkv), adding to
-        ``partial`` (fp32 sums laid out like the destination) instead of the destination."""
+        ``partial`` (fp32 sums laid out like the destination) instead of the destination;
+        ``write_dkv``: dQ added, dK/dV written (``kernels.flash_attn_bwd``'s accumulate_dkv)."""
         dk, dv = (None, None) if dkv is None else (dkv[0][:, pair.k], dkv[1][:, pair.k])
         if partial is None:
             partials = {}
@@ -176,16 +178,41 @@ class _Grads:
                                self.lse[:, :, pair.q], self.delta[:, :, pair.q],
                                None if dq is None else dq[:, pair.q], dk, dv, softmax_scale=self.softmax_scale,
                                mask=pair_mask(pair, self.segments, seg, self.dropout, self.plan, self.blocks),
-                               accumulate=not write, deterministic=self.deterministic, **partials)
+                               accumulate=not write, deterministic=self.deterministic,
+                               accumulate_dkv=False if write_dkv else None, **partials)
 
-    def fused_pass(self, pairs, kv, seg, dest) -> None:
-        """A step's pairs, one call each: dQ added into the fp32 dq, dK/dV into the fp32
-        packed sums ``dest`` (2, B, rows, Hkv, D), zeroed by the caller where they start. A
-        pair whose rows are not whole tiles runs as its whole tiles (the Gluon kernel) and
-        the rest (``tile_pieces``), without a block mask, whose blocks are the pair's."""
+    def fused_pass(self, pairs, kv, seg, dest, keys: Optional[range] = None) -> None:
+        """A step's pairs, one call each: dQ added into the fp32 dq, dK/dV into the packed
+        sums ``dest`` (2, B, rows, Hkv, D). ``keys`` None: added to dest (fp32 sums). A
+        range: dest's key rows ``keys`` (the pairs' keys lie inside) start here: where the
+        pairs keep to disjoint key rows and each runs as one call, each writes its key rows
+        (dest may then be in k's dtype: final gradients) and only the rows no pair covers
+        are zeroed; else all of them are zeroed and added into. A pair whose rows are not
+        whole tiles runs as its whole tiles (the Gluon kernel) and the rest
+        (``tile_pieces``), without a block mask, whose blocks are the pair's."""
+        gaps = None if keys is None else self._unwritten(pairs, keys, dest.shape[2])
+        if keys is not None:
+            for rows in [slice(keys.start, keys.stop)] if gaps is None else gaps:
+                copy_rows(dest, None, rows, 2)
         for pair in pairs:
-            for piece in (pair,) if self.plan is not None else tile_pieces(pair, self.n):
-                self.pair(piece, kv, seg, False, dq=self.dq, dkv=dest)
+            for piece in self._runs(pair):
+                self.pair(piece, kv, seg, False, dq=self.dq, dkv=dest, write_dkv=gaps is not None)
+
+    def _runs(self, pair) -> tuple:
+        return (pair,) if self.plan is not None else tile_pieces(pair, self.n)
+
+    def _unwritten(self, pairs, keys: range, rows: int) -> Optional[list[slice]]:
+        """Where ``fused_pass`` writes the dK/dV of ``pairs`` over the key rows ``keys`` (of
+        ``rows``): the rows of keys no pair covers; None where it adds them into zeroed sums
+        instead (pairs over the same key rows, or cut into tiles and the rest)."""
+        if any(len(self._runs(pair)) > 1 for pair in pairs):
+            return None
+        return uncovered([pair.k for pair in pairs], rows, keys)
+
+    def writes(self, pairs, keys: range) -> bool:
+        """Whether ``fused_pass`` writes the dK/dV of ``pairs`` over the own shard's key rows
+        ``keys`` (so that they may go straight into the gradients, in k's dtype)."""
+        return self._unwritten(pairs, keys, self.n) is not None
 
     def result(self) -> torch.Tensor:
         """dq in q's dtype, once every pass has run (a fused backward casts its sums here)."""
@@ -239,24 +266,29 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
     if kept is not None and steps == 2:
         return gathered_backward(dout, q, k, v, lse, delta, segments, kept, softmax_scale=softmax_scale,
                                  band=band, dropout=dropout, ring=ring, plan=plan, blocks=blocks)
-    # With the fused kernel the own step runs in two pieces of key rows: the first hides
-    # the first K/V trip, the second the trip home of the last sums (``_rotate``).
-    own_pieces = pieces(0, home_cuts(n)) if steps > 1 else (schedule[0],)
-    fused = _fuses(q, k, (*own_pieces, *schedule[1:]), segments, dropout, plan, blocks, deterministic)
+    slots = _Slots(k, segments, ring, steps, sent)
+    # With the fused kernel the own step runs in pieces of key rows: the first half's hide
+    # the first K/V trip, the second half's the trip home of the last sums (``_rotate``).
+    own_first, own_last = _own_pieces(pieces, n, range(n)[slots.rows(ring.rank)]) if steps > 1 else (
+        [(range(n), schedule[0])], [])
+    fused = _fuses(q, k, (*(pairs for _, pairs in own_first + own_last), *schedule[1:]), segments, dropout, plan,
+                   blocks, deterministic)
     grads = _Grads(dout, q, lse, delta, segments, softmax_scale=softmax_scale, dropout=dropout, plan=plan,
                    blocks=blocks, first_writes=first_writes, deterministic=deterministic, fused=fused)
     own = ((k, v), segments)
-    slots = _Slots(k, segments, ring, steps, sent)
     if steps == 1:
         dkv = _one_step(grads, k, own, schedule[0], first_writes)
         return grads.result(), dkv
-    # The own shard's dQ first (fused: its first piece): it needs nothing in flight, so it
+    # The own shard's dQ first (fused: its first pieces): it needs nothing in flight, so it
     # hides the first K/V trip.
     kv_pending = slots.send_own(k, v, segments)
-    sums = None
-    if grads.fused:  # the own shard's fp32 dK/dV sum starts here (``_rotate``'s ``sums``)
+    sums = own_sums = None
+    if grads.fused:  # the own shard's dK/dV start here (``_rotate``'s ``sums``, ``own_sums``)
         sums = ring.buffer("grads", (3, 2 * k.numel()), torch.float32, k.device)
-        grads.fused_pass(own_pieces[0], *own, sums[2].view(2, *k.shape).zero_())
+        own_sums = _OwnSums(sums[2].view(2, *k.shape), torch.empty((2, *k.shape), device=k.device, dtype=k.dtype),
+                            slots.rows(ring.rank))
+        for rows, pairs in own_first:
+            grads.fused_pass(pairs, *own, own_sums.into(rows, grads.writes(pairs, rows)), keys=rows)
     else:
         grads.dq_pass(schedule[0], *own, first_writes, False)
     ring.wait(kv_pending)
@@ -269,8 +301,70 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
             remote_share(layout, ring.world, n, band) if plan is None
             else plan.remote_share(band, blocks)) >= 0.5:
         return grads.result(), _home_first(grads, ring, k, own, slots.at(1), schedule, pieces)
-    dkv = _rotate(grads, ring, k, own, slots, schedule, steps, sums, own_pieces[1:])
+    dkv = _rotate(grads, ring, k, own, slots, schedule, steps, sums, own_sums, own_last)
     return grads.result(), dkv
+
+
+class _OwnSums:
+    """Where the fused backward puts the own shard's dK/dV: the key rows that travel
+    (``travelling``, a slice) into fp32 sums (``mine``), which the sum coming home joins
+    at the end; the others straight into the gradients (``dkv``, k's dtype), final at once
+    (no fp32 sums to zero, round and copy). A piece of key rows is one or the other
+    (``_own_pieces`` cuts them so), or, cut elsewhere, goes to ``mine`` and ``finish``
+    rounds its rows that do not travel."""
+
+    def __init__(self, mine: torch.Tensor, dkv: torch.Tensor, travelling: slice):
+        self.mine, self.dkv = mine, dkv
+        self.travelling = range(mine.shape[2])[travelling]
+        self.rounded: list[range] = []  # rows in mine that do not travel
+
+    def into(self, rows: range, writes: bool = False) -> torch.Tensor:
+        """Where the own dK/dV of key rows ``rows`` go; ``writes``: the pass writes them
+        (``_Grads.writes``), else it adds them into fp32 sums."""
+        if writes and not overlap(rows, self.travelling):
+            return self.dkv
+        self.rounded += [part for part in (range(rows.start, min(rows.stop, self.travelling.start)),
+                                           range(max(rows.start, self.travelling.stop), rows.stop)) if part]
+        return self.mine
+
+    def finish(self, home: torch.Tensor) -> torch.Tensor:
+        """The gradients: the travelling rows' sum with ``home`` (their sum from the other
+        ranks, (2, B, rows, Hkv, D) fp32), each rounded once."""
+        for rows in self.rounded:
+            copy_rows(self.dkv, self.mine, slice(rows.start, rows.stop), 2)
+        sum_rows(self.dkv, self.mine, home, slice(self.travelling.start, self.travelling.stop))
+        return self.dkv
+
+
+def _own_pieces(pieces, n: int, travelling: range) -> tuple[list, list]:
+    """The own step's pairs in pieces of key rows, (rows, pairs) each, for the fused
+    backward: those starting in the first half (``home_cuts``), run while the first K/V
+    trip runs, and the others, while the last sums go home. Cut also where the rows that
+    travel start and end (widened to whole tiles of BLOCK rows, which the Gluon kernel
+    takes uncut), so that pieces hold either travelling rows or final ones (``_OwnSums``),
+    but into no piece under an eighth of the rows: a kernel over fewer key tiles leaves SMs
+    idle, the more so with fewer kv heads (packed documents, 128k tokens, 32 / 8 heads, 4
+    H200s: cut at every end, 0.84 of one GPU; with this rule, 0.88; docs/performance.md).
+    The smallest piece joins a neighbour, across the half's cut where that is one of its
+    ends (the halves need not be equal), else the smaller neighbour; its rows that stay
+    go to the fp32 sums and are rounded at the end."""
+    half = home_cuts(n)
+    ends = {travelling.start // BLOCK * BLOCK, min(n, -(-travelling.stop // BLOCK) * BLOCK)}
+    cuts = sorted({*half, *ends} - {0, n})
+    least = max(BLOCK, n // 8)
+    while cuts:
+        bounds = (0, *cuts, n)
+        sizes = [hi - lo for lo, hi in zip(bounds, bounds[1:])]
+        small = min(range(len(sizes)), key=sizes.__getitem__)
+        if sizes[small] >= least:
+            break
+        sides = [i for i in (small - 1, small) if 0 <= i < len(cuts)]  # the cuts at its ends
+        joined = [i for i in sides if cuts[i] in half] or [min(sides, key=lambda i: sizes[i] + sizes[i + 1])]
+        del cuts[joined[0]]
+    bounds = (0, *cuts, n)
+    parts = list(zip((range(lo, hi) for lo, hi in zip(bounds, bounds[1:])), pieces(0, tuple(cuts))))
+    return ([part for part in parts if not half or part[0].start < half[0]],
+            [part for part in parts if half and part[0].start >= half[0]])
 
 
 def _fuses(q, k, steps, segments, dropout, plan, blocks, deterministic: bool) -> bool:
@@ -293,12 +387,14 @@ def _fuses(q, k, steps, segments, dropout, plan, blocks, deterministic: bool) ->
 def _one_step(grads: _Grads, k, own, pairs, first_writes: bool) -> torch.Tensor:
     """dK/dV of a ring whose shards never travel (one rank, or masks that keep to the own
     shard), after its dQ: pairs adding into one key row add in fp32, then round once (the
-    fused kernel adds into fp32 sums)."""
+    fused kernel writes k's dtype where its pairs keep to disjoint key rows, and adds into
+    fp32 sums elsewhere)."""
     overlapping = uncovered([pair.k for pair in pairs], grads.n) is None
-    fp32 = overlapping or grads.fused
+    rows = range(grads.n)
+    fp32 = overlapping or (grads.fused and not grads.writes(pairs, rows))
     sums = torch.empty((2, *k.shape), device=k.device, dtype=torch.float32 if fp32 else k.dtype)
     if grads.fused:
-        grads.fused_pass(pairs, *own, sums.zero_())
+        grads.fused_pass(pairs, *own, sums, keys=rows)
     else:
         grads.dq_pass(pairs, *own, first_writes, True)
         grads.dkv_pass(pairs, *own, sums)
@@ -331,7 +427,7 @@ def _home_first(grads: _Grads, ring: Ring, k, own, cur, schedule, pieces) -> tor
 
 
 def _rotate(grads: _Grads, ring: Ring, k, own, slots: _Slots, schedule, steps: int,
-            sums: Optional[torch.Tensor] = None, own_last=()) -> torch.Tensor:
+            sums: Optional[torch.Tensor] = None, own_sums: Optional[_OwnSums] = None, own_last=()) -> torch.Tensor:
     """dK/dV of the rotation: each visiting shard's running fp32 sum travels one step behind
     its K/V, and arrives home while the own shard's dK/dV pass runs.
 
@@ -339,8 +435,8 @@ def _rotate(grads: _Grads, ring: Ring, k, own, slots: _Slots, schedule, steps: i
     zeroed buffer of its own (``fresh``) while the running sum arrives, then that buffer
     into the sum (one add over the key rows the step touches): no kernel waits for a
     trip; the own shard's sum (``sums[2]``, given, holding the own step's first piece) then
-    takes the own step's other pieces, ``own_last``, last, hiding the trip home."""
-    dkv = torch.empty((2, *k.shape), device=k.device, dtype=k.dtype)
+    takes the own step's other pieces, ``own_last`` ((rows, pairs) each), last, hiding the
+    trip home; ``own_sums`` says where each piece's dK/dV go."""
     # Packed (dk, dv) sums in fp32: `running` belongs to the shard this step computes and
     # arrives from r-1 during the step (the shard of step 1 starts its sum here); `sending`
     # belongs to the shard of the step before and leaves for r+1; `mine` is the own
@@ -361,7 +457,7 @@ def _rotate(grads: _Grads, ring: Ring, k, own, slots: _Slots, schedule, steps: i
         kv_pending = pass_on(ring, (kv, seg), slots.at(step + 1)) if step + 1 < steps else []
         if grads.fused:
             if step == 1:  # the sum starts here
-                grads.fused_pass(pairs, kv, seg, running.zero_())
+                grads.fused_pass(pairs, kv, seg, running, keys=range(running.shape[2]))
             elif not pairs:  # nothing to add on this rank: the sum passes through
                 ring.wait(grads_pending)
             else:
@@ -390,16 +486,15 @@ def _rotate(grads: _Grads, ring: Ring, k, own, slots: _Slots, schedule, steps: i
     home = slots.packed(sums[steps % 2], ring.rank)
     home_pending = ring.exchange((sending, home), shift=1 - steps)
     if grads.fused:
-        for pairs in own_last:
-            grads.fused_pass(pairs, *own, mine)
+        for rows, pairs in own_last:
+            grads.fused_pass(pairs, *own, own_sums.into(rows, grads.writes(pairs, rows)), keys=rows)
     else:
+        own_sums = _OwnSums(mine, torch.empty((2, *k.shape), device=k.device, dtype=k.dtype),
+                            slots.rows(ring.rank))
+        own_sums.into(range(k.shape[1]))
         grads.dkv_pass(schedule[0], *own, mine)
     ring.wait(home_pending)
-    rows = slots.rows(ring.rank)
-    if rows != slice(None):  # the rows that stayed are the own pass's alone
-        dkv.copy_(mine)
-    torch.add(mine[:, :, rows], home, out=dkv[:, :, rows])  # the fp32 sum rounded once
-    return dkv
+    return own_sums.finish(home)  # the rows that stayed are the own pass's alone
 
 
 def _key_span(pairs, rows: int) -> slice:

@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from ..kernels import add_rounded
 from ..kernels.masks import BLOCK
 
 
@@ -44,6 +45,17 @@ def add_rows(dst: torch.Tensor, src: torch.Tensor, rows: slice, dim: int) -> Non
     """dst[rows] += src[rows] along ``dim``, in contiguous pieces (as ``copy_rows``)."""
     for piece, source in zip(dst.flatten(0, dim - 1)[:, rows], src.flatten(0, dim - 1)[:, rows]):
         piece.add_(source)
+
+
+def sum_rows(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: slice) -> None:
+    """dst[:, :, rows] = a[:, :, rows] + b, rounded once to dst's dtype: packed (2, B, n,
+    Hkv, D) dst and a, b holding only those rows (2, B, rows, Hkv, D), contiguous; one
+    pass over the 2 B pieces (``kernels.add_rounded``)."""
+    def pieces(t: torch.Tensor, part: slice) -> torch.Tensor:
+        return t.flatten(0, 1)[:, part].flatten(2)  # (2 B, rows, Hkv D): rows x Hkv D contiguous
+
+    out, first = pieces(dst, rows), pieces(a, rows)
+    add_rounded(out.flatten(1), first.flatten(1), b.flatten(0, 1).flatten(1))
 
 
 def home_cuts(n: int) -> tuple[int, ...]:
