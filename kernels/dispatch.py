@@ -31,10 +31,11 @@ The backward takes the first route that serves the call (``bwd_route``):
 - ``reference``: tensors off CUDA.
 - ``gluon_sm90`` (kernels/gluon/bwd.py): a Hopper GPU (sm_90), bf16, head_dim 64 or 128,
   Sq and Sk multiples of 128, no mask, a band on local indices (causal, a window, or
-  both: ``band_lo <= j - i <= band_hi``), segment ids or a band with them (not with
-  ``deterministic``: the Triton backward serves that, and repeats its bits), MHA, GQA or
-  MQA; dq, dk and dv in one call (``flash_attn``'s backward, and the ring's block pairs
-  where its fused schedule runs: ringflash/ring/rotate.py), written or, with
+  both: ``band_lo <= j - i <= band_hi``), segment ids or a band with them, a block mask
+  or a band with one (neither segment ids nor a block mask with ``deterministic``: the
+  Triton backward serves those, and repeats its bits), MHA, GQA or MQA; dq, dk and dv
+  in one call (``flash_attn``'s backward, and the ring's block pairs where its fused
+  schedule runs: ringflash/ring/rotate.py), written or, with
   ``accumulate``, added to fp32 sums (dq and dk/dv alike: fp32 running sums, not
   ``*_partial`` ones).
   Why: on one H100 (2026-11-27, 8k-64k tokens, 32 heads, causal and not) forward +
@@ -45,7 +46,10 @@ The backward takes the first route that serves the call (``bwd_route``):
   4k keys at 16k-32k 1.16-1.38x the Triton pair's speed, head_dim 64 at 8k-16k 1.13-1.36x
   (and 0.97-1.06x cuDNN's). Causal packed documents at 16k-64k, 32 or 8 kv heads, one
   H200 (2026-11-27, ``--documents``): 519-556 TFLOP/s against the Triton pair's 333-405,
-  1.34-1.62x.
+  1.34-1.62x. Block masks, non-causal, 32k tokens, 32 heads, one H100 (2026-11-27,
+  benchmarks/bench_blocksparse.py beside the tree before this route, same machine):
+  forward+backward 1.10-1.34x faster at densities 1 to 0.05 (benchmarks/results/
+  blocksparse_h100.json).
 - ``triton``: every other CUDA call: every mask, dtype, head_dim and GPU.
 
 By default the Gluon kernel adds each CTA's dQ tile into the running dQ in arrival order
@@ -95,13 +99,17 @@ class Route(NamedTuple):
 
 
 MASK_WHY = "mask: only no mask, a band on local indices and segment ids"
+BWD_MASK_WHY = "mask: only no mask, a band on local indices, segment ids and a block mask (not with segment ids)"
 
 
-def gluon_mask(mask: PairMask) -> bool:
+def gluon_mask(mask: PairMask, backward: bool = False) -> bool:
     """Whether the Gluon kernels serve ``mask``: no mask, a band on local indices (causal, a
-    window, both), segment ids, or a band with segment ids (no dropout, block mask or band
-    on global positions)."""
-    return mask.dropout_p == 0 and mask.blocks is None and not mask.band_on_positions
+    window, both), segment ids, or a band with segment ids (no dropout or band on global
+    positions); a block mask (with or without a band, not with segment ids) in the
+    ``backward`` only."""
+    if mask.dropout_p != 0 or mask.band_on_positions:
+        return False
+    return mask.blocks is None or (backward and mask.q_segments is None)
 
 
 def deterministic_mode(deterministic: bool) -> bool:
@@ -116,8 +124,9 @@ def gluon_serves(q: torch.Tensor, k: torch.Tensor, rows_q: int, rows_k: int, mas
     torch's mode), judged only from what every rank of a ring agrees on (not strides or
     addresses, which ``bwd_route`` checks per call): the ring chooses its schedule from
     this (ringflash/ring/rotate.py), and every rank must choose alike."""
-    return (capability(q) == (9, 0) and gluon_mask(mask) and q.dtype == torch.bfloat16 and q.shape[-1] in (64, 128)
-            and not (mask.q_segments is not None and deterministic_mode(deterministic))
+    return (capability(q) == (9, 0) and gluon_mask(mask, backward=True) and q.dtype == torch.bfloat16
+            and q.shape[-1] in (64, 128)
+            and not ((mask.q_segments is not None or mask.blocks is not None) and deterministic_mode(deterministic))
             and k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0
             and rows_q > 0 and rows_k > 0 and rows_q % 128 == 0 and rows_k % 128 == 0)
 
@@ -171,8 +180,8 @@ def bwd_route(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, ma
     arch = capability(q)
     if arch is None:
         return Route("reference")
-    if not gluon_mask(mask):
-        why = MASK_WHY
+    if not gluon_mask(mask, backward=True):
+        why = BWD_MASK_WHY
     elif dq is None or dk is None:
         why = "dq or dk/dv skipped: the Gluon kernel computes them together"
     elif any(p is not None for p in partials) or any(t is not None for t in tails):
@@ -189,7 +198,8 @@ def bwd_route(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, ma
         error = kernel.unsupported(dout, q, k, v, lse, delta, dq if dq.dtype == torch.float32 else None, dk, dv,
                                    softmax_scale, mask.band_hi,
                                    accumulate if accumulate_dkv is None else accumulate_dkv, mask.band_lo,
-                                   deterministic_mode(deterministic), mask.q_segments, mask.k_segments)
+                                   deterministic_mode(deterministic), mask.q_segments, mask.k_segments,
+                                   mask.blocks)
         why = None if error is None else str(error)
     return Route("triton", why) if why else Route(GLUON)
 
@@ -211,6 +221,6 @@ def gluon_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, ma
     attn_bwd_sm90(dout, q, k, v, lse, delta, acc, dk, dv, softmax_scale, causal_offset=mask.band_hi,
                   band_lo=mask.band_lo, accumulate=accumulate if accumulate_dkv is None else accumulate_dkv,
                   deterministic=deterministic_mode(deterministic),
-                  q_segments=mask.q_segments, k_segments=mask.k_segments)
+                  q_segments=mask.q_segments, k_segments=mask.k_segments, blocks=mask.blocks)
     if acc is not dq:
         dq.copy_(acc)

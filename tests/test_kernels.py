@@ -791,8 +791,19 @@ def test_backward_route_rules(monkeypatch):
         finally:
             torch.use_deterministic_algorithms(False)
     assert "q_segments must have shape (1, 256)" in call(mask=PairMask(q_segments=seg[:, :64], k_segments=seg)).why
-    for mask in (PairMask(dropout_p=0.1), PairMask(blocks=object()), PairMask(band_hi=0, band_on_positions=True)):
-        assert call(mask=mask).why == dispatch.MASK_WHY, mask
+    # a block mask (block-sparse): one for every head or one a query head, with or without a band
+    from ringflash.kernels.masks import Blocks
+    for blocks in (torch.ones(1, 2, 2, dtype=torch.bool), torch.rand(4, 2, 2) < 0.5):
+        for mask in (PairMask(blocks=Blocks(blocks)), PairMask(band_lo=-64, band_hi=0, blocks=Blocks(blocks))):
+            assert call(mask=mask).why == call().why, mask
+            assert "blocks with deterministic is not served" in call(mask=mask, deterministic=True).why
+    wrong = PairMask(blocks=Blocks(torch.ones(2, 2, 2).bool()))
+    assert "blocks.mask must be (1 or heads, 2, 2)" in call(mask=wrong).why
+    assert "blocks.mask must be bool" in call(mask=PairMask(blocks=Blocks(torch.ones(1, 2, 2)))).why
+    assert "blocks must be a kernels.masks.Blocks" in call(mask=PairMask(blocks=object())).why
+    for mask in (PairMask(dropout_p=0.1), PairMask(band_hi=0, band_on_positions=True),
+                 PairMask(q_segments=seg, k_segments=seg, blocks=Blocks(torch.ones(1, 2, 2, dtype=torch.bool)))):
+        assert call(mask=mask).why == dispatch.BWD_MASK_WHY, mask
     assert "together" in call(dq=None).why
     # the ring's steps: dq, dk and dv added into fp32 sums, not *_partial ones
     assert call(accumulate=True, dkv=torch.float32).why == call().why

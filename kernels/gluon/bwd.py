@@ -89,30 +89,18 @@ test, tests/test_gluon_compile.py).
 
 from __future__ import annotations
 
-from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .ordered import _landed_then_pass, _wait_for
-from .tiles import _narrow
+from .ptx import _keep_visible, _signal, _tma_reduce_add
+from .tiles import BLOCK_M, BLOCK_N, HALVES, _list_row, _listed_steps, _listed_tile, _q_tiles
 
 # Tile constants, read by the kernels (hence constexpr; the host reads their .value).
 HEAD_DIMS = (64, 128)  # head dims served: the kernel reads its own from its descriptors' boxes
-BLOCK_N = gl.constexpr(128)  # K/V rows a CTA owns (two consumer groups of 64)
-BLOCK_M = gl.constexpr(64)  # Q rows a step
 DQ_COLS = gl.constexpr(32)  # columns of one dQ TMA box: 32 fp32 = 128 bytes, the widest a 128-byte swizzle takes
 STAGES = gl.constexpr(2)  # Q/dO/lse/delta stages, and dSᵀ buffers
-
-
-@builtin
-def _tma_reduce_add(desc, coord, src, _semantic=None):
-    """src (shared) added element-wise into the box of ``desc`` at ``coord`` by TMA (fp32
-    add in L2). Completes like a TMA store: ``tma.store_wait`` waits for src to be read."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
 
 
 # ----------------------------------------------------------------------------- partitions
@@ -131,44 +119,12 @@ def _tma_reduce_add(desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _q_tiles(n0, offset, band_lo, seqlen_q, segs, off_b, CAUSAL: gl.constexpr, LOWER: gl.constexpr,
-             SEGMENTS: gl.constexpr):
-    """(first, split, split2, end): the Q tiles (of BLOCK_M rows) [first, end) hold a query
-    that sees a key of the K tile [n0, n0 + BLOCK_N); those in [split, split2) see every
-    key of it; the others cross an edge of the band (some pair hidden: the masked step).
-    Upper edge (CAUSAL), j <= i + offset: queries from n0 - offset on see key n0, and
-    every query from n0 + BLOCK_N - 1 - offset on sees the whole tile. Lower edge (LOWER,
-    a window), j >= i + band_lo: queries up to n0 + BLOCK_N - 1 - band_lo see the tile's
-    last key, and every query up to n0 - band_lo sees all of it. Without a band,
-    (0, 0, end, end). SEGMENTS: narrowed by the K tile's own four of batch off_b
-    (``masks.segment_tiles`` over Q tiles: those some key's document reaches, those inside
-    every key's; ``tiles._narrow``). Every partition calls this with the same scalars:
-    they walk the same steps."""
-    end = seqlen_q // BLOCK_M
-    first = 0
-    split = 0
-    if CAUSAL:  # dividends clamped >= 0: integer division truncates
-        first = gl.minimum(gl.maximum(n0 - offset, 0) // BLOCK_M, end)
-        full = gl.maximum(n0 + BLOCK_N - 1 - offset, 0)
-        split = gl.minimum(gl.maximum((full + BLOCK_M - 1) // BLOCK_M, first), end)
-    split2 = end
-    if LOWER:
-        end = gl.maximum(gl.minimum(gl.maximum(n0 + BLOCK_N - 1 - band_lo + BLOCK_M, 0) // BLOCK_M, end), first)
-        split = gl.minimum(split, end)
-        split2 = gl.minimum(gl.maximum(gl.maximum(n0 - band_lo + 1, 0) // BLOCK_M, split), end)
-    if SEGMENTS:
-        first, split, split2, end = _narrow(first, split, split2, end, segs[4] + off_b.to(gl.int64) * segs[5]
-                                            + (n0 // BLOCK_N) * 4)
-    return first, split, split2, end
-
-
-@gluon.jit
-def _loader(descs, smem, bars, tile, segs, GROUP: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr,
-            SEGMENTS: gl.constexpr, DETERMINISTIC: gl.constexpr):
+def _loader(descs, smem, bars, tile, segs, blks, GROUP: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr,
+            SEGMENTS: gl.constexpr, DETERMINISTIC: gl.constexpr, BLOCKS: gl.constexpr):
     """One warp: K and V once (even for an empty Q range: the consumers wait for them),
     then per (query head, Q tile) Q + lse (q_ready) and dO + delta (do_ready) into the
     stage both consumers last released (qdo_empty). DETERMINISTIC: the unmasked steps in
-    ``_load_unmasked``'s other order."""
+    ``_load_unmasked``'s other order. BLOCKS: the listed steps (``_load_listed``)."""
     q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc = descs
     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem = smem
     kv_ready, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty = bars
@@ -176,14 +132,17 @@ def _loader(descs, smem, bars, tile, segs, GROUP: gl.constexpr, CAUSAL: gl.const
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [off_b, n0, off_hk, 0], kv_ready, k_smem)
     tma.async_copy_global_to_shared(v_desc, [off_b, n0, off_hk, 0], kv_ready, v_smem)
-    first, split, split2, end = _q_tiles(n0, offset, band_lo, seqlen_q, segs, off_b, CAUSAL, LOWER, SEGMENTS)
-    _load_unmasked(split, split2, off_b, off_hk, heads, seqlen_q, descs, smem, bars, GROUP, DETERMINISTIC)
-    if CAUSAL or SEGMENTS:
-        _load_masked(GROUP * (split2 - split), first, split, off_b, off_hk, heads, seqlen_q, descs, smem, bars,
-                     GROUP)
-    if LOWER or SEGMENTS:
-        _load_masked(GROUP * (split2 - first), split2, end, off_b, off_hk, heads, seqlen_q, descs, smem, bars,
-                     GROUP)
+    if BLOCKS:
+        _load_listed(off_b, off_hk, n0, heads, seqlen_q, blks, descs, smem, bars, GROUP, CAUSAL or LOWER)
+    else:
+        first, split, split2, end = _q_tiles(n0, offset, band_lo, seqlen_q, segs, off_b, CAUSAL, LOWER, SEGMENTS)
+        _load_unmasked(split, split2, off_b, off_hk, heads, seqlen_q, descs, smem, bars, GROUP, DETERMINISTIC)
+        if CAUSAL or SEGMENTS:
+            _load_masked(GROUP * (split2 - split), first, split, off_b, off_hk, heads, seqlen_q, descs, smem, bars,
+                         GROUP)
+        if LOWER or SEGMENTS:
+            _load_masked(GROUP * (split2 - first), split2, end, off_b, off_hk, heads, seqlen_q, descs, smem, bars,
+                         GROUP)
 
 
 @gluon.jit
@@ -202,6 +161,28 @@ def _load_unmasked(split, end, off_b, off_hk, heads, seqlen_q, descs, smem, bars
             for m in range(split, end):
                 _load_step(g * (end - split) + m - split, off_b, off_hk * GROUP + g, m, heads, seqlen_q, descs,
                            smem, bars)
+
+
+@gluon.jit
+def _load_listed(off_b, off_hk, n0, heads, seqlen_q, blks, descs, smem, bars, GROUP: gl.constexpr,
+                 BAND: gl.constexpr):
+    """A block mask's steps: every head's full blocks (HALVES Q tiles each, head outer),
+    then with a BAND every head's partial ones, the same way (the blocks the band crosses:
+    the masked steps)."""
+    t = 0
+    for g in range(GROUP):
+        partial, full, row = _list_row(blks, off_hk, g, n0, GROUP)
+        for j in range(HALVES * full):
+            _load_step(t + j, off_b, off_hk * GROUP + g, _listed_tile(row, partial, j), heads, seqlen_q, descs, smem,
+                       bars)
+        t += HALVES * full
+    if BAND:
+        for g in range(GROUP):
+            partial, full, row = _list_row(blks, off_hk, g, n0, GROUP)
+            for j in range(HALVES * partial):
+                _load_step(t + j, off_b, off_hk * GROUP + g, _listed_tile(row, 0, j), heads, seqlen_q, descs, smem,
+                           bars)
+            t += HALVES * partial
 
 
 @gluon.jit
@@ -233,21 +214,37 @@ def _load_step(t, off_b, off_h, m, heads, seqlen_q, descs, smem, bars):
 
 
 @gluon.jit
-def _dq_writer(descs, smem, bars, tile, segs, turns, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-               LOWER: gl.constexpr, SEGMENTS: gl.constexpr, DETERMINISTIC: gl.constexpr):
+def _dq_writer(descs, smem, bars, tile, segs, blks, turns, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+               LOWER: gl.constexpr, SEGMENTS: gl.constexpr, DETERMINISTIC: gl.constexpr, BLOCKS: gl.constexpr):
     """One warp: per (query head, Q tile), once both consumers filled the shared dQ tile
     (dq_full), add it into that head's rows of dq_acc by TMA, and hand the tile back
     (dq_empty) once TMA has read it. DETERMINISTIC: each add waits for its turn
     (``_wait_for``: K tiles in increasing order) and the tile goes back once the add has
     landed. The loader's order."""
-    first, split, split2, end = _q_tiles(tile[2], tile[5], tile[6], tile[4], segs, tile[0], CAUSAL, LOWER, SEGMENTS)
-    _write_unmasked(split, split2, descs, smem, bars, tile, turns, GROUP, LOWER, DETERMINISTIC)
-    if CAUSAL or SEGMENTS:
-        _write_masked(GROUP * (split2 - split), first, split, descs, smem, bars, tile, turns, GROUP, LOWER,
-                      DETERMINISTIC)
-    if LOWER or SEGMENTS:
-        _write_masked(GROUP * (split2 - first), split2, end, descs, smem, bars, tile, turns, GROUP, LOWER,
-                      DETERMINISTIC)
+    if BLOCKS:
+        t = 0
+        for g in range(GROUP):
+            partial, full, row = _list_row(blks, tile[1], g, tile[2], GROUP)
+            for j in range(HALVES * full):
+                _write_step(t + j, g, _listed_tile(row, partial, j), descs, smem, bars, tile, turns, GROUP, LOWER,
+                            False)
+            t += HALVES * full
+        if CAUSAL or LOWER:
+            for g in range(GROUP):
+                partial, full, row = _list_row(blks, tile[1], g, tile[2], GROUP)
+                for j in range(HALVES * partial):
+                    _write_step(t + j, g, _listed_tile(row, 0, j), descs, smem, bars, tile, turns, GROUP, LOWER,
+                                False)
+                t += HALVES * partial
+    else:
+        first, split, split2, end = _q_tiles(tile[2], tile[5], tile[6], tile[4], segs, tile[0], CAUSAL, LOWER, SEGMENTS)
+        _write_unmasked(split, split2, descs, smem, bars, tile, turns, GROUP, LOWER, DETERMINISTIC)
+        if CAUSAL or SEGMENTS:
+            _write_masked(GROUP * (split2 - split), first, split, descs, smem, bars, tile, turns, GROUP, LOWER,
+                          DETERMINISTIC)
+        if LOWER or SEGMENTS:
+            _write_masked(GROUP * (split2 - first), split2, end, descs, smem, bars, tile, turns, GROUP, LOWER,
+                          DETERMINISTIC)
 
 
 @gluon.jit
@@ -297,25 +294,6 @@ def _write_step(t, g, m, descs, smem, bars, tile, turns, GROUP: gl.constexpr, LO
     else:
         tma.store_wait(0)  # the tile was read (not that the adds landed: the grid's end sees to that)
     mbarrier.arrive(dq_empty, count=1)
-
-
-@gluon.jit
-def _signal(bar):
-    """Every thread of the group has written shared memory that TMA or wgmma (the async
-    proxy) reads next: fence each thread's writes, wait for the whole group, arrive once."""
-    fence_async_shared()
-    gl.thread_barrier()
-    mbarrier.arrive(bar, count=1)
-
-
-@gluon.jit
-def _keep_visible(p, row, limit):
-    """p where row <= limit, else 0 (broadcast; int32 row and limit): a setp + selp an
-    element, as inline PTX. Written as gl.where, LLVM vectorizes the 32 comparisons of a
-    thread into one <32 x i1> whose lowering packs and unpacks bits (about 100 more SASS
-    instructions a step, and spills)."""
-    return gl.inline_asm_elementwise("{ .reg .pred p; setp.le.s32 p, $2, $3; selp.f32 $0, $1, 0f00000000, p; }",
-                                     "=f,f,r,r", [p, row, limit], dtype=gl.float32, is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -418,14 +396,14 @@ def _consumer_step(i, dk, dv, k_rows, v_rows, k_cols, smem, bars, qk_scale, sm_s
 
 
 @gluon.jit
-def _consumer(descs, smem, bars, tile, out, segs, G: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-              LOWER: gl.constexpr, SEGMENTS: gl.constexpr, ADD: gl.constexpr):
+def _consumer(descs, smem, bars, tile, out, segs, blks, G: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+              LOWER: gl.constexpr, SEGMENTS: gl.constexpr, ADD: gl.constexpr, BLOCKS: gl.constexpr):
     """Consumer warp group G: K/V rows [64 G, 64 G + 64) of the CTA's tile over every
     (query head, Q tile) step, then its dK (scaled) and dV rows stored in the output dtype
     (zeros after no step), or with ADD added to the fp32 sums there."""
     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem = smem
     off_b, off_hk, n0, heads, seqlen_q, offset, band_lo = tile
-    dk_ptr, dv_ptr, dk_strides, dv_strides, qk_scale, sm_scale = out
+    qk_scale, sm_scale = out[4], out[5]
     D: gl.constexpr = k_smem.shape[3]  # head_dim
     mma_d: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     k_full = k_smem.reshape([BLOCK_N, D])
@@ -435,24 +413,41 @@ def _consumer(descs, smem, bars, tile, out, segs, G: gl.constexpr, GROUP: gl.con
     dk = gl.zeros([64, D], gl.float32, mma_d)
     dv = gl.zeros([64, D], gl.float32, mma_d)
     mbarrier.wait(bars[0], 0)  # kv_ready (also before an empty range: no exit under a TMA in flight)
-    first, split, split2, end = _q_tiles(n0, offset, band_lo, seqlen_q, segs, off_b, CAUSAL, LOWER, SEGMENTS)
     operands = (k_rows, v_rows, k_cols, qk_scale, sm_scale)
-    # The unmasked steps first, every head's: the non-causal kernel's loop, whatever the band,
-    # then the masked ones, (tile, head), in loops of their own: the tiles [first, split)
-    # across the band's upper edge, then [split2, end) across its lower edge (each masked
-    # by both edges: a narrow window's tile may cross both). (Masked loops first, values
-    # hoisted for both kinds of loop spill in the unmasked one.)
-    dk, dv = _consume_unmasked(GROUP * (split2 - split), dk, dv, operands, smem, bars, G)
-    if CAUSAL or SEGMENTS:
-        at = first * BLOCK_M - n0 - 64 * G  # the first tile's first query minus the group's first key
-        dk, dv = _consume_masked(GROUP * (split2 - split), GROUP * (split - first), offset + at, band_lo + at, dk, dv,
-                                 operands, smem, bars, (segs, off_b, n0 + 64 * G, first * BLOCK_M), G, GROUP, CAUSAL,
-                                 LOWER, SEGMENTS)
-    if LOWER or SEGMENTS:
-        at = split2 * BLOCK_M - n0 - 64 * G
-        dk, dv = _consume_masked(GROUP * (split2 - first), GROUP * (end - split2), offset + at, band_lo + at, dk, dv,
-                                 operands, smem, bars, (segs, off_b, n0 + 64 * G, split2 * BLOCK_M), G, GROUP, CAUSAL,
-                                 LOWER, SEGMENTS)
+    if BLOCKS:  # the loader's listed steps: the unmasked ones need only their count
+        steps = _listed_steps(blks, off_hk, n0, GROUP)
+        dk, dv = _consume_unmasked(steps, dk, dv, operands, smem, bars, G)
+        if CAUSAL or LOWER:
+            dk, dv = _consume_listed(steps, dk, dv, operands, smem, bars, blks, off_hk, n0 + 64 * G,
+                                     offset, band_lo, G, GROUP, CAUSAL, LOWER)
+    else:
+        first, split, split2, end = _q_tiles(n0, offset, band_lo, seqlen_q, segs, off_b, CAUSAL, LOWER, SEGMENTS)
+        # The unmasked steps first, every head's: the non-causal kernel's loop, whatever the
+        # band, then the masked ones, (tile, head), in loops of their own: the tiles [first,
+        # split) across the band's upper edge, then [split2, end) across its lower edge (each
+        # masked by both edges: a narrow window's tile may cross both). (Masked loops first,
+        # values hoisted for both kinds of loop spill in the unmasked one.)
+        dk, dv = _consume_unmasked(GROUP * (split2 - split), dk, dv, operands, smem, bars, G)
+        if CAUSAL or SEGMENTS:
+            at = first * BLOCK_M - n0 - 64 * G  # the first tile's first query minus the group's first key
+            dk, dv = _consume_masked(GROUP * (split2 - split), GROUP * (split - first), offset + at, band_lo + at,
+                                     dk, dv, operands, smem, bars, (segs, off_b, n0 + 64 * G, first * BLOCK_M), G,
+                                     GROUP, CAUSAL, LOWER, SEGMENTS)
+        if LOWER or SEGMENTS:
+            at = split2 * BLOCK_M - n0 - 64 * G
+            dk, dv = _consume_masked(GROUP * (split2 - first), GROUP * (end - split2), offset + at, band_lo + at,
+                                     dk, dv, operands, smem, bars, (segs, off_b, n0 + 64 * G, split2 * BLOCK_M), G,
+                                     GROUP, CAUSAL, LOWER, SEGMENTS)
+    _store_dkv(dk, dv, out, off_b, off_hk, n0, G, ADD)
+
+
+@gluon.jit
+def _store_dkv(dk, dv, out, off_b, off_hk, n0, G: gl.constexpr, ADD: gl.constexpr):
+    """Group G's dK (scaled) and dV rows stored in the output dtype, or with ADD added to
+    the fp32 sums there."""
+    dk_ptr, dv_ptr, dk_strides, dv_strides, qk_scale, sm_scale = out
+    D: gl.constexpr = dk.shape[1]
+    mma_d: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     rows = gl.arange(0, 64, gl.SliceLayout(1, mma_d))
     cols = gl.arange(0, D, gl.SliceLayout(0, mma_d))
     row0 = n0 + 64 * G
@@ -467,6 +462,24 @@ def _consume_unmasked(steps, dk, dv, operands, smem, bars, G: gl.constexpr):
     for t in range(steps):
         dk, dv = _consumer_step(t, dk, dv, k_rows, v_rows, k_cols, smem, bars, qk_scale, sm_scale, 0, 0, (0, 0), G,
                                 False, False, False)
+    return dk, dv
+
+
+@gluon.jit
+def _consume_listed(t0, dk, dv, operands, smem, bars, blks, off_hk, key0, offset, band_lo, G: gl.constexpr,
+                    GROUP: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr):
+    """A block mask's masked steps from step t0 (``_load_listed``'s: every head's partial
+    blocks), each masked by the band's edges at its Q tile's diagonals (the group's first
+    key ``key0``)."""
+    k_rows, v_rows, k_cols, qk_scale, sm_scale = operands
+    t = t0
+    for g in range(GROUP):
+        partial, full, row = _list_row(blks, off_hk, g, key0 - 64 * G, GROUP)
+        for j in range(HALVES * partial):
+            at = _listed_tile(row, 0, j) * BLOCK_M - key0
+            dk, dv = _consumer_step(t + j, dk, dv, k_rows, v_rows, k_cols, smem, bars, qk_scale, sm_scale,
+                                    offset + at, band_lo + at, (0, 0), G, CAUSAL, LOWER, False)
+        t += HALVES * partial
     return dk, dv
 
 
@@ -499,15 +512,15 @@ def _store_rows(ptr, strides, off_b, first, off_h, rows, cols, x, ADD: gl.conste
 
 
 @gluon.jit
-def _consumer0(descs, smem, bars, tile, out, segs, GROUP: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr,
-               SEGMENTS: gl.constexpr, ADD: gl.constexpr):
-    _consumer(descs, smem, bars, tile, out, segs, 0, GROUP, CAUSAL, LOWER, SEGMENTS, ADD)
+def _consumer0(descs, smem, bars, tile, out, segs, blks, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+               LOWER: gl.constexpr, SEGMENTS: gl.constexpr, ADD: gl.constexpr, BLOCKS: gl.constexpr):
+    _consumer(descs, smem, bars, tile, out, segs, blks, 0, GROUP, CAUSAL, LOWER, SEGMENTS, ADD, BLOCKS)
 
 
 @gluon.jit
-def _consumer1(descs, smem, bars, tile, out, segs, GROUP: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr,
-               SEGMENTS: gl.constexpr, ADD: gl.constexpr):
-    _consumer(descs, smem, bars, tile, out, segs, 1, GROUP, CAUSAL, LOWER, SEGMENTS, ADD)
+def _consumer1(descs, smem, bars, tile, out, segs, blks, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+               LOWER: gl.constexpr, SEGMENTS: gl.constexpr, ADD: gl.constexpr, BLOCKS: gl.constexpr):
+    _consumer(descs, smem, bars, tile, out, segs, blks, 1, GROUP, CAUSAL, LOWER, SEGMENTS, ADD, BLOCKS)
 
 
 @gluon.jit
@@ -515,9 +528,10 @@ def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
                           dk_stride_b, dk_stride_s, dk_stride_h, dv_stride_b, dv_stride_s, dv_stride_h,
                           heads, kv_heads, seqlen_q, causal_offset, band_lo, qk_scale, sm_scale, dq_turns,
                           keys_lo_ptr, keys_hi_ptr, keys_lo_stride_b, keys_hi_stride_b, tiles_ptr, tiles_stride_b,
+                          blk_counts, blk_index, blk_kind_stride, blk_head_rows, blk_cols,
                           GROUP: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr, SEGMENTS: gl.constexpr,
-                          ADD: gl.constexpr, DETERMINISTIC: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                          WORKER_REGS: gl.constexpr):
+                          ADD: gl.constexpr, DETERMINISTIC: gl.constexpr, BLOCKS: gl.constexpr,
+                          CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr):
     """Grid (R, B Hkv, Sk / (128 R)): K/V tile program_id(0) + R program_id(2) of (batch, kv
     head) program_id(1). R = Sk / 128, one round, by default; DETERMINISTIC: rounds of R
     (16, or fewer where they do not divide Sk / 128) K tiles of every (batch, kv head) in
@@ -531,12 +545,17 @@ def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
     written; dq_turns (DETERMINISTIC only): (B, H, Sq / 64) int32 zeros, the dQ adds'
     counters; SEGMENTS (not with DETERMINISTIC): each key's hull of queries [lo, hi), int32
     (B, Sk) with contiguous rows (``masks.segment_ranges``), and ``masks.segment_tiles``'
-    (B, Sk / 128, 4) over Q tiles of 64."""
+    (B, Sk / 128, 4) over Q tiles of 64. BLOCKS (a block mask; not with SEGMENTS or
+    DETERMINISTIC): ``masks.block_lists`` of the mask transposed (a row a key block, its
+    query blocks), counts (2, Hm, Sk / 128) int32 whose partial / full stride is
+    blk_kind_stride, indices (Hm, Sk / 128, blk_cols) int32, a query head's rows
+    blk_head_rows apart (0: one mask for every head)."""
     bh = gl.program_id(1)
     n0 = (gl.program_id(0) + gl.program_id(2) * gl.num_programs(0)) * BLOCK_N
     tile = (bh // kv_heads, bh % kv_heads, n0, heads, seqlen_q, causal_offset, band_lo)
     # read only when SEGMENTS, each where used (kernel arguments: kept out of the loops' registers)
     segs = (keys_lo_ptr, keys_hi_ptr, keys_lo_stride_b, keys_hi_stride_b, tiles_ptr, tiles_stride_b)
+    blks = (blk_counts, blk_index, blk_kind_stride, blk_head_rows, blk_cols)  # read only when BLOCKS
     # Shared memory, about 193 KB: K, V 64 KB; Q, dO 2 x 2 x 16 KB; dSᵀ 2 x 16 KB; dQ 32 KB.
     dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_COLS], gl.float32)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.bfloat16)
@@ -570,9 +589,12 @@ def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
     descs = (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc)
     out = (dk_ptr, dv_ptr, (dk_stride_b, dk_stride_s, dk_stride_h), (dv_stride_b, dv_stride_s, dv_stride_h),
            qk_scale, sm_scale)
-    gl.warp_specialize([(_consumer0, (descs, smem, bars, tile, out, segs, GROUP, CAUSAL, LOWER, SEGMENTS, ADD)),
-                        (_consumer1, (descs, smem, bars, tile, out, segs, GROUP, CAUSAL, LOWER, SEGMENTS, ADD)),
-                        (_loader, (descs, smem, bars, tile, segs, GROUP, CAUSAL, LOWER, SEGMENTS, DETERMINISTIC)),
-                        (_dq_writer, (descs, smem, bars, tile, segs, dq_turns, GROUP, CAUSAL, LOWER, SEGMENTS,
-                                      DETERMINISTIC))],
+    gl.warp_specialize([(_consumer0, (descs, smem, bars, tile, out, segs, blks, GROUP, CAUSAL, LOWER, SEGMENTS, ADD,
+                                       BLOCKS)),
+                        (_consumer1, (descs, smem, bars, tile, out, segs, blks, GROUP, CAUSAL, LOWER, SEGMENTS, ADD,
+                                       BLOCKS)),
+                        (_loader, (descs, smem, bars, tile, segs, blks, GROUP, CAUSAL, LOWER, SEGMENTS, DETERMINISTIC,
+                                   BLOCKS)),
+                        (_dq_writer, (descs, smem, bars, tile, segs, blks, dq_turns, GROUP, CAUSAL, LOWER, SEGMENTS,
+                                      DETERMINISTIC, BLOCKS))],
                        [4, 1, 1], [CONSUMER_REGS, WORKER_REGS, WORKER_REGS])

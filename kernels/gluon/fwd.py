@@ -64,6 +64,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
+from .ptx import _hide
 from .tiles import _narrow
 
 HEAD_DIMS = (64, 128)  # head dims served
@@ -126,14 +127,6 @@ def _loader(descs, smem, bars, tile, segs, CAUSAL: gl.constexpr, LOWER: gl.const
         mbarrier.wait(v_empty.index(s), ph)
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [off_b, j * BLOCK_N, off_hk, 0], v_ready.index(s), v_smem.index(s))
-
-
-@gluon.jit
-def _hide(s, lhs, rhs):
-    """s where lhs <= rhs, else -inf (broadcast int32): a setp + selp an element, as inline
-    PTX (kernels/gluon/bwd.py, ``_keep_visible``, says why not gl.where)."""
-    return gl.inline_asm_elementwise("{ .reg .pred p; setp.le.s32 p, $2, $3; selp.f32 $0, $1, 0fFF800000, p; }",
-                                     "=f,f,r,r", [s, lhs, rhs], dtype=gl.float32, is_pure=True, pack=1)
 
 
 @gluon.jit

@@ -13,7 +13,7 @@ import triton
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from ..masks import BLOCK, segment_ranges, segment_tiles, tensor_memo
+from ..masks import BAND_INF, BLOCK, Blocks, segment_ranges, segment_tiles, tensor_memo
 from ..triton.launch import _stand_in
 from ..triton.segments import _ranges, segment_tiles as triton_segment_tiles
 from . import fwd
@@ -141,9 +141,45 @@ def _segment_args(q_segments, k_segments, seqlen_q: int, seqlen_k: int, device, 
     return a, b, a.stride(0), b.stride(0), tiles, tiles.stride(0)
 
 
+def _blocks_error(q, k, blocks, deterministic: bool, segments: bool) -> Optional[Exception]:
+    """The backward's block mask: a ``masks.Blocks`` over (1 or H, Sq / 128, Sk / 128) blocks
+    on q's device, without segment ids or ``deterministic``."""
+    if blocks is None:
+        return None
+    if not isinstance(blocks, Blocks):
+        return TypeError(f"attn_bwd_sm90: blocks must be a kernels.masks.Blocks, got {type(blocks).__name__}")
+    if segments or deterministic:
+        return ValueError(f"attn_bwd_sm90: blocks with {'segment ids' if segments else 'deterministic'} is not "
+                          f"served (the Triton backward serves it)")
+    shape = tuple(blocks.mask.shape)
+    rows, cols = -(-q.shape[1] // BLOCK), -(-k.shape[1] // BLOCK)
+    if len(shape) != 3 or shape[0] not in (1, q.shape[2]) or shape[1:] != (rows, cols):
+        return ValueError(f"attn_bwd_sm90: blocks.mask must be (1 or heads, {rows}, {cols}) over blocks of {BLOCK}, "
+                          f"got {shape}")
+    if blocks.mask.dtype != torch.bool or blocks.mask.device != q.device:
+        return ValueError(f"attn_bwd_sm90: blocks.mask must be bool on q's device {q.device}, got "
+                          f"{blocks.mask.dtype} on {blocks.mask.device}")
+    return None
+
+
+def _block_args(blocks, causal_offset, band_lo, seqlen_q: int, seqlen_k: int, device) -> tuple:
+    """The backward's five block-list arguments: ``Blocks.lists`` transposed (a row a key
+    block, its query blocks) under the band, its counts and indices, the counts' partial
+    / full stride, a query head's rows apart in them (0: one mask for every head), the
+    indices' row length; int32 stand-ins without a block mask."""
+    if blocks is None:
+        none = _stand_in(device)
+        return none, none, 0, 0, 0
+    lo = -BAND_INF if band_lo is None else band_lo
+    hi = BAND_INF if causal_offset is None else causal_offset
+    counts, index = blocks.lists(lo, hi, seqlen_k, seqlen_q, transpose=True)
+    heads, rows, cols = index.shape
+    return counts, index, counts.stride(0), rows if heads > 1 else 0, cols
+
+
 def unsupported(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal_offset,
                 accumulate: bool = False, band_lo: Optional[int] = None, deterministic: bool = False,
-                q_segments=None, k_segments=None) -> Optional[Exception]:
+                q_segments=None, k_segments=None, blocks=None) -> Optional[Exception]:
     """Why this kernel cannot take these arguments: a TypeError / ValueError naming the
     argument (the module's docstring says what it serves), or None. ``dq_acc`` None: not
     checked (a caller about to allocate it; ``kernels/dispatch.py``)."""
@@ -166,7 +202,8 @@ def unsupported(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal
             return TypeError(f"attn_bwd_sm90: {name} must be float32, got {named[name].dtype}")
     error = (_scalar_error("attn_bwd_sm90", softmax_scale, causal_offset, band_lo)
              or _shape_error("attn_bwd_sm90", q, k, HEAD_DIMS)
-             or _segments_error("attn_bwd_sm90", q, k, q_segments, k_segments))
+             or _segments_error("attn_bwd_sm90", q, k, q_segments, k_segments)
+             or _blocks_error(q, k, blocks, deterministic, q_segments is not None))
     if error is not None:
         return error
     if deterministic and q_segments is not None:
@@ -216,7 +253,7 @@ def _kernel_offset(causal_offset, seqlen_q, seqlen_k) -> int:
 
 def attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale: float,
                   causal_offset: Optional[int] = None, accumulate: bool = False, deterministic: bool = False,
-                  band_lo: Optional[int] = None, q_segments=None, k_segments=None):
+                  band_lo: Optional[int] = None, q_segments=None, k_segments=None, blocks=None):
     """The backward of one (query block, key block) pair (head_dim 64 or 128, bf16):
     ``dq_acc += scale * dQ`` (fp32), dk = scale * dK and dv = dV written (bf16 or fp32), or
     with ``accumulate`` added into dk and dv (fp32 sums). ``deterministic``: the dQ adds
@@ -231,9 +268,12 @@ def attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale: floa
     o = q_start - k_start for two blocks of one sequence). band_lo: a window's lower edge,
     key j seen only if j >= i + band_lo (PairMask.band_lo). q_segments (B, Sq), k_segments
     (B, Sk) int32, both or neither (not with deterministic): key j seen only if its id
-    equals query i's (``attn_fwd_sm90``'s). Returns (dq_acc, dk, dv)."""
+    equals query i's (``attn_fwd_sm90``'s). blocks (not with segment ids or deterministic):
+    a ``kernels.masks.Blocks`` over (1 or H, Sq / 128, Sk / 128) blocks of 128 queries by 128
+    keys; the pairs of a False block are never computed (block-sparse attention), those of
+    a True one follow the band. Returns (dq_acc, dk, dv)."""
     _check(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal_offset, accumulate, band_lo,
-           deterministic, q_segments, k_segments)
+           deterministic, q_segments, k_segments, blocks)
     b, sq, h, _ = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     lse, delta = lse.contiguous(), delta.contiguous()
@@ -243,9 +283,10 @@ def attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale: floa
         *_descriptors(q, k, v, dout, lse, delta, dq_acc), dk, dv, dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2), h, hkv, sq, _kernel_offset(causal_offset, sq, sk),
         _kernel_offset(band_lo, sq, sk), softmax_scale * LOG2E, softmax_scale, turns,
-        *_segment_args(q_segments, k_segments, sq, sk, q.device, keys_outer=True), h // hkv,
+        *_segment_args(q_segments, k_segments, sq, sk, q.device, keys_outer=True),
+        *_block_args(blocks, causal_offset, band_lo, sq, sk, q.device), h // hkv,
         causal_offset is not None, band_lo is not None, q_segments is not None, bool(accumulate), bool(deterministic),
-        CONSUMER_REGS, WORKER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)
+        blocks is not None, CONSUMER_REGS, WORKER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)
     return dq_acc, dk, dv
 
 
@@ -270,15 +311,16 @@ def _stand_in_ids(segments: bool, seqlen_q: int, seqlen_k: int) -> tuple:
 def compile_sm90(consumer_regs: int = CONSUMER_REGS, worker_regs: int = WORKER_REGS, maxnreg: int = MAXNREG,
                  causal_offset: Optional[int] = None, heads: int = 4, kv_heads: int = 4, seqlen_q: int = 1024,
                  seqlen_k: int = 1024, accumulate: bool = False, deterministic: bool = False,
-                 band_lo: Optional[int] = None, head_dim: int = 128, segments: bool = False):
+                 band_lo: Optional[int] = None, head_dim: int = 128, segments: bool = False,
+                 blocks: bool = False):
     """The kernel compiled for sm_90 on any machine, no GPU needed (triton ships ptxas):
     its ``.asm`` holds "ttgir", "ptx", "cubin"; ``.metadata.shared`` its shared memory in
     bytes. Specialized as ``attn_bwd_sm90`` would specialize it on contiguous (1, seqlen_q,
     heads, head_dim) q and (1, seqlen_k, kv_heads, head_dim) k inputs with this causal_offset, band_lo,
-    accumulate (dk, dv then fp32), deterministic and ``segments`` segment ids (CPU
-    stand-ins: only their types, alignments and strides are read; as in a launch, an int
-    argument equal to 1, e.g. kv_heads, is compiled in as a constant, and those divisible
-    by 16 are marked so)."""
+    accumulate (dk, dv then fp32), deterministic, ``segments`` segment ids and ``blocks`` a
+    block mask, one per head (CPU stand-ins: only their types, alignments and strides are
+    read; as in a launch, an int argument equal to 1, e.g. kv_heads, is compiled in as a
+    constant, and those divisible by 16 are marked so)."""
     q = torch.zeros(1, seqlen_q, heads, head_dim, dtype=torch.bfloat16)
     k = torch.zeros(1, seqlen_k, kv_heads, head_dim, dtype=torch.bfloat16)
     stats = torch.zeros(1, heads, seqlen_q)
@@ -288,10 +330,12 @@ def compile_sm90(consumer_regs: int = CONSUMER_REGS, worker_regs: int = WORKER_R
               _kernel_offset(band_lo, seqlen_q, seqlen_k), 0.1 * LOG2E, 0.1,
               torch.zeros(heads * seqlen_q // BLOCK_M.value, dtype=torch.int32) if deterministic else stats,
               *_segment_args(*_stand_in_ids(segments, seqlen_q, seqlen_k), seqlen_q, seqlen_k, q.device,
-                             keys_outer=True))
+                             keys_outer=True),
+              *_block_args(Blocks(torch.ones(heads, -(-seqlen_q // BLOCK), -(-seqlen_k // BLOCK), dtype=torch.bool))
+                           if blocks else None, causal_offset, band_lo, seqlen_q, seqlen_k, q.device))
     consts = dict(GROUP=heads // kv_heads, CAUSAL=causal_offset is not None, LOWER=band_lo is not None,
-                  SEGMENTS=segments, ADD=accumulate, DETERMINISTIC=deterministic, CONSUMER_REGS=consumer_regs,
-                  WORKER_REGS=worker_regs)
+                  SEGMENTS=segments, ADD=accumulate, DETERMINISTIC=deterministic, BLOCKS=blocks,
+                  CONSUMER_REGS=consumer_regs, WORKER_REGS=worker_regs)
     return _compile(_attn_bwd_sm90_kernel, values, consts, maxnreg)
 
 

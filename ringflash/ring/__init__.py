@@ -62,8 +62,9 @@ By default the Gluon kernel's dQ adds land in arrival order; ``deterministic=Tru
 torch's deterministic mode) makes it add them in a fixed order of key tiles, on the same
 fused schedule.
 
-A ring of two over contiguous shards under a block mask (``keeps_kv``) keeps the other
-rank's K/V from the forward, which with its own make the whole sequence's (read in place,
+A ring of two over contiguous shards under a block mask that the Gluon backward does not
+serve (``keeps_kv``: off Hopper, with segment ids, dropout or ``deterministic``; where it
+serves, the rotation above measured faster) keeps the other rank's K/V from the forward, which with its own make the whole sequence's (read in place,
 in global order: ``kernels.Joined``). Its backward swaps queries instead (Q, dO, lse,
 delta) under a dQ pass over every key,
 then runs one dK/dV pass over every query (``gathered.gathered_backward``): two launches of the
@@ -74,7 +75,7 @@ launch too where the copy engines carry the shard (``gathered.gathered_forward``
 arrives in chunks of heads, and each query tile waits inside the kernel for its head's.
 """
 
-from .gathered import keeps_kv
+from .gathered import fuses, keeps_kv
 from .rotate import ring_backward, ring_forward
 
-__all__ = ["keeps_kv", "ring_backward", "ring_forward"]
+__all__ = ["fuses", "keeps_kv", "ring_backward", "ring_forward"]

@@ -6,26 +6,45 @@ gradients (``gathered_backward``)."""
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
 from .. import kernels
 from ..exchange import Ring
-from ..kernels import Arrival, Joined
+from ..kernels import Arrival, Joined, PairMask, dispatch
+from ..kernels.masks import Blocks
 from ..layouts import Band, gathered_pair, layout_of
 from .plan import pair_mask
 from .rows import Aside, overlap, rows_of
 
 
-def keeps_kv(layout: str, world: int, needs_grad: bool, block_mask: bool) -> bool:
+def keeps_kv(layout: str, world: int, needs_grad: bool, block_mask: bool, fused: bool = False) -> bool:
     """Whether ``ring_forward`` keeps the other rank's K/V for the backward: a ring of two
-    over the contiguous layout under a block mask, when a backward follows. Its backward
-    then moves queries instead of K/V and gradients, and runs one dQ and one dK/dV launch
+    over the contiguous layout under a block mask, when a backward follows, unless the
+    Gluon backward serves its block pairs (``fused``, from ``fuses``). Its backward then
+    moves queries instead of K/V and gradients, and runs one dQ and one dK/dV launch
     over the whole sequence, as one GPU does (``gathered_backward``), instead of six
     launches over half of it: worth a (2, B, S, Hkv, D) tensor saved per call where the
     work shrinks with the mask's density and the fixed costs do not (docs/notes/ring-of-two.md,
-    "The ring of two keeps its K/V (issue 14, 32k)"). Dense attention gains nothing from it at any length."""
-    return needs_grad and block_mask and world == 2 and layout_of(layout).keeps_kv
+    "The ring of two keeps its K/V (issue 14, 32k)"). Dense attention gains nothing from it at any length.
+    Where the Gluon backward serves the pairs, the rotation's fused backward (each pair's
+    dQ and dK/dV in one call; the gathered launches take the Triton kernels) measured
+    1.10-1.30x faster at densities 0.1-1 on 2 x H200, 32k and 128k tokens, and 0.79-0.80x
+    at 0.05 and 32k, calls of 5-7 ms whose times moved by up to 25% between runs
+    (docs/performance.md, "Block-sparse"). The choice reads only what a compiled graph's
+    fake sees (shapes, dtypes, the GPU), not the mask's density."""
+    return needs_grad and block_mask and world == 2 and layout_of(layout).keeps_kv and not fused
+
+
+def fuses(q: torch.Tensor, k: torch.Tensor, segments: Optional[torch.Tensor], blocks: Optional[torch.Tensor],
+          dropout_p: float, deterministic: bool) -> bool:
+    """Whether the Gluon backward serves the block pairs of a ring whose shards are q's rows
+    (``dispatch.gluon_serves``, from what every rank agrees on, as ``rotate._fuses``)."""
+    n = q.shape[1]
+    mask = PairMask(q_segments=segments, k_segments=segments, dropout_p=dropout_p,
+                    blocks=None if blocks is None else Blocks(blocks))
+    return dispatch.gluon_serves(q, k, n, n, mask, deterministic)
 
 
 def chunk_heads(kv_heads: int, head_dim: int, size: int) -> int:
