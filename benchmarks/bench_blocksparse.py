@@ -159,8 +159,8 @@ def plot(json_path) -> str:
     for ax, seqlen in zip(axes[0], seqlens):
         rs = [r for r in records if r["seqlen"] == seqlen and r.get("fwdbwd_ms")]
         dense = next((r["fwdbwd_ms"] for r in rs if r["pattern"] == "dense" and r["impl"] == "ringflash"), None)
-        def line(r):
-            return r["impl"], r.get("layout", ""), r["pattern"]
+        def line(r):  # a record's "variant" (a tree or schedule of a comparison run) gets a line of its own
+            return r["impl"], r.get("layout") or "", r["pattern"], r.get("variant") or ""
         for key in sorted({line(r) for r in rs if r["pattern"] != "dense"}):
             pts = sorted((r["density"], r["fwdbwd_ms"]) for r in rs if line(r) == key)
             ax.plot(*zip(*pts), marker="o", label=" ".join(k for k in key if k))
