@@ -43,6 +43,12 @@ VARIANTS = {
     "documents-gqa-add": dict(heads=8, kv_heads=2, accumulate=True, out_dtype=torch.float32, segments=True),
     "documents-window": dict(causal_offset=0, band_lo=-300, segments=True),
     "documents-hd64": dict(causal_offset=0, head_dim=64, segments=True),
+    # a block mask (block-sparse; compiled and checked here, not yet routed): alone, with the
+    # causal band, with GQA, a window and the merge
+    "blocks": dict(blocks=True),
+    "blocks-causal": dict(causal_offset=0, blocks=True),
+    "blocks-gqa-window-add": dict(heads=8, kv_heads=2, causal_offset=0, band_lo=-300, accumulate=True,
+                                  out_dtype=torch.float32, blocks=True),
 }
 # Variants whose ptxas spills a few bytes outside the tile loops (the loops themselves must
 # not touch local memory).
@@ -82,7 +88,10 @@ def _masks(name: str) -> int:
 
 def _masked_loops(name: str) -> int:
     """The masked tile loops a consumer group runs: one an edge of the band; with segment
-    ids both (tiles before and after the unmasked ones)."""
+    ids both (tiles before and after the unmasked ones); with a block mask one under any
+    band (the blocks it crosses, each step masked by every edge)."""
+    if VARIANTS[name].get("blocks"):
+        return int(_edges(name) > 0)
     return 2 if VARIANTS[name].get("segments") else _edges(name)
 
 
@@ -145,6 +154,11 @@ def _bf16(*shape):
     return torch.zeros(*shape, dtype=torch.bfloat16)
 
 
+def _blocks(mask: torch.Tensor):
+    from ringflash.kernels.masks import Blocks
+    return Blocks(mask)
+
+
 @pytest.mark.parametrize("change, error, match", [
     (dict(q=_bf16(1, 256, 2, 128).float()), TypeError, "q must be bfloat16"),
     (dict(lse=torch.zeros(1, 2, 256, dtype=torch.float64)), TypeError, "lse must be float32"),
@@ -171,12 +185,17 @@ def _bf16(*shape):
      ValueError, "q_segments must have shape (1, 256)"),
     (dict(q_segments=torch.zeros(1, 256, dtype=torch.int32), k_segments=torch.zeros(1, 256, dtype=torch.int32)),
      ValueError, "runs on a Hopper"),
+    (dict(blocks=torch.ones(1, 2, 2, dtype=torch.bool)), TypeError, "blocks must be a kernels.masks.Blocks"),
+    (dict(blocks=_blocks(torch.ones(3, 2, 2, dtype=torch.bool))), ValueError, "blocks.mask must be (1 or heads, 2, 2)"),
+    (dict(blocks=_blocks(torch.ones(1, 2, 2, dtype=torch.bool)), q_segments=torch.zeros(1, 256, dtype=torch.int32),
+          k_segments=torch.zeros(1, 256, dtype=torch.int32)), ValueError, "blocks with segment ids is not served"),
+    (dict(blocks=_blocks(torch.ones(2, 2, 2, dtype=torch.bool)), causal_offset=0), ValueError, "runs on a Hopper"),
 ])
 def test_argument_checks(change, error, match):
     from ringflash.kernels.gluon import attn_fwd_sm90
     args = dict(q=_bf16(1, 256, 2, 128), k=_bf16(1, 256, 2, 128), v=_bf16(1, 256, 2, 128),
                 out=_bf16(1, 256, 2, 128), lse=torch.zeros(1, 2, 256), softmax_scale=0.1, causal_offset=None,
-                accumulate=False, out_partial=None, band_lo=None, q_segments=None, k_segments=None)
+                accumulate=False, out_partial=None, band_lo=None, q_segments=None, k_segments=None, blocks=None)
     args.update(change)
     with pytest.raises(error, match=re.escape(match)):
         attn_fwd_sm90(**args)

@@ -79,11 +79,22 @@ CASES = [
     (1, 2048, 2048, 4, 4, 0, "write", "contiguous", -300, "docs"),
     (1, 1024, 1024, 4, 4, 1024, "partial", "contiguous", None, "shifted"),
     (1, 1024, 1024, 4, 4, 0, "write", "hd64", None, "docs"),
+    # a block mask (the 11th field, tests/test_gluon_gpu.py's ``_block_mask``: one for every
+    # head, one a query head, or none at all; compiled on the CPU, not yet routed): without a
+    # band, causal, an offset pair, GQA with the merge, MQA, a window, the last step
+    (1, 1024, 1024, 4, 4, None, "write", "contiguous", None, None, "shared"),
+    (2, 1024, 1024, 4, 4, 0, "write", "contiguous", None, None, "heads"),
+    (1, 512, 1024, 4, 4, -256, "write", "contiguous", None, None, "shared"),
+    (2, 1024, 1024, 8, 2, 0, "add", "contiguous", None, None, "heads"),
+    (1, 2048, 2048, 4, 1, 0, "write", "contiguous", None, None, "heads"),
+    (1, 1024, 1024, 4, 4, 0, "write", "contiguous", -300, None, "heads"),
+    (1, 1024, 1024, 4, 4, -100, "partial", "contiguous", None, None, "shared"),
+    (1, 1024, 1024, 4, 4, None, "write", "contiguous", None, None, "empty"),
 ]
 
 
-def _id(b, sq, sk, h, hkv, offset, mode, layout, band_lo=None, segments=None) -> str:
-    return f"b{b}-q{sq}-k{sk}-h{h}kv{hkv}-{mask_id(offset, band_lo, segments)}-{mode}-{layout}"
+def _id(b, sq, sk, h, hkv, offset, mode, layout, band_lo=None, segments=None, blocks=None) -> str:
+    return f"b{b}-q{sq}-k{sk}-h{h}kv{hkv}-{mask_id(offset, band_lo, segments, blocks)}-{mode}-{layout}"
 
 
 def _segment_ids(pattern: str, b: int, sq: int, sk: int):
@@ -133,9 +144,12 @@ def test_gluon_fwd_matches_oracle(case):
 # ----------------------------------------------------------------------------- the child
 
 
-def _child(b, sq, sk, h, hkv, offset, mode, layout, band_lo=None, segments=None) -> dict:
+def _child(b, sq, sk, h, hkv, offset, mode, layout, band_lo=None, segments=None, block_kind=None) -> dict:
     sys.path.insert(0, str(TESTS))
     from oracle import attention_oracle, rel_err
+    from test_gluon_gpu import _block_mask
+
+    from ringflash.kernels.masks import Blocks
 
     from ringflash.kernels import PairMask
     from ringflash.kernels import triton as triton_kernels
@@ -162,6 +176,11 @@ def _child(b, sq, sk, h, hkv, offset, mode, layout, band_lo=None, segments=None)
         q_ids, k_ids = _segment_ids(segments, b, sq, sk)
         same = (q_ids[:, :, None] == k_ids[:, None, :]) & (q_ids[:, :, None] >= 0)
         visible = visible[None] & same
+    blocks = None
+    if block_kind is not None:  # (1, 1 or h, sq, sk): the band inside the listed blocks
+        grid = _block_mask(block_kind, h, sq, sk).cuda()
+        blocks = Blocks(grid)
+        visible = visible[None, None] & grid.repeat_interleave(128, 1).repeat_interleave(128, 2)[None]
     accumulate = mode != "write"
     if accumulate:  # a running result over 256 other keys, every third row empty
         k0, v0 = randn(b, 256, hkv, D), randn(b, 256, hkv, D)
@@ -195,18 +214,18 @@ def _child(b, sq, sk, h, hkv, offset, mode, layout, band_lo=None, segments=None)
 
     out, lse = call(lambda o, s, acc, part: attn_fwd_sm90(q, k, v, o, s, scale, causal_offset=offset,
                                                            accumulate=acc, out_partial=part, band_lo=band_lo,
-                                                           q_segments=q_ids, k_segments=k_ids))
-    lib_mask = PairMask(band_lo=band_lo, band_hi=offset, q_segments=q_ids, k_segments=k_ids)
+                                                           q_segments=q_ids, k_segments=k_ids, blocks=blocks))
+    lib_mask = PairMask(band_lo=band_lo, band_hi=offset, q_segments=q_ids, k_segments=k_ids, blocks=blocks)
     lib_out, _ = call(lambda o, s, acc, part: triton_kernels.fwd(q, k, v, o, s, softmax_scale=scale, mask=lib_mask,
                                                                  accumulate=acc, out_partial=part))
     torch.cuda.synchronize()
-    empty = ~(visible.any(-1) | seen0.any(-1))  # rows seeing no key at all: (sq,) or (b, sq)
-    empty = empty.expand(b, sq)
-    empty_exact = bool((out[empty] == 0).all()) and bool((lse.transpose(1, 2)[empty] == float("-inf")).all())
+    empty = ~(visible.any(-1) | seen0.any(-1))  # rows seeing no key at all: (sq,), (b, sq) or (1, 1 or h, sq)
+    empty = empty.expand(b, h, sq) if empty.dim() == 3 else empty.expand(b, sq)[:, None].expand(b, h, sq)
+    empty_exact = (bool((out.transpose(1, 2)[empty] == 0).all())
+                   and bool((lse[empty] == float("-inf")).all()))
     finite = ~empty
-    lse_t, want_lse_t = lse.transpose(1, 2), want_lse.transpose(1, 2)
     return dict(out=rel_err(out.double(), want), library_out=rel_err(lib_out.double(), want),
-                lse=rel_err(lse_t[finite].double(), want_lse_t[finite]),
+                lse=rel_err(lse[finite].double(), want_lse[finite]),
                 empty_rows=int(empty.sum()), empty_rows_exact=empty_exact,
                 nan=int(torch.isnan(out).sum() + torch.isnan(lse).sum()))
 

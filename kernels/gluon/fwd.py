@@ -13,14 +13,16 @@ offset, as ``PairMask.causal(o)``: key j is seen by query i iff j <= i + o on th
 local indices (the ring's pairs); with it or without it a window's lower edge
 ``band_lo``, key j seen only if j >= i + band_lo; with any of these, segment ids
 (SEGMENTS: packed documents, int32 (B, Sq) and (B, Sk), key j seen only if its id equals
-query i's, ids < 0 padding; compiled and checked on the CPU, not yet run on a GPU, so not
-routed). Outputs: out (B, Sq, H, D) in any float dtype and lse
-(B, H, Sq) fp32 (natural log; a row that sees no key gets out 0 and lse -inf), through
-their own strides; with ``ACCUMULATE`` the block's result is merged with the running
-(out_in, lse) first, exactly as the Triton forward merges it (kernels/triton/fwd.py:
-the unnormalized sums rescaled to the larger max), then written: out_in is out itself
-or a buffer with out's strides (the ring's last step reads its fp32 sums and writes q's
-dtype).
+query i's, ids < 0 padding), or a block mask with or without the band (BLOCKS, not with
+segment ids: the K tiles of the Q tile's row of ``masks.block_lists``, the partial ones
+masked, as the backward walks its lists; compiled and checked on the CPU, not yet run on
+a GPU, so not routed: kernels/dispatch.py sends block masks to the Triton forward).
+Outputs: out (B, Sq, H, D) in any float dtype and lse (B, H, Sq) fp32 (natural log; a
+row that sees no key gets out 0 and lse -inf), through their own strides; with
+``ACCUMULATE`` the block's result is merged with the running (out_in, lse) first, exactly
+as the Triton forward merges it (kernels/triton/fwd.py: the unnormalized sums rescaled to
+the larger max), then written: out_in is out itself or a buffer with out's strides (the
+ring's last step reads its fp32 sums and writes q's dtype).
 
 The math per Q tile (the Triton forward's conventions, in log2 units):
 
@@ -65,7 +67,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .ptx import _hide
-from .tiles import _narrow
+from .tiles import _list_row, _narrow
 
 HEAD_DIMS = (64, 128)  # head dims served
 BLOCK_M = gl.constexpr(128)  # query rows a CTA (two consumer groups of 64)
@@ -105,28 +107,43 @@ def _k_tiles(m0, offset, band_lo, seqlen_k, segs, CAUSAL: gl.constexpr, LOWER: g
 
 
 @gluon.jit
-def _loader(descs, smem, bars, tile, segs, CAUSAL: gl.constexpr, LOWER: gl.constexpr, SEGMENTS: gl.constexpr):
-    """Q's two halves once, then K and V of tiles [start, end), each into its stage once
-    both consumers released the tile that held it STAGES tiles before."""
-    q_desc, k_desc, v_desc = descs
-    q_smem, k_smem, v_smem = smem
-    q_ready, k_ready, v_ready, k_empty, v_empty = bars
+def _loader(descs, smem, bars, tile, segs, blks, CAUSAL: gl.constexpr, LOWER: gl.constexpr, SEGMENTS: gl.constexpr,
+            BLOCKS: gl.constexpr):
+    """Q's two halves once, then K and V of tiles [start, end) (BLOCKS: of the Q tile's row
+    of the block lists, partial blocks first), each into its stage once both consumers
+    released the tile that held it STAGES tiles before."""
+    q_desc = descs[0]
+    q_smem = smem[0]
+    q_ready = bars[0]
     off_b, off_h, off_hk, m0, seqlen_k, offset, band_lo = tile
-    STAGES: gl.constexpr = k_smem.shape[0]
     mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [off_b, m0, off_h, 0], q_ready, q_smem.index(0))
     tma.async_copy_global_to_shared(q_desc, [off_b, m0 + 64, off_h, 0], q_ready, q_smem.index(1))
-    start, u0, u1, end = _k_tiles(m0, offset, band_lo, seqlen_k, segs, CAUSAL, LOWER, SEGMENTS)
-    for j in range(start, end):
-        t = j - start  # the CTA's t-th tile
-        s = t % STAGES
-        ph = ((t // STAGES) & 1) ^ 1  # a fresh barrier passes a wait on parity 1: the first fills do not wait
-        mbarrier.wait(k_empty.index(s), ph)
-        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [off_b, j * BLOCK_N, off_hk, 0], k_ready.index(s), k_smem.index(s))
-        mbarrier.wait(v_empty.index(s), ph)
-        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [off_b, j * BLOCK_N, off_hk, 0], v_ready.index(s), v_smem.index(s))
+    if BLOCKS:
+        partial, full, row = _list_row(blks, off_h, 0, m0, 1)
+        for t in range(partial + full):
+            _load_kv(t, gl.load(row + t), off_b, off_hk, descs, smem, bars)
+    else:
+        start, u0, u1, end = _k_tiles(m0, offset, band_lo, seqlen_k, segs, CAUSAL, LOWER, SEGMENTS)
+        for j in range(start, end):
+            _load_kv(j - start, j, off_b, off_hk, descs, smem, bars)
+
+
+@gluon.jit
+def _load_kv(t, j, off_b, off_hk, descs, smem, bars):
+    """The CTA's t-th tile, K tile j, into stage t % STAGES."""
+    q_desc, k_desc, v_desc = descs
+    q_smem, k_smem, v_smem = smem
+    q_ready, k_ready, v_ready, k_empty, v_empty = bars
+    STAGES: gl.constexpr = k_smem.shape[0]
+    s = t % STAGES
+    ph = ((t // STAGES) & 1) ^ 1  # a fresh barrier passes a wait on parity 1: the first fills do not wait
+    mbarrier.wait(k_empty.index(s), ph)
+    mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [off_b, j * BLOCK_N, off_hk, 0], k_ready.index(s), k_smem.index(s))
+    mbarrier.wait(v_empty.index(s), ph)
+    mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(v_desc, [off_b, j * BLOCK_N, off_hk, 0], v_ready.index(s), v_smem.index(s))
 
 
 @gluon.jit
@@ -259,12 +276,52 @@ def _consume(t0, t1, start, p, m_i, l_i, acc, q, smem, bars, qk_scale, diag0, id
 
 
 @gluon.jit
-def _consumer(smem, bars, tile, out, segs, HALF: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr,
-              SEGMENTS: gl.constexpr, ACCUMULATE: gl.constexpr):
+def _consume_listed(e0, e1, row, p, m_i, l_i, acc, q, smem, bars, qk_scale, diag0, MASKED: gl.constexpr,
+                    CAUSAL: gl.constexpr, LOWER: gl.constexpr):
+    """Entries [e0, e1) of a block-list row (the CTA's steps e0..e1 - 1), each a ``_step``;
+    a masked one reads its K tile from the row for its diagonals."""
+    for e in range(e0, e1):
+        j = 0
+        if MASKED:
+            j = gl.load(row + e)
+        p, m_i, l_i, acc = _step(e, p, m_i, l_i, acc, q, smem, bars, qk_scale,
+                                 (diag0[0] - j * BLOCK_N, j * BLOCK_N - diag0[1]), (0, 0), MASKED, CAUSAL, LOWER,
+                                 False)
+    return p, m_i, l_i, acc
+
+
+@gluon.jit
+def _walk_listed(p, m_i, l_i, acc, q, smem, bars, qk_scale, tile, row0, blks, CAUSAL: gl.constexpr,
+                 LOWER: gl.constexpr):
+    """A block mask's walk (``_loader``'s): the Q tile's row of the block lists, its partial
+    blocks (masked steps) first, then its full ones. Returns (P, m, l, O, 0, steps)."""
+    off_b, off_h, off_hk, m0, seqlen_k, offset, band_lo = tile
+    diag0 = (offset + row0, row0 + band_lo)  # the masked step's diagonals at K tile 0 (``_softmax``)
+    partial, full, row = _list_row(blks, off_h, 0, m0, 1)
+    steps = partial + full
+    if steps > 0:  # the first tile, masked if the band crosses it
+        if (CAUSAL or LOWER) and partial > 0:
+            j = gl.load(row)
+            p, m_i, l_i = _first(p, m_i, l_i, q, smem, bars, qk_scale, (diag0[0] - j * BLOCK_N,
+                                 j * BLOCK_N - diag0[1]), (0, 0), True, CAUSAL, LOWER, False)
+        else:
+            p, m_i, l_i = _first(p, m_i, l_i, q, smem, bars, qk_scale, (0, 0), (0, 0), False, CAUSAL, LOWER, False)
+    if CAUSAL or LOWER:
+        p, m_i, l_i, acc = _consume_listed(1, partial, row, p, m_i, l_i, acc, q, smem, bars, qk_scale, diag0, True,
+                                           CAUSAL, LOWER)
+    p, m_i, l_i, acc = _consume_listed(gl.maximum(partial, 1), steps, row, p, m_i, l_i, acc, q, smem, bars, qk_scale,
+                                       diag0, False, CAUSAL, LOWER)
+    return p, m_i, l_i, acc, 0, steps
+
+
+@gluon.jit
+def _consumer(smem, bars, tile, out, segs, blks, HALF: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr,
+              SEGMENTS: gl.constexpr, ACCUMULATE: gl.constexpr, BLOCKS: gl.constexpr):
     """Consumer warp group HALF: query rows [m0 + 64 HALF, m0 + 64 HALF + 64) over the K
     tiles [start, end) (``_k_tiles``) in increasing order: those across the lower edge
-    (masked), the unmasked ones, those across the upper edge (masked); then out and lse
-    (merged with the running ones first with ACCUMULATE)."""
+    (masked), the unmasked ones, those across the upper edge (masked); BLOCKS: over the Q
+    tile's listed blocks (``_walk_listed``); then out and lse (merged with the running ones
+    first with ACCUMULATE)."""
     q_smem, k_smem, v_smem = smem
     q_ready, k_ready, v_ready, k_empty, v_empty = bars
     off_b, off_h, off_hk, m0, seqlen_k, offset, band_lo = tile
@@ -282,8 +339,31 @@ def _consumer(smem, bars, tile, out, segs, HALF: gl.constexpr, CAUSAL: gl.conste
     p = gl.zeros([64, BLOCK_N], gl.bfloat16, p_layout)
     mbarrier.wait(q_ready, 0)  # also when no tile is seen: no exit under a TMA in flight
     q = q_smem.index(HALF).reshape([64, D])
-    start, u0, u1, end = _k_tiles(m0, offset, band_lo, seqlen_k, segs, CAUSAL, LOWER, SEGMENTS)
     row0 = m0 + 64 * HALF
+    if BLOCKS:
+        p, m_i, l_i, acc, start, end = _walk_listed(p, m_i, l_i, acc, q, smem, bars, qk_scale, tile, row0, blks,
+                                                    CAUSAL, LOWER)
+    else:
+        p, m_i, l_i, acc, start, end = _walk(p, m_i, l_i, acc, q, smem, bars, qk_scale, tile, row0, segs, CAUSAL,
+                                             LOWER, SEGMENTS)
+    if end > start:  # the last tile's P V
+        last = end - 1 - start
+        mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
+        acc = warpgroup_mma(p, v_smem.index(last % STAGES).reshape([BLOCK_N, D]), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(v_empty.index(last % STAGES), count=1)
+    _epilogue(acc, _rows_of(m_i, acc), _rows_of(l_i, acc), row0, off_b, off_h, out, ACCUMULATE)
+
+
+@gluon.jit
+def _walk(p, m_i, l_i, acc, q, smem, bars, qk_scale, tile, row0, segs, CAUSAL: gl.constexpr,
+          LOWER: gl.constexpr, SEGMENTS: gl.constexpr):
+    """The band's walk (``_loader``'s): the K tiles [start, end) of ``_k_tiles`` in
+    increasing order, masked where an edge crosses them. Returns (P, m, l, O, start, end)."""
+    off_b, off_h, off_hk, m0, seqlen_k, offset, band_lo = tile
+    rows_l: gl.constexpr = gl.SliceLayout(1, gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                       instr_shape=[16, BLOCK_N, 16]))
+    start, u0, u1, end = _k_tiles(m0, offset, band_lo, seqlen_k, segs, CAUSAL, LOWER, SEGMENTS)
     diag0 = (offset + row0, row0 + band_lo)  # the masked step's diagonals at K tile 0 (``_softmax``)
     q_ids = 0
     if SEGMENTS:  # the rows' ids, a padding row's (< 0) made unequal to every key's (>= -1)
@@ -307,13 +387,7 @@ def _consumer(smem, bars, tile, out, segs, HALF: gl.constexpr, CAUSAL: gl.conste
     if CAUSAL or SEGMENTS:
         p, m_i, l_i, acc = _consume(gl.maximum(u1, start + 1), end, start, p, m_i, l_i, acc, q, smem, bars, qk_scale,
                                     diag0, ids, True, CAUSAL, LOWER, SEGMENTS)
-    if end > start:  # the last tile's P V
-        last = end - 1 - start
-        mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
-        acc = warpgroup_mma(p, v_smem.index(last % STAGES).reshape([BLOCK_N, D]), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=[acc])
-        mbarrier.arrive(v_empty.index(last % STAGES), count=1)
-    _epilogue(acc, _rows_of(m_i, acc), _rows_of(l_i, acc), row0, off_b, off_h, out, ACCUMULATE)
+    return p, m_i, l_i, acc, start, end
 
 
 @gluon.jit
@@ -347,30 +421,33 @@ def _epilogue(acc, m_i, l_i, row0, off_b, off_h, out, ACCUMULATE: gl.constexpr):
 
 
 @gluon.jit
-def _consumer0(smem, bars, tile, out, segs, CAUSAL: gl.constexpr, LOWER: gl.constexpr, SEGMENTS: gl.constexpr,
-               ACCUMULATE: gl.constexpr):
-    _consumer(smem, bars, tile, out, segs, 0, CAUSAL, LOWER, SEGMENTS, ACCUMULATE)
+def _consumer0(smem, bars, tile, out, segs, blks, CAUSAL: gl.constexpr, LOWER: gl.constexpr, SEGMENTS: gl.constexpr,
+               ACCUMULATE: gl.constexpr, BLOCKS: gl.constexpr):
+    _consumer(smem, bars, tile, out, segs, blks, 0, CAUSAL, LOWER, SEGMENTS, ACCUMULATE, BLOCKS)
 
 
 @gluon.jit
-def _consumer1(smem, bars, tile, out, segs, CAUSAL: gl.constexpr, LOWER: gl.constexpr, SEGMENTS: gl.constexpr,
-               ACCUMULATE: gl.constexpr):
-    _consumer(smem, bars, tile, out, segs, 1, CAUSAL, LOWER, SEGMENTS, ACCUMULATE)
+def _consumer1(smem, bars, tile, out, segs, blks, CAUSAL: gl.constexpr, LOWER: gl.constexpr, SEGMENTS: gl.constexpr,
+               ACCUMULATE: gl.constexpr, BLOCKS: gl.constexpr):
+    _consumer(smem, bars, tile, out, segs, blks, 1, CAUSAL, LOWER, SEGMENTS, ACCUMULATE, BLOCKS)
 
 
 @gluon.jit
 def _attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_ptr, o_in_ptr, lse_ptr, o_stride_b, o_stride_s, o_stride_h,
                           lse_stride_b, lse_stride_h, lse_stride_s, heads, group, seqlen_k, causal_offset, band_lo,
                           qk_scale, q_ids_ptr, k_ids_ptr, q_ids_stride_b, k_ids_stride_b, tiles_ptr, tiles_stride_b,
+                          blk_counts, blk_index, blk_kind_stride, blk_head_rows, blk_cols,
                           CAUSAL: gl.constexpr, LOWER: gl.constexpr, SEGMENTS: gl.constexpr,
-                          ACCUMULATE: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                          WORKER_REGS: gl.constexpr):
+                          ACCUMULATE: gl.constexpr, BLOCKS: gl.constexpr, STAGES: gl.constexpr,
+                          CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr):
     """Grid (Sq / 128, B H): Q tile program_id(0) of (batch, head) program_id(1), the last
     Q tile first under the band (it sees the most keys). ``group`` = heads / kv_heads;
     causal_offset is read only when CAUSAL, band_lo (a window's lower edge, j >= i +
     band_lo) only when LOWER; the ids (int32 (B, Sq) and (B, Sk), rows contiguous) and
     ``segment_tiles``' (B, Sq / 128, 4) only when SEGMENTS; o_in_ptr (ACCUMULATE only) has o_ptr's strides;
-    STAGES: the K and V stages (each its own: K is released a step before V)."""
+    BLOCKS (a block mask, not with SEGMENTS): ``masks.block_lists`` of the mask, a row per
+    Q tile, as the backward's (``tiles._list_row``); STAGES: the K and V stages (each its
+    own: K is released a step before V)."""
     bh = gl.program_id(1)
     off_h = bh % heads
     m_tile = gl.program_id(0)
@@ -380,6 +457,7 @@ def _attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_ptr, o_in_ptr, lse_ptr, o_st
     off_b = (bh // heads).to(gl.int64)
     segs = (q_ids_ptr + off_b * q_ids_stride_b, k_ids_ptr + off_b * k_ids_stride_b,
             tiles_ptr + off_b * tiles_stride_b + m_tile * 4)  # read only when SEGMENTS
+    blks = (blk_counts, blk_index, blk_kind_stride, blk_head_rows, blk_cols)  # read only when BLOCKS
     # Shared memory: Q 32 KB, K and V STAGES x 2 x 32 KB (160 KB at 2 stages, 224 KB at 3).
     smem = (gl.allocate_shared_memory(gl.bfloat16, [2] + q_desc.block_type.shape, q_desc.layout),
             gl.allocate_shared_memory(gl.bfloat16, [STAGES] + k_desc.block_type.shape, k_desc.layout),
@@ -398,7 +476,8 @@ def _attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_ptr, o_in_ptr, lse_ptr, o_st
     bars = (q_ready, k_ready, v_ready, k_empty, v_empty)
     out = (o_ptr, o_in_ptr, (o_stride_b, o_stride_s, o_stride_h), lse_ptr, (lse_stride_b, lse_stride_h, lse_stride_s),
            qk_scale)
-    gl.warp_specialize([(_consumer0, (smem, bars, tile, out, segs, CAUSAL, LOWER, SEGMENTS, ACCUMULATE)),
-                        (_consumer1, (smem, bars, tile, out, segs, CAUSAL, LOWER, SEGMENTS, ACCUMULATE)),
-                        (_loader, ((q_desc, k_desc, v_desc), smem, bars, tile, segs, CAUSAL, LOWER, SEGMENTS))],
+    gl.warp_specialize([(_consumer0, (smem, bars, tile, out, segs, blks, CAUSAL, LOWER, SEGMENTS, ACCUMULATE, BLOCKS)),
+                        (_consumer1, (smem, bars, tile, out, segs, blks, CAUSAL, LOWER, SEGMENTS, ACCUMULATE, BLOCKS)),
+                        (_loader, ((q_desc, k_desc, v_desc), smem, bars, tile, segs, blks, CAUSAL, LOWER, SEGMENTS,
+                                   BLOCKS))],
                        [4, 1], [CONSUMER_REGS, WORKER_REGS])

@@ -141,38 +141,40 @@ def _segment_args(q_segments, k_segments, seqlen_q: int, seqlen_k: int, device, 
     return a, b, a.stride(0), b.stride(0), tiles, tiles.stride(0)
 
 
-def _blocks_error(q, k, blocks, deterministic: bool, segments: bool) -> Optional[Exception]:
-    """The backward's block mask: a ``masks.Blocks`` over (1 or H, Sq / 128, Sk / 128) blocks
-    on q's device, without segment ids or ``deterministic``."""
+def _blocks_error(fn: str, q, k, blocks, deterministic: bool, segments: bool) -> Optional[Exception]:
+    """A block mask as either kernel takes it (``fn`` names it): a ``masks.Blocks`` over (1
+    or H, Sq / 128, Sk / 128) blocks on q's device, without segment ids or ``deterministic``."""
     if blocks is None:
         return None
     if not isinstance(blocks, Blocks):
-        return TypeError(f"attn_bwd_sm90: blocks must be a kernels.masks.Blocks, got {type(blocks).__name__}")
+        return TypeError(f"{fn}: blocks must be a kernels.masks.Blocks, got {type(blocks).__name__}")
     if segments or deterministic:
-        return ValueError(f"attn_bwd_sm90: blocks with {'segment ids' if segments else 'deterministic'} is not "
-                          f"served (the Triton backward serves it)")
+        return ValueError(f"{fn}: blocks with {'segment ids' if segments else 'deterministic'} is not "
+                          f"served (the Triton kernels serve it)")
     shape = tuple(blocks.mask.shape)
     rows, cols = -(-q.shape[1] // BLOCK), -(-k.shape[1] // BLOCK)
     if len(shape) != 3 or shape[0] not in (1, q.shape[2]) or shape[1:] != (rows, cols):
-        return ValueError(f"attn_bwd_sm90: blocks.mask must be (1 or heads, {rows}, {cols}) over blocks of {BLOCK}, "
+        return ValueError(f"{fn}: blocks.mask must be (1 or heads, {rows}, {cols}) over blocks of {BLOCK}, "
                           f"got {shape}")
     if blocks.mask.dtype != torch.bool or blocks.mask.device != q.device:
-        return ValueError(f"attn_bwd_sm90: blocks.mask must be bool on q's device {q.device}, got "
+        return ValueError(f"{fn}: blocks.mask must be bool on q's device {q.device}, got "
                           f"{blocks.mask.dtype} on {blocks.mask.device}")
     return None
 
 
-def _block_args(blocks, causal_offset, band_lo, seqlen_q: int, seqlen_k: int, device) -> tuple:
-    """The backward's five block-list arguments: ``Blocks.lists`` transposed (a row a key
-    block, its query blocks) under the band, its counts and indices, the counts' partial
-    / full stride, a query head's rows apart in them (0: one mask for every head), the
-    indices' row length; int32 stand-ins without a block mask."""
+def _block_args(blocks, causal_offset, band_lo, seqlen_q: int, seqlen_k: int, device, keys_outer: bool) -> tuple:
+    """A kernel's five block-list arguments: ``Blocks.lists`` under the band (the
+    backward's, ``keys_outer``, transposed: a row a key block, its query blocks; the
+    forward's a row a query block), its counts and indices, the counts' partial / full
+    stride, a query head's rows apart in them (0: one mask for every head), the indices'
+    row length; int32 stand-ins without a block mask."""
     if blocks is None:
         none = _stand_in(device)
         return none, none, 0, 0, 0
     lo = -BAND_INF if band_lo is None else band_lo
     hi = BAND_INF if causal_offset is None else causal_offset
-    counts, index = blocks.lists(lo, hi, seqlen_k, seqlen_q, transpose=True)
+    counts, index = (blocks.lists(lo, hi, seqlen_k, seqlen_q, transpose=True) if keys_outer
+                     else blocks.lists(lo, hi, seqlen_q, seqlen_k))
     heads, rows, cols = index.shape
     return counts, index, counts.stride(0), rows if heads > 1 else 0, cols
 
@@ -203,7 +205,7 @@ def unsupported(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal
     error = (_scalar_error("attn_bwd_sm90", softmax_scale, causal_offset, band_lo)
              or _shape_error("attn_bwd_sm90", q, k, HEAD_DIMS)
              or _segments_error("attn_bwd_sm90", q, k, q_segments, k_segments)
-             or _blocks_error(q, k, blocks, deterministic, q_segments is not None))
+             or _blocks_error("attn_bwd_sm90", q, k, blocks, deterministic, q_segments is not None))
     if error is not None:
         return error
     if deterministic and q_segments is not None:
@@ -284,7 +286,7 @@ def attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale: floa
         dv.stride(0), dv.stride(1), dv.stride(2), h, hkv, sq, _kernel_offset(causal_offset, sq, sk),
         _kernel_offset(band_lo, sq, sk), softmax_scale * LOG2E, softmax_scale, turns,
         *_segment_args(q_segments, k_segments, sq, sk, q.device, keys_outer=True),
-        *_block_args(blocks, causal_offset, band_lo, sq, sk, q.device), h // hkv,
+        *_block_args(blocks, causal_offset, band_lo, sq, sk, q.device, keys_outer=True), h // hkv,
         causal_offset is not None, band_lo is not None, q_segments is not None, bool(accumulate), bool(deterministic),
         blocks is not None, CONSUMER_REGS, WORKER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)
     return dq_acc, dk, dv
@@ -306,6 +308,11 @@ def _stand_in_ids(segments: bool, seqlen_q: int, seqlen_k: int) -> tuple:
     if not segments:
         return None, None
     return torch.zeros(1, seqlen_q, dtype=torch.int32), torch.zeros(1, seqlen_k, dtype=torch.int32)
+
+
+def _stand_in_blocks(blocks: bool, heads: int, seqlen_q: int, seqlen_k: int) -> Optional[Blocks]:
+    """The CPU compile's block mask: every block of every head, or None without one."""
+    return Blocks(torch.ones(heads, -(-seqlen_q // BLOCK), -(-seqlen_k // BLOCK), dtype=torch.bool)) if blocks else None
 
 
 def compile_sm90(consumer_regs: int = CONSUMER_REGS, worker_regs: int = WORKER_REGS, maxnreg: int = MAXNREG,
@@ -331,8 +338,8 @@ def compile_sm90(consumer_regs: int = CONSUMER_REGS, worker_regs: int = WORKER_R
               torch.zeros(heads * seqlen_q // BLOCK_M.value, dtype=torch.int32) if deterministic else stats,
               *_segment_args(*_stand_in_ids(segments, seqlen_q, seqlen_k), seqlen_q, seqlen_k, q.device,
                              keys_outer=True),
-              *_block_args(Blocks(torch.ones(heads, -(-seqlen_q // BLOCK), -(-seqlen_k // BLOCK), dtype=torch.bool))
-                           if blocks else None, causal_offset, band_lo, seqlen_q, seqlen_k, q.device))
+              *_block_args(_stand_in_blocks(blocks, heads, seqlen_q, seqlen_k), causal_offset, band_lo, seqlen_q,
+                           seqlen_k, q.device, keys_outer=True))
     consts = dict(GROUP=heads // kv_heads, CAUSAL=causal_offset is not None, LOWER=band_lo is not None,
                   SEGMENTS=segments, ADD=accumulate, DETERMINISTIC=deterministic, BLOCKS=blocks,
                   CONSUMER_REGS=consumer_regs, WORKER_REGS=worker_regs)
@@ -375,7 +382,7 @@ def _fwd_descriptors(q, k, v):
 
 def fwd_unsupported(q, k, v, out, lse, softmax_scale, causal_offset, accumulate: bool = False,
                     out_in=None, band_lo: Optional[int] = None, q_segments=None,
-                    k_segments=None) -> Optional[Exception]:
+                    k_segments=None, blocks=None) -> Optional[Exception]:
     """Why the forward cannot take these arguments: a TypeError / ValueError naming the
     argument (kernels/gluon/fwd.py's docstring says what it serves), or None."""
     named = dict(q=q, k=k, v=v, out=out, lse=lse)
@@ -394,7 +401,8 @@ def fwd_unsupported(q, k, v, out, lse, softmax_scale, causal_offset, accumulate:
             return TypeError(f"attn_fwd_sm90: {name} must be a float tensor, got {named[name].dtype}")
     error = (_scalar_error("attn_fwd_sm90", softmax_scale, causal_offset, band_lo)
              or _shape_error("attn_fwd_sm90", q, k, fwd.HEAD_DIMS)
-             or _segments_error("attn_fwd_sm90", q, k, q_segments, k_segments))
+             or _segments_error("attn_fwd_sm90", q, k, q_segments, k_segments)
+             or _blocks_error("attn_fwd_sm90", q, k, blocks, False, q_segments is not None))
     if error is not None:
         return error
     b, sq, h, _ = q.shape
@@ -421,17 +429,19 @@ def fwd_unsupported(q, k, v, out, lse, softmax_scale, causal_offset, accumulate:
     return _device_error("attn_fwd_sm90", q)
 
 
-def _fwd_args(q, k, v, out, lse, softmax_scale, causal_offset, out_in, band_lo, q_segments=None, k_segments=None):
+def _fwd_args(q, k, v, out, lse, softmax_scale, causal_offset, out_in, band_lo, q_segments=None, k_segments=None,
+              blocks=None):
     b, sq, h, _ = q.shape
     return (*_fwd_descriptors(q, k, v), out, out if out_in is None else out_in, lse, *out.stride()[:3], *lse.stride(),
             h, h // k.shape[2], k.shape[1], _kernel_offset(causal_offset, sq, k.shape[1]),
             _kernel_offset(band_lo, sq, k.shape[1]), softmax_scale * LOG2E,
-            *_segment_args(q_segments, k_segments, sq, k.shape[1], q.device, keys_outer=False))
+            *_segment_args(q_segments, k_segments, sq, k.shape[1], q.device, keys_outer=False),
+            *_block_args(blocks, causal_offset, band_lo, sq, k.shape[1], q.device, keys_outer=False))
 
 
 def attn_fwd_sm90(q, k, v, out, lse, softmax_scale: float, causal_offset: Optional[int] = None,
                   accumulate: bool = False, out_partial=None, band_lo: Optional[int] = None, q_segments=None,
-                  k_segments=None):
+                  k_segments=None, blocks=None):
     """The forward of one (query block, key block) pair (head_dim 128, bf16): out and lse
     written, or with ``accumulate`` merged with the running ones (normalized out, its lse;
     -inf for none yet) and written in place; ``out_partial``: with accumulate, the running
@@ -444,33 +454,38 @@ def attn_fwd_sm90(q, k, v, out, lse, softmax_scale: float, causal_offset: Option
     and k_segments (B, Sk) int32, both or neither: packed documents, key j seen by query i
     only if their ids are equal (ids < 0: padding, seeing and seen by nothing; the
     non-negative ids non-decreasing along each row, as ``masks.segment_ranges`` needs). A
-    row that sees no key (and had none) gets out 0 and lse -inf. Returns (out, lse)."""
+    row that sees no key (and had none) gets out 0 and lse -inf. blocks (not with segment
+    ids): a ``kernels.masks.Blocks``, as ``attn_bwd_sm90``'s. Returns (out, lse)."""
     error = fwd_unsupported(q, k, v, out, lse, softmax_scale, causal_offset, accumulate, out_partial, band_lo,
-                            q_segments, k_segments)
+                            q_segments, k_segments, blocks)
     if error is not None:
         raise error
     b, sq, h, _ = q.shape
     fwd._attn_fwd_sm90_kernel[(sq // fwd.BLOCK_M.value, b * h)](
-        *_fwd_args(q, k, v, out, lse, softmax_scale, causal_offset, out_partial, band_lo, q_segments, k_segments),
-        causal_offset is not None, band_lo is not None, q_segments is not None, bool(accumulate), FWD_STAGES,
-        CONSUMER_REGS, WORKER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)
+        *_fwd_args(q, k, v, out, lse, softmax_scale, causal_offset, out_partial, band_lo, q_segments, k_segments,
+                   blocks),
+        causal_offset is not None, band_lo is not None, q_segments is not None, bool(accumulate), blocks is not None,
+        FWD_STAGES, CONSUMER_REGS, WORKER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)
     return out, lse
 
 
 def compile_fwd_sm90(causal_offset: Optional[int] = None, heads: int = 4, kv_heads: int = 4, seqlen_q: int = 1024,
                      seqlen_k: int = 1024, accumulate: bool = False, out_dtype=torch.bfloat16,
                      stages: Optional[int] = None, head_dim: int = 128, band_lo: Optional[int] = None,
-                     segments: bool = False, consumer_regs: int = CONSUMER_REGS, maxnreg: int = MAXNREG):
+                     segments: bool = False, consumer_regs: int = CONSUMER_REGS, maxnreg: int = MAXNREG,
+                     blocks: bool = False):
     """The forward compiled for sm_90 on any machine, as ``attn_fwd_sm90`` would specialize
     it on contiguous (1, seqlen_q, heads, 128) q and (1, seqlen_k, kv_heads, 128) k, v, an
-    out of ``out_dtype`` and with ``segments`` segment ids (CPU stand-ins: only their types,
-    alignments and strides are read)."""
+    out of ``out_dtype`` and with ``segments`` segment ids or ``blocks`` a block mask, one
+    per head (CPU stand-ins: only their types, alignments and strides are read)."""
     stages = FWD_STAGES if stages is None else stages
     q = torch.zeros(1, seqlen_q, heads, head_dim, dtype=torch.bfloat16)
     k = torch.zeros(1, seqlen_k, kv_heads, head_dim, dtype=torch.bfloat16)
     out, lse = torch.zeros(q.shape, dtype=out_dtype), torch.zeros(1, heads, seqlen_q)
     values = _fwd_args(q, k, k, out, lse, 0.1, causal_offset, out if accumulate else None, band_lo,
-                       *_stand_in_ids(segments, seqlen_q, seqlen_k))
+                       *_stand_in_ids(segments, seqlen_q, seqlen_k),
+                       _stand_in_blocks(blocks, heads, seqlen_q, seqlen_k))
     consts = dict(CAUSAL=causal_offset is not None, LOWER=band_lo is not None, SEGMENTS=segments,
-                  ACCUMULATE=accumulate, STAGES=stages, CONSUMER_REGS=consumer_regs, WORKER_REGS=WORKER_REGS)
+                  ACCUMULATE=accumulate, BLOCKS=blocks, STAGES=stages, CONSUMER_REGS=consumer_regs,
+                  WORKER_REGS=WORKER_REGS)
     return _compile(fwd._attn_fwd_sm90_kernel, values, consts, maxnreg)
