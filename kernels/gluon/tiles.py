@@ -7,8 +7,8 @@ tiles [a, d) hold some visible pair, [b, c) are visible whole (no mask), [a, b) 
 backward's (first, split, split2, end) over Q tiles: ``_q_tiles``). With segment ids the
 host adds four bounds of the same meaning per tile (``masks.segment_tiles``); ``_narrow``
 intersects the two, so every partition of the CTA, calling it on the same values, walks
-the same tiles. Under a block mask the backward walks instead the query blocks its K
-tile's row of ``masks.block_lists`` names (``_list_row``, ``_listed_tile``,
+the same tiles. Under a block mask a kernel walks instead the blocks its tile's row of
+``masks.block_lists`` names (``_list_row``; the backward's Q tiles ``_listed_tile``,
 ``_listed_steps``), every partition reading the same row.
 """
 
@@ -69,9 +69,11 @@ def _q_tiles(n0, offset, band_lo, seqlen_q, segs, off_b, CAUSAL: gl.constexpr, L
 
 @gluon.jit
 def _list_row(blks, off_hk, g, n0, GROUP: gl.constexpr):
-    """Query head off_hk * GROUP + g's row of the block lists for the K tile at n0
-    (``masks.block_lists`` transposed, a row a key block: its query blocks, the partial
-    ones first, then the full ones): (partial, full, a pointer to the row's indices)."""
+    """Query head off_hk * GROUP + g's row of the block lists for the tile of 128 rows at
+    n0 (``masks.block_lists``: the backward's transposed, a row a key block listing query
+    blocks; the forward's a row a query block listing key blocks, with off_hk its query
+    head and GROUP 1), the partial blocks first, then the full ones: (partial, full, a
+    pointer to the row's indices)."""
     counts, index, kind_stride, head_rows, cols = blks
     row = (off_hk * GROUP + g) * head_rows + n0 // BLOCK_N
     return gl.load(counts + row), gl.load(counts + kind_stride + row), index + row.to(gl.int64) * cols
