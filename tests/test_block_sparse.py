@@ -376,6 +376,29 @@ def test_block_sparse_fused_schedule_matches_oracle(worlds, world_size, layout):
     assert not failures, "\n".join(failures)
 
 
+def test_ring_of_two_keeps_kv_only_where_the_gluon_backward_does_not_serve(monkeypatch):
+    """``ring.keeps_kv`` with ``ring.fuses``: on Hopper (capability patched; CPU stand-ins)
+    a bf16 head_dim-128 call over shards of whole tiles rotates, fused; segment ids,
+    dropout, ``deterministic``, fp16, head_dim 96 or shards of 200 rows keep the other
+    rank's K/V, as does any call off Hopper."""
+    from ringflash.kernels import dispatch
+    from ringflash.ring import fuses, keeps_kv
+
+    def keeps(n=256, d=128, dtype=torch.bfloat16, segments=None, dropout_p=0.0, deterministic=False):
+        q, k = torch.zeros(1, n, 4, d, dtype=dtype), torch.zeros(1, n, 2, d, dtype=dtype)
+        blocks = torch.ones(1, 4, 4, dtype=torch.bool)
+        return keeps_kv("contiguous", 2, True, True, fuses(q, k, segments, blocks, dropout_p, deterministic))
+
+    assert keeps()  # off Hopper: the gathered backward
+    monkeypatch.setattr(dispatch, "capability", lambda t: (9, 0))
+    assert not keeps()
+    ids = torch.zeros(1, 256, dtype=torch.int32)
+    for kwargs in (dict(segments=ids), dict(dropout_p=0.1), dict(deterministic=True), dict(dtype=torch.float16),
+                   dict(d=96), dict(n=200)):
+        assert keeps(**kwargs), kwargs
+    assert not keeps_kv("zigzag", 2, True, True, False) and not keeps_kv("contiguous", 3, True, True, False)
+
+
 @pytest.mark.world(2)
 def test_block_sparse_ring_of_two_cuts_its_keys(worlds):
     """Contiguous shards of 2 blocks: the ring of two cuts its dK/dV passes and the trip
