@@ -109,8 +109,8 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     layout = layout_from_spec(layout, layout_spec)
     ring = _agreed_ring(q, k, segments, blocks, band, layout, softmax_scale, dropout, requires_grad,
                         group_name, deterministic)
-    keep = keeps_kv(layout, ring.world, requires_grad, blocks is not None,
-                    fuses(q, k, segments, blocks, dropout_p, deterministic))
+    keep = blocks is not None and keeps_kv(layout, ring.world, requires_grad, True,
+                                           fuses(q, k, segments, blocks, dropout_p, deterministic))
     out, lse, kept = ring_forward(q, k, v, segments, softmax_scale=softmax_scale,
                                   band=band, dropout=dropout, layout=layout,
                                   ring=ring, blocks=blocks, keep=keep)
@@ -139,8 +139,8 @@ def _(q, k, v, segments, blocks, softmax_scale, band_lo, band_hi, layout, layout
       seed=0, dropout_head0=0, requires_grad=False, deterministic=False):
     b, n, h, _ = q.shape
     # a layout given by its spec (documents) never keeps K/V: it takes no block mask
-    keep = layout_spec is None and keeps_kv(layout, ring_of(group_name).world, requires_grad, blocks is not None,
-                                            fuses(q, k, segments, blocks, dropout_p, deterministic))
+    keep = layout_spec is None and blocks is not None and keeps_kv(
+        layout, ring_of(group_name).world, requires_grad, True, fuses(q, k, segments, blocks, dropout_p, deterministic))
     kv, seg = _kept_shapes(k, segments, keep)
     return (q.new_empty(q.shape), q.new_empty((b, h, n), dtype=torch.float32), k.new_empty(kv),
             q.new_empty(seg, dtype=torch.int32))

@@ -64,8 +64,9 @@ fused schedule.
 
 A ring of two over contiguous shards under a block mask that the Gluon backward does not
 serve (``keeps_kv``: off Hopper, with segment ids, dropout or ``deterministic``; where it
-serves, the rotation above measured faster) keeps the other rank's K/V from the forward, which with its own make the whole sequence's (read in place,
-in global order: ``kernels.Joined``). Its backward swaps queries instead (Q, dO, lse,
+serves, the rotation above measured faster) keeps the other rank's K/V from the forward,
+which with its own make the whole sequence's (read in place, in global order:
+``kernels.Joined``). Its backward swaps queries instead (Q, dO, lse,
 delta) under a dQ pass over every key,
 then runs one dK/dV pass over every query (``gathered.gathered_backward``): two launches of the
 shape one GPU runs, where the rotation above runs six of half the size, whose fixed costs
