@@ -8,7 +8,8 @@ The forward takes the first route that serves the call (``fwd_route``):
 - ``reference``: tensors off CUDA; the PyTorch twin (CPU, tests).
 - ``gluon_sm90`` (kernels/gluon/fwd.py): a Hopper GPU (sm_90), bf16, head_dim 128, Sq and
   Sk multiples of 128, no mask, a band on local indices (causal, a window, or both),
-  segment ids (packed documents, padding) or a band with them, MHA, GQA or MQA, k and v
+  segment ids (packed documents, padding) or a band with them, a block mask or a band
+  with one (not with segment ids), MHA, GQA or MQA, k and v
   in one tensor each (not ``Joined``); out written, or with ``accumulate`` merged with
   the running out (or ``out_partial``) and lse: ``flash_attn``'s forward and the ring's
   steps alike.
@@ -23,7 +24,12 @@ The forward takes the first route that serves the call (``fwd_route``):
   8k-32k, ``--head-dim 64``), so it would add a route for no gain. Causal packed documents
   (bench_masks.py's draw, log-normal lengths, median 2k) at 16k-64k, 32 or 8 kv heads, one
   H200 (2026-11-27, ``--documents``): 572-664 TFLOP/s against the Triton forward's 497-555,
-  1.14-1.20x, out and lse bit-equal.
+  1.14-1.20x, out and lse bit-equal. Block masks, non-causal, 32k tokens, 32 heads, one
+  H100 (2026-11-27, benchmarks/bench_blocksparse.py beside the tree before this route, same
+  machine, blocksparse_h100.json runs 2-3): the forward 1.05-1.18x faster at densities 1 to
+  0.05 in 8 of 10 rows, level at local_global 0.10, 0.92x at local_global 0.05 (1.71 ->
+  1.86 ms; forward+backward 0.99x there); a recheck of the lowest densities on one H200
+  (blocksparse_h200_gluon_fwd.json): 1.05-1.15x, and 0.99x at local_global 0.05.
 - ``triton``: every other CUDA call.
 
 The backward takes the first route that serves the call (``bwd_route``):
@@ -98,18 +104,17 @@ class Route(NamedTuple):
     why: Optional[str] = None
 
 
-MASK_WHY = "mask: only no mask, a band on local indices and segment ids"
-BWD_MASK_WHY = "mask: only no mask, a band on local indices, segment ids and a block mask (not with segment ids)"
+MASK_WHY = "mask: only no mask, a band on local indices, segment ids and a block mask (not with segment ids)"
 
 
-def gluon_mask(mask: PairMask, backward: bool = False) -> bool:
-    """Whether the Gluon kernels serve ``mask``: no mask, a band on local indices (causal, a
-    window, both), segment ids, or a band with segment ids (no dropout or band on global
-    positions); a block mask (with or without a band, not with segment ids) in the
-    ``backward`` only."""
+def gluon_mask(mask: PairMask) -> bool:
+    """Whether the Gluon kernels (forward and backward alike) serve ``mask``: no mask, a
+    band on local indices (causal, a window, both), segment ids, a block mask, or a band
+    with either (not segment ids with a block mask; no dropout or band on global
+    positions)."""
     if mask.dropout_p != 0 or mask.band_on_positions:
         return False
-    return mask.blocks is None or (backward and mask.q_segments is None)
+    return mask.blocks is None or mask.q_segments is None
 
 
 def deterministic_mode(deterministic: bool) -> bool:
@@ -124,7 +129,7 @@ def gluon_serves(q: torch.Tensor, k: torch.Tensor, rows_q: int, rows_k: int, mas
     torch's mode), judged only from what every rank of a ring agrees on (not strides or
     addresses, which ``bwd_route`` checks per call): the ring chooses its schedule from
     this (ringflash/ring/rotate.py), and every rank must choose alike."""
-    return (capability(q) == (9, 0) and gluon_mask(mask, backward=True) and q.dtype == torch.bfloat16
+    return (capability(q) == (9, 0) and gluon_mask(mask) and q.dtype == torch.bfloat16
             and q.shape[-1] in (64, 128)
             and not ((mask.q_segments is not None or mask.blocks is not None) and deterministic_mode(deterministic))
             and k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0
@@ -150,7 +155,7 @@ def fwd_route(q, k, v, out, lse, *, softmax_scale: float, mask: PairMask, accumu
         from .gluon import launch as kernel  # imported on Hopper only; it compiles nothing at import
 
         error = kernel.fwd_unsupported(q, k, v, out, lse, softmax_scale, mask.band_hi, accumulate, out_partial,
-                                       mask.band_lo, mask.q_segments, mask.k_segments)
+                                       mask.band_lo, mask.q_segments, mask.k_segments, mask.blocks)
         why = None if error is None else str(error)
     return Route("triton", why) if why else Route(GLUON)
 
@@ -166,7 +171,7 @@ def fwd(q, k, v, out, lse, *, softmax_scale: float, mask: PairMask, accumulate: 
 
         attn_fwd_sm90(q, k, v, out, lse, softmax_scale, causal_offset=mask.band_hi, accumulate=accumulate,
                       out_partial=out_partial, band_lo=mask.band_lo, q_segments=mask.q_segments,
-                      k_segments=mask.k_segments)
+                      k_segments=mask.k_segments, blocks=mask.blocks)
     else:
         backend(q).fwd(q, k, v, out, lse, softmax_scale=softmax_scale, mask=mask, accumulate=accumulate,
                        out_partial=out_partial, tail=tail, arrival=arrival)
@@ -180,8 +185,8 @@ def bwd_route(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, ma
     arch = capability(q)
     if arch is None:
         return Route("reference")
-    if not gluon_mask(mask, backward=True):
-        why = BWD_MASK_WHY
+    if not gluon_mask(mask):
+        why = MASK_WHY
     elif dq is None or dk is None:
         why = "dq or dk/dv skipped: the Gluon kernel computes them together"
     elif any(p is not None for p in partials) or any(t is not None for t in tails):

@@ -97,16 +97,25 @@ def test_all_ones_is_dense(impl, monkeypatch):
 @pytest.mark.parametrize("kind", ["random", "per-head", "local-global"])
 def test_gpu_block_mask(kind, s, monkeypatch):
     """bf16 on the GPU's own tiles (hd 128, GQA, causal) against the oracle: 2000 tokens
-    (the Triton kernels), 2048 (on Hopper the backward is the Gluon kernel's: counted)."""
+    (the Triton kernels), 2048 (on Hopper the forward and the backward are the Gluon
+    kernels': counted)."""
     from ringflash.kernels import dispatch
-    calls, run = [], dispatch.gluon_bwd
-    monkeypatch.setattr(dispatch, "gluon_bwd", lambda *a, **kw: calls.append(1) or run(*a, **kw))
+    calls, run, route = [], dispatch.gluon_bwd, dispatch.fwd_route
+
+    def counted_route(*args, **kwargs):
+        chosen = route(*args, **kwargs)
+        if chosen.name == dispatch.GLUON:
+            calls.append("fwd")
+        return chosen
+
+    monkeypatch.setattr(dispatch, "gluon_bwd", lambda *a, **kw: calls.append("bwd") or run(*a, **kw))
+    monkeypatch.setattr(dispatch, "fwd_route", counted_route)
     h, hkv = 8, 2
     q, k, v, dout = _inputs(1, s, h, hkv, 128, torch.bfloat16, "cuda", seed=9)
     bm = _mask_of(kind, h, s)
     got = _run_flash_attn(q, k, v, dout, causal=True, block_mask=bm.cuda())
     hopper = torch.cuda.get_device_capability() == (9, 0)
-    assert len(calls) == (1 if hopper and s % 128 == 0 else 0)
+    assert calls == (["fwd", "bwd"] if hopper and s % 128 == 0 else [])
     mask = with_blocks(global_mask(s, True), bm, s).cuda()
     want = oracle_results(q, k, v, dout, mask)
     for key, a in zip(want, got):

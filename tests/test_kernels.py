@@ -716,8 +716,8 @@ def test_torch_compile_traces_the_op():
 
 def test_forward_route_rules(monkeypatch):
     """kernels/dispatch.py's forward route, read on CPU stand-ins of a Hopper call: the
-    twin off CUDA; on sm_90 the Gluon forward only for no mask, a band on local indices and
-    segment ids, k and v whole, head_dim 128, bf16 (the stand-ins pass every rule but the
+    twin off CUDA; on sm_90 the Gluon forward only for no mask, a band on local indices,
+    segment ids and a block mask (not both), k and v whole, head_dim 128, bf16 (the stand-ins pass every rule but the
     device)."""
     from ringflash.kernels.dispatch import Route, fwd_route
 
@@ -741,7 +741,15 @@ def test_forward_route_rules(monkeypatch):
         assert call(mask=mask).why == device, mask
     assert "k_segments must be int32" in call(mask=PairMask(q_segments=seg, k_segments=seg.long())).why
     assert "k_segments must have shape (1, 256)" in call(mask=PairMask(q_segments=seg, k_segments=seg[:, :128])).why
-    for mask in (PairMask(dropout_p=0.1), PairMask(blocks=object()), PairMask(band_hi=0, band_on_positions=True)):
+    # a block mask (block-sparse): one for every head or one a query head, with or without a band
+    from ringflash.kernels.masks import Blocks
+    for blocks in (torch.ones(1, 2, 2, dtype=torch.bool), torch.rand(4, 2, 2) < 0.5):
+        for mask in (PairMask(blocks=Blocks(blocks)), PairMask(band_lo=-64, band_hi=0, blocks=Blocks(blocks))):
+            assert call(mask=mask).why == device, mask
+    assert "blocks.mask must be (1 or heads, 2, 2)" in call(mask=PairMask(blocks=Blocks(torch.ones(2, 2, 2).bool()))).why
+    assert "blocks must be a kernels.masks.Blocks" in call(mask=PairMask(blocks=object())).why
+    for mask in (PairMask(dropout_p=0.1), PairMask(band_hi=0, band_on_positions=True),
+                 PairMask(q_segments=seg, k_segments=seg, blocks=Blocks(torch.ones(1, 2, 2, dtype=torch.bool)))):
         assert call(mask=mask).why == dispatch.MASK_WHY, mask
     assert call(tail=(None, None)).why == "k, v Joined from two tensors"
     assert call(d=64).why == "head_dim 64: the Gluon forward is routed at 128 (level with Triton at 64)"
@@ -803,7 +811,7 @@ def test_backward_route_rules(monkeypatch):
     assert "blocks must be a kernels.masks.Blocks" in call(mask=PairMask(blocks=object())).why
     for mask in (PairMask(dropout_p=0.1), PairMask(band_hi=0, band_on_positions=True),
                  PairMask(q_segments=seg, k_segments=seg, blocks=Blocks(torch.ones(1, 2, 2, dtype=torch.bool)))):
-        assert call(mask=mask).why == dispatch.BWD_MASK_WHY, mask
+        assert call(mask=mask).why == dispatch.MASK_WHY, mask
     assert "together" in call(dq=None).why
     # the ring's steps: dq, dk and dv added into fp32 sums, not *_partial ones
     assert call(accumulate=True, dkv=torch.float32).why == call().why

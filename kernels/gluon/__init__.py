@@ -1,16 +1,16 @@
 """Gluon kernels (``triton.experimental.gluon``) for Hopper, by role:
 
     fwd.py     a warp-specialized forward (head_dim 64 and 128, bf16, MHA and GQA,
-               unmasked or a band: causal with an offset, a window; out written or merged
-               into the ring's running out and lse), the default forward of flash_attn
-               and the ring's steps on sm_90 at head_dim 128 (kernels/dispatch.py);
-               segment ids compiled, not routed
-    bwd.py     a warp-specialized backward (head_dim 64 and 128, bf16, MHA and GQA,
-               unmasked or a band: causal with an offset, a window; dQ's adds in arrival
-               order or, deterministic, in a fixed one), the default backward of
-               flash_attn and of the ring's steps on sm_90; segment ids compiled, not
-               routed
-    tiles.py   the tile bounds from the host (segment ids) that narrow either kernel's walk
+               unmasked, a band: causal with an offset, a window; segment ids or a block
+               mask with or without the band; out written or merged into the ring's
+               running out and lse), the default forward of flash_attn and the ring's
+               steps on sm_90 at head_dim 128 (kernels/dispatch.py)
+    bwd.py     a warp-specialized backward (head_dim 64 and 128, bf16, MHA and GQA, the
+               same masks; dQ's adds in arrival order or, deterministic, in a fixed one),
+               the default backward of flash_attn and of the ring's steps on sm_90
+    tiles.py   what narrows either kernel's walk: the tile bounds from the host (segment
+               ids), the rows of the block lists (a block mask)
+    ptx.py     inline PTX both use: the TMA reduce-add, signals, selects
     ordered.py the backward's deterministic dQ: its adds in a fixed order of K tiles
     launch.py  their host side: ``attn_fwd_sm90`` and ``attn_bwd_sm90`` check and launch
                them; ``compile_fwd_sm90`` and ``compile_sm90`` build them for sm_90

@@ -15,8 +15,7 @@ local indices (the ring's pairs); with it or without it a window's lower edge
 (SEGMENTS: packed documents, int32 (B, Sq) and (B, Sk), key j seen only if its id equals
 query i's, ids < 0 padding), or a block mask with or without the band (BLOCKS, not with
 segment ids: the K tiles of the Q tile's row of ``masks.block_lists``, the partial ones
-masked, as the backward walks its lists; compiled and checked on the CPU, not yet run on
-a GPU, so not routed: kernels/dispatch.py sends block masks to the Triton forward).
+masked, as the backward walks its lists).
 Outputs: out (B, Sq, H, D) in any float dtype and lse (B, H, Sq) fp32 (natural log; a
 row that sees no key gets out 0 and lse -inf), through their own strides; with
 ``ACCUMULATE`` the block's result is merged with the running (out_in, lse) first, exactly
