@@ -155,7 +155,7 @@ def plot(json_path) -> str:
     data = results.load_results(json_path)
     records = data["records"]
     seqlens = sorted({r["seqlen"] for r in records})
-    fig, axes = plt.subplots(1, len(seqlens), figsize=(5 * len(seqlens), 3.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(seqlens), figsize=(8 * len(seqlens), 4.2), squeeze=False)
     for ax, seqlen in zip(axes[0], seqlens):
         rs = [r for r in records if r["seqlen"] == seqlen and r.get("fwdbwd_ms")]
         dense = next((r["fwdbwd_ms"] for r in rs if r["pattern"] == "dense" and r["impl"] == "ringflash"), None)
@@ -172,7 +172,7 @@ def plot(json_path) -> str:
         ax.set_ylabel("fwd+bwd ms")
         ax.set_title(f"{cli.fmt_size(seqlen)} tokens", fontsize=10)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))  # beside: many variants
     meta = data["meta"]
     fig.suptitle(f"{meta.get('device')} x{meta.get('gpu_count')}, bf16, {records[0]['heads']} heads, "
                  f"head_dim {records[0]['head_dim']}", fontsize=9)
