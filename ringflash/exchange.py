@@ -370,16 +370,20 @@ _SYMMETRIC: dict[str, dict[str, tuple[torch.Tensor, object]]] = {}
 _COPY_STREAMS: dict[int, torch.cuda.Stream] = {}
 # A peer that never arrives at a barrier ends the process with a CUDA error after this long.
 _BARRIER_TIMEOUT_MS = 10 * 60 * 1000
+# The signal pad's channels of an exchange's two handshakes (``PeerRing._ready``, ``_landed``).
+_READY, _LANDED = 1, 2
 
 
 class PeerRing(Ring):
     """The ring over copy engines, for NCCL groups whose ranks share one node.
 
-    Each exchange runs on a high-priority side stream: a barrier of the group (every rank
-    has finished the work queued before the exchange, so every message is written and
-    every receive buffer is free), then, for each pair, a copy of this rank's ``send`` into
-    rank+shift's ``recv``, seen through its symmetric-memory mapping, then a second barrier
-    (every rank's copies are done, so this rank's receive buffers hold their messages).
+    Each exchange runs on a high-priority side stream: a handshake with the two ranks it
+    trades with (``_ready``: the receiver rank+shift has finished the work queued before
+    the exchange, so its receive buffers are free), then, for each pair, a copy of this
+    rank's ``send`` into rank+shift's ``recv``, seen through its symmetric-memory mapping,
+    then a second handshake (``_landed``: rank-shift's copies into this rank are done, so
+    its receive buffers hold their messages). Until 2026-11-27 both were barriers of the
+    whole group, which made every exchange wait for the busiest rank.
     The receive buffers must come from ``buffer`` and sit at the same place on every rank,
     which the ring schedule's lockstep guarantees. Nothing is in flight once the compute
     stream has waited for an exchange, so a call ends without a barrier of its own.
@@ -447,7 +451,7 @@ class PeerRing(Ring):
         stream.wait_stream(torch.cuda.current_stream())
         size = k.element_size()
         with torch.cuda.stream(stream):
-            handle.barrier(channel=0, timeout_ms=_BARRIER_TIMEOUT_MS)
+            self._ready(handle, 1)
             started = torch.cuda.Event()
             started.record(stream)
             for t in (k, v):
@@ -457,7 +461,7 @@ class PeerRing(Ring):
                     _copy_rows(theirs[i].data_ptr() + c * heads * d * size, t.data_ptr() + c * heads * d * size,
                                heads * d * size, hkv * d * size, b * n, stream)
                 _write_flag(their_flags.data_ptr() + 4 * c, 1, stream)
-            handle.barrier(channel=0, timeout_ms=_BARRIER_TIMEOUT_MS)
+            self._landed(handle, 1)
             done = torch.cuda.Event()
             done.record(stream)
         torch.cuda.current_stream().wait_event(started)
@@ -480,18 +484,33 @@ class PeerRing(Ring):
             located.append((send, *self._find(at[0] if at else recv)))
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream())
-        barrier = located[0][2].barrier
+        first = located[0][2]
         with torch.cuda.stream(stream):
-            barrier(channel=0, timeout_ms=_BARRIER_TIMEOUT_MS)
+            self._ready(first, shift)
             for send, offset, handle in located:
                 send.record_stream(stream)  # read here: not to be reused before the copy is done
                 theirs = handle.get_buffer((self.rank + shift) % self.world, tuple(send.shape),
                                            send.dtype, offset)
                 theirs.copy_(send)
-            barrier(channel=0, timeout_ms=_BARRIER_TIMEOUT_MS)
+            self._landed(first, shift)
             event = torch.cuda.Event()
             event.record(stream)
         return [_Copied(event)]
+
+    def _ready(self, handle, shift: int) -> None:
+        """On the side stream, before an exchange's copies: tell this rank's sender
+        (rank - shift) that its receive buffers are free (everything queued before the
+        exchange is done here), and wait until the receiver (rank + shift) says the same.
+        Only the two neighbours of the exchange wait for each other, not the whole group:
+        a busier rank holds up its neighbours' trips, not every rank's."""
+        handle.put_signal((self.rank - shift) % self.world, channel=_READY, timeout_ms=_BARRIER_TIMEOUT_MS)
+        handle.wait_signal((self.rank + shift) % self.world, channel=_READY, timeout_ms=_BARRIER_TIMEOUT_MS)
+
+    def _landed(self, handle, shift: int) -> None:
+        """After the copies (stream order): tell the receiver its messages have landed, and
+        wait for the sender's to land here."""
+        handle.put_signal((self.rank + shift) % self.world, channel=_LANDED, timeout_ms=_BARRIER_TIMEOUT_MS)
+        handle.wait_signal((self.rank - shift) % self.world, channel=_LANDED, timeout_ms=_BARRIER_TIMEOUT_MS)
 
 
 def symmetric_bytes() -> int:
