@@ -228,7 +228,7 @@ def peer_timeout() -> float:
     """Seconds a kernel waits for a chunk of K/V from a peer before it gives up:
     RINGFLASH_PEER_TIMEOUT_S (read at every call; default ``PEER_TIMEOUT_S``). The clock
     starts when a tile first finds its chunk missing, which is after both ranks have
-    started the exchange (its first barrier), so it bounds the copy engines' delivery
+    started the exchange (its first handshake), so it bounds the copy engines' delivery
     alone, not a peer arriving late at the call: the default is generous."""
     text = os.environ.get("RINGFLASH_PEER_TIMEOUT_S")
     if text is None:
@@ -256,7 +256,7 @@ class _PeerStatus:
     A failure stays: a chunk that lands after its kernel gave up could raise a flag the
     next call reads as its own, so every later call over the group raises (``check``).
     When none does within a further timeout of the failure's discovery (the main thread
-    waits on the GPU, which waits for the peer at the exchange's closing barrier, or it
+    waits on the GPU, which waits for the peer at the exchange's closing handshake, or it
     runs no ring call), the watchdog reports the error and ends the process
     (``_end_process``), as NCCL's watchdog does on a collective that timed out."""
 
@@ -331,7 +331,7 @@ def _watchdog() -> None:
 def _end_process(status: _PeerStatus) -> None:
     """Report a failure no call raised, with where every thread is, and end the process
     (exit status 1): its main thread waits for a GPU that waits for the peer, and would
-    until the exchange's barrier times out (``_BARRIER_TIMEOUT_MS``)."""
+    until the exchange's handshake times out (``_SIGNAL_TIMEOUT_MS``)."""
     try:
         out = sys.__stderr__ or sys.stderr  # the process's own, where sys.stderr is replaced (captured)
         print(f"{status.message()}.\nNo ring call raised it within another {status.words[3] / 1000:g} s "
@@ -368,8 +368,8 @@ def _check_group(group) -> None:
 # making a buffer symmetric is a collective that maps every rank's memory into the others.
 _SYMMETRIC: dict[str, dict[str, tuple[torch.Tensor, object]]] = {}
 _COPY_STREAMS: dict[int, torch.cuda.Stream] = {}
-# A peer that never arrives at a barrier ends the process with a CUDA error after this long.
-_BARRIER_TIMEOUT_MS = 10 * 60 * 1000
+# A peer that never answers a handshake ends the process with a CUDA error after this long.
+_SIGNAL_TIMEOUT_MS = 10 * 60 * 1000
 # The signal pad's channels of an exchange's two handshakes (``PeerRing._ready``, ``_landed``).
 _READY, _LANDED = 1, 2
 
@@ -411,8 +411,8 @@ class PeerRing(Ring):
         """Replace buffer ``key`` by a larger one; every rank does so in the same call.
         Both ends synchronize: copies still queued may read the old buffer, and the new
         one's signal pad is zeroed outside this ring's streams, which must be done on every
-        rank before any rank signals into it (else the signal is wiped, and the barrier
-        waits forever)."""
+        rank before any rank signals into it (else the signal is wiped, and the handshake
+        waits for it until it times out)."""
         torch.cuda.synchronize(device)
         self._buffers.pop(key, None)
         base = self._symm_mem.empty(numel, dtype=dtype, device=device)
@@ -430,10 +430,15 @@ class PeerRing(Ring):
         ((Hkv / heads,) int32, in a buffer of their own), which turn 1 as their chunk
         lands here, for ``kernels.Arrival``; the caller zeroes them once it has waited for
         ``pending`` (before the next exchange, which no rank starts before then: a graph
-        replaying the call waits anew). The current stream waits for the first barrier
-        only: a kernel that waits for the flags may hold every SM (a barrier kernel needs
+        replaying the call waits anew). The current stream waits for the first handshake
+        only: a kernel that waits for the flags may hold every SM (a signal kernel needs
         one), and the rest of the trip needs none. So the kernel's wait has an end of its
-        own: ``watch`` gives it ``peer_timeout()`` and this group's ``_PeerStatus``."""
+        own: ``watch`` gives it ``peer_timeout()`` and this group's ``_PeerStatus``.
+        A ring of two only (``gathered.keeps_kv``): there the one peer is the sender and
+        the receiver both, so the first handshake has heard from the sender, and the
+        flags' clock never counts a sender late to the call."""
+        if self.world != 2:
+            raise ValueError(f"PeerRing.arriving serves a ring of two, not of {self.world}")
         self._status.check()
         timeout = peer_timeout()
         self._status.arm(timeout, heads)
@@ -503,14 +508,14 @@ class PeerRing(Ring):
         exchange is done here), and wait until the receiver (rank + shift) says the same.
         Only the two neighbours of the exchange wait for each other, not the whole group:
         a busier rank holds up its neighbours' trips, not every rank's."""
-        handle.put_signal((self.rank - shift) % self.world, channel=_READY, timeout_ms=_BARRIER_TIMEOUT_MS)
-        handle.wait_signal((self.rank + shift) % self.world, channel=_READY, timeout_ms=_BARRIER_TIMEOUT_MS)
+        handle.put_signal((self.rank - shift) % self.world, channel=_READY, timeout_ms=_SIGNAL_TIMEOUT_MS)
+        handle.wait_signal((self.rank + shift) % self.world, channel=_READY, timeout_ms=_SIGNAL_TIMEOUT_MS)
 
     def _landed(self, handle, shift: int) -> None:
         """After the copies (stream order): tell the receiver its messages have landed, and
         wait for the sender's to land here."""
-        handle.put_signal((self.rank + shift) % self.world, channel=_LANDED, timeout_ms=_BARRIER_TIMEOUT_MS)
-        handle.wait_signal((self.rank - shift) % self.world, channel=_LANDED, timeout_ms=_BARRIER_TIMEOUT_MS)
+        handle.put_signal((self.rank + shift) % self.world, channel=_LANDED, timeout_ms=_SIGNAL_TIMEOUT_MS)
+        handle.wait_signal((self.rank - shift) % self.world, channel=_LANDED, timeout_ms=_SIGNAL_TIMEOUT_MS)
 
 
 def symmetric_bytes() -> int:

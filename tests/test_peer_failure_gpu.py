@@ -7,19 +7,20 @@ within a bound, instead of waiting forever inside the forward kernel.
 (under ``torchrun --nproc-per-node=2 -m pytest`` the same: local rank 0 runs the worlds,
 the other ranks skip). Each test launches a world of two of its own (torchrun, this file
 as its script; skipped without two GPUs) over the copy-engine ring with
-RINGFLASH_PEER_TIMEOUT_S=3: a ring of two over contiguous shards under a block mask,
-whose one-launch forward waits inside the kernel for the other rank's K/V
-(``gathered.gathered_forward``). After a healthy call (kernels compiled, buffers made),
-rank 1 fails in its next exchange, after the first barrier (both ranks' kernels have
+RINGFLASH_PEER_TIMEOUT_S=3: a ring of two over contiguous shards under a block mask with
+``deterministic=True`` (which the Gluon backward does not serve under a block mask, so the
+ring keeps the other rank's K/V: ``gathered.keeps_kv``), whose one-launch forward waits
+inside the kernel for the other rank's K/V (``gathered.gathered_forward``). After a healthy call (kernels compiled, buffers made),
+rank 1 fails in its next exchange, after the first handshake (both ranks' kernels have
 started waiting), before it copies a byte:
 
-- silent: rank 1 skips its copies and flag writes and goes on (its barriers run): rank 0's
+- silent: rank 1 skips its copies and flag writes and goes on (its handshakes run): rank 0's
   kernel gives up, its output is NaN, the exchange completes, and rank 0's next call
   raises ``PeerTimeoutError`` naming rank 1 in its own process.
 - stopped: rank 1 sleeps (a peer stuck, its process alive); killed: rank 1's process exits
   (status 0: torchrun's agent would end rank 0 itself on a failure). Rank 0's kernel gives
   up, but its main thread waits on the GPU, which waits for rank 1 at the exchange's
-  closing barrier: the watchdog reports the error naming rank 1 and ends rank 0's
+  closing handshake: the watchdog reports the error naming rank 1 and ends rank 0's
   process (exit status 1), one more timeout later.
 
 A test that ends a rank cannot be a rank of the world it ends (a pytest process would
@@ -119,12 +120,12 @@ def test_a_peer_that_stops_mid_call_ends_in_an_error_naming_it(fault, tmp_path):
 
 def _fail(fault: str) -> None:
     """Make this rank fail in its next copy-engine exchange that streams chunks: after
-    its first barrier has run (the other rank's kernel is waiting then), before its first
+    its first handshake has run (the other rank's kernel is waiting then), before its first
     copy."""
     import ringflash.exchange as exchange
 
     def stop(*args):
-        torch.cuda.current_stream().synchronize()  # the copy stream: the first barrier has run
+        torch.cuda.current_stream().synchronize()  # the copy stream: the first handshake has run
         print(f"rank 1 {fault}", flush=True)
         if fault == "killed":
             os._exit(0)
@@ -144,6 +145,7 @@ def world(fault: str) -> None:
     import torch.distributed as dist
 
     import ringflash
+    from ringflash import exchange
     from ringflash.exchange import PeerTimeoutError
     from ringflash.kernels.block_sparse import random_block_mask
 
@@ -160,11 +162,14 @@ def world(fault: str) -> None:
     local = [ringflash.shard(t, 1, "contiguous").requires_grad_() for t in (q, k, v)]
 
     def call():  # a backward would follow: the ring of two keeps the K/V, one forward launch
-        return ringflash.ring_flash_attn(*local, layout="contiguous", block_mask=mask)
+        return ringflash.ring_flash_attn(*local, layout="contiguous", block_mask=mask, deterministic=True)
 
+    streamed, arriving = [], exchange.PeerRing.arriving
+    exchange.PeerRing.arriving = lambda *args: streamed.append(1) or arriving(*args)
     out = call()
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), "the healthy call"
+    assert streamed, "the healthy call did not stream the other rank's K/V into a waiting kernel"
     dist.barrier()
     if rank == 1:
         _fail(fault)

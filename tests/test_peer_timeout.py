@@ -234,3 +234,12 @@ def test_the_one_launch_forward_passes_the_rings_watch(monkeypatch):
                               dropout=(0.0, 0), ring=ring, plan=None, blocks=None)
     arrival = launches[0]
     assert arrival.flags is ring.flags and arrival.timeout == 2.5 and arrival.status is status
+
+
+def test_arriving_serves_a_ring_of_two_only():
+    """The copy-engine ring's streamed exchange relies on its one peer being sender and
+    receiver both (its first handshake has then heard from the sender before the flags'
+    clock can start): a larger ring raises instead of timing a late sender."""
+    ring = types.SimpleNamespace(world=4)
+    with pytest.raises(ValueError, match="serves a ring of two, not of 4"):
+        exchange.PeerRing.arriving(ring, (None, None), None, 1)
