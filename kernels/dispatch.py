@@ -44,10 +44,11 @@ The backward takes the first route that serves the call (``bwd_route``):
   schedule runs: ringflash/ring/rotate.py), written or, with
   ``accumulate``, added to fp32 sums (dq and dk/dv alike: fp32 running sums, not
   ``*_partial`` ones).
-  Why: on one H100 (2026-11-27, 8k-64k tokens, 32 heads, causal and not) forward +
-  backward 0.95-1.03x SDPA cuDNN's, and 0.84-0.97x with ``deterministic``, against
-  0.73-0.82x with the Triton backward (benchmarks/results/kernel_h100.json;
-  docs/performance.md, "The Hopper backward"). The backward alone
+  Why: on one H100 (2026-11-27, 8k-64k tokens, 32 heads, causal and not, with the Gluon
+  forward) forward + backward 0.96-1.07x SDPA cuDNN's, and 0.88-0.97x with
+  ``deterministic``, against 0.73-0.82x with the Triton backward
+  (benchmarks/results/kernel_h100.json; docs/performance.md, "The Hopper kernels, one
+  H100"). The backward alone
   (benchmarks/research/backward_alone.py, one H100, 2026-11-27): causal windows of 1k and
   4k keys at 16k-32k 1.16-1.38x the Triton pair's speed, head_dim 64 at 8k-16k 1.13-1.36x
   (and 0.97-1.06x cuDNN's). Causal packed documents at 16k-64k, 32 or 8 kv heads, one
