@@ -43,8 +43,7 @@ VARIANTS = {
     "documents-gqa-add": dict(heads=8, kv_heads=2, accumulate=True, out_dtype=torch.float32, segments=True),
     "documents-window": dict(causal_offset=0, band_lo=-300, segments=True),
     "documents-hd64": dict(causal_offset=0, head_dim=64, segments=True),
-    # a block mask (block-sparse): alone, with the
-    # causal band, with GQA, a window and the merge
+    # a block mask (block-sparse): alone, with the causal band, with GQA, a window and the merge
     "blocks": dict(blocks=True),
     "blocks-causal": dict(causal_offset=0, blocks=True),
     "blocks-gqa-window-add": dict(heads=8, kv_heads=2, causal_offset=0, band_lo=-300, accumulate=True,

@@ -80,8 +80,8 @@ CASES = [
     (1, 1024, 1024, 4, 4, 1024, "partial", "contiguous", None, "shifted"),
     (1, 1024, 1024, 4, 4, 0, "write", "hd64", None, "docs"),
     # a block mask (the 11th field, tests/test_gluon_gpu.py's ``_block_mask``: one for every
-    # head, one a query head, or none at all): without a
-    # band, causal, an offset pair, GQA with the merge, MQA, a window, the last step
+    # head, one a query head, or none at all): without a band, causal, an offset pair, GQA
+    # with the merge, MQA, a window, the last step
     (1, 1024, 1024, 4, 4, None, "write", "contiguous", None, None, "shared"),
     (2, 1024, 1024, 4, 4, 0, "write", "contiguous", None, None, "heads"),
     (1, 512, 1024, 4, 4, -256, "write", "contiguous", None, None, "shared"),

@@ -717,8 +717,8 @@ def test_torch_compile_traces_the_op():
 def test_forward_route_rules(monkeypatch):
     """kernels/dispatch.py's forward route, read on CPU stand-ins of a Hopper call: the
     twin off CUDA; on sm_90 the Gluon forward only for no mask, a band on local indices,
-    segment ids and a block mask (not both), k and v whole, head_dim 128, bf16 (the stand-ins pass every rule but the
-    device)."""
+    segment ids and a block mask (not both), k and v whole, head_dim 128, bf16 (the
+    stand-ins pass every rule but the device)."""
     from ringflash.kernels.dispatch import Route, fwd_route
 
     def call(sq=256, d=128, dtype=torch.bfloat16, out=torch.bfloat16, **kwargs):
