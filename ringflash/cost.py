@@ -92,9 +92,10 @@ class Costs(NamedTuple):
     step_ms: per step: what the step's launches cost beyond their programs (a pass split at
         a step boundary pays a launch's ramp and tail and the merge of its partial sums).
     link_gbps: bytes a link carries beside the kernels, GB/s (copy engines).
-    message_ms: per exchange, beside its bytes: the copy-engine transport's barriers of the
-        group before and after the copies (``exchange.PeerRing``), paid where the exchange
-        is not hidden behind the kernels it runs beside."""
+    message_ms: per exchange, beside its bytes: the copy-engine transport's handshakes
+        before and after the copies (``exchange.PeerRing``; barriers of the whole group
+        when the constants were fitted), paid where the exchange is not hidden behind the
+        kernels it runs beside."""
 
     tile_ms: float
     partial: float
@@ -540,8 +541,8 @@ def rank_times(counts: RingCounts, costs: Costs, problem: Problem = Problem()) -
     (``_timeline``; a ring of two taking its sums home early: ``_early_home``), plus
     ``step_ms`` a step. A transfer hides behind the kernels it runs beside, and what it
     outlasts them by is waited for. The ring takes its slowest rank's, each rank's time its
-    own: the coupling of one rank's steps to the others' through the group's barriers is not
-    charged (docs/performance.md, "Cost model", its limits)."""
+    own: the coupling of one rank's steps to its neighbours' through the exchanges'
+    handshakes (the whole group's barriers until 2026-11-27) is not charged (docs/performance.md, "Cost model", its limits)."""
     fwd, dq, dkv = pass_times(counts, costs, problem)
     kv, sums, home = transfer_times(counts, costs, problem)
     if counts.early_home:
