@@ -270,3 +270,25 @@ def test_segment_tiles_walk_every_visible_key():
             if offset is None and band_lo is None:  # the ids alone: the walk is the visible keys' tiles, no more
                 hull = (int(cols.min()) // 128, int(cols.max()) // 128 + 1) if len(cols) else (start, start)
                 assert (start, end) == hull, (trial, m, start, end, hull)
+
+
+def test_a_block_masks_launch_runs_its_long_rows_first():
+    """Under a block mask the forward's CTAs run in ``masks.program_order``'s order, which
+    the launch passes (kernels/gluon/launch.py, ``_block_args``): every (batch, head, Q
+    tile) program once; without the band a global row's programs first, one a head, then
+    the rest in the grid's order; under the causal band (where no row has much more work
+    than the rest here) the last Q tile of each head first."""
+    from ringflash.kernels.gluon.launch import _block_args
+    from ringflash.kernels.masks import Blocks
+    from test_gluon_gpu import _block_mask
+
+    b, s, h = 2, 2048, 4
+    n = s // 128
+    q = torch.zeros(b, s, h, 128, dtype=torch.bfloat16)
+    blocks = Blocks(_block_mask("global", h, s, s))  # block row 1 sees every key block
+    order = _block_args(blocks, None, None, q, q, keys_outer=False)[-1].tolist()
+    first = [bh * n + 1 for bh in range(b * h)]
+    assert order == first + [p for p in range(b * h * n) if p not in first]
+    causal = _block_args(blocks, 0, None, q, q, keys_outer=False)[-1].tolist()
+    assert causal == [bh * n + t for bh in range(b * h) for t in reversed(range(n))]
+    assert len(_block_args(blocks, None, None, q, q, keys_outer=True)) == 5  # the backward: the grid's order

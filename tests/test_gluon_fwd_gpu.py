@@ -90,6 +90,10 @@ CASES = [
     (1, 1024, 1024, 4, 4, 0, "write", "contiguous", -300, None, "heads"),
     (1, 1024, 1024, 4, 4, -100, "partial", "contiguous", None, None, "shared"),
     (1, 1024, 1024, 4, 4, None, "write", "contiguous", None, None, "empty"),
+    # a global row of blocks, which the launch runs first (``masks.program_order``), without
+    # and with the band (whose order is reversed), GQA with the merge, batch 2
+    (1, 2048, 2048, 4, 4, None, "write", "contiguous", None, None, "global"),
+    (2, 2048, 2048, 8, 2, 0, "add", "contiguous", None, None, "global"),
 ]
 
 

@@ -122,9 +122,16 @@ def mask_id(offset, band_lo=None, segments=None, blocks=None) -> str:
 
 def _block_mask(kind: str, h: int, sq: int, sk: int) -> torch.Tensor:
     """(1 or h, Sq / 128, Sk / 128) bool: random blocks at density 1/2 for every head
-    ("shared") or per query head ("heads"), or none at all ("empty")."""
+    ("shared") or per query head ("heads"), none at all ("empty"), or local + global
+    attention for every head ("global": the diagonal block, and block row and column 1
+    whole: one row of blocks with many times the others' work, which the forward's launch
+    runs first, ``masks.program_order``)."""
     gen = torch.Generator().manual_seed(1)
-    shape = (1 if kind == "shared" else h, sq // 128, sk // 128)
+    shape = (1 if kind in ("shared", "global") else h, sq // 128, sk // 128)
+    if kind == "global":
+        grid = torch.eye(shape[1], shape[2], dtype=torch.bool)[None]
+        grid[:, 1, :] = grid[:, :, 1] = True
+        return grid
     return torch.zeros(shape, dtype=torch.bool) if kind == "empty" else torch.rand(shape, generator=gen) < 0.5
 
 

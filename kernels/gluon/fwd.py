@@ -435,7 +435,7 @@ def _consumer1(smem, bars, tile, out, segs, blks, CAUSAL: gl.constexpr, LOWER: g
 def _attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_ptr, o_in_ptr, lse_ptr, o_stride_b, o_stride_s, o_stride_h,
                           lse_stride_b, lse_stride_h, lse_stride_s, heads, group, seqlen_k, causal_offset, band_lo,
                           qk_scale, q_ids_ptr, k_ids_ptr, q_ids_stride_b, k_ids_stride_b, tiles_ptr, tiles_stride_b,
-                          blk_counts, blk_index, blk_kind_stride, blk_head_rows, blk_cols,
+                          blk_counts, blk_index, blk_kind_stride, blk_head_rows, blk_cols, blk_order,
                           CAUSAL: gl.constexpr, LOWER: gl.constexpr, SEGMENTS: gl.constexpr,
                           ACCUMULATE: gl.constexpr, BLOCKS: gl.constexpr, STAGES: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr):
@@ -445,13 +445,20 @@ def _attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_ptr, o_in_ptr, lse_ptr, o_st
     band_lo) only when LOWER; the ids (int32 (B, Sq) and (B, Sk), rows contiguous) and
     ``segment_tiles``' (B, Sq / 128, 4) only when SEGMENTS; o_in_ptr (ACCUMULATE only) has o_ptr's strides;
     BLOCKS (a block mask, not with SEGMENTS): ``masks.block_lists`` of the mask, a row per
-    Q tile, as the backward's (``tiles._list_row``); STAGES: the K and V stages (each its
-    own: K is released a step before V)."""
-    bh = gl.program_id(1)
-    off_h = bh % heads
-    m_tile = gl.program_id(0)
-    if CAUSAL:
-        m_tile = gl.num_programs(0) - 1 - m_tile
+    Q tile, as the backward's (``tiles._list_row``), the CTAs in the order blk_order gives
+    (``masks.program_order``, numbered (b H + h) Sq / 128 + Q tile: the rows with much more
+    work than the rest first, so that none runs alone at the end; under the band the last
+    Q tile first); STAGES: the K and V stages (each its own: K is released a step before V)."""
+    if BLOCKS:
+        program = gl.load(blk_order + gl.program_id(1) * gl.num_programs(0) + gl.program_id(0))
+        bh, m_tile = program // gl.num_programs(0), program % gl.num_programs(0)
+        off_h = bh % heads
+    else:  # this order of the statements keeps the SASS of the kernels routed before
+        bh = gl.program_id(1)
+        off_h = bh % heads
+        m_tile = gl.program_id(0)
+        if CAUSAL:
+            m_tile = gl.num_programs(0) - 1 - m_tile
     tile = (bh // heads, off_h, off_h // group, m_tile * BLOCK_M, seqlen_k, causal_offset, band_lo)
     off_b = (bh // heads).to(gl.int64)
     segs = (q_ids_ptr + off_b * q_ids_stride_b, k_ids_ptr + off_b * k_ids_stride_b,

@@ -162,21 +162,31 @@ def _blocks_error(fn: str, q, k, blocks, deterministic: bool, segments: bool) ->
     return None
 
 
-def _block_args(blocks, causal_offset, band_lo, seqlen_q: int, seqlen_k: int, device, keys_outer: bool) -> tuple:
-    """A kernel's five block-list arguments: ``Blocks.lists`` under the band (the
-    backward's, ``keys_outer``, transposed: a row a key block, its query blocks; the
-    forward's a row a query block), its counts and indices, the counts' partial / full
-    stride, a query head's rows apart in them (0: one mask for every head), the indices'
-    row length; int32 stand-ins without a block mask."""
+def _block_args(blocks, causal_offset, band_lo, q, k, keys_outer: bool) -> tuple:
+    """A kernel's block-list arguments: ``Blocks.lists`` under the band (the backward's,
+    ``keys_outer``, transposed: a row a key block, its query blocks; the forward's a row a
+    query block), its counts and indices, the counts' partial / full stride, a query
+    head's rows apart in them (0: one mask for every head), the indices' row length; the
+    forward's also the order its CTAs run in (``Blocks.order``: Q tiles of (batch, head),
+    the long rows first, under the band the last tiles first). The backward keeps its
+    grid's order: a tile number loaded from memory stays live in its consumers, which
+    have no registers for it (tests/test_gluon_compile.py saw the block variants' loops
+    spill). int32 stand-ins without a block mask."""
     if blocks is None:
-        none = _stand_in(device)
-        return none, none, 0, 0, 0
+        none = _stand_in(q.device)
+        return (none, none, 0, 0, 0) + (() if keys_outer else (none,))
+    b, sq, h = q.shape[:3]
+    sk = k.shape[1]
     lo = -BAND_INF if band_lo is None else band_lo
     hi = BAND_INF if causal_offset is None else causal_offset
-    counts, index = (blocks.lists(lo, hi, seqlen_k, seqlen_q, transpose=True) if keys_outer
-                     else blocks.lists(lo, hi, seqlen_q, seqlen_k))
+    if keys_outer:
+        counts, index = blocks.lists(lo, hi, sk, sq, transpose=True)
+        order = ()
+    else:
+        counts, index = blocks.lists(lo, hi, sq, sk)
+        order = (blocks.order(lo, hi, sq, sk, False, BLOCK, b, h, reverse=causal_offset is not None),)
     heads, rows, cols = index.shape
-    return counts, index, counts.stride(0), rows if heads > 1 else 0, cols
+    return (counts, index, counts.stride(0), rows if heads > 1 else 0, cols) + order
 
 
 def unsupported(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal_offset,
@@ -286,7 +296,7 @@ def attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale: floa
         dv.stride(0), dv.stride(1), dv.stride(2), h, hkv, sq, _kernel_offset(causal_offset, sq, sk),
         _kernel_offset(band_lo, sq, sk), softmax_scale * LOG2E, softmax_scale, turns,
         *_segment_args(q_segments, k_segments, sq, sk, q.device, keys_outer=True),
-        *_block_args(blocks, causal_offset, band_lo, sq, sk, q.device, keys_outer=True), h // hkv,
+        *_block_args(blocks, causal_offset, band_lo, q, k, keys_outer=True), h // hkv,
         causal_offset is not None, band_lo is not None, q_segments is not None, bool(accumulate), bool(deterministic),
         blocks is not None, CONSUMER_REGS, WORKER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)
     return dq_acc, dk, dv
@@ -338,8 +348,8 @@ def compile_sm90(consumer_regs: int = CONSUMER_REGS, worker_regs: int = WORKER_R
               torch.zeros(heads * seqlen_q // BLOCK_M.value, dtype=torch.int32) if deterministic else stats,
               *_segment_args(*_stand_in_ids(segments, seqlen_q, seqlen_k), seqlen_q, seqlen_k, q.device,
                              keys_outer=True),
-              *_block_args(_stand_in_blocks(blocks, heads, seqlen_q, seqlen_k), causal_offset, band_lo, seqlen_q,
-                           seqlen_k, q.device, keys_outer=True))
+              *_block_args(_stand_in_blocks(blocks, heads, seqlen_q, seqlen_k), causal_offset, band_lo, q, k,
+                           keys_outer=True))
     consts = dict(GROUP=heads // kv_heads, CAUSAL=causal_offset is not None, LOWER=band_lo is not None,
                   SEGMENTS=segments, ADD=accumulate, DETERMINISTIC=deterministic, BLOCKS=blocks,
                   CONSUMER_REGS=consumer_regs, WORKER_REGS=worker_regs)
@@ -436,7 +446,7 @@ def _fwd_args(q, k, v, out, lse, softmax_scale, causal_offset, out_in, band_lo, 
             h, h // k.shape[2], k.shape[1], _kernel_offset(causal_offset, sq, k.shape[1]),
             _kernel_offset(band_lo, sq, k.shape[1]), softmax_scale * LOG2E,
             *_segment_args(q_segments, k_segments, sq, k.shape[1], q.device, keys_outer=False),
-            *_block_args(blocks, causal_offset, band_lo, sq, k.shape[1], q.device, keys_outer=False))
+            *_block_args(blocks, causal_offset, band_lo, q, k, keys_outer=False))
 
 
 def attn_fwd_sm90(q, k, v, out, lse, softmax_scale: float, causal_offset: Optional[int] = None,
