@@ -159,11 +159,15 @@ def plot(json_path) -> str:
     for ax, seqlen in zip(axes[0], seqlens):
         rs = [r for r in records if r["seqlen"] == seqlen and r.get("fwdbwd_ms")]
         dense = next((r["fwdbwd_ms"] for r in rs if r["pattern"] == "dense" and r["impl"] == "ringflash"), None)
-        def line(r):  # a record's "variant" (a tree or schedule of a comparison run) gets a line of its own
-            return r["impl"], r.get("layout") or "", r["pattern"], r.get("variant") or ""
+        def line(r):  # ringflash's "variant" (a tree or schedule of a comparison run) gets a line of its own
+            variant = (r.get("variant") or "").split(", round")[0] if r["impl"].startswith("ringflash") else ""
+            return r["impl"], r.get("layout") or "", r["pattern"], variant
         for key in sorted({line(r) for r in rs if r["pattern"] != "dense"}):
-            pts = sorted((r["density"], r["fwdbwd_ms"]) for r in rs if line(r) == key)
-            ax.plot(*zip(*pts), marker="o", label=" ".join(k for k in key if k))
+            best = {}  # density -> the best time over the runs (rounds) drawn on this line
+            for r in rs:
+                if line(r) == key:
+                    best[r["density"]] = min(best.get(r["density"], float("inf")), r["fwdbwd_ms"])
+            ax.plot(*zip(*sorted(best.items())), marker="o", label=" ".join(k for k in key if k))
         if dense:
             ax.plot([0.05, 1], [0.05 * dense, dense], "k--", linewidth=1, label="density x dense")
         ax.set_xscale("log")

@@ -28,8 +28,9 @@ The forward takes the first route that serves the call (``fwd_route``):
   H100 (2026-11-27, benchmarks/bench_blocksparse.py beside the tree before this route, same
   machine, blocksparse_h100.json runs 2-3): the forward 1.05-1.18x faster at densities 1 to
   0.05 in 8 of 10 rows, level at local_global 0.10, 0.92x at local_global 0.05 (1.71 ->
-  1.86 ms; forward+backward 0.99x there); a recheck of the lowest densities on one H200
-  (blocksparse_h200_gluon_fwd.json): 1.05-1.15x, and 0.99x at local_global 0.05.
+  1.86 ms: its global row ran last); with the CTAs launched long rows first
+  (``masks.program_order``, runs 4-7, one H100) level or faster than the Triton forward in
+  every row (1.00-1.13x; local_global 0.05 1.68 ms).
 - ``triton``: every other CUDA call.
 
 The backward takes the first route that serves the call (``bwd_route``):
