@@ -39,8 +39,10 @@ The backward takes the first route that serves the call (``bwd_route``):
 - ``gluon_sm90`` (kernels/gluon/bwd.py): a Hopper GPU (sm_90), bf16, head_dim 64 or 128,
   Sq and Sk multiples of 128, no mask, a band on local indices (causal, a window, or
   both: ``band_lo <= j - i <= band_hi``), segment ids or a band with them, a block mask
-  or a band with one (neither segment ids nor a block mask with ``deterministic``: the
-  Triton backward serves those, and repeats its bits), MHA, GQA or MQA; dq, dk and dv
+  or a band with one, and dropout with any of these but a block mask, on positions of
+  stride 1 starting at multiples of 16 (queries) and 32 (keys) (not stripe's; neither
+  segment ids, a block mask nor dropout with ``deterministic``: the Triton backward
+  serves those, and repeats its bits), MHA, GQA or MQA; dq, dk and dv
   in one call (``flash_attn``'s backward, and the ring's block pairs where its fused
   schedule runs: ringflash/ring/rotate.py), written or, with
   ``accumulate``, added to fp32 sums (dq and dk/dv alike: fp32 running sums, not
@@ -57,7 +59,12 @@ The backward takes the first route that serves the call (``bwd_route``):
   1.34-1.62x. Block masks, non-causal, 32k tokens, 32 heads, one H100 (2026-11-27,
   benchmarks/bench_blocksparse.py beside the tree before this route, same machine):
   forward+backward 1.10-1.34x faster at densities 1 to 0.05 (benchmarks/results/
-  blocksparse_h100.json).
+  blocksparse_h100.json). Dropout 0.1, 32 heads, 16k-32k tokens, one H100 (2026-11-27,
+  backward_alone.py ``--dropout 0.1``): the backward alone 1.04x the Triton pair's speed
+  non-causal and 1.16-1.20x causal; through ``flash_attn`` at 32k on one H200
+  (bench_dropout.py, the tree before beside this one, dropout_h200_gluon_bwd.json)
+  forward+backward 165.0 -> 159.0 ms non-causal and 89.9 -> 81.7 causal, and through a
+  ring of 2 H200s (dropout_h200x2_gluon_bwd.json) 84.4 -> 82.9 and 46.2 -> 42.6.
 - ``triton``: every other CUDA call: every mask, dtype, head_dim and GPU.
 
 By default the Gluon kernel adds each CTA's dQ tile into the running dQ in arrival order
@@ -107,16 +114,20 @@ class Route(NamedTuple):
 
 
 MASK_WHY = "mask: only no mask, a band on local indices, segment ids and a block mask (not with segment ids)"
+DROPOUT_WHY = ("dropout: the Gluon backward's needs positions of stride 1 and no block mask or deterministic; the "
+               "Gluon forward has none")
 
 
-def gluon_mask(mask: PairMask) -> bool:
-    """Whether the Gluon kernels (forward and backward alike) serve ``mask``: no mask, a
-    band on local indices (causal, a window, both), segment ids, a block mask, or a band
-    with either (not segment ids with a block mask; no dropout or band on global
-    positions)."""
-    if mask.dropout_p != 0 or mask.band_on_positions:
+def gluon_mask(mask: PairMask, backward: bool = False) -> bool:
+    """Whether the Gluon kernels serve ``mask``: no mask, a band on local indices (causal, a
+    window, both), segment ids, a block mask, or a band with either (not segment ids with
+    a block mask; no band on global positions); dropout in the ``backward`` only, on
+    positions of stride 1 (``PairMask.pos``: what every rank of a ring agrees on, its
+    layout; their alignment is checked per call, kernels/gluon/launch.py) without a block
+    mask."""
+    if mask.band_on_positions or not (mask.blocks is None or mask.q_segments is None):
         return False
-    return mask.blocks is None or mask.q_segments is None
+    return mask.dropout_p == 0 or (backward and mask.blocks is None and mask.pos is not None and mask.pos[2] == 1)
 
 
 def deterministic_mode(deterministic: bool) -> bool:
@@ -131,9 +142,10 @@ def gluon_serves(q: torch.Tensor, k: torch.Tensor, rows_q: int, rows_k: int, mas
     torch's mode), judged only from what every rank of a ring agrees on (not strides or
     addresses, which ``bwd_route`` checks per call): the ring chooses its schedule from
     this (ringflash/ring/rotate.py), and every rank must choose alike."""
-    return (capability(q) == (9, 0) and gluon_mask(mask) and q.dtype == torch.bfloat16
+    return (capability(q) == (9, 0) and gluon_mask(mask, backward=True) and q.dtype == torch.bfloat16
             and q.shape[-1] in (64, 128)
-            and not ((mask.q_segments is not None or mask.blocks is not None) and deterministic_mode(deterministic))
+            and not ((mask.q_segments is not None or mask.blocks is not None or mask.dropout_p != 0)
+                     and deterministic_mode(deterministic))
             and k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0
             and rows_q > 0 and rows_k > 0 and rows_q % 128 == 0 and rows_k % 128 == 0)
 
@@ -145,7 +157,9 @@ def fwd_route(q, k, v, out, lse, *, softmax_scale: float, mask: PairMask, accumu
     arch = capability(q)
     if arch is None:
         return Route("reference")
-    if not gluon_mask(mask):
+    if mask.dropout_p != 0:
+        why = DROPOUT_WHY
+    elif not gluon_mask(mask):
         why = MASK_WHY
     elif tail is not None or arrival is not None:
         why = "k, v Joined from two tensors"
@@ -187,8 +201,8 @@ def bwd_route(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, ma
     arch = capability(q)
     if arch is None:
         return Route("reference")
-    if not gluon_mask(mask):
-        why = MASK_WHY
+    if not gluon_mask(mask, backward=True):
+        why = DROPOUT_WHY if gluon_mask(mask._replace(dropout_p=0.0)) else MASK_WHY
     elif dq is None or dk is None:
         why = "dq or dk/dv skipped: the Gluon kernel computes them together"
     elif any(p is not None for p in partials) or any(t is not None for t in tails):
@@ -206,7 +220,7 @@ def bwd_route(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, ma
                                    softmax_scale, mask.band_hi,
                                    accumulate if accumulate_dkv is None else accumulate_dkv, mask.band_lo,
                                    deterministic_mode(deterministic), mask.q_segments, mask.k_segments,
-                                   mask.blocks)
+                                   mask.blocks, mask.dropout_p, mask.pos)
         why = None if error is None else str(error)
     return Route("triton", why) if why else Route(GLUON)
 
@@ -228,6 +242,7 @@ def gluon_bwd(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, ma
     attn_bwd_sm90(dout, q, k, v, lse, delta, acc, dk, dv, softmax_scale, causal_offset=mask.band_hi,
                   band_lo=mask.band_lo, accumulate=accumulate if accumulate_dkv is None else accumulate_dkv,
                   deterministic=deterministic_mode(deterministic),
-                  q_segments=mask.q_segments, k_segments=mask.k_segments, blocks=mask.blocks)
+                  q_segments=mask.q_segments, k_segments=mask.k_segments, blocks=mask.blocks,
+                  dropout_p=mask.dropout_p, seed=mask.seed, pos=mask.pos, dropout_head0=mask.dropout_head0)
     if acc is not dq:
         dq.copy_(acc)

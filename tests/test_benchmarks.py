@@ -387,6 +387,10 @@ def test_plot_lines_tell_dropout_rates_apart():
     assert plots.default_label({"impl": "ringflash", "layout": "zigzag"}) == "ringflash (zigzag)"
     assert plots.default_label({"impl": "ringflash", "layout": "zigzag", "dropout_p": 0.0}) == "ringflash (zigzag) p=0"
     assert plots.default_label({"impl": "sdpa_cudnn", "dropout_p": 0.1}) == "sdpa_cudnn p=0.1"
+    # a comparison run's trees: ringflash's lines apart, a peer's one line (its latest run)
+    assert plots.default_label({"impl": "ringflash", "layout": "zigzag", "variant": "old", "dropout_p": 0.1}) == \
+        "ringflash (zigzag), old p=0.1"
+    assert plots.default_label({"impl": "sdpa_cudnn", "variant": "old"}) == "sdpa_cudnn"
 
 
 def test_tune_kernel_sets_the_tiles_of_one_kernel():

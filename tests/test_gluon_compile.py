@@ -451,6 +451,45 @@ def test_arguments_outside_the_kernel_raise_naming_them(changes, error, words):
         attn_bwd_sm90(**_args(**shape, **changes))
 
 
+# Dropout (kernels/gluon/dropout.py; its own variants, compiled in the test below): alone, with
+# the causal band and a window under GQA and the ring's add, with segment ids, at head_dim 64.
+DROPOUT_VARIANTS = {"dropout": dict(dropout=True),
+                    "dropout-gqa-window-add": dict(heads=8, kv_heads=2, causal_offset=0, band_lo=-300,
+                                                   accumulate=True, dropout=True),
+                    "dropout-documents-causal": dict(causal_offset=0, segments=True, dropout=True),
+                    "dropout-hd64-causal": dict(head_dim=64, causal_offset=0, dropout=True)}
+PHILOX_PRODUCTS = 84  # mul.hi.u32 a step: 8 calls x 7 rounds x 2, less those on words a thread's calls share
+
+
+@pytest.mark.parametrize("name", list(DROPOUT_VARIANTS))
+def test_dropout_draws_its_bits_in_every_loop_and_only_there(name):
+    """With DROPOUT every tile loop of both consumer groups draws a step's bits (Philox's
+    high products, ``PHILOX_PRODUCTS`` a step: 8 calls a thread, kernels/gluon/dropout.py)
+    and applies them to Pᵀ and dPᵀ (the layout joins asserted trivial at compile time, no
+    data moved); no variant without it has a high product at all (``VARIANTS``, sampled).
+    ptxas keeps the wgmmas asynchronous; the Philox rounds cost the unmasked loops some
+    spills (20-30 loads, 15-23 stores a step at head_dim 128, none at 64, measured), bounded here."""
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    if not hasattr(gluon_ir.GluonOpBuilder, "create_async_tma_reduce"):
+        pytest.skip("this triton's Gluon builder has no create_async_tma_reduce")
+    from ringflash.kernels.gluon import compile_sm90
+    kw = DROPOUT_VARIANTS[name]
+    kernel = compile_sm90(**kw)
+    sass, stderr = assemble(kernel)
+    assert "serialized" not in stderr and not re.search(r"C751\d", stderr), stderr
+    loops = _tile_loops(sass)
+    edges = (kw.get("causal_offset") is not None) + (kw.get("band_lo") is not None)
+    per_group = 1 + (2 if kw.get("segments") else edges)
+    assert len(loops) == 2 * per_group, [len(loop) for loop in loops]
+    assert kernel.asm["ptx"].count("mul.hi.u32") == 2 * per_group * PHILOX_PRODUCTS
+    unmasked = [loop for loop in loops if loop.count("FSEL") == 32]  # Pᵀ's dropped elements only
+    assert len(unmasked) == 2
+    for loop in unmasked:
+        assert loop.count("LDL") <= 32 and loop.count("STL") <= 24, Counter(op for op in loop if op in ("LDL", "STL"))
+    for plain in ("causal", "documents-window"):
+        assert "mul.hi.u32" not in _compiled(plain)[0].asm["ptx"], plain
+
+
 def test_compiles_after_an_interpreted_launch(tmp_path):
     """A process that ran a Triton kernel in the interpreter (as the CPU suite's workers
     do) still compiles the Gluon kernel: the interpreter imports Gluon during its first

@@ -10,8 +10,9 @@ MHA, the causal band with offsets (key j seen by query i iff j <= i + o: 0 the d
 +128 / -128 the ring's neighbouring blocks, -100 a diagonal through the middle of Q tiles,
 Sq != Sk, every K tile empty, every pair visible), GQA / MQA, the deterministic order of
 dQ's adds (each such case run twice for the same bits), a window's lower edge
-(``band_lo``: key j seen only if j >= i + band_lo), head_dim 64 and segment ids (packed
-documents, padding). lse and delta are the
+(``band_lo``: key j seen only if j >= i + band_lo), head_dim 64, segment ids (packed
+documents, padding), block masks and dropout (the library's bits on the pair's global
+positions; the oracle drops the same pairs). lse and delta are the
 oracle's (float64 out and lse rounded to fp32; lse -inf for a row that sees no key), so
 the kernel is checked alone. The yardsticks are tests/test_kernels_gpu.py's: relative
 Frobenius error against the float64 oracle within TOL[bf16] (2e-2), and no more than twice
@@ -104,6 +105,18 @@ CASES = [
     (1, 1024, 1024, 4, 4, 0, "contiguous", None, -300, None, "heads"),
     (1, 1024, 1024, 4, 4, 0, "hd64", None, None, None, "heads"),
     (1, 1024, 1024, 4, 4, None, "contiguous", None, None, None, "empty"),
+    # dropout (the 12th field: [p, seed, PairMask.pos, dropout_head0]): the library's bits
+    # (kernels/dropout.py) on global positions, against the oracle with the same keep mask:
+    # non-causal, the causal band with positions shifted as a ring's pair, block_stripe's
+    # jump with a window, GQA with the add and a global head offset, packed documents, a
+    # high rate, head_dim 64
+    (1, 1024, 1024, 4, 4, None, "contiguous", None, None, None, None, [0.1, 1234, [0, 0, 1, 0], 0]),
+    (2, 1024, 1024, 4, 4, 0, "contiguous", None, None, None, None, [0.2, 7, [4096, 2048, 1, 0], 0]),
+    (1, 1024, 1024, 4, 4, 0, "contiguous", None, -300, None, None, [0.1, 2 ** 40 + 3, [256, 256, 1, 384], 0]),
+    (2, 1024, 1024, 8, 2, 0, "add", None, None, None, None, [0.1, 99, [1024, 0, 1, 0], 8]),
+    (2, 1024, 1024, 4, 4, 0, "contiguous", None, None, "docs", None, [0.1, 5, [0, 0, 1, 0], 0]),
+    (1, 2048, 2048, 4, 4, None, "contiguous", None, None, None, None, [0.6, 11, [0, 0, 1, 0], 0]),
+    (1, 1024, 1024, 4, 4, 0, "hd64", None, None, None, None, [0.1, 3, [0, 0, 1, 0], 0]),
 ]
 
 
@@ -111,12 +124,13 @@ def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-def mask_id(offset, band_lo=None, segments=None, blocks=None) -> str:
+def mask_id(offset, band_lo=None, segments=None, blocks=None, dropout=None) -> str:
     """A case's mask in its test id: the causal offset, the band's lower edge, the ids, the
-    block mask."""
+    block mask, dropout's rate and positions."""
     mask = "full" if offset is None else f"causal{offset:+d}"
     mask += "" if band_lo is None else f"-lo{band_lo:+d}"
     mask += "" if blocks is None else f"-blocks_{blocks}"
+    mask += "" if dropout is None else f"-drop{dropout[0]}_at{'_'.join(map(str, dropout[2]))}_h{dropout[3]}"
     return mask + ("" if segments is None else f"-{segments}")
 
 
@@ -135,8 +149,8 @@ def _block_mask(kind: str, h: int, sq: int, sk: int) -> torch.Tensor:
     return torch.zeros(shape, dtype=torch.bool) if kind == "empty" else torch.rand(shape, generator=gen) < 0.5
 
 
-def _id(b, sq, sk, h, hkv, offset, layout, scale, band_lo=None, segments=None, blocks=None) -> str:
-    mask = mask_id(offset, band_lo, segments, blocks)
+def _id(b, sq, sk, h, hkv, offset, layout, scale, band_lo=None, segments=None, blocks=None, dropout=None) -> str:
+    mask = mask_id(offset, band_lo, segments, blocks, dropout)
     return f"b{b}-q{sq}-k{sk}-h{h}kv{hkv}-{mask}-{layout}" + (f"-scale{scale}" if scale else "")
 
 
@@ -199,7 +213,8 @@ def _inputs(b, sq, sk, h, hkv, layout, gen):
     return q, k, v, dout, dk.fill_(float("nan")), dv.fill_(float("nan"))
 
 
-def _child(b, sq, sk, h, hkv, offset, layout, scale, band_lo=None, segments=None, block_kind=None) -> dict:
+def _child(b, sq, sk, h, hkv, offset, layout, scale, band_lo=None, segments=None, block_kind=None,
+           dropout=None) -> dict:
     sys.path.insert(0, str(TESTS))
     from oracle import attention_oracle, oracle_grads, rel_err
     from test_gluon_fwd_gpu import _segment_ids
@@ -227,17 +242,26 @@ def _child(b, sq, sk, h, hkv, offset, layout, scale, band_lo=None, segments=None
         grid = _block_mask(block_kind, h, sq, sk).cuda()
         blocks = Blocks(grid)
         visible = visible[None, None] & grid.repeat_interleave(128, 1).repeat_interleave(128, 2)[None]
-    out, lse = attention_oracle(q, k, v, softmax_scale=scale, mask=visible)
+    drop, dropped = {}, None
+    if dropout is not None:  # the library's keep mask on the pair's global positions and heads
+        from ringflash.kernels import dropout as bits
+        from ringflash.kernels.masks import pair_positions
+        p, seed, pos, head0 = dropout
+        drop = dict(dropout_p=p, seed=seed, pos=tuple(pos), dropout_head0=head0)
+        qp, kp = pair_positions(tuple(pos), torch.arange(sq), torch.arange(sk))
+        keep = bits.dropout_keep_mask(seed, p, b, head0 + h, sq, sk, q_positions=qp, k_positions=kp)[:, head0:]
+        dropped = (keep.cuda(), bits.keep_scale(p))
+    out, lse = attention_oracle(q, k, v, softmax_scale=scale, mask=visible, dropped=dropped)
     delta = (out * dout.double()).sum(-1).transpose(1, 2).float().contiguous()  # (B, H, S)
     lse = lse.float().contiguous()
-    ref = oracle_grads(q, k, v, dout, softmax_scale=scale, mask=visible)
+    ref = oracle_grads(q, k, v, dout, softmax_scale=scale, mask=visible, dropped=dropped)
 
     dq0 = torch.randn(q.shape, generator=gen, device="cuda")
     dq_acc = dq0.clone()
     add, det = layout == "add", layout == "det"
     dk0, dv0 = dk.clone(), dv.clone()
     attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, scale, causal_offset=offset, accumulate=add,
-                  deterministic=det, band_lo=band_lo, q_segments=q_ids, k_segments=k_ids, blocks=blocks)
+                  deterministic=det, band_lo=band_lo, q_segments=q_ids, k_segments=k_ids, blocks=blocks, **drop)
     torch.cuda.synchronize()
     repeats = None
     if det:  # the same bits again, and those of one K tile at a time, in increasing order
@@ -258,7 +282,7 @@ def _child(b, sq, sk, h, hkv, offset, layout, scale, band_lo=None, segments=None
     lib = [torch.full(t.shape, float("nan"), device="cuda") for t in (q, k, v)]
     triton_kernels.bwd(dout, q, k, v, lse, delta, *lib, softmax_scale=scale,
                        mask=PairMask(band_lo=band_lo, band_hi=offset, q_segments=q_ids, k_segments=k_ids,
-                                     blocks=blocks), accumulate=False)
+                                     blocks=blocks, **drop), accumulate=False)
     torch.cuda.synchronize()
     names = ("dq", "dk", "dv")
     seen = visible.sum(dim=-1)  # keys a row sees: (Sq,), (B, Sq) or, with a block mask, (1, 1 or H, Sq)

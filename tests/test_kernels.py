@@ -748,9 +748,10 @@ def test_forward_route_rules(monkeypatch):
             assert call(mask=mask).why == device, mask
     assert "blocks.mask must be (1 or heads, 2, 2)" in call(mask=PairMask(blocks=Blocks(torch.ones(2, 2, 2).bool()))).why
     assert "blocks must be a kernels.masks.Blocks" in call(mask=PairMask(blocks=object())).why
-    for mask in (PairMask(dropout_p=0.1), PairMask(band_hi=0, band_on_positions=True),
+    for mask in (PairMask(band_hi=0, band_on_positions=True),
                  PairMask(q_segments=seg, k_segments=seg, blocks=Blocks(torch.ones(1, 2, 2, dtype=torch.bool)))):
         assert call(mask=mask).why == dispatch.MASK_WHY, mask
+    assert call(mask=PairMask(dropout_p=0.1, pos=(0, 0, 1, 0))).why == dispatch.DROPOUT_WHY  # the backward's only
     assert call(tail=(None, None)).why == "k, v Joined from two tensors"
     assert call(d=64).why == "head_dim 64: the Gluon forward is routed at 128 (level with Triton at 64)"
     assert "must be bfloat16" in call(dtype=torch.float16).why
@@ -809,9 +810,19 @@ def test_backward_route_rules(monkeypatch):
     assert "blocks.mask must be (1 or heads, 2, 2)" in call(mask=wrong).why
     assert "blocks.mask must be bool" in call(mask=PairMask(blocks=Blocks(torch.ones(1, 2, 2)))).why
     assert "blocks must be a kernels.masks.Blocks" in call(mask=PairMask(blocks=object())).why
-    for mask in (PairMask(dropout_p=0.1), PairMask(band_hi=0, band_on_positions=True),
+    for mask in (PairMask(band_hi=0, band_on_positions=True),
                  PairMask(q_segments=seg, k_segments=seg, blocks=Blocks(torch.ones(1, 2, 2, dtype=torch.bool)))):
         assert call(mask=mask).why == dispatch.MASK_WHY, mask
+    # dropout: positions of stride 1 aligned to its bits' blocks, with any mask but a block mask, not deterministic
+    for mask in (PairMask(dropout_p=0.1, pos=(0, 0, 1, 0)), PairMask(band_hi=0, dropout_p=0.1, pos=(4096, 128, 1, 384)),
+                 PairMask(q_segments=seg, k_segments=seg, dropout_p=0.1, pos=(16, 32, 1, 0))):
+        assert call(mask=mask).why == call().why, mask
+        assert "dropout with deterministic is not served" in call(mask=mask, deterministic=True).why
+    assert "needs pos with stride 1, q0 a multiple of 16" in call(mask=PairMask(dropout_p=0.1, pos=(8, 0, 1, 0))).why
+    assert "k0 and jump of 32" in call(mask=PairMask(dropout_p=0.1, pos=(0, 16, 1, 0))).why
+    for mask in (PairMask(dropout_p=0.1, pos=(0, 1, 2, 0)),  # stripe's stride: the Triton kernels
+                 PairMask(dropout_p=0.1, pos=(0, 0, 1, 0), blocks=Blocks(torch.ones(1, 2, 2, dtype=torch.bool)))):
+        assert call(mask=mask).why == dispatch.DROPOUT_WHY, mask
     assert "together" in call(dq=None).why
     # the ring's steps: dq, dk and dv added into fp32 sums, not *_partial ones
     assert call(accumulate=True, dkv=torch.float32).why == call().why
@@ -828,6 +839,9 @@ def test_backward_route_rules(monkeypatch):
     docs = PairMask(band_hi=0, q_segments=seg, k_segments=seg)
     assert dispatch.gluon_serves(q, k, 256, 256, docs) and dispatch.gluon_serves(q, k, 256, 256, PairMask(), True)
     assert not dispatch.gluon_serves(q, k, 256, 256, docs, True)
+    dropped = PairMask(band_hi=0, dropout_p=0.1, pos=(0, 0, 1, 0))
+    assert dispatch.gluon_serves(q, k, 256, 256, dropped) and not dispatch.gluon_serves(q, k, 256, 256, dropped, True)
+    assert not dispatch.gluon_serves(q, k, 256, 256, dropped._replace(pos=(0, 0, 4, 0)))
     assert not dispatch.gluon_serves(q, k, 256, 200, docs)
     assert not dispatch.gluon_serves(q, k, 256, 256, PairMask(dropout_p=0.1))
     monkeypatch.setattr(dispatch, "capability", lambda t: (8, 0))

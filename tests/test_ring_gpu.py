@@ -303,6 +303,54 @@ def test_packed_documents_take_the_gluon_kernels(nccl, layout, monkeypatch):
     _agree(failures)
 
 
+@pytest.mark.parametrize("layout, causal", [("zigzag", True), ("block_stripe", False)])
+def test_dropout_ring_takes_the_gluon_backward(nccl, layout, causal, monkeypatch):
+    """On Hopper, bf16, head_dim 128, GQA with dropout 0.1 (the library's bits on global
+    positions), causal zigzag and non-causal block_stripe (whose causal band compares
+    global positions, which the Gluon kernels do not serve): the ring's backward calls with
+    dropout run the Gluon kernel (zigzag's pieces and block_stripe's jumps aligned to the
+    bits' blocks), and out, lse and the gradients are within 1.5x (+ slack) of the single
+    GPU's error against the float64 oracle with the same keep mask (elsewhere: no Gluon
+    call)."""
+    from oracle import global_mask, oracle_results
+    from ringflash.kernels import dispatch
+    from ringflash.kernels.dropout import dropout_keep_mask, keep_scale
+    from test_ring_masks import ring_results
+    calls = [0]
+    bwd_route = dispatch.bwd_route
+
+    def counted(*args, **kwargs):
+        chosen = bwd_route(*args, **kwargs)
+        calls[0] += chosen.name == dispatch.GLUON and kwargs["mask"].dropout_p > 0
+        return chosen
+
+    monkeypatch.setattr(dispatch, "bwd_route", counted)
+    world, p, seed = dist.get_world_size(), 0.1, 4321
+    seqlen = 1024 * world
+    q, k, v, dout, _ = _inputs(1, seqlen, 8, 2, 128, BF16, nccl, seed=13)
+    local = [ringflash.shard(t, 1, layout).detach().requires_grad_() for t in (q, k, v)]
+    got = ring_results(local, dout, layout, causal=causal, dropout_p=p, seed=seed)
+    ring_calls = calls[0]
+    dropped = (dropout_keep_mask(seed, p, 1, 8, seqlen).to(nccl), keep_scale(p))
+    mask = global_mask(seqlen, causal)
+    want = oracle_results(*(t.double() for t in (q, k, v, dout)), None if mask is None else mask.to(nccl), dropped)
+    full = [t.detach().requires_grad_() for t in (q, k, v)]
+    out, lse = flash_attn(*full, causal=causal, dropout_p=p, seed=seed, return_lse=True)
+    out.backward(dout)
+    single = {name: rel_err(t, want[name]) for name, t in zip(NAMES, (out, lse, *(x.grad for x in full)))}
+    failures = []
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    if hopper and ring_calls < world or not hopper and ring_calls:
+        failures.append(f"{layout}: {ring_calls} Gluon backward calls with dropout on "
+                        f"sm_{''.join(map(str, torch.cuda.get_device_capability()))}")
+    for name in NAMES:
+        err, bound = rel_err(got[name], want[name].cpu()), RATIO * single[name] + SLACK[BF16]
+        if not err <= min(bound, TOL[BF16]):
+            failures.append(f"{layout}: {name} rel err {err:.3g} > {RATIO} x single GPU {single[name]:.3g} "
+                            f"+ {SLACK[BF16]:g} (or {TOL[BF16]:g})")
+    _agree(failures)
+
+
 # ----------------------------------------------------------------------------- masks
 
 

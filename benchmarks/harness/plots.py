@@ -44,12 +44,15 @@ def _panel_title(config: dict) -> str:
 
 
 def default_label(record: dict) -> str:
-    """A line of the plot: the implementation, ringflash's layout, and the dropout rate where
-    the records have one (p = 0 and p = 0.1 are two lines, not one)."""
+    """A line of the plot: the implementation, ringflash's layout and ``variant`` (the tree of
+    a comparison run), and the dropout rate where the records have one (p = 0 and p = 0.1
+    are two lines, not one)."""
     label = str(record.get("impl"))
     layout = record.get("layout")
     if label == "ringflash" and layout:
         label = f"{label} ({layout})"
+    if label.startswith("ringflash") and record.get("variant"):
+        label = f"{label}, {record['variant']}"
     if record.get("dropout_p") is not None:
         label = f"{label} p={record['dropout_p']:g}"
     return label

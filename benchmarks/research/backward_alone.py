@@ -4,7 +4,7 @@ on the same inputs, with lse and delta given (docs/notes/gluon-backward.md, "Fir
 and "A deterministic order for dQ"):
 
     python benchmarks/research/backward_alone.py [--seqlens 8192 16384] [--kv-heads 32 8] [--det-rounds 16]
-        [--head-dim 128] [--windows 4096] [--documents]
+        [--head-dim 128] [--windows 4096] [--documents] [--dropout 0.1]
 
 bf16, batch 1, 32 heads, head_dim 128 (or ``--head-dim``), causal and not, and with
 ``--windows`` causal sliding windows of those many keys (no cuDNN nor deterministic row: SDPA
@@ -51,9 +51,10 @@ def segment_ids(seqlen: int) -> tuple[torch.Tensor, int]:
 
 
 def one(seqlen: int, kv_heads: int, causal: bool, det_rounds=(16,), head_dim: int = 128, window: int = 0,
-        documents: bool = False) -> dict:
+        documents: bool = False, dropout: float = 0.0) -> dict:
     """One configuration's timings; ``window`` > 0: causal, each query seeing its last
-    ``window`` keys; ``documents``: causal packed documents."""
+    ``window`` keys; ``documents``: causal packed documents; ``dropout`` > 0: that rate
+    (the library's bits, seed 1234; no deterministic nor cuDNN row)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
 
     def randn(heads):
@@ -63,8 +64,9 @@ def one(seqlen: int, kv_heads: int, causal: bool, det_rounds=(16,), head_dim: in
     scale, offset = head_dim ** -0.5, 0 if causal or window else None
     band_lo = -(window - 1) if window else None
     ids, pairs = segment_ids(seqlen) if documents else (None, 0)
-    mask = PairMask(band_lo=band_lo, band_hi=offset, q_segments=ids, k_segments=ids)
-    segs = dict(q_segments=ids, k_segments=ids)
+    drop = dict(dropout_p=dropout, seed=1234, pos=(0, 0, 1, 0)) if dropout else {}
+    mask = PairMask(band_lo=band_lo, band_hi=offset, q_segments=ids, k_segments=ids, **drop)
+    segs = dict(q_segments=ids, k_segments=ids, **drop)
     out, lse = torch.empty_like(q), torch.empty(1, HEADS, seqlen, device="cuda")
     triton_kernels.fwd(q, k, v, out, lse, softmax_scale=scale, mask=mask, accumulate=False)
     delta = triton_kernels.delta(out, dout)
@@ -79,7 +81,7 @@ def one(seqlen: int, kv_heads: int, causal: bool, det_rounds=(16,), head_dim: in
           "triton": do_bench(lambda: triton_kernels.bwd(dout, q, k, v, lse, delta, *grads, softmax_scale=scale,
                                                         mask=mask, accumulate=False))}
     repeats = []
-    for det_round in det_rounds if not (window or documents) else ():
+    for det_round in det_rounds if not (window or documents or dropout) else ():
         gluon_launch.DET_ROUND = det_round
         runs = [torch.zeros(q.shape, device="cuda") for _ in range(2)]
         for acc in runs:
@@ -89,7 +91,7 @@ def one(seqlen: int, kv_heads: int, causal: bool, det_rounds=(16,), head_dim: in
         ms[f"gluon_det{det_round}"] = do_bench(lambda: attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, scale,
                                                                      causal_offset=offset, deterministic=True))
     leaves = [t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v)]
-    if not (window or documents):
+    if not (window or documents or dropout):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             o = F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=kv_heads != HEADS)
             ms["cudnn"] = do_bench(lambda: torch.autograd.grad(o, leaves, dout.transpose(1, 2), retain_graph=True))
@@ -97,7 +99,7 @@ def one(seqlen: int, kv_heads: int, causal: bool, det_rounds=(16,), head_dim: in
         pairs = seqlen * window - window * (window - 1) / 2 if window else seqlen * seqlen / (2 if causal else 1)
     flops = 2.5 * 4 * HEADS * pairs * head_dim
     return dict(seqlen=seqlen, heads=HEADS, kv_heads=kv_heads, head_dim=head_dim, causal=causal, window=window,
-                documents=documents, ms=ms,
+                documents=documents, dropout=dropout, ms=ms,
                 bwd_tflops={name: round(flops / t / 1e9, 1) for name, t in ms.items()},
                 gluon_rel_err_vs_triton=errors, det_repeats=all(repeats))
 
@@ -128,9 +130,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     case_args(p)
     p.add_argument("--det-rounds", type=int, nargs="+", default=[gluon_launch.DET_ROUND])
+    p.add_argument("--dropout", type=float, default=0.0, help="attention dropout at this rate (kernels/dropout.py)")
     args = p.parse_args()
     run_cases(args, lambda seqlen, kv_heads, causal, window: one(seqlen, kv_heads, causal, args.det_rounds,
-                                                                 args.head_dim, window, args.documents))
+                                                                 args.head_dim, window, args.documents, args.dropout))
 
 
 if __name__ == "__main__":

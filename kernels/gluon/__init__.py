@@ -6,8 +6,11 @@
                running out and lse), the default forward of flash_attn and the ring's
                steps on sm_90 at head_dim 128 (kernels/dispatch.py)
     bwd.py     a warp-specialized backward (head_dim 64 and 128, bf16, MHA and GQA, the
-               same masks; dQ's adds in arrival order or, deterministic, in a fixed one),
-               the default backward of flash_attn and of the ring's steps on sm_90
+               same masks and dropout; dQ's adds in arrival order or, deterministic, in a
+               fixed one), the default backward of flash_attn and of the ring's steps on
+               sm_90
+    walk.py    the backward's loader and dQ writer partitions
+    dropout.py the backward's dropout bits, drawn in its keys-by-queries tiles
     tiles.py   what narrows either kernel's walk: the tile bounds from the host (segment
                ids), the rows of the block lists (a block mask)
     ptx.py     inline PTX both use: the TMA reduce-add, signals, selects

@@ -1,6 +1,7 @@
 """A warp-specialized attention backward for Hopper (sm_90), written in Gluon.
 
-A FlashAttention-3-style backward: non-causal, the causal band and windows, MHA, GQA and MQA.
+A FlashAttention-3-style backward: non-causal, the causal band and windows, segment ids, block
+masks and dropout, MHA, GQA and MQA.
 ``flash_attn``'s default backward on sm_90 where it serves the call (kernels/dispatch.py),
 and that of every block pair of the ring's steps where it serves them all (dK/dV added
 into the ring's fp32 sums: ``accumulate``; ringflash/ring/rotate.py). Tested against the float64 oracle on an H100
@@ -16,8 +17,11 @@ an offset, as ``PairMask.causal(o)`` (kernels/masks.py): key j is seen by query 
 j <= i + o, on the pair's local indices (o = q_start - k_start for two blocks of one
 sequence: the ring's pairs); with it or without it, a window's lower edge ``band_lo``: key
 j seen only if j >= i + band_lo (``PairMask.band_lo``); with any of these, segment ids
-(``SEGMENTS``, not with ``DETERMINISTIC``: key j seen only if its id equals query i's;
-compiled and checked on the CPU, not yet run on a GPU, so not routed). lse (natural
+(``SEGMENTS``, not with ``DETERMINISTIC``: key j seen only if its id equals query i's);
+and with any of these, attention dropout (``DROPOUT``, not with ``DETERMINISTIC`` or a
+block mask: kernels/dropout.py's bits on global positions, drawn per step in the Sᵀ tile's
+registers by kernels/gluon/dropout.py; Pᵀ and dPᵀ scaled where kept, zeroed where
+dropped, so dV, dK and dQ are those of the dropped probabilities). lse (natural
 log; -inf for a row that sees no key) and delta = rowsum(out * dout) are (B, H, Sq) fp32;
 dq_acc is an fp32 (B, Sq, H, D) running sum the kernel ADDS ``scale * dQ`` into (the
 ring's); dk and dv (B, Sk, Hkv, D), bf16 or
@@ -91,214 +95,22 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from .ordered import _landed_then_pass, _wait_for
-from .ptx import _keep_visible, _signal, _tma_reduce_add
-from .tiles import BLOCK_M, BLOCK_N, HALVES, _list_row, _listed_steps, _listed_tile, _q_tiles
+from .dropout import keep_t
+from .ptx import _keep_visible, _signal
+from .tiles import BLOCK_M, BLOCK_N, DQ_COLS, HALVES, STAGES, _list_row, _listed_steps, _listed_tile, _q_tiles
+from .walk import _dq_writer, _loader
 
-# Tile constants, read by the kernels (hence constexpr; the host reads their .value).
 HEAD_DIMS = (64, 128)  # head dims served: the kernel reads its own from its descriptors' boxes
-DQ_COLS = gl.constexpr(32)  # columns of one dQ TMA box: 32 fp32 = 128 bytes, the widest a 128-byte swizzle takes
-STAGES = gl.constexpr(2)  # Q/dO/lse/delta stages, and dSᵀ buffers
-
-
-# ----------------------------------------------------------------------------- partitions
-#
-# Every partition gets the same four tuples and walks the same (query head, Q tile) steps:
-#   descs = (q, k, v, do, lse, delta, dq): TMA descriptors
-#   smem  = (q, do, lse, delta, k, v, dsT, dq): shared buffers
-#   bars  = (kv_ready, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty): mbarriers
-#   tile  = (off_b, off_hk, n0, heads, seqlen_q, offset, band_lo)
-# Steps: (query head off_hk * GROUP + g, Q tile m) for the tiles of _q_tiles(...), first the
-# unmasked ones [split, split2) (g outer; DETERMINISTIC: m outer, downwards), then the masked
-# ones (m outer): [first, split) across the band's upper edge, then [split2, end) across its
-# lower edge.
-# Step t (counted over both) uses stage s = t % STAGES, filled at parity
-# (t // STAGES) & 1, and the dQ tile at parity t & 1.
+# The partitions get the same four tuples and walk the same (query head, Q tile) steps
+# (kernels/gluon/walk.py has the loader's and the dQ writer's side, and the steps' order).
 
 
 @gluon.jit
-def _loader(descs, smem, bars, tile, segs, blks, GROUP: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr,
-            SEGMENTS: gl.constexpr, DETERMINISTIC: gl.constexpr, BLOCKS: gl.constexpr):
-    """One warp: K and V once (even for an empty Q range: the consumers wait for them),
-    then per (query head, Q tile) Q + lse (q_ready) and dO + delta (do_ready) into the
-    stage both consumers last released (qdo_empty). DETERMINISTIC: the unmasked steps in
-    ``_load_unmasked``'s other order. BLOCKS: the listed steps (``_load_listed``)."""
-    q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc = descs
-    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem = smem
-    kv_ready, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty = bars
-    off_b, off_hk, n0, heads, seqlen_q, offset, band_lo = tile
-    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [off_b, n0, off_hk, 0], kv_ready, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [off_b, n0, off_hk, 0], kv_ready, v_smem)
-    if BLOCKS:
-        _load_listed(off_b, off_hk, n0, heads, seqlen_q, blks, descs, smem, bars, GROUP, CAUSAL or LOWER)
-    else:
-        first, split, split2, end = _q_tiles(n0, offset, band_lo, seqlen_q, segs, off_b, CAUSAL, LOWER, SEGMENTS)
-        _load_unmasked(split, split2, off_b, off_hk, heads, seqlen_q, descs, smem, bars, GROUP, DETERMINISTIC)
-        if CAUSAL or SEGMENTS:
-            _load_masked(GROUP * (split2 - split), first, split, off_b, off_hk, heads, seqlen_q, descs, smem, bars,
-                         GROUP)
-        if LOWER or SEGMENTS:
-            _load_masked(GROUP * (split2 - first), split2, end, off_b, off_hk, heads, seqlen_q, descs, smem, bars,
-                         GROUP)
-
-
-@gluon.jit
-def _load_unmasked(split, end, off_b, off_hk, heads, seqlen_q, descs, smem, bars, GROUP: gl.constexpr,
-                   DETERMINISTIC: gl.constexpr):
-    """The unmasked steps, from step 0: (head, Q tile) for tiles [split, end), head outer;
-    DETERMINISTIC: (Q tile, head) for tiles end - 1 down to split, tile outer, so that every
-    K tile of a (batch, kv head) reaches Q tile m at the same step, whichever its first tile
-    (the deterministic dQ's order, below)."""
-    if DETERMINISTIC:
-        for i in range(end - split):
-            for g in range(GROUP):
-                _load_step(i * GROUP + g, off_b, off_hk * GROUP + g, end - 1 - i, heads, seqlen_q, descs, smem, bars)
-    else:
-        for g in range(GROUP):
-            for m in range(split, end):
-                _load_step(g * (end - split) + m - split, off_b, off_hk * GROUP + g, m, heads, seqlen_q, descs,
-                           smem, bars)
-
-
-@gluon.jit
-def _load_listed(off_b, off_hk, n0, heads, seqlen_q, blks, descs, smem, bars, GROUP: gl.constexpr,
-                 BAND: gl.constexpr):
-    """A block mask's steps: every head's full blocks (HALVES Q tiles each, head outer),
-    then with a BAND every head's partial ones, the same way (the blocks the band crosses:
-    the masked steps)."""
-    t = 0
-    for g in range(GROUP):
-        partial, full, row = _list_row(blks, off_hk, g, n0, GROUP)
-        for j in range(HALVES * full):
-            _load_step(t + j, off_b, off_hk * GROUP + g, _listed_tile(row, partial, j), heads, seqlen_q, descs, smem,
-                       bars)
-        t += HALVES * full
-    if BAND:
-        for g in range(GROUP):
-            partial, full, row = _list_row(blks, off_hk, g, n0, GROUP)
-            for j in range(HALVES * partial):
-                _load_step(t + j, off_b, off_hk * GROUP + g, _listed_tile(row, 0, j), heads, seqlen_q, descs, smem,
-                           bars)
-            t += HALVES * partial
-
-
-@gluon.jit
-def _load_masked(t0, first, split, off_b, off_hk, heads, seqlen_q, descs, smem, bars, GROUP: gl.constexpr):
-    """The masked steps from step t0: (Q tile, head) for tiles [first, split), tile outer."""
-    for m in range(first, split):
-        for g in range(GROUP):
-            _load_step(t0 + (m - first) * GROUP + g, off_b, off_hk * GROUP + g, m, heads, seqlen_q, descs, smem,
-                       bars)
-
-
-@gluon.jit
-def _load_step(t, off_b, off_h, m, heads, seqlen_q, descs, smem, bars):
-    """Step t: Q tile m of query head off_h, with its lse, delta and dO, into stage t % STAGES."""
-    q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc = descs
-    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem = smem
-    kv_ready, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty = bars
-    s = t % STAGES
-    m0 = m * BLOCK_M
-    row = (off_b * heads + off_h) * seqlen_q + m0  # of lse and delta, flat
-    # A fresh barrier passes a wait on parity 1: the first STAGES fills do not wait.
-    mbarrier.wait(qdo_empty.index(s), ((t // STAGES) & 1) ^ 1)
-    mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + lse_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [off_b, m0, off_h, 0], q_ready.index(s), q_smem.index(s))
-    tma.async_copy_global_to_shared(lse_desc, [row], q_ready.index(s), lse_smem.index(s))
-    mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(do_desc, [off_b, m0, off_h, 0], do_ready.index(s), do_smem.index(s))
-    tma.async_copy_global_to_shared(delta_desc, [row], do_ready.index(s), delta_smem.index(s))
-
-
-@gluon.jit
-def _dq_writer(descs, smem, bars, tile, segs, blks, turns, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-               LOWER: gl.constexpr, SEGMENTS: gl.constexpr, DETERMINISTIC: gl.constexpr, BLOCKS: gl.constexpr):
-    """One warp: per (query head, Q tile), once both consumers filled the shared dQ tile
-    (dq_full), add it into that head's rows of dq_acc by TMA, and hand the tile back
-    (dq_empty) once TMA has read it. DETERMINISTIC: each add waits for its turn
-    (``_wait_for``: K tiles in increasing order) and the tile goes back once the add has
-    landed. The loader's order."""
-    if BLOCKS:
-        t = 0
-        for g in range(GROUP):
-            partial, full, row = _list_row(blks, tile[1], g, tile[2], GROUP)
-            for j in range(HALVES * full):
-                _write_step(t + j, g, _listed_tile(row, partial, j), descs, smem, bars, tile, turns, GROUP, LOWER,
-                            False)
-            t += HALVES * full
-        if CAUSAL or LOWER:
-            for g in range(GROUP):
-                partial, full, row = _list_row(blks, tile[1], g, tile[2], GROUP)
-                for j in range(HALVES * partial):
-                    _write_step(t + j, g, _listed_tile(row, 0, j), descs, smem, bars, tile, turns, GROUP, LOWER,
-                                False)
-                t += HALVES * partial
-    else:
-        first, split, split2, end = _q_tiles(tile[2], tile[5], tile[6], tile[4], segs, tile[0], CAUSAL, LOWER, SEGMENTS)
-        _write_unmasked(split, split2, descs, smem, bars, tile, turns, GROUP, LOWER, DETERMINISTIC)
-        if CAUSAL or SEGMENTS:
-            _write_masked(GROUP * (split2 - split), first, split, descs, smem, bars, tile, turns, GROUP, LOWER,
-                          DETERMINISTIC)
-        if LOWER or SEGMENTS:
-            _write_masked(GROUP * (split2 - first), split2, end, descs, smem, bars, tile, turns, GROUP, LOWER,
-                          DETERMINISTIC)
-
-
-@gluon.jit
-def _write_unmasked(split, end, descs, smem, bars, tile, turns, GROUP: gl.constexpr, LOWER: gl.constexpr,
-                    DETERMINISTIC: gl.constexpr):
-    """_load_unmasked's steps."""
-    if DETERMINISTIC:
-        for i in range(end - split):
-            for g in range(GROUP):
-                _write_step(i * GROUP + g, g, end - 1 - i, descs, smem, bars, tile, turns, GROUP, LOWER, DETERMINISTIC)
-    else:
-        for g in range(GROUP):
-            for m in range(split, end):
-                _write_step(g * (end - split) + m - split, g, m, descs, smem, bars, tile, turns, GROUP, LOWER,
-                            DETERMINISTIC)
-
-
-@gluon.jit
-def _write_masked(t0, first, split, descs, smem, bars, tile, turns, GROUP: gl.constexpr, LOWER: gl.constexpr,
-                  DETERMINISTIC: gl.constexpr):
-    """_load_masked's steps."""
-    for m in range(first, split):
-        for g in range(GROUP):
-            _write_step(t0 + (m - first) * GROUP + g, g, m, descs, smem, bars, tile, turns, GROUP, LOWER, DETERMINISTIC)
-
-
-@gluon.jit
-def _write_step(t, g, m, descs, smem, bars, tile, turns, GROUP: gl.constexpr, LOWER: gl.constexpr,
-                DETERMINISTIC: gl.constexpr):
-    """Step t: the shared dQ tile added into Q tile m of query head off_hk * GROUP + g."""
-    dq_desc, dq_smem, dq_full, dq_empty = descs[6], smem[7], bars[5], bars[6]
-    off_b, off_hk, n0, heads, seqlen_q = tile[0], tile[1], tile[2], tile[3], tile[4]
-    off_h = off_hk * GROUP + g
-    mbarrier.wait(dq_full, t & 1)
-    if DETERMINISTIC:
-        flag = turns + (off_b * heads + off_h) * (seqlen_q // BLOCK_M) + m
-        first_k = 0  # the lowest K tile that reaches Q tile m
-        if LOWER:  # a window: the K tile of query m * BLOCK_M's lowest key, m * BLOCK_M + band_lo
-            first_k = gl.maximum(m * BLOCK_M + tile[6], 0) // BLOCK_N
-        _wait_for(flag, n0 // BLOCK_N - first_k)  # the K tiles add in increasing order
-    boxes: gl.constexpr = dq_smem.shape[0]  # head_dim / DQ_COLS
-    for c in gl.static_range(boxes):
-        _tma_reduce_add(dq_desc, [off_b, m * BLOCK_M, off_h, c * DQ_COLS],
-                        dq_smem.index(c).reshape(dq_desc.block_type.shape))
-    if DETERMINISTIC:
-        _landed_then_pass(flag)
-    else:
-        tma.store_wait(0)  # the tile was read (not that the adds landed: the grid's end sees to that)
-    mbarrier.arrive(dq_empty, count=1)
-
-
-@gluon.jit
-def _consumer_step(i, dk, dv, k_rows, v_rows, k_cols, smem, bars, qk_scale, sm_scale, diag, diag_lo, ids,
-                   G: gl.constexpr, MASKED: gl.constexpr, MASKED_LO: gl.constexpr, SEG: gl.constexpr):
+def _consumer_step(i, dk, dv, k_rows, v_rows, k_cols, smem, bars, qk_scale, sm_scale, diag, diag_lo, ids, at, drop,
+                   G: gl.constexpr, MASKED: gl.constexpr, MASKED_LO: gl.constexpr, SEG: gl.constexpr,
+                   DROPOUT: gl.constexpr):
     """Step i (a query head's Q tile) into this group's dK, dV (64 K/V rows, fp32
     registers), and this group's half of the tile's dQ columns into the shared fp32 tile.
     MASKED: Pᵀ is zeroed where key row r, query column c have r - c > diag (j > i + offset;
@@ -309,7 +121,8 @@ def _consumer_step(i, dk, dv, k_rows, v_rows, k_cols, smem, bars, qk_scale, sm_s
     the query sees no key at all (a padding query inside a hull: its lse taken as +inf, so
     exp2 gives 0). Inside a hull every query that sees a key has the key's id (the ids are
     non-decreasing but for padding), so this is the id compare without the queries' ids.
-    Returns (dk, dv)."""
+    DROPOUT: Pᵀ and dPᵀ scaled where kept and zeroed where dropped (``dropout.keep_t``
+    at the step's query head and first query position ``at``, ``_step_at``). Returns (dk, dv)."""
     q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem = smem
     kv_ready, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty = bars
     # 64 x 64 tiles (Sᵀ, dPᵀ), 64 x D/2 (dQ half) and 64 x D (dK, dV); P and dS enter dV
@@ -364,11 +177,18 @@ def _consumer_step(i, dk, dv, k_rows, v_rows, k_cols, smem, bars, qk_scale, sm_s
                            gl.expand_dims(c & -7, 0) + gl.expand_dims(r * 0, 1))
         pT = _keep_visible(pT, gl.expand_dims(c & 6, 0) - gl.expand_dims(hi - 1, 1),
                            gl.expand_dims(-(c & -7), 0) + gl.expand_dims(r * 0, 1))
-    p_op = gl.convert_layout(pT.to(gl.bfloat16), op_a, assert_trivial=True)
+    keep = zero == 0  # DROPOUT: dV takes the dropped probabilities, dPᵀ the dropped gradient (delta unchanged)
+    if DROPOUT:
+        keep = keep_t(drop[6], at[1], at[0], drop[7], drop, mma64)
+        p_op = gl.convert_layout(gl.where(keep, pT * drop[3], 0.0).to(gl.bfloat16), op_a, assert_trivial=True)
+    else:
+        p_op = gl.convert_layout(pT.to(gl.bfloat16), op_a, assert_trivial=True)
     dv = warpgroup_mma(p_op, do_s, dv, is_async=True)
 
     delta = delta_smem.index(s).load(cols)
     dpT = warpgroup_mma_wait(1, deps=[dpT])  # Sᵀ and dPᵀ done; dV may still run
+    if DROPOUT:
+        dpT = gl.where(keep, dpT * drop[3], 0.0)
     dsT = (pT * (dpT - gl.expand_dims(delta, 0)) * sm_scale).to(gl.bfloat16)
     ds_op = gl.convert_layout(dsT, op_a, assert_trivial=True)
     dk = warpgroup_mma(ds_op, q_s, dk, is_async=True)
@@ -396,8 +216,9 @@ def _consumer_step(i, dk, dv, k_rows, v_rows, k_cols, smem, bars, qk_scale, sm_s
 
 
 @gluon.jit
-def _consumer(descs, smem, bars, tile, out, segs, blks, G: gl.constexpr, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-              LOWER: gl.constexpr, SEGMENTS: gl.constexpr, ADD: gl.constexpr, BLOCKS: gl.constexpr):
+def _consumer(descs, smem, bars, tile, out, segs, blks, drop, G: gl.constexpr, GROUP: gl.constexpr,
+              CAUSAL: gl.constexpr, LOWER: gl.constexpr, SEGMENTS: gl.constexpr, ADD: gl.constexpr,
+              BLOCKS: gl.constexpr, DROPOUT: gl.constexpr):
     """Consumer warp group G: K/V rows [64 G, 64 G + 64) of the CTA's tile over every
     (query head, Q tile) step, then its dK (scaled) and dV rows stored in the output dtype
     (zeros after no step), or with ADD added to the fp32 sums there."""
@@ -414,9 +235,13 @@ def _consumer(descs, smem, bars, tile, out, segs, blks, G: gl.constexpr, GROUP: 
     dv = gl.zeros([64, D], gl.float32, mma_d)
     mbarrier.wait(bars[0], 0)  # kv_ready (also before an empty range: no exit under a TMA in flight)
     operands = (k_rows, v_rows, k_cols, qk_scale, sm_scale)
+    # dropout's (seed lo, hi, threshold, scale, the kv head's first query head, q0, this group's first key, batch,
+    # jump): global head and positions (read only when DROPOUT)
+    drop = (drop[0], drop[1], drop[2], drop[3], off_hk * GROUP + drop[4], drop[5],
+            drop[6] + n0 + 64 * G + (n0 // BLOCK_N) * drop[7], off_b, drop[7])
     if BLOCKS:  # the loader's listed steps: the unmasked ones need only their count
         steps = _listed_steps(blks, off_hk, n0, GROUP)
-        dk, dv = _consume_unmasked(steps, dk, dv, operands, smem, bars, G)
+        dk, dv = _consume_unmasked(steps, 0, dk, dv, operands, smem, bars, drop, G, GROUP, False)
         if CAUSAL or LOWER:
             dk, dv = _consume_listed(steps, dk, dv, operands, smem, bars, blks, off_hk, n0 + 64 * G,
                                      offset, band_lo, G, GROUP, CAUSAL, LOWER)
@@ -427,17 +252,20 @@ def _consumer(descs, smem, bars, tile, out, segs, blks, G: gl.constexpr, GROUP: 
         # split) across the band's upper edge, then [split2, end) across its lower edge (each
         # masked by both edges: a narrow window's tile may cross both). (Masked loops first,
         # values hoisted for both kinds of loop spill in the unmasked one.)
-        dk, dv = _consume_unmasked(GROUP * (split2 - split), dk, dv, operands, smem, bars, G)
+        dk, dv = _consume_unmasked(GROUP * (split2 - split), split, dk, dv, operands, smem, bars, drop, G, GROUP,
+                                   DROPOUT)
         if CAUSAL or SEGMENTS:
             at = first * BLOCK_M - n0 - 64 * G  # the first tile's first query minus the group's first key
-            dk, dv = _consume_masked(GROUP * (split2 - split), GROUP * (split - first), offset + at, band_lo + at,
-                                     dk, dv, operands, smem, bars, (segs, off_b, n0 + 64 * G, first * BLOCK_M), G,
-                                     GROUP, CAUSAL, LOWER, SEGMENTS)
+            dk, dv = _consume_masked(GROUP * (split2 - split), GROUP * (split - first), first, offset + at,
+                                     band_lo + at, dk, dv, operands, smem, bars,
+                                     (segs, off_b, n0 + 64 * G, first * BLOCK_M), drop, G, GROUP, CAUSAL, LOWER,
+                                     SEGMENTS, DROPOUT)
         if LOWER or SEGMENTS:
             at = split2 * BLOCK_M - n0 - 64 * G
-            dk, dv = _consume_masked(GROUP * (split2 - first), GROUP * (end - split2), offset + at, band_lo + at,
-                                     dk, dv, operands, smem, bars, (segs, off_b, n0 + 64 * G, split2 * BLOCK_M), G,
-                                     GROUP, CAUSAL, LOWER, SEGMENTS)
+            dk, dv = _consume_masked(GROUP * (split2 - first), GROUP * (end - split2), split2, offset + at,
+                                     band_lo + at, dk, dv, operands, smem, bars,
+                                     (segs, off_b, n0 + 64 * G, split2 * BLOCK_M), drop, G, GROUP, CAUSAL, LOWER,
+                                     SEGMENTS, DROPOUT)
     _store_dkv(dk, dv, out, off_b, off_hk, n0, G, ADD)
 
 
@@ -456,13 +284,28 @@ def _store_dkv(dk, dv, out, off_b, off_hk, n0, G: gl.constexpr, ADD: gl.constexp
 
 
 @gluon.jit
-def _consume_unmasked(steps, dk, dv, operands, smem, bars, G: gl.constexpr):
-    """Steps 0 .. steps - 1, unmasked."""
+def _consume_unmasked(steps, split, dk, dv, operands, smem, bars, drop, G: gl.constexpr, GROUP: gl.constexpr,
+                      DROPOUT: gl.constexpr):
+    """Steps 0 .. steps - 1, unmasked: (head, Q tile) from tile ``split`` (walk.py's
+    ``_load_unmasked`` order; the head and tile are read only for DROPOUT, which is not
+    served with DETERMINISTIC, whose order differs)."""
     k_rows, v_rows, k_cols, qk_scale, sm_scale = operands
+    tiles = steps // GROUP
     for t in range(steps):
-        dk, dv = _consumer_step(t, dk, dv, k_rows, v_rows, k_cols, smem, bars, qk_scale, sm_scale, 0, 0, (0, 0), G,
-                                False, False, False)
+        at = (0, 0)
+        if DROPOUT:
+            at = _step_at(drop, t // tiles, split + t % tiles)
+        dk, dv = _consumer_step(t, dk, dv, k_rows, v_rows, k_cols, smem, bars, qk_scale, sm_scale, 0, 0, (0, 0), at,
+                                drop, G, False, False, False, DROPOUT)
     return dk, dv
+
+
+@gluon.jit
+def _step_at(drop, g, m):
+    """Dropout's ``at`` of a step: (the global index of query head g of the group, the
+    global position of Q tile m's first query: q0 + m0 + (m0 // 128) * jump, PairMask.pos)."""
+    m0 = m * BLOCK_M
+    return drop[4] + g, drop[5] + m0 + (m0 // BLOCK_N) * drop[8]
 
 
 @gluon.jit
@@ -478,23 +321,28 @@ def _consume_listed(t0, dk, dv, operands, smem, bars, blks, off_hk, key0, offset
         for j in range(HALVES * partial):
             at = _listed_tile(row, 0, j) * BLOCK_M - key0
             dk, dv = _consumer_step(t + j, dk, dv, k_rows, v_rows, k_cols, smem, bars, qk_scale, sm_scale,
-                                    offset + at, band_lo + at, (0, 0), G, CAUSAL, LOWER, False)
+                                    offset + at, band_lo + at, (0, 0), (0, 0), (0, 0), G, CAUSAL, LOWER, False, False)
         t += HALVES * partial
     return dk, dv
 
 
 @gluon.jit
-def _consume_masked(t0, steps, diag0, diag0_lo, dk, dv, operands, smem, bars, ids, G: gl.constexpr,
-                    GROUP: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr, SEGMENTS: gl.constexpr):
+def _consume_masked(t0, steps, m_first, diag0, diag0_lo, dk, dv, operands, smem, bars, ids, drop, G: gl.constexpr,
+                    GROUP: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr, SEGMENTS: gl.constexpr,
+                    DROPOUT: gl.constexpr):
     """Steps t0 .. t0 + steps - 1, masked by the band's edges (each where CAUSAL, LOWER) and
-    the ids (SEGMENTS): (Q tile, head), the diagonals ``diag0``, ``diag0_lo`` and the
-    first query ids[3] (``_consumer_step``'s, for the first tile) one Q tile further every
-    GROUP steps."""
+    the ids (SEGMENTS): (Q tile, head) from tile m_first, the diagonals ``diag0``,
+    ``diag0_lo`` and the first query ids[3] (``_consumer_step``'s, for the first tile) one
+    Q tile further every GROUP steps."""
     k_rows, v_rows, k_cols, qk_scale, sm_scale = operands
     for j in range(steps):
+        at = (0, 0)
+        if DROPOUT:
+            at = _step_at(drop, j % GROUP, m_first + j // GROUP)
         dk, dv = _consumer_step(t0 + j, dk, dv, k_rows, v_rows, k_cols, smem, bars, qk_scale, sm_scale,
                                 diag0 + (j // GROUP) * BLOCK_M, diag0_lo + (j // GROUP) * BLOCK_M,
-                                (ids[0], ids[1], ids[2], ids[3] + (j // GROUP) * BLOCK_M), G, CAUSAL, LOWER, SEGMENTS)
+                                (ids[0], ids[1], ids[2], ids[3] + (j // GROUP) * BLOCK_M), at, drop, G, CAUSAL, LOWER,
+                                SEGMENTS, DROPOUT)
     return dk, dv
 
 
@@ -512,26 +360,29 @@ def _store_rows(ptr, strides, off_b, first, off_h, rows, cols, x, ADD: gl.conste
 
 
 @gluon.jit
-def _consumer0(descs, smem, bars, tile, out, segs, blks, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-               LOWER: gl.constexpr, SEGMENTS: gl.constexpr, ADD: gl.constexpr, BLOCKS: gl.constexpr):
-    _consumer(descs, smem, bars, tile, out, segs, blks, 0, GROUP, CAUSAL, LOWER, SEGMENTS, ADD, BLOCKS)
+def _consumer0(descs, smem, bars, tile, out, segs, blks, drop, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+               LOWER: gl.constexpr, SEGMENTS: gl.constexpr, ADD: gl.constexpr, BLOCKS: gl.constexpr,
+               DROPOUT: gl.constexpr):
+    _consumer(descs, smem, bars, tile, out, segs, blks, drop, 0, GROUP, CAUSAL, LOWER, SEGMENTS, ADD, BLOCKS, DROPOUT)
 
 
 @gluon.jit
-def _consumer1(descs, smem, bars, tile, out, segs, blks, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
-               LOWER: gl.constexpr, SEGMENTS: gl.constexpr, ADD: gl.constexpr, BLOCKS: gl.constexpr):
-    _consumer(descs, smem, bars, tile, out, segs, blks, 1, GROUP, CAUSAL, LOWER, SEGMENTS, ADD, BLOCKS)
+def _consumer1(descs, smem, bars, tile, out, segs, blks, drop, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+               LOWER: gl.constexpr, SEGMENTS: gl.constexpr, ADD: gl.constexpr, BLOCKS: gl.constexpr,
+               DROPOUT: gl.constexpr):
+    _consumer(descs, smem, bars, tile, out, segs, blks, drop, 1, GROUP, CAUSAL, LOWER, SEGMENTS, ADD, BLOCKS, DROPOUT)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=("seed_lo", "seed_hi", "drop_threshold", "drop_head0", "drop_q0", "drop_k0", "drop_jump"))
 def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc, dk_ptr, dv_ptr,
                           dk_stride_b, dk_stride_s, dk_stride_h, dv_stride_b, dv_stride_s, dv_stride_h,
                           heads, kv_heads, seqlen_q, causal_offset, band_lo, qk_scale, sm_scale, dq_turns,
                           keys_lo_ptr, keys_hi_ptr, keys_lo_stride_b, keys_hi_stride_b, tiles_ptr, tiles_stride_b,
                           blk_counts, blk_index, blk_kind_stride, blk_head_rows, blk_cols,
+                          seed_lo, seed_hi, drop_threshold, drop_scale, drop_head0, drop_q0, drop_k0, drop_jump,
                           GROUP: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr, SEGMENTS: gl.constexpr,
                           ADD: gl.constexpr, DETERMINISTIC: gl.constexpr, BLOCKS: gl.constexpr,
-                          CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr):
+                          DROPOUT: gl.constexpr, CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr):
     """Grid (R, B Hkv, Sk / (128 R)): K/V tile program_id(0) + R program_id(2) of (batch, kv
     head) program_id(1). R = Sk / 128, one round, by default; DETERMINISTIC: rounds of R
     (16, or fewer where they do not divide Sk / 128) K tiles of every (batch, kv head) in
@@ -549,13 +400,17 @@ def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
     DETERMINISTIC): ``masks.block_lists`` of the mask transposed (a row a key block, its
     query blocks), counts (2, Hm, Sk / 128) int32 whose partial / full stride is
     blk_kind_stride, indices (Hm, Sk / 128, blk_cols) int32, a query head's rows
-    blk_head_rows apart (0: one mask for every head)."""
+    blk_head_rows apart (0: one mask for every head). DROPOUT (not with DETERMINISTIC or
+    BLOCKS): kernels/dropout.py's bits of the 64-bit seed (seed_lo, seed_hi), threshold and
+    kept scale, query head h's global index drop_head0 + h, and PairMask.pos's positions
+    (q0, k0, stride 1, jump) with q0 % 16 == k0 % 32 == jump % 32 == 0 (``dropout.py``)."""
     bh = gl.program_id(1)
     n0 = (gl.program_id(0) + gl.program_id(2) * gl.num_programs(0)) * BLOCK_N
     tile = (bh // kv_heads, bh % kv_heads, n0, heads, seqlen_q, causal_offset, band_lo)
     # read only when SEGMENTS, each where used (kernel arguments: kept out of the loops' registers)
     segs = (keys_lo_ptr, keys_hi_ptr, keys_lo_stride_b, keys_hi_stride_b, tiles_ptr, tiles_stride_b)
     blks = (blk_counts, blk_index, blk_kind_stride, blk_head_rows, blk_cols)  # read only when BLOCKS
+    drop = (seed_lo, seed_hi, drop_threshold, drop_scale, drop_head0, drop_q0, drop_k0, drop_jump)  # only DROPOUT
     # Shared memory, about 193 KB: K, V 64 KB; Q, dO 2 x 2 x 16 KB; dSᵀ 2 x 16 KB; dQ 32 KB.
     dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_COLS], gl.float32)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], gl.bfloat16)
@@ -589,10 +444,10 @@ def _attn_bwd_sm90_kernel(q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc,
     descs = (q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc)
     out = (dk_ptr, dv_ptr, (dk_stride_b, dk_stride_s, dk_stride_h), (dv_stride_b, dv_stride_s, dv_stride_h),
            qk_scale, sm_scale)
-    gl.warp_specialize([(_consumer0, (descs, smem, bars, tile, out, segs, blks, GROUP, CAUSAL, LOWER, SEGMENTS, ADD,
-                                       BLOCKS)),
-                        (_consumer1, (descs, smem, bars, tile, out, segs, blks, GROUP, CAUSAL, LOWER, SEGMENTS, ADD,
-                                       BLOCKS)),
+    gl.warp_specialize([(_consumer0, (descs, smem, bars, tile, out, segs, blks, drop, GROUP, CAUSAL, LOWER, SEGMENTS,
+                                       ADD, BLOCKS, DROPOUT)),
+                        (_consumer1, (descs, smem, bars, tile, out, segs, blks, drop, GROUP, CAUSAL, LOWER, SEGMENTS,
+                                       ADD, BLOCKS, DROPOUT)),
                         (_loader, (descs, smem, bars, tile, segs, blks, GROUP, CAUSAL, LOWER, SEGMENTS, DETERMINISTIC,
                                    BLOCKS)),
                         (_dq_writer, (descs, smem, bars, tile, segs, blks, dq_turns, GROUP, CAUSAL, LOWER, SEGMENTS,

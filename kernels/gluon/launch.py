@@ -13,6 +13,7 @@ import triton
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .. import dropout
 from ..masks import BAND_INF, BLOCK, Blocks, segment_ranges, segment_tiles, tensor_memo
 from ..triton.launch import _stand_in
 from ..triton.segments import _ranges, segment_tiles as triton_segment_tiles
@@ -191,7 +192,8 @@ def _block_args(blocks, causal_offset, band_lo, q, k, keys_outer: bool) -> tuple
 
 def unsupported(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal_offset,
                 accumulate: bool = False, band_lo: Optional[int] = None, deterministic: bool = False,
-                q_segments=None, k_segments=None, blocks=None) -> Optional[Exception]:
+                q_segments=None, k_segments=None, blocks=None, dropout_p: float = 0.0,
+                pos=None) -> Optional[Exception]:
     """Why this kernel cannot take these arguments: a TypeError / ValueError naming the
     argument (the module's docstring says what it serves), or None. ``dq_acc`` None: not
     checked (a caller about to allocate it; ``kernels/dispatch.py``)."""
@@ -215,7 +217,8 @@ def unsupported(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal
     error = (_scalar_error("attn_bwd_sm90", softmax_scale, causal_offset, band_lo)
              or _shape_error("attn_bwd_sm90", q, k, HEAD_DIMS)
              or _segments_error("attn_bwd_sm90", q, k, q_segments, k_segments)
-             or _blocks_error("attn_bwd_sm90", q, k, blocks, deterministic, q_segments is not None))
+             or _blocks_error("attn_bwd_sm90", q, k, blocks, deterministic, q_segments is not None)
+             or _dropout_error(dropout_p, pos, deterministic, blocks))
     if error is not None:
         return error
     if deterministic and q_segments is not None:
@@ -250,6 +253,40 @@ def unsupported(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal
     return _device_error("attn_bwd_sm90", q)
 
 
+def _dropout_error(dropout_p, pos, deterministic: bool, blocks) -> Optional[Exception]:
+    """Dropout as the backward takes it (kernels/gluon/dropout.py): not with deterministic or
+    a block mask, positions ``PairMask.pos`` = (q0, k0, 1, jump) with q0 % 16 == 0 and k0
+    and jump multiples of 32 (runs whose bits lie in one thread's registers)."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
+        return ValueError(f"attn_bwd_sm90: dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if dropout_p == 0:
+        return None
+    if deterministic or blocks is not None:
+        return ValueError(f"attn_bwd_sm90: dropout with {'deterministic' if deterministic else 'blocks'} is not "
+                          f"served (the Triton kernels serve it)")
+    if pos is None or len(pos) != 4 or not all(isinstance(x, int) and not isinstance(x, bool) for x in pos):
+        return ValueError(f"attn_bwd_sm90: dropout needs pos = (q0, k0, stride, jump) ints (PairMask.pos), got {pos!r}")
+    q0, k0, stride, jump = pos
+    if stride != 1 or q0 % 16 or k0 % 32 or jump % 32 or min(q0, k0, jump) < 0:
+        return ValueError(f"attn_bwd_sm90: dropout needs pos with stride 1, q0 a multiple of 16, k0 and jump of 32 "
+                          f"(every call's bits in one thread's registers), got {pos!r}")
+    return None
+
+
+def _dropout_args(dropout_p: float, seed: int, pos, head0: int) -> tuple:
+    """The kernel's eight dropout arguments, int32 (one compile whatever the values): the
+    seed's low and high words, the threshold, the kept scale, head0, q0, k0, jump."""
+    if dropout_p == 0:
+        return (0, 0, 0, 1.0, 0, 0, 0, 0)
+    q0, k0, _, jump = pos
+
+    def i32(x):
+        x &= 0xFFFFFFFF
+        return x - 2 ** 32 if x >= 2 ** 31 else x
+    return (i32(seed), i32(seed >> 32), dropout.threshold(dropout_p), dropout.keep_scale(dropout_p), i32(head0),
+            i32(q0), i32(k0), i32(jump))
+
+
 def _check(*args) -> None:
     error = unsupported(*args)
     if error is not None:
@@ -265,7 +302,8 @@ def _kernel_offset(causal_offset, seqlen_q, seqlen_k) -> int:
 
 def attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale: float,
                   causal_offset: Optional[int] = None, accumulate: bool = False, deterministic: bool = False,
-                  band_lo: Optional[int] = None, q_segments=None, k_segments=None, blocks=None):
+                  band_lo: Optional[int] = None, q_segments=None, k_segments=None, blocks=None,
+                  dropout_p: float = 0.0, seed: int = 0, pos=None, dropout_head0: int = 0):
     """The backward of one (query block, key block) pair (head_dim 64 or 128, bf16):
     ``dq_acc += scale * dQ`` (fp32), dk = scale * dK and dv = dV written (bf16 or fp32), or
     with ``accumulate`` added into dk and dv (fp32 sums). ``deterministic``: the dQ adds
@@ -283,9 +321,11 @@ def attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale: floa
     equals query i's (``attn_fwd_sm90``'s). blocks (not with segment ids or deterministic):
     a ``kernels.masks.Blocks`` over (1 or H, Sq / 128, Sk / 128) blocks of 128 queries by 128
     keys; the pairs of a False block are never computed (block-sparse attention), those of
-    a True one follow the band. Returns (dq_acc, dk, dv)."""
+    a True one follow the band. dropout_p, seed, pos, dropout_head0: attention dropout as
+    ``PairMask`` has it (kernels/dropout.py's bits; not with deterministic or blocks; pos
+    (q0, k0, 1, jump) with q0 % 16 == k0 % 32 == jump % 32 == 0). Returns (dq_acc, dk, dv)."""
     _check(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal_offset, accumulate, band_lo,
-           deterministic, q_segments, k_segments, blocks)
+           deterministic, q_segments, k_segments, blocks, dropout_p, pos)
     b, sq, h, _ = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     lse, delta = lse.contiguous(), delta.contiguous()
@@ -296,9 +336,10 @@ def attn_bwd_sm90(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale: floa
         dv.stride(0), dv.stride(1), dv.stride(2), h, hkv, sq, _kernel_offset(causal_offset, sq, sk),
         _kernel_offset(band_lo, sq, sk), softmax_scale * LOG2E, softmax_scale, turns,
         *_segment_args(q_segments, k_segments, sq, sk, q.device, keys_outer=True),
-        *_block_args(blocks, causal_offset, band_lo, q, k, keys_outer=True), h // hkv,
+        *_block_args(blocks, causal_offset, band_lo, q, k, keys_outer=True),
+        *_dropout_args(dropout_p, seed, pos, dropout_head0), h // hkv,
         causal_offset is not None, band_lo is not None, q_segments is not None, bool(accumulate), bool(deterministic),
-        blocks is not None, CONSUMER_REGS, WORKER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)
+        blocks is not None, dropout_p > 0, CONSUMER_REGS, WORKER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)
     return dq_acc, dk, dv
 
 
@@ -329,13 +370,13 @@ def compile_sm90(consumer_regs: int = CONSUMER_REGS, worker_regs: int = WORKER_R
                  causal_offset: Optional[int] = None, heads: int = 4, kv_heads: int = 4, seqlen_q: int = 1024,
                  seqlen_k: int = 1024, accumulate: bool = False, deterministic: bool = False,
                  band_lo: Optional[int] = None, head_dim: int = 128, segments: bool = False,
-                 blocks: bool = False):
+                 blocks: bool = False, dropout: bool = False):
     """The kernel compiled for sm_90 on any machine, no GPU needed (triton ships ptxas):
     its ``.asm`` holds "ttgir", "ptx", "cubin"; ``.metadata.shared`` its shared memory in
     bytes. Specialized as ``attn_bwd_sm90`` would specialize it on contiguous (1, seqlen_q,
     heads, head_dim) q and (1, seqlen_k, kv_heads, head_dim) k inputs with this causal_offset, band_lo,
-    accumulate (dk, dv then fp32), deterministic, ``segments`` segment ids and ``blocks`` a
-    block mask, one per head (CPU stand-ins: only their types, alignments and strides are
+    accumulate (dk, dv then fp32), deterministic, ``segments`` segment ids, ``blocks`` a
+    block mask, one per head, and ``dropout`` (p = 0.1) (CPU stand-ins: only their types, alignments and strides are
     read; as in a launch, an int argument equal to 1, e.g. kv_heads, is compiled in as a
     constant, and those divisible by 16 are marked so)."""
     q = torch.zeros(1, seqlen_q, heads, head_dim, dtype=torch.bfloat16)
@@ -349,9 +390,10 @@ def compile_sm90(consumer_regs: int = CONSUMER_REGS, worker_regs: int = WORKER_R
               *_segment_args(*_stand_in_ids(segments, seqlen_q, seqlen_k), seqlen_q, seqlen_k, q.device,
                              keys_outer=True),
               *_block_args(_stand_in_blocks(blocks, heads, seqlen_q, seqlen_k), causal_offset, band_lo, q, k,
-                           keys_outer=True))
+                           keys_outer=True),
+              *_dropout_args(0.1 if dropout else 0.0, 0x123456789AB, (4096, 8192, 1, 0), 0))
     consts = dict(GROUP=heads // kv_heads, CAUSAL=causal_offset is not None, LOWER=band_lo is not None,
-                  SEGMENTS=segments, ADD=accumulate, DETERMINISTIC=deterministic, BLOCKS=blocks,
+                  SEGMENTS=segments, ADD=accumulate, DETERMINISTIC=deterministic, BLOCKS=blocks, DROPOUT=dropout,
                   CONSUMER_REGS=consumer_regs, WORKER_REGS=worker_regs)
     return _compile(_attn_bwd_sm90_kernel, values, consts, maxnreg)
 
@@ -367,7 +409,8 @@ def _compile(kernel, values, consts: dict, maxnreg: int):
 
     sig, attrs, consts = {}, {}, dict(consts)
     for i, (name, value) in enumerate(zip(kernel.arg_names, values)):
-        sig[name], spec = native_specialize_impl(CUDABackend, value, False, True, True)
+        sig[name], spec = native_specialize_impl(CUDABackend, value, False, not kernel.params[i].do_not_specialize,
+                                                 True)
         if sig[name] == "constexpr":
             consts[name] = spec  # an int equal to 1
         elif isinstance(spec, str) and spec:

@@ -22,6 +22,8 @@ from ..masks import BLOCK
 BLOCK_N = gl.constexpr(128)  # the backward's K/V rows a CTA (one block of a block mask)
 BLOCK_M = gl.constexpr(64)  # the backward's Q rows a step
 HALVES = gl.constexpr(BLOCK // 64)  # Q tiles of BLOCK_M in a block mask's block
+DQ_COLS = gl.constexpr(32)  # columns of one dQ TMA box: 32 fp32 = 128 bytes, the widest a 128-byte swizzle takes
+STAGES = gl.constexpr(2)  # the backward's Q/dO/lse/delta stages, and dSᵀ buffers
 
 
 @gluon.jit
