@@ -64,7 +64,9 @@ The backward takes the first route that serves the call (``bwd_route``):
   non-causal and 1.16-1.20x causal; through ``flash_attn`` at 32k on one H200
   (bench_dropout.py, the tree before beside this one, dropout_h200_gluon_bwd.json)
   forward+backward 165.0 -> 159.0 ms non-causal and 89.9 -> 81.7 causal, and through a
-  ring of 2 H200s (dropout_h200x2_gluon_bwd.json) 84.4 -> 82.9 and 46.2 -> 42.6.
+  ring of 2 H200s (dropout_h200x2_gluon_bwd.json) 84.4 -> 82.9 and 46.2 -> 42.6 (all
+  with each thread running 8 Philox calls; the kernel since, two lanes sharing them, level
+  to 4% faster than that one on one H100: docs/notes/dropout.md, "Dropout, ninth round").
 - ``triton``: every other CUDA call: every mask, dtype, head_dim and GPU.
 
 By default the Gluon kernel adds each CTA's dQ tile into the running dQ in arrival order
