@@ -243,6 +243,18 @@ def test_ring_backward_takes_the_gluon_kernel(nccl, monkeypatch):
     _agree(failures)
 
 
+def _bf16_within_single(layout, got: dict, want: dict, single: dict) -> list:
+    """Failures of the gathered bf16 ring results ``got`` against the oracle's ``want``: each
+    within RATIO x the single GPU's error ``single`` + SLACK (and within TOL)."""
+    failures = []
+    for name in NAMES:
+        err, bound = rel_err(got[name], want[name].cpu()), RATIO * single[name] + SLACK[BF16]
+        if not err <= min(bound, TOL[BF16]):
+            failures.append(f"{layout}: {name} rel err {err:.3g} > {RATIO} x single GPU {single[name]:.3g} "
+                            f"+ {SLACK[BF16]:g} (or {TOL[BF16]:g})")
+    return failures
+
+
 @pytest.mark.parametrize("layout", ["documents", "zigzag"])
 def test_packed_documents_take_the_gluon_kernels(nccl, layout, monkeypatch):
     """On Hopper, bf16, head_dim 128, causal packed documents (log-normal lengths, median
@@ -292,11 +304,7 @@ def test_packed_documents_take_the_gluon_kernels(nccl, layout, monkeypatch):
         if hopper and count < 1 or not hopper and count:
             failures.append(f"{layout}: {count} Gluon {kind} calls with segment ids on "
                             f"sm_{''.join(map(str, torch.cuda.get_device_capability()))}")
-    for name in NAMES:
-        err, bound = rel_err(got[name], want[name].cpu()), RATIO * single[name] + SLACK[BF16]
-        if not err <= min(bound, TOL[BF16]):
-            failures.append(f"{layout}: {name} rel err {err:.3g} > {RATIO} x single GPU {single[name]:.3g} "
-                            f"+ {SLACK[BF16]:g} (or {TOL[BF16]:g})")
+    failures += _bf16_within_single(layout, got, want, single)
     pad = ids[0] < 0
     if not ((got["out"][0, pad] == 0).all() and (got["dq"][0, pad] == 0).all() and (got["dk"][0, pad] == 0).all()):
         failures.append(f"{layout}: padding rows not exactly empty")
@@ -343,11 +351,7 @@ def test_dropout_ring_takes_the_gluon_backward(nccl, layout, causal, monkeypatch
     if hopper and ring_calls < world or not hopper and ring_calls:
         failures.append(f"{layout}: {ring_calls} Gluon backward calls with dropout on "
                         f"sm_{''.join(map(str, torch.cuda.get_device_capability()))}")
-    for name in NAMES:
-        err, bound = rel_err(got[name], want[name].cpu()), RATIO * single[name] + SLACK[BF16]
-        if not err <= min(bound, TOL[BF16]):
-            failures.append(f"{layout}: {name} rel err {err:.3g} > {RATIO} x single GPU {single[name]:.3g} "
-                            f"+ {SLACK[BF16]:g} (or {TOL[BF16]:g})")
+    failures += _bf16_within_single(layout, got, want, single)
     _agree(failures)
 
 
