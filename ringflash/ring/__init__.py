@@ -44,7 +44,8 @@ passes run in two halves of key rows (``layouts.step_pieces``), so the first hal
 travels while the second is computed. dQ never leaves the rank.
 
 Where one kernel computes a pair's dQ and dK/dV together (the Gluon backward on Hopper:
-bf16, head_dim 64 or 128, a band on local indices and segment ids, segment ids not with
+bf16, head_dim 64 or 128, a band on local indices, segment ids, a block mask, dropout on
+positions of stride 1 (not with a block mask); none of the last three with
 ``deterministic``; ``rotate._fuses`` asks ``dispatch.gluon_serves``
 from what every rank agrees on, so all choose alike) the backward is fused: each pair is
 one call adding dQ into the fp32 dQ and dK/dV into fp32 sums (a pair whose rows are not
