@@ -442,6 +442,15 @@ def _bf16(*shape):
           k_segments=torch.zeros(1, 256, dtype=torch.int32)), ValueError, "deterministic with segment ids"),
     (dict(causal_offset=0, q_segments=torch.zeros(1, 256, dtype=torch.int32),
           k_segments=torch.zeros(1, 256, dtype=torch.int32)), ValueError, "runs on a Hopper (sm_90) GPU"),
+    # dropout: positions of stride 1 starting on its bits' blocks, no block mask, not deterministic
+    (dict(dropout_p=0.1, seed=2 ** 62 + 5, pos=(4096, 2048, 1, 384), causal_offset=0), ValueError,
+     "runs on a Hopper (sm_90) GPU"),
+    (dict(dropout_p=1.0, pos=(0, 0, 1, 0)), ValueError, "dropout_p must be a float in [0, 1)"),
+    (dict(dropout_p=0.1), ValueError, "dropout needs pos = (q0, k0, stride, jump)"),
+    (dict(dropout_p=0.1, pos=(0, 0, 2, 0)), ValueError, "dropout needs pos with stride 1"),
+    (dict(dropout_p=0.1, pos=(8, 0, 1, 0)), ValueError, "q0 a multiple of 16"),
+    (dict(dropout_p=0.1, pos=(0, 0, 1, 16)), ValueError, "k0 and jump of 32"),
+    (dict(dropout_p=0.1, pos=(0, 0, 1, 0), deterministic=True), ValueError, "dropout with deterministic"),
 ])
 def test_arguments_outside_the_kernel_raise_naming_them(changes, error, words):
     pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
@@ -494,6 +503,22 @@ def test_dropout_draws_its_bits_in_every_loop_and_only_there(name):
 def _philox_products(ptx: str) -> list:
     """Philox's multiplies in a kernel's PTX: its two round constants' 32 x 32 -> 64 bit products."""
     return re.findall(r"mul\.wide\.u32 \S+, \S+, 0x(?:CD9E8D57|D2511F53);", ptx)
+
+
+def test_dropout_arguments_are_int32_words():
+    """The kernel's dropout arguments (``launch._dropout_args``) are int32 whatever the
+    values, so one compile serves every seed and position: a 64-bit seed's words and the
+    positions as two's-complement int32 whose low 32 bits are the values'."""
+    from ringflash.kernels import dropout
+    from ringflash.kernels.gluon.launch import _dropout_args
+    seed = (0xFEDCBA98 << 32) | 0x89ABCDEF
+    args = _dropout_args(0.1, seed, (4096, 2 ** 31 + 32, 1, 384), 8)
+    ints = [a for i, a in enumerate(args) if i != 3]
+    assert all(-2 ** 31 <= a < 2 ** 31 for a in ints), args
+    assert [a & 0xFFFFFFFF for a in ints] == [0x89ABCDEF, 0xFEDCBA98, dropout.threshold(0.1), 8, 4096, 2 ** 31 + 32,
+                                             384]
+    assert args[3] == dropout.keep_scale(0.1)
+    assert _dropout_args(0.0, seed, None, 0) == (0, 0, 0, 1.0, 0, 0, 0, 0)
 
 
 def test_compiles_after_an_interpreted_launch(tmp_path):
