@@ -31,76 +31,71 @@ from .tiles import BLOCK_M, BLOCK_N, DQ_COLS, HALVES, STAGES, _list_row, _listed
 def _loader(descs, smem, bars, tile, segs, blks, GROUP: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr,
             SEGMENTS: gl.constexpr, DETERMINISTIC: gl.constexpr, BLOCKS: gl.constexpr):
     """One warp: K and V once (even for an empty Q range: the consumers wait for them),
-    then per (query head, Q tile) Q + lse (q_ready) and dO + delta (do_ready) into the
-    stage both consumers last released (qdo_empty). DETERMINISTIC: the unmasked steps in
-    ``_load_unmasked``'s other order. BLOCKS: the listed steps (``_load_listed``)."""
-    q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, dq_desc = descs
-    q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem, dq_smem = smem
-    kv_ready, q_ready, do_ready, qdo_empty, ds_ready, dq_full, dq_empty = bars
-    off_b, off_hk, n0, heads, seqlen_q, offset, band_lo = tile
+    then per step (``_walk``) Q + lse (q_ready) and dO + delta (do_ready) into the stage
+    both consumers last released (qdo_empty)."""
+    k_desc, v_desc, k_smem, v_smem, kv_ready = descs[1], descs[2], smem[4], smem[5], bars[0]
+    off_b, off_hk, n0 = tile[0], tile[1], tile[2]
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [off_b, n0, off_hk, 0], kv_ready, k_smem)
     tma.async_copy_global_to_shared(v_desc, [off_b, n0, off_hk, 0], kv_ready, v_smem)
+    _walk(_load_at, (descs, smem, bars, tile), tile, segs, blks, GROUP, CAUSAL, LOWER, SEGMENTS, DETERMINISTIC, BLOCKS)
+
+
+@gluon.jit
+def _walk(STEP: gl.constexpr, ctx, tile, segs, blks, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
+          LOWER: gl.constexpr, SEGMENTS: gl.constexpr, DETERMINISTIC: gl.constexpr, BLOCKS: gl.constexpr):
+    """``STEP(t, g, m, ctx, GROUP, LOWER, DETERMINISTIC)`` for every step t of the CTA, query
+    head off_hk * GROUP + g and Q tile m, in the consumers' order (the comment above): the
+    loader's and the dQ writer's one walk. BLOCKS: a block mask's listed steps, every
+    head's full blocks (HALVES Q tiles each, head outer), then under a band every head's
+    partial ones the same way. Else the unmasked tiles [split, split2), head outer, or
+    DETERMINISTIC tile outer from split2 - 1 down to split (so that every K tile of a
+    (batch, kv head) reaches Q tile m at the same step, whichever its first tile: the
+    deterministic dQ's order), then the masked ones tile outer (``_walk_masked``)."""
+    off_b, off_hk, n0, heads, seqlen_q, offset, band_lo = tile
     if BLOCKS:
-        _load_listed(off_b, off_hk, n0, heads, seqlen_q, blks, descs, smem, bars, GROUP, CAUSAL or LOWER)
-    else:
-        first, split, split2, end = _q_tiles(n0, offset, band_lo, seqlen_q, segs, off_b, CAUSAL, LOWER, SEGMENTS)
-        _load_unmasked(split, split2, off_b, off_hk, heads, seqlen_q, descs, smem, bars, GROUP, DETERMINISTIC)
-        if CAUSAL or SEGMENTS:
-            _load_masked(GROUP * (split2 - split), first, split, off_b, off_hk, heads, seqlen_q, descs, smem, bars,
-                         GROUP)
-        if LOWER or SEGMENTS:
-            _load_masked(GROUP * (split2 - first), split2, end, off_b, off_hk, heads, seqlen_q, descs, smem, bars,
-                         GROUP)
-
-
-@gluon.jit
-def _load_unmasked(split, end, off_b, off_hk, heads, seqlen_q, descs, smem, bars, GROUP: gl.constexpr,
-                   DETERMINISTIC: gl.constexpr):
-    """The unmasked steps, from step 0: (head, Q tile) for tiles [split, end), head outer;
-    DETERMINISTIC: (Q tile, head) for tiles end - 1 down to split, tile outer, so that every
-    K tile of a (batch, kv head) reaches Q tile m at the same step, whichever its first tile
-    (the deterministic dQ's order, below)."""
-    if DETERMINISTIC:
-        for i in range(end - split):
-            for g in range(GROUP):
-                _load_step(i * GROUP + g, off_b, off_hk * GROUP + g, end - 1 - i, heads, seqlen_q, descs, smem, bars)
-    else:
-        for g in range(GROUP):
-            for m in range(split, end):
-                _load_step(g * (end - split) + m - split, off_b, off_hk * GROUP + g, m, heads, seqlen_q, descs,
-                           smem, bars)
-
-
-@gluon.jit
-def _load_listed(off_b, off_hk, n0, heads, seqlen_q, blks, descs, smem, bars, GROUP: gl.constexpr,
-                 BAND: gl.constexpr):
-    """A block mask's steps: every head's full blocks (HALVES Q tiles each, head outer),
-    then with a BAND every head's partial ones, the same way (the blocks the band crosses:
-    the masked steps)."""
-    t = 0
-    for g in range(GROUP):
-        partial, full, row = _list_row(blks, off_hk, g, n0, GROUP)
-        for j in range(HALVES * full):
-            _load_step(t + j, off_b, off_hk * GROUP + g, _listed_tile(row, partial, j), heads, seqlen_q, descs, smem,
-                       bars)
-        t += HALVES * full
-    if BAND:
+        t = 0
         for g in range(GROUP):
             partial, full, row = _list_row(blks, off_hk, g, n0, GROUP)
-            for j in range(HALVES * partial):
-                _load_step(t + j, off_b, off_hk * GROUP + g, _listed_tile(row, 0, j), heads, seqlen_q, descs, smem,
-                           bars)
-            t += HALVES * partial
+            for j in range(HALVES * full):
+                STEP(t + j, g, _listed_tile(row, partial, j), ctx, GROUP, LOWER, False)
+            t += HALVES * full
+        if CAUSAL or LOWER:
+            for g in range(GROUP):
+                partial, full, row = _list_row(blks, off_hk, g, n0, GROUP)
+                for j in range(HALVES * partial):
+                    STEP(t + j, g, _listed_tile(row, 0, j), ctx, GROUP, LOWER, False)
+                t += HALVES * partial
+    else:
+        first, split, split2, end = _q_tiles(n0, offset, band_lo, seqlen_q, segs, off_b, CAUSAL, LOWER, SEGMENTS)
+        if DETERMINISTIC:
+            for i in range(split2 - split):
+                for g in range(GROUP):
+                    STEP(i * GROUP + g, g, split2 - 1 - i, ctx, GROUP, LOWER, DETERMINISTIC)
+        else:
+            for g in range(GROUP):
+                for m in range(split, split2):
+                    STEP(g * (split2 - split) + m - split, g, m, ctx, GROUP, LOWER, DETERMINISTIC)
+        if CAUSAL or SEGMENTS:
+            _walk_masked(STEP, ctx, GROUP * (split2 - split), first, split, GROUP, LOWER, DETERMINISTIC)
+        if LOWER or SEGMENTS:
+            _walk_masked(STEP, ctx, GROUP * (split2 - first), split2, end, GROUP, LOWER, DETERMINISTIC)
 
 
 @gluon.jit
-def _load_masked(t0, first, split, off_b, off_hk, heads, seqlen_q, descs, smem, bars, GROUP: gl.constexpr):
+def _walk_masked(STEP: gl.constexpr, ctx, t0, first, split, GROUP: gl.constexpr, LOWER: gl.constexpr,
+                 DETERMINISTIC: gl.constexpr):
     """The masked steps from step t0: (Q tile, head) for tiles [first, split), tile outer."""
     for m in range(first, split):
         for g in range(GROUP):
-            _load_step(t0 + (m - first) * GROUP + g, off_b, off_hk * GROUP + g, m, heads, seqlen_q, descs, smem,
-                       bars)
+            STEP(t0 + (m - first) * GROUP + g, g, m, ctx, GROUP, LOWER, DETERMINISTIC)
+
+
+@gluon.jit
+def _load_at(t, g, m, ctx, GROUP: gl.constexpr, LOWER: gl.constexpr, DETERMINISTIC: gl.constexpr):
+    """The loader's step (``_walk``'s STEP)."""
+    descs, smem, bars, tile = ctx
+    _load_step(t, tile[0], tile[1] * GROUP + g, m, tile[3], tile[4], descs, smem, bars)
 
 
 @gluon.jit
@@ -125,65 +120,20 @@ def _load_step(t, off_b, off_h, m, heads, seqlen_q, descs, smem, bars):
 @gluon.jit
 def _dq_writer(descs, smem, bars, tile, segs, blks, turns, GROUP: gl.constexpr, CAUSAL: gl.constexpr,
                LOWER: gl.constexpr, SEGMENTS: gl.constexpr, DETERMINISTIC: gl.constexpr, BLOCKS: gl.constexpr):
-    """One warp: per (query head, Q tile), once both consumers filled the shared dQ tile
+    """One warp: per step (``_walk``), once both consumers filled the shared dQ tile
     (dq_full), add it into that head's rows of dq_acc by TMA, and hand the tile back
     (dq_empty) once TMA has read it. DETERMINISTIC: each add waits for its turn
     (``_wait_for``: K tiles in increasing order) and the tile goes back once the add has
-    landed. The loader's order."""
-    if BLOCKS:
-        t = 0
-        for g in range(GROUP):
-            partial, full, row = _list_row(blks, tile[1], g, tile[2], GROUP)
-            for j in range(HALVES * full):
-                _write_step(t + j, g, _listed_tile(row, partial, j), descs, smem, bars, tile, turns, GROUP, LOWER,
-                            False)
-            t += HALVES * full
-        if CAUSAL or LOWER:
-            for g in range(GROUP):
-                partial, full, row = _list_row(blks, tile[1], g, tile[2], GROUP)
-                for j in range(HALVES * partial):
-                    _write_step(t + j, g, _listed_tile(row, 0, j), descs, smem, bars, tile, turns, GROUP, LOWER,
-                                False)
-                t += HALVES * partial
-    else:
-        first, split, split2, end = _q_tiles(tile[2], tile[5], tile[6], tile[4], segs, tile[0], CAUSAL, LOWER, SEGMENTS)
-        _write_unmasked(split, split2, descs, smem, bars, tile, turns, GROUP, LOWER, DETERMINISTIC)
-        if CAUSAL or SEGMENTS:
-            _write_masked(GROUP * (split2 - split), first, split, descs, smem, bars, tile, turns, GROUP, LOWER,
-                          DETERMINISTIC)
-        if LOWER or SEGMENTS:
-            _write_masked(GROUP * (split2 - first), split2, end, descs, smem, bars, tile, turns, GROUP, LOWER,
-                          DETERMINISTIC)
+    landed."""
+    _walk(_write_step, (descs, smem, bars, tile, turns), tile, segs, blks, GROUP, CAUSAL, LOWER, SEGMENTS,
+          DETERMINISTIC, BLOCKS)
 
 
 @gluon.jit
-def _write_unmasked(split, end, descs, smem, bars, tile, turns, GROUP: gl.constexpr, LOWER: gl.constexpr,
-                    DETERMINISTIC: gl.constexpr):
-    """_load_unmasked's steps."""
-    if DETERMINISTIC:
-        for i in range(end - split):
-            for g in range(GROUP):
-                _write_step(i * GROUP + g, g, end - 1 - i, descs, smem, bars, tile, turns, GROUP, LOWER, DETERMINISTIC)
-    else:
-        for g in range(GROUP):
-            for m in range(split, end):
-                _write_step(g * (end - split) + m - split, g, m, descs, smem, bars, tile, turns, GROUP, LOWER,
-                            DETERMINISTIC)
-
-
-@gluon.jit
-def _write_masked(t0, first, split, descs, smem, bars, tile, turns, GROUP: gl.constexpr, LOWER: gl.constexpr,
-                  DETERMINISTIC: gl.constexpr):
-    """_load_masked's steps."""
-    for m in range(first, split):
-        for g in range(GROUP):
-            _write_step(t0 + (m - first) * GROUP + g, g, m, descs, smem, bars, tile, turns, GROUP, LOWER, DETERMINISTIC)
-
-
-@gluon.jit
-def _write_step(t, g, m, descs, smem, bars, tile, turns, GROUP: gl.constexpr, LOWER: gl.constexpr,
-                DETERMINISTIC: gl.constexpr):
-    """Step t: the shared dQ tile added into Q tile m of query head off_hk * GROUP + g."""
+def _write_step(t, g, m, ctx, GROUP: gl.constexpr, LOWER: gl.constexpr, DETERMINISTIC: gl.constexpr):
+    """The dQ writer's step (``_walk``'s STEP): the shared dQ tile added into Q tile m of
+    query head off_hk * GROUP + g."""
+    descs, smem, bars, tile, turns = ctx
     dq_desc, dq_smem, dq_full, dq_empty = descs[6], smem[7], bars[5], bars[6]
     off_b, off_hk, n0, heads, seqlen_q = tile[0], tile[1], tile[2], tile[3], tile[4]
     off_h = off_hk * GROUP + g
