@@ -33,6 +33,7 @@ import torch
 
 from . import agreement
 from .exchange import PeerRing, Ring, transport
+from .ring.plan import schedule_choice
 from .groups import group_name as name_of
 from .kernels import eager, eager_function, no_double_backward
 from .layouts import layout_from_spec
@@ -67,7 +68,7 @@ def _agreed_ring(q, k, segments, blocks, band, layout, softmax_scale, dropout, r
                  group_name, deterministic: bool = False) -> Ring:
     """The ring this call runs on, with its transport, once every rank agrees on the call.
 
-    The agreement check (``agreement.check_ranks_agree``: one all-gather of 20 int64 on the
+    The agreement check (``agreement.check_ranks_agree``: one all-gather of 21 int64 on the
     host, never waiting for the GPU) runs here, inside the op, on every call of a ring of
     more than one rank unless RINGFLASH_RANK_CHECK=0, and except while a CUDA graph is
     being captured: a graph replays GPU work only, and the eager warm-up iterations that
@@ -77,6 +78,7 @@ def _agreed_ring(q, k, segments, blocks, band, layout, softmax_scale, dropout, r
     check = ring.world > 1 and agreement.ENABLED and not _capturing(q)
     try:
         kind = transport(ring.group)
+        schedule_choice()  # RINGFLASH_SCHEDULE: a bad value fails on every rank, as a bad transport
     except ValueError as error:
         if not check:
             raise

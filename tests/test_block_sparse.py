@@ -385,6 +385,19 @@ def test_block_sparse_fused_schedule_matches_oracle(worlds, world_size, layout):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.world(4)
+@pytest.mark.parametrize("fused", [False, True], ids=["two-kernel", "fused"])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "block_stripe"])
+def test_block_sparse_direct_schedule_matches_oracle(worlds, layout, fused):
+    """The same masks over 4 ranks through the direct schedule (RINGFLASH_SCHEDULE=direct),
+    with the two-kernel and the fused backward."""
+    from test_ring_masks import with_fused_backward, with_schedule
+    check = (with_fused_backward, check_block_sparse_ring) if fused else (check_block_sparse_ring,)
+    per_rank = worlds(4).run(with_schedule, "direct", *check, layout, timeout=300)
+    failures = [f for fs in per_rank for f in fs]
+    assert not failures, "\n".join(failures)
+
+
 def test_ring_of_two_keeps_kv_only_where_the_gluon_backward_does_not_serve(monkeypatch):
     """``ring.keeps_kv`` with ``ring.fuses``: on Hopper (capability patched; CPU stand-ins)
     a bf16 head_dim-128 call over shards of whole tiles rotates, fused; segment ids,

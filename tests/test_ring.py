@@ -22,7 +22,7 @@ import ringflash
 from dist_utils import raised
 from oracle import (LAYOUTS, TOL, RingCase, attention_oracle, oracle_grads, rel_err, tokens_per_rank,
                     with_blocks)
-from test_ring_masks import with_fused_backward
+from test_ring_masks import with_fused_backward, with_schedule
 
 # ----------------------------------------------------------------------------- configurations
 
@@ -195,6 +195,21 @@ def test_ring_matches_oracle(worlds, world_size, index):
                                                first_index=index, timeout=120))
 
 
+# The direct schedule differs from the rotation from three steps on: worlds of 3 and 4.
+DIRECT_ITEMS = [(w, i) for w in (3, 4) for i in range(len(ORACLE_CASES))]
+
+
+@pytest.mark.parametrize("world_size,index", DIRECT_ITEMS,
+                         ids=[f"W{w}-{ORACLE_CASES[i].id}" for w, i in DIRECT_ITEMS])
+def test_direct_schedule_matches_oracle(worlds, world_size, index):
+    """``test_ring_matches_oracle``'s cases through the direct schedule (RINGFLASH_SCHEDULE=
+    direct: whole shards sent straight to every rank that computes them, partial dK/dV
+    sums straight home), with the two-kernel and the fused backward."""
+    for check in ((check_configs,), (with_fused_backward, check_configs)):
+        _assert_no_failures(worlds(world_size).run(with_schedule, "direct", *check, [ORACLE_CASES[index]],
+                                                   first_index=index, timeout=120))
+
+
 @pytest.mark.world(4)
 def test_ring_on_subgroup(worlds):
     """A ring over ranks 1 and 3 of a world of 4 (ranks 0 and 2 stay out of it)."""
@@ -225,8 +240,7 @@ class _RecordingRing:
         return [object()]
 
     def wait(self, pending):
-        if pending:
-            self.events.append(("wait",))
+        self.events += [("wait",)] * len(pending)
 
 
 def _early_tail(n: int) -> list:
@@ -238,18 +252,22 @@ def _early_tail(n: int) -> list:
     return [("dkv",), ("post", -1)] * parts + [("dq",)] + [("wait",), ("dkv",)] * parts
 
 
+@pytest.mark.parametrize("schedule", ["rotate", "direct"])
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("band", [(None, None), (-2, 0)], ids=["full", "window2"])
-def test_backward_ends_on_the_own_shard_under_the_last_trip(monkeypatch, world, layout, band):
+def test_backward_ends_on_the_own_shard_under_the_last_trip(monkeypatch, world, layout, band, schedule):
     """The own shard's dQ pass runs first, while the first K/V trip is in flight, and its
     dK/dV pass last. The last remote dK/dV sum goes home under a kernel pass: the own
     dK/dV pass, or, on a ring of two whose remote step is at least half its own step
     (full attention; not a window of 2), the remote dQ pass, the own dK/dV pass then
     adding the arrived sum as it writes. No transfer waits behind the last kernel pass
-    but one."""
+    but one. The direct schedule (three steps or more) posts every K/V trip first, one to
+    each rank s ahead, and after each remote step's passes its partial sums' trip home
+    (s ranks back), in step order; every message is waited for once."""
     from ringflash.layouts import active_steps, remote_share
     from ringflash.ring import ring_backward
+    monkeypatch.setenv("RINGFLASH_SCHEDULE", schedule)
     fake = _RecordingRing(world)
     monkeypatch.setattr(ringflash.kernels, "flash_attn_bwd", lambda *args, **kw: fake.events.append(
         ("dq" if args[6] is not None else "dkv",)))  # (dout, q, k, v, lse, delta, dq, dk, dv)
@@ -263,6 +281,10 @@ def test_backward_ends_on_the_own_shard_under_the_last_trip(monkeypatch, world, 
     last_post = max(i for i, e in enumerate(ev) if e[0] == "post")
     assert ev[last_post] == ("post", 1 - steps), ev
     assert ev.count(("wait",)) == sum(e[0] == "post" for e in ev), ev
+    if schedule == "direct" and steps >= 3:
+        posts = [e for e in ev if e[0] == "post"]
+        assert posts == [("post", s) for s in range(1, steps)] + [("post", -s) for s in range(1, steps)], ev
+        assert ev[:steps - 1] == posts[:steps - 1] and ev[steps - 1] == ("dq",), ev
     if steps == 2 and remote_share(layout, world, n, band) >= 0.5:
         tail = _early_tail(n)
         assert ev[-len(tail):] == tail, ev
@@ -600,6 +622,7 @@ DISAGREEMENTS = {
     "softmax_scale": dict(kwargs=dict(softmax_scale=0.125)),
     "requires_grad": dict(requires_grad=False),
     "deterministic (or torch.use_deterministic_algorithms)": dict(kwargs=dict(deterministic=True)),
+    "schedule (RINGFLASH_SCHEDULE)": dict(env=dict(RINGFLASH_SCHEDULE="direct")),
 }
 
 
@@ -620,7 +643,12 @@ def disagreeing_call(rank, world, field):
         q.requires_grad_()
     kwargs = dict(causal=True, layout="zigzag", softmax_scale=None)
     kwargs.update(change.get("kwargs", {}))
-    caught = raised(lambda: ringflash.ring_flash_attn(q, k, v, **kwargs))
+    os.environ.update(change.get("env", {}))
+    try:
+        caught = raised(lambda: ringflash.ring_flash_attn(q, k, v, **kwargs))
+    finally:
+        for name in change.get("env", {}):
+            del os.environ[name]
     return caught, _ring_still_works(rank, world)
 
 
@@ -773,28 +801,29 @@ def test_bad_input_on_one_rank_every_rank_raises(worlds, case):
         assert after is None, after
 
 
-def transport_on_one_rank_call(rank, world, value):
-    """Only rank 1 sets RINGFLASH_TRANSPORT; every argument is fine."""
+def env_on_one_rank_call(rank, world, name, value):
+    """Only rank 1 sets the environment variable ``name``; every argument is fine."""
     if rank == 1:
-        os.environ["RINGFLASH_TRANSPORT"] = value
+        os.environ[name] = value
     try:
         caught = raised(lambda: ringflash.ring_flash_attn(*_small(), causal=True))
     finally:
-        os.environ.pop("RINGFLASH_TRANSPORT", None)
+        os.environ.pop(name, None)
     return caught, _ring_still_works(rank, world)
 
 
 @pytest.mark.world(4)
-@pytest.mark.parametrize("value", ["peer", "pigeon"])
-def test_bad_transport_on_one_rank_every_rank_raises(worlds, value):
-    """gloo has no peer transport, and "pigeon" none at all: rank 1 says so, and the others
-    raise naming rank 1 instead of waiting for it."""
-    per_rank = worlds(4).run(transport_on_one_rank_call, value, timeout=30)
+@pytest.mark.parametrize("name,value", [("RINGFLASH_TRANSPORT", "peer"), ("RINGFLASH_TRANSPORT", "pigeon"),
+                                        ("RINGFLASH_SCHEDULE", "sideways")])
+def test_bad_transport_on_one_rank_every_rank_raises(worlds, name, value):
+    """gloo has no peer transport, "pigeon" is no transport and "sideways" no schedule:
+    rank 1 says so, and the others raise naming rank 1 instead of waiting for it."""
+    per_rank = worlds(4).run(env_on_one_rank_call, name, value, timeout=30)
     for rank, (caught, after) in enumerate(per_rank):
         assert caught is not None, f"rank {rank} raised nothing"
         kind, message = caught
         if rank == 1:
-            assert kind == "ValueError" and "RINGFLASH_TRANSPORT" in message, f"rank 1: {kind}: {message}"
+            assert kind == "ValueError" and name in message, f"rank 1: {kind}: {message}"
         else:
             assert kind == "ValueError" and "rank(s) [1]" in message, f"rank {rank}: {kind}: {message}"
         assert after is None, after

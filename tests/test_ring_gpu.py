@@ -255,13 +255,16 @@ def _bf16_within_single(layout, got: dict, want: dict, single: dict) -> list:
     return failures
 
 
+@pytest.mark.parametrize("schedule", ["auto", "direct"])
 @pytest.mark.parametrize("layout", ["documents", "zigzag"])
-def test_packed_documents_take_the_gluon_kernels(nccl, layout, monkeypatch):
+def test_packed_documents_take_the_gluon_kernels(nccl, layout, schedule, monkeypatch):
     """On Hopper, bf16, head_dim 128, causal packed documents (log-normal lengths, median
     300, the last 200 tokens padding), over the layout computed from them and over zigzag:
     the ring's forward and backward calls with segment ids run the Gluon kernels, the
     results are within 1.5x (+ slack) of the single GPU's error against the float64
-    oracle, and padding rows stay exactly empty (elsewhere: no Gluon call)."""
+    oracle, and padding rows stay exactly empty (elsewhere: no Gluon call). With
+    RINGFLASH_SCHEDULE=direct, zigzag's whole shards (W >= 3) take the direct schedule."""
+    monkeypatch.setenv("RINGFLASH_SCHEDULE", schedule)
     from oracle import global_mask, oracle_results
     from ringflash.kernels import dispatch
     from test_documents import _document_of, _lognormal
@@ -390,6 +393,30 @@ def test_block_sparse_ring_matches_oracle(nccl, layout):
     from test_block_sparse import check_block_sparse_ring
     _agree(check_block_sparse_ring(dist.get_rank(), dist.get_world_size(), layout, device=nccl,
                                    chunk=256))
+
+
+@pytest.mark.parametrize("transport", ["peer", "nccl"])
+def test_direct_schedule_matches_oracle(nccl, transport, monkeypatch):
+    """The direct schedule (RINGFLASH_SCHEDULE=direct: each shard sent straight to every
+    rank that computes it, all at once, partial dK/dV sums straight home) through both
+    transports: the masks of ``test_masked_ring_matches_oracle`` on zigzag and block_stripe
+    shards, every other document configuration, and the block masks on zigzag. It differs
+    from the rotation from three ranks on."""
+    from test_block_sparse import check_block_sparse_ring
+    from test_documents import check_document_ring
+    from test_ring_masks import check_masked_ring, with_schedule
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world < 3:  # the same on every rank
+        pytest.skip("two ranks run the same schedule either way")
+    monkeypatch.setenv("RINGFLASH_TRANSPORT", transport)
+    failures = []
+    for layout in ("zigzag", "block_stripe"):
+        failures += with_schedule(rank, world, "direct", check_masked_ring, layout, n=384, device=nccl,
+                                  names=GPU_MASKS)
+    failures += with_schedule(rank, world, "direct", check_document_ring, n=384, device=nccl,
+                              which=slice(0, None, 2))
+    failures += with_schedule(rank, world, "direct", check_block_sparse_ring, "zigzag", device=nccl, chunk=256)
+    _agree([f"{transport}: {f}" for f in failures])
 
 
 # ----------------------------------------------------------------------------- large: vs single GPU

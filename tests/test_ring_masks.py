@@ -171,6 +171,21 @@ def with_fused_backward(rank, world, check, *args, **kwargs) -> list[str]:
     return failures + ([] if calls else [f"rank {rank}: no fused pass ran"])
 
 
+def with_schedule(rank, world, schedule: str, check, *args, **kwargs) -> list[str]:
+    """``check(rank, world, *args, **kwargs)``'s failures with RINGFLASH_SCHEDULE set to
+    ``schedule`` on this rank (the ring's schedule, ``ring.plan.takes_direct``)."""
+    import os
+    before = os.environ.get("RINGFLASH_SCHEDULE")
+    os.environ["RINGFLASH_SCHEDULE"] = schedule
+    try:
+        return check(rank, world, *args, **kwargs)
+    finally:
+        if before is None:
+            del os.environ["RINGFLASH_SCHEDULE"]
+        else:
+            os.environ["RINGFLASH_SCHEDULE"] = before
+
+
 def as_on_hopper(rank, world, check, *args, **kwargs) -> list[str]:
     """``check(rank, world, *args, **kwargs)`` with ``dispatch.capability`` saying sm_90, so
     that the ring's forward cuts pairs that are not whole tiles as on Hopper
@@ -210,5 +225,19 @@ def test_hopper_schedule_on_ragged_shards_matches_oracle(worlds, world_size, lay
     result in bf16) and in the fused backward, windows and documents, fp32 and bf16."""
     per_rank = worlds(world_size).run(with_fused_backward, as_on_hopper, check_masked_ring, layout, seed=3, n=300,
                                       names=FUSED + ("docs-bf16",), timeout=300)
+    failures = [f for fs in per_rank for f in fs]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world_size", [3, 4], ids=lambda w: f"W{w}")
+def test_masked_ring_on_the_direct_schedule_matches_oracle(worlds, world_size, layout):
+    """Every mask of ``_configs`` through the direct schedule (RINGFLASH_SCHEDULE=direct),
+    the two-kernel backward, and on contiguous and zigzag shards the fused one too, with the
+    masks it serves."""
+    per_rank = worlds(world_size).run(with_schedule, "direct", check_masked_ring, layout, timeout=300)
+    if layout in ("contiguous", "zigzag"):
+        per_rank += worlds(world_size).run(with_schedule, "direct", with_fused_backward, check_masked_ring, layout,
+                                           seed=7, names=FUSED, timeout=300)
     failures = [f for fs in per_rank for f in fs]
     assert not failures, "\n".join(failures)

@@ -63,6 +63,15 @@ By default the Gluon kernel's dQ adds land in arrival order; ``deterministic=Tru
 torch's deterministic mode) makes it add them in a fixed order of key tiles, on the same
 fused schedule.
 
+From three active steps on, the direct schedule may run instead (``plan.takes_direct``;
+RINGFLASH_SCHEDULE: "auto", the default, where shards travel cut; "rotate"; "direct"): at
+the start of each pass every rank sends its own shard straight to each rank that computes
+it (shift s for step s) and receives every shard it computes into a slot of its own
+(``_Slots.send_all``); in the backward each visiting step's dK/dV go into a fresh fp32
+partial sum that leaves straight for its owner once the step is done (shift -s), and the
+owner adds the arriving sums in step order (``rotate._direct``). No step waits for a
+neighbour's running sum, so a short step exposes nothing; the bytes are the rotation's.
+
 A ring of two over contiguous shards under a block mask that the Gluon backward does not
 serve (``keeps_kv``: off Hopper, with segment ids, dropout or ``deterministic``; where it
 serves, the rotation above measured faster) keeps the other rank's K/V from the forward,

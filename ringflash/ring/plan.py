@@ -6,6 +6,7 @@ pair (``pair_mask``)."""
 from __future__ import annotations
 
 import functools
+import os
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -116,7 +117,8 @@ class Schedule(NamedTuple):
     key rows (a choice of schedule that depends on it must be the same on every rank: the
     ranks' messages pair up; False for other step counts), and ``sent``: per rank, the rows
     [lo, hi) of its K/V shard that travel (``travelling_rows``), or None where whole shards
-    do. Where they are cut, the pairs of steps 1 on read key rows of the travelling part."""
+    do. Where they are cut, the pairs of steps 1 on read key rows of the travelling part.
+    ``direct``: the shards go straight to the ranks that compute them (``takes_direct``)."""
 
     steps: int
     pairs: list
@@ -125,6 +127,32 @@ class Schedule(NamedTuple):
     pieces: Callable[[int, tuple[int, ...]], tuple]
     own_apart: bool
     sent: Optional[tuple[tuple[int, int], ...]] = None
+    direct: bool = False
+
+
+SCHEDULE_ENV = "RINGFLASH_SCHEDULE"
+SCHEDULES = ("auto", "rotate", "direct")
+
+
+def schedule_choice() -> str:
+    """RINGFLASH_SCHEDULE (read at each call): "auto" (the default), "rotate" or "direct"."""
+    choice = os.environ.get(SCHEDULE_ENV, "auto").strip().lower()
+    if choice not in SCHEDULES:
+        raise ValueError(f"{SCHEDULE_ENV} must be one of {SCHEDULES}, got {choice!r}")
+    return choice
+
+
+def takes_direct(steps: int, sent) -> bool:
+    """Whether a ring of ``steps`` active steps whose shards travel as ``sent``
+    (``travelling_rows``) takes the direct schedule (rotate.py): every rank sends its shard
+    straight to each rank that computes it, all at once, and each partial dK/dV sum goes
+    straight home, instead of passing shards and running sums from neighbour to neighbour.
+    The two differ only from three steps on. "auto" takes it where shards travel cut (a
+    layout computed from packed documents, windows): there a rank's steps are uneven, and
+    behind a short step a rotation's next trip and running sum are exposed, where the
+    direct schedule posts every trip at the start (docs/performance.md, "Cost model")."""
+    choice = schedule_choice()
+    return steps >= 3 and (choice == "direct" or (choice == "auto" and sent is not None))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -187,7 +215,7 @@ def schedule_of(ring: Ring, layout: str, local_len: int, band: Band, dropout: tu
         pairs = [pairs[0]] + [_travelling(p, sent[(ring.rank - s) % ring.world], local_len)
                               for s, p in enumerate(pairs[1:], 1)]
     return Schedule(steps, pairs, writes_first(pairs[0]), plan,
-                    lambda s, cuts: step_pieces(*of(ring.rank, s), cuts), own_apart, sent)
+                    lambda s, cuts: step_pieces(*of(ring.rank, s), cuts), own_apart, sent, takes_direct(steps, sent))
 
 
 def _own_ids(ids: torch.Tensor, part: slice) -> torch.Tensor:

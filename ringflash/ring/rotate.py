@@ -22,13 +22,15 @@ from .rows import Aside, add_rows, copy_rows, home_cuts, key_rows, overlap, sum_
 class _Slots:
     """The buffers visiting shards arrive in: none for a ring that passes nothing, one when
     only the own shard travels (two steps), two taking turns when received shards are passed
-    on. ``sent`` (``plan.travelling_rows``): per source rank the rows of its shard that
+    on, one a step under the direct schedule (``direct``: every shard arrives at once).
+    ``sent`` (``plan.travelling_rows``): per source rank the rows of its shard that
     travel, or None (whole shards); a slot then holds the rows of whichever shard it holds,
     from its start, so that every rank receives a message where its sender wrote it."""
 
-    def __init__(self, k: torch.Tensor, segments: Optional[torch.Tensor], ring: Ring, steps: int, sent):
+    def __init__(self, k: torch.Tensor, segments: Optional[torch.Tensor], ring: Ring, steps: int, sent,
+                 direct: bool = False):
         self.ring, self.sent, self.n = ring, sent, k.shape[1]
-        self.count = 0 if steps == 1 else 1 if steps == 2 else 2
+        self.count = 0 if steps == 1 else 1 if steps == 2 else steps - 1 if direct else 2
         rows = self.n if sent is None else max(hi - lo for lo, hi in sent)
         b, _, hkv, d = k.shape
         self.kv = ring.buffer("kv", (self.count, 2 * b * rows * hkv * d), k.dtype, k.device)
@@ -54,17 +56,23 @@ class _Slots:
         kv = self.packed(self.kv[slot], src)
         return kv, None if self.seg is None else self.seg[slot, :kv.shape[1] * kv.shape[2]].view(kv.shape[1:3])
 
-    def send_own(self, k: torch.Tensor, v: torch.Tensor, segments: Optional[torch.Tensor]) -> list:
-        """Send the own shard's travelling rows to the next rank, from k and v themselves
-        (two messages) and its segment ids, and receive the previous rank's into the first
-        slot. Each message lands where the next rank's view of this shard has it (its V
+    def send_own(self, k: torch.Tensor, v: torch.Tensor, segments: Optional[torch.Tensor], shift: int = 1) -> list:
+        """Send the own shard's travelling rows to rank + ``shift``, from k and v themselves
+        (two messages) and its segment ids, and receive rank - shift's into the slot of step
+        ``shift``. Each message lands where the receiver's view of this shard has it (its V
         starts after this shard's K rows, not the received shard's)."""
-        rows, (kv_next, seg_next) = self.rows(self.ring.rank), self.at(1)
-        theirs = self.packed(self.kv[0], self.ring.rank)
+        rows, (kv_next, seg_next) = self.rows(self.ring.rank), self.at(shift)
+        theirs = self.packed(self.kv[(shift - 1) % self.count], self.ring.rank)
         pairs = [(k[:, rows].contiguous(), kv_next[0], theirs[0]), (v[:, rows].contiguous(), kv_next[1], theirs[1])]
         if segments is not None:
             pairs.append((segments[:, rows].contiguous(), seg_next))
-        return self.ring.exchange(*pairs)
+        return self.ring.exchange(*pairs, shift=shift)
+
+    def send_all(self, k: torch.Tensor, v: torch.Tensor, segments: Optional[torch.Tensor]) -> list[list]:
+        """The direct schedule's trips, all posted at once: the own shard to each rank that
+        computes it (rank + s, for the steps s = 1, 2, ...), and into each step's slot the
+        shard it computes. One pending list a step, in step order (they travel in turn)."""
+        return [self.send_own(k, v, segments, shift) for shift in range(1, self.count + 1)]
 
 
 def pass_on(ring: Ring, cur, nxt) -> list:
@@ -87,8 +95,9 @@ def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout
     dtype straight from it where their query rows do not overlap (no separate cast of
     the rows they cover). The kept copy runs on a side stream, under the kernels."""
     b, n, h, d = q.shape
-    steps, schedule, first_writes, plan, *_, sent = schedule_of(ring, layout, n, band, dropout, blocks)
-    slots = _Slots(k, segments, ring, steps, sent)
+    sched = schedule_of(ring, layout, n, band, dropout, blocks)
+    steps, schedule, first_writes, plan = sched.steps, sched.pairs, sched.first_writes, sched.plan
+    slots = _Slots(k, segments, ring, steps, sched.sent, sched.direct)
     keep = keep and steps == 2
     if keep and segments is None and (ring.streams_chunks or not q.is_cuda):
         return gathered_forward(q, k, v, slots.at(1)[0], softmax_scale=softmax_scale, band=band,
@@ -110,9 +119,11 @@ def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout
     # Where the Gluon forward runs (whole tiles of 128 rows only), a pair that is not whole
     # tiles runs as its whole tiles and the rest (``tile_pieces``), as the fused backward's.
     cut = plan is None and dispatch.capability(q) == (9, 0)
+    trips = slots.send_all(k, v, segments) if sched.direct else None  # one a step, all posted now
     for step, pairs in enumerate(schedule):
         nxt = slots.at(step + 1) if step + 1 < steps else None
-        pending = [] if nxt is None else slots.send_own(k, v, segments) if step == 0 else pass_on(ring, cur, nxt)
+        pending = ([] if nxt is None else trips[step] if trips else slots.send_own(k, v, segments) if step == 0
+                   else pass_on(ring, cur, nxt))
         (kv, seg) = cur
         final = step == steps - 1 and gaps is not None
         merge = not (first_writes and step == 0)
@@ -260,13 +271,13 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
     same bits run to run (``kernels.flash_attn_bwd``: the Gluon kernel's dQ adds in a fixed
     order)."""
     n = q.shape[1]
-    steps, schedule, first_writes, plan, pieces, own_apart, sent = schedule_of(ring, layout, n, band, dropout,
-                                                                               blocks)
+    sched = schedule_of(ring, layout, n, band, dropout, blocks)
+    steps, schedule, first_writes, plan, pieces, own_apart, sent, direct = sched
     delta = attn_delta(out, dout, dlse)
     if kept is not None and steps == 2:
         return gathered_backward(dout, q, k, v, lse, delta, segments, kept, softmax_scale=softmax_scale,
                                  band=band, dropout=dropout, ring=ring, plan=plan, blocks=blocks)
-    slots = _Slots(k, segments, ring, steps, sent)
+    slots = _Slots(k, segments, ring, steps, sent, direct)
     # With the fused kernel the own step runs in pieces of key rows: the first half's hide
     # the first K/V trip, the second half's the trip home of the last sums (``_rotate``).
     own_first, own_last = _own_pieces(pieces, n, range(n)[slots.rows(ring.rank)]) if steps > 1 else (
@@ -279,30 +290,46 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
     if steps == 1:
         dkv = _one_step(grads, k, own, schedule[0], first_writes)
         return grads.result(), dkv
-    # The own shard's dQ first (fused: its first pieces): it needs nothing in flight, so it
-    # hides the first K/V trip.
-    kv_pending = slots.send_own(k, v, segments)
-    sums = own_sums = None
-    if grads.fused:  # the own shard's dK/dV start here (``_rotate``'s ``sums``, ``own_sums``)
-        sums = ring.buffer("grads", (3, 2 * k.numel()), torch.float32, k.device)
-        own_sums = _OwnSums(sums[2].view(2, *k.shape), torch.empty((2, *k.shape), device=k.device, dtype=k.dtype),
-                            slots.rows(ring.rank))
-        for rows, pairs in own_first:
-            grads.fused_pass(pairs, *own, own_sums.into(rows, grads.writes(pairs, rows)), keys=rows)
-    else:
-        grads.dq_pass(schedule[0], *own, first_writes, False)
-    ring.wait(kv_pending)
     # Two active steps (a ring of two) take ``_home_first`` where no rank's own pairs overlap
     # in key rows and every rank's remote step is at least half its own step (a sliding
     # window's sliver of a remote step would not hide the trip; the own dK/dV pass of
     # ``_rotate`` does), and whole shards travel; not with the fused kernel, which adds
     # each pair's dK/dV into fp32 sums as ``_rotate`` keeps them.
-    if not grads.fused and steps == 2 and own_apart and sent is None and (
-            remote_share(layout, ring.world, n, band) if plan is None
-            else plan.remote_share(band, blocks)) >= 0.5:
+    home_first = not fused and steps == 2 and own_apart and sent is None and (
+        remote_share(layout, ring.world, n, band) if plan is None else plan.remote_share(band, blocks)) >= 0.5
+    # The own shard's dQ first (fused: its first pieces): it needs nothing in flight, so it
+    # hides the first K/V trip (the direct schedule's trips all start here).
+    trips = slots.send_all(k, v, segments) if direct else [slots.send_own(k, v, segments)]
+    if home_first:
+        grads.dq_pass(schedule[0], *own, first_writes, False)
+        ring.wait(trips[0])
         return grads.result(), _home_first(grads, ring, k, own, slots.at(1), schedule, pieces)
-    dkv = _rotate(grads, ring, k, own, slots, schedule, steps, sums, own_sums, own_last)
-    return grads.result(), dkv
+    # fp32 sums (2 * k.numel() each): the rotation's running and sent sums take turns in
+    # the first two, the direct schedule's partial sums come home into one a step; the
+    # last is the own shard's (``_OwnSums.mine``).
+    sums = ring.buffer("grads", (steps if direct else 3, 2 * k.numel()), torch.float32, k.device)
+    own_sums = _OwnSums(sums[-1].view(2, *k.shape), torch.empty((2, *k.shape), device=k.device, dtype=k.dtype),
+                        slots.rows(ring.rank))
+    if fused:  # the own shard's dK/dV start here
+        for rows, pairs in own_first:
+            grads.fused_pass(pairs, *own, own_sums.into(rows, grads.writes(pairs, rows)), keys=rows)
+    else:
+        grads.dq_pass(schedule[0], *own, first_writes, False)
+    ring.wait(trips[0])
+    if direct:
+        home, pending = _direct(grads, ring, k, slots, schedule, steps, sums, trips)
+    else:
+        home, pending = _rotate(grads, ring, k, slots, schedule, steps, sums)
+    # The own shard's dK/dV last, while the last sums go home: no trip after the last pass,
+    # and the own step, often the largest (local masks, packed documents), hides them.
+    if fused:
+        for rows, pairs in own_last:
+            grads.fused_pass(pairs, *own, own_sums.into(rows, grads.writes(pairs, rows)), keys=rows)
+    else:
+        own_sums.into(range(n))
+        grads.dkv_pass(schedule[0], *own, own_sums.mine)
+    ring.wait(pending)
+    return grads.result(), own_sums.finish(home)  # the rows that stayed are the own pass's alone
 
 
 class _OwnSums:
@@ -327,9 +354,14 @@ class _OwnSums:
                                            range(max(rows.start, self.travelling.stop), rows.stop)) if part]
         return self.mine
 
-    def finish(self, home: torch.Tensor) -> torch.Tensor:
+    def finish(self, home) -> torch.Tensor:
         """The gradients: the travelling rows' sum with ``home`` (their sum from the other
-        ranks, (2, B, rows, Hkv, D) fp32), each rounded once."""
+        ranks, (2, B, rows, Hkv, D) fp32, or a list of such partial sums, added in order
+        into the first), each rounded once."""
+        if isinstance(home, list):
+            for part in home[1:]:
+                home[0].add_(part)
+            home = home[0]
         for rows in self.rounded:
             copy_rows(self.dkv, self.mine, slice(rows.start, rows.stop), 2)
         sum_rows(self.dkv, self.mine, home, slice(self.travelling.start, self.travelling.stop))
@@ -426,26 +458,22 @@ def _home_first(grads: _Grads, ring: Ring, k, own, cur, schedule, pieces) -> tor
     return dkv
 
 
-def _rotate(grads: _Grads, ring: Ring, k, own, slots: _Slots, schedule, steps: int,
-            sums: Optional[torch.Tensor] = None, own_sums: Optional[_OwnSums] = None, own_last=()) -> torch.Tensor:
-    """dK/dV of the rotation: each visiting shard's running fp32 sum travels one step behind
-    its K/V, and arrives home while the own shard's dK/dV pass runs.
+def _rotate(grads: _Grads, ring: Ring, k, slots: _Slots, schedule, steps: int,
+            sums: torch.Tensor) -> tuple[torch.Tensor, list]:
+    """The rotation's remote steps: each visiting shard's running fp32 dK/dV sum travels one
+    step behind its K/V, and leaves for home after the last step. Returns (where the own
+    shard's sum arrives, the pending trip home).
 
     With the fused kernel (``grads.fused``) a visiting step adds its pairs' dK/dV into a
     zeroed buffer of its own (``fresh``) while the running sum arrives, then that buffer
     into the sum (one add over the key rows the step touches): no kernel waits for a
-    trip; the own shard's sum (``sums[2]``, given, holding the own step's first piece) then
-    takes the own step's other pieces, ``own_last`` ((rows, pairs) each), last, hiding the
-    trip home; ``own_sums`` says where each piece's dK/dV go."""
+    trip."""
     # Packed (dk, dv) sums in fp32: `running` belongs to the shard this step computes and
     # arrives from r-1 during the step (the shard of step 1 starts its sum here); `sending`
-    # belongs to the shard of the step before and leaves for r+1; `mine` is the own
-    # shard's part. The first two hold the travelling rows of their shard (``_Slots``).
-    sums = ring.buffer("grads", (3, 2 * k.numel()), torch.float32, k.device) if sums is None else sums
-    mine = sums[2].view(2, *k.shape)
+    # belongs to the shard of the step before and leaves for r+1. Both hold the travelling
+    # rows of their shard (``_Slots``).
     fresh = None if not grads.fused or steps < 3 else torch.empty(2 * k.numel(), device=k.device,
                                                                   dtype=torch.float32)
-
     running = sending = None
     for step in range(1, steps):
         pairs = schedule[step]
@@ -479,22 +507,33 @@ def _rotate(grads: _Grads, ring: Ring, k, own, slots: _Slots, schedule, steps: i
                     grads.pair(pair, kv, seg, False, dkv=running)
         ring.wait(kv_pending)
         sending = running
-    # The own shard's dK/dV last, into a buffer of its own, while the last remote sum goes
-    # home (steps - 1 ranks back; the next rank when the ring is whole) and this shard's sum
-    # arrives: no trip after the last pass, and the own-shard step, often the largest
-    # (local masks, packed documents), hides the one fp32 trip.
+    # The last remote sum goes home (steps - 1 ranks back; the next rank when the ring is
+    # whole) while this shard's sum arrives.
     home = slots.packed(sums[steps % 2], ring.rank)
-    home_pending = ring.exchange((sending, home), shift=1 - steps)
-    if grads.fused:
-        for rows, pairs in own_last:
-            grads.fused_pass(pairs, *own, own_sums.into(rows, grads.writes(pairs, rows)), keys=rows)
-    else:
-        own_sums = _OwnSums(mine, torch.empty((2, *k.shape), device=k.device, dtype=k.dtype),
-                            slots.rows(ring.rank))
-        own_sums.into(range(k.shape[1]))
-        grads.dkv_pass(schedule[0], *own, mine)
-    ring.wait(home_pending)
-    return own_sums.finish(home)  # the rows that stayed are the own pass's alone
+    return home, ring.exchange((sending, home), shift=1 - steps)
+
+
+def _direct(grads: _Grads, ring: Ring, k, slots: _Slots, schedule, steps: int, sums: torch.Tensor,
+            trips: list) -> tuple[list, list]:
+    """The direct schedule's remote steps: step s runs once its shard has arrived (``trips``,
+    all posted at the start), its dK/dV into an fp32 partial sum of that shard's rows of
+    its own, which goes straight home (s ranks back) while the next steps run; this rank's
+    own shard's partial sums arrive from the s ranks ahead, one into each of ``sums``'
+    first steps - 1 rows. Returns (those rows, which ``_OwnSums.finish`` adds in step order,
+    so the bits do not depend on the order they arrive in; the pending trips home). No
+    step waits for another rank's gradients, so a short step exposes nothing."""
+    homes, pending = [slots.packed(sums[step - 1], ring.rank) for step in range(1, steps)], []
+    for step in range(1, steps):
+        ring.wait(trips[step - 1] if step > 1 else [])  # step 1's: waited for under the own pass
+        pairs, (kv, seg) = schedule[step], slots.at(step)
+        part = torch.empty((2, *kv.shape[1:]), device=k.device, dtype=torch.float32)
+        if grads.fused:
+            grads.fused_pass(pairs, kv, seg, part, keys=range(part.shape[2]))
+        else:
+            grads.dq_pass(pairs, kv, seg, False, step == steps - 1)
+            grads.dkv_pass(pairs, kv, seg, part)
+        pending += ring.exchange((part, homes[step - 1]), shift=-step)
+    return homes, pending
 
 
 def _key_span(pairs, rows: int) -> slice:
