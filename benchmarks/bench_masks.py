@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 
 import torch
@@ -50,6 +51,11 @@ def documents(seqlen: int, seed: int = 0, median: int = 2048, sigma: float = 1.5
         lengths.append(n)
         total += n
     return lengths
+
+
+def draw(seqlen: int, args) -> list[int]:
+    """The documents of a row: ``documents`` with --documents-seed and --documents-median."""
+    return documents(seqlen, args.documents_seed, args.documents_median)
 
 
 def case_mask(mask: str, seqlen: int, window: int, device, lengths=None):
@@ -94,7 +100,7 @@ def single_gpu(args, device) -> list[dict]:
     records = []
     for seqlen in args.seqlens:
         for mask in args.masks:
-            kw, visible, mask_mod, lengths = case_mask(mask, seqlen, args.window, device)
+            kw, visible, mask_mod, lengths = case_mask(mask, seqlen, args.window, device, draw(seqlen, args))
             q, k, v = (torch.randn(1, seqlen, args.heads, args.head_dim, device=device,
                                    dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
             ours = lambda q, k, v: ringflash.flash_attn(q, k, v, **kw)
@@ -130,16 +136,15 @@ def cost_mask(mask: str, seqlen: int, args) -> cost.Mask:
     """The cost model's mask of ``mask`` (causal; "window": args.window back; "documents":
     this length's ``documents``)."""
     if mask == "documents":
-        return cost.Mask.documents(documents(seqlen))
+        return cost.Mask.documents(draw(seqlen, args))
     return cost.Mask(True, (args.window, 0) if mask == "window" else (-1, -1))
 
 
-def bytes_sent(layout, world: int, seqlen: int, mask: cost.Mask, args) -> int:
+def bytes_sent(counts: cost.RingCounts, args) -> int:
     """Bytes the busiest rank sends in one forward+backward: the cost model's count
     (``cost.link_bytes``, from the schedule's travelling rows: K/V in bf16 in the forward and
     again in the backward, the running dK/dV sum in fp32), segment ids aside."""
-    per_step = cost.link_bytes(cost.ring_counts(world, seqlen, layout, mask),
-                               cost.Problem(args.heads, args.heads, args.head_dim))
+    per_step = cost.link_bytes(counts, cost.Problem(args.heads, args.heads, args.head_dim))
     return int(per_step.sum(-1).max()) if per_step.dim() == 2 else int(per_step.sum())
 
 
@@ -147,9 +152,10 @@ def ring(args, device, group, world, rank) -> list[dict]:
     records = []
     for seqlen in args.seqlens:
         for mask in args.masks:
-            kw, visible, _, lengths = case_mask(mask, seqlen, args.window, device)
+            kw, visible, _, lengths = case_mask(mask, seqlen, args.window, device, draw(seqlen, args))
             layouts = {"causal": ["zigzag", "block_stripe"], "window": ["contiguous", "block_stripe"],
                        "documents": ["documents", "zigzag", "stripe", "block_stripe"]}[mask]
+            layouts = [name for name in layouts if not args.layouts or name in args.layouts]
             full = inputs(seqlen, args, device)
             if rank == 0:  # the same problem on one GPU, for the ring's efficiency
                 one = [t.clone().requires_grad_() for t in full]
@@ -164,17 +170,22 @@ def ring(args, device, group, world, rank) -> list[dict]:
                     start = time.perf_counter()
                     layout = ringflash.document_layout(torch.tensor([0, *lengths]).cumsum(0), seqlen, group)
                     extra = dict(layout_host_ms=1e3 * (time.perf_counter() - start), split_documents=layout.splits)
+                if mask == "documents" and (args.documents_seed, args.documents_median) != (0, 2048):
+                    extra.update(documents_seed=args.documents_seed, documents_median=args.documents_median)
                 band = band_of_window(True, kw.get("window_size", (-1, -1)))
                 steps = active_steps(layout, world, seqlen // world, band)
-                extra["bytes_sent_per_rank"] = bytes_sent(layout, world, seqlen, cost_mask(mask, seqlen, args), args)
                 local = [ringflash.shard(t, 1, layout).requires_grad_() for t in full]
                 rkw = dict(kw, layout=layout)
                 if "segment_ids" in kw:
                     rkw["segment_ids"] = ringflash.shard(kw["segment_ids"], 1, layout)
-                fwd, fwdbwd = timed(lambda q, k, v: ringflash.ring_flash_attn(q, k, v, **rkw),
-                                    *local, device, args, group=group)
-                records.append(record("ringflash", mask, seqlen, args.window, visible, fwd, fwdbwd,
-                                      args, world=world, layout=name, ring_steps=steps, **extra))
+                for schedule in args.schedules:  # RINGFLASH_SCHEDULE, the same on every rank
+                    counts = cost.ring_counts(world, seqlen, layout, cost_mask(mask, seqlen, args), schedule=schedule)
+                    extra.update(schedule=schedule, direct=counts.direct, bytes_sent_per_rank=bytes_sent(counts, args))
+                    with _schedule(schedule):
+                        fwd, fwdbwd = timed(lambda q, k, v: ringflash.ring_flash_attn(q, k, v, **rkw),
+                                            *local, device, args, group=group)
+                    records.append(record("ringflash", mask, seqlen, args.window, visible, fwd, fwdbwd,
+                                          args, world=world, layout=name, ring_steps=steps, **extra))
                 del local
             if rank == 0:
                 add_efficiency(records)
@@ -184,10 +195,24 @@ def ring(args, device, group, world, rank) -> list[dict]:
     return records
 
 
+@contextlib.contextmanager
+def _schedule(schedule: str):
+    """RINGFLASH_SCHEDULE set to ``schedule`` for the calls inside."""
+    before = os.environ.get("RINGFLASH_SCHEDULE")
+    os.environ["RINGFLASH_SCHEDULE"] = schedule
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["RINGFLASH_SCHEDULE"]
+        else:
+            os.environ["RINGFLASH_SCHEDULE"] = before
+
+
 def print_rows(rows: list[dict]) -> None:
     numbers = (("fwdbwd_ms", ".2f"), ("fwdbwd_tflops_visible", ".0f"), ("fwdbwd_tflops_visible_per_gpu", ".0f"),
                ("efficiency", ".2f"), ("predicted_efficiency", ".2f"), ("imbalance", ".2f"))
-    columns = [(k, k) for k in ("impl", "layout", "mask", "seqlen")] + [(k, k, f) for k, f in numbers]
+    columns = [(k, k) for k in ("impl", "layout", "schedule", "mask", "seqlen")] + [(k, k, f) for k, f in numbers]
     print(results.format_table(rows, columns + [("error", "error")]), flush=True)
 
 
@@ -202,7 +227,7 @@ def torch_cp_rows(args, device, group, world) -> list[dict]:
                 records.append(record(torch_cp.FLEX_IMPL, mask, seqlen, args.window, 1, None, None, args,
                                       world=world, error=f"not run: {failed[mask]}"))
                 continue
-            lengths = torch_cp.cp_document_lengths(documents(seqlen), world) if mask == "documents" else None
+            lengths = torch_cp.cp_document_lengths(draw(seqlen, args), world) if mask == "documents" else None
             extra = dict(documents=len(lengths), document_unit=2 * world) if lengths else {}
             kw, visible, mask_mod, _ = case_mask(mask, seqlen, args.window, device, lengths)
             *full, dout = inputs(seqlen, args, device, n=4)
@@ -239,10 +264,12 @@ def predicted(records: list[dict], world: int, args) -> list[dict]:
         if layout == "documents":
             layout = ringflash.document_layout(torch.tensor(m.cu_seqlens), r["seqlen"], world=world)
         problem = cost.Problem(args.heads, args.heads, args.head_dim, segments=m.cu_seqlens is not None)
-        eff = cost.efficiency(cost.ring_counts(world, r["seqlen"], layout, m),
+        schedule = r.get("schedule", "auto")
+        eff = cost.efficiency(cost.ring_counts(world, r["seqlen"], layout, m, schedule=schedule),
                               cost.ring_counts(1, r["seqlen"], "contiguous", m), cost.H100, problem)
-        out.append(dict(impl="cost_model", gpus=world, layout=r["layout"], mask=r["mask"], seqlen=r["seqlen"],
-                        window=r["window"], predicted_efficiency=eff, measured_efficiency=r.get("efficiency")))
+        out.append(dict(impl="cost_model", gpus=world, layout=r["layout"], schedule=schedule, mask=r["mask"],
+                        seqlen=r["seqlen"], window=r["window"], predicted_efficiency=eff,
+                        measured_efficiency=r.get("efficiency")))
     return out
 
 
@@ -288,6 +315,11 @@ def main(argv=None):
     p = cli.gpu_parser(__doc__, "masks_<gpu>[xN]")
     p.add_argument("--masks", nargs="+", default=["causal,documents,window"], help="masks to run")
     p.add_argument("--window", type=int, default=4096, help="left window of the 'window' mask")
+    p.add_argument("--documents-median", type=int, default=2048, help="median document length of the draw")
+    p.add_argument("--documents-seed", type=int, default=0, help="seed of the documents' draw")
+    p.add_argument("--layouts", nargs="*", default=[], help="only these of each mask's ring layouts (default all)")
+    p.add_argument("--schedules", nargs="+", default=["auto"], choices=("auto", "rotate", "direct"),
+                   help="RINGFLASH_SCHEDULE of the ring rows, each timed in turn (a row's 'direct': taken)")
     p.add_argument("--torch-cp", nargs="*", default=["documents"],
                    help="masks on which torch CP (FlexAttention) runs beside the ring; none: the flag alone")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",

@@ -7,6 +7,7 @@ and which grid (U, R) keeps packed documents fastest at W = 8-64 over nodes of 8
     python benchmarks/predict_scaling.py                       # every table, CPU, ~3 min on 2 cores
     python benchmarks/predict_scaling.py --fit                 # refit the constants first
     python benchmarks/predict_scaling.py --out /tmp/pred.json  # also the records (impl "cost_model")
+    python benchmarks/predict_scaling.py --schedule rotate     # predict through the rotation alone
 
 Measured rows: every ring row of benchmarks/results/masks_h100x2.json, masks_h100x2_512k.json,
 masks_h200x2.json and masks_h200x4.json against the 1-GPU row of the same run, and the efficiencies measured on 4 x H100 on
@@ -14,11 +15,14 @@ masks_h200x2.json and masks_h200x4.json against the 1-GPU row of the same run, a
 bench_masks.py builds them: documents of log-normal lengths (its own generator, seed 0),
 causal within each; window: causal, 4096 keys back. bf16, 32 heads, head_dim 128, batch 1.
 Efficiency = 1-GPU time / (W x ring time). ``--fit`` fits the model's constants to all of them
-(``cost.FITTED``; the rest held at ``cost.H100``'s). Also checked, not fitted to: the ring-alone
+(``cost_fit.FITTED``; the rest held at ``cost.H100``'s). Also checked, not fitted to: the ring-alone
 rows on packed documents of bench_ring.py's grid runs (``MESH_MEASURED``), and the ring rows
 of ``CURRENT_LAYOUT`` (measured with the document layout as it is now, and counted so).
 Left out: runs whose segment ids ran on the Gluon kernels (meta.runs' ``segment_kernels``),
-faster than the Triton kernels the constants describe.
+faster than the Triton kernels the constants describe. The measured rows ran the rotation
+and are counted so (``ring_counts(..., schedule="rotate")``); the predictions take the
+schedule the ring would (``--schedule``, as RINGFLASH_SCHEDULE: "auto", the direct schedule
+from three steps on where shards travel cut), and each table says which rows ran it.
 
 The grid (``ringflash.cost_grid``): every grid row (U > 1) of ``MESH_MEASURED``, its
 efficiency, its all-to-alls timed alone (``alltoall_ms``: what ``cost_grid.NVLINK`` is fitted
@@ -43,7 +47,7 @@ import torch
 from bench_masks import documents
 import ringflash
 from harness import cli, results
-from ringflash import cost, cost_bound, cost_grid
+from ringflash import cost, cost_bound, cost_fit, cost_grid
 
 WINDOW = 4096
 # 4 x H100, 2026-11-26 (`torchrun --nproc-per-node=4 benchmarks/bench_masks.py --ring` on the
@@ -88,13 +92,19 @@ PREDICT = [("causal", "zigzag"), ("documents", "block_stripe"), ("documents", "c
 
 
 @functools.lru_cache(maxsize=None)
-def documents_ring(world: int, seqlen: int) -> Optional[cost.RingCounts]:
+def documents_ring(world: int, seqlen: int, schedule: str = "auto") -> Optional[cost.RingCounts]:
     """The counts of ``ringflash.document_layout``'s ring of ``world`` ranks on the documents of
     ``seqlen`` tokens, counted token by token (None past world x seqlen = 2^26); kept, as the
     grid table's rings over R ranks are the same whatever U."""
     if world * seqlen > cost.TOKENWISE_LIMIT:
         return None
-    return cost_grid.grid_ring(world, 1, seqlen, "documents", mask_of("documents", seqlen))
+    return cost_grid.grid_ring(world, 1, seqlen, "documents", mask_of("documents", seqlen), schedule)
+
+
+def schedule_of(ring: cost.RingCounts) -> str:
+    """The schedule the model runs ``ring`` through: "direct", "early home" (a ring of two's
+    ``rotate._home_first``) or "rotation"."""
+    return "direct" if ring.direct else "early home" if ring.early_home else "rotation"
 
 
 def mask_of(mask: str, seqlen: int) -> cost.Mask:
@@ -146,7 +156,7 @@ def counted(rows: list[dict]) -> None:
             # ``current_layout`` as it is now
             now = {} if r.get("current_layout") else dict(fills=())
             layout = ringflash.documents._made(torch.tensor(m.cu_seqlens), r["seqlen"], r["gpus"], **now)
-        r["ring"] = cost.ring_counts(r["gpus"], r["seqlen"], layout, m)
+        r["ring"] = cost.ring_counts(r["gpus"], r["seqlen"], layout, m, schedule="rotate")  # as measured
         r["one"] = cost.ring_counts(1, r["seqlen"], "contiguous", m)
         r["problem"] = cost.Problem(segments=m.cu_seqlens is not None)
 
@@ -156,9 +166,9 @@ def refit(rows: list[dict]) -> cost.Costs:
     time of every (mask, seqlen) (the quoted 4 x H100 rows borrow masks_h100x2.json's)."""
     ones = {(r["source"], r["mask"], r["seqlen"]): r for r in rows if r["source"] in MEASURED}.values()
     fitted = [r for r in rows if r["source"] not in MESH_MEASURED + CURRENT_LAYOUT]
-    costs, rms = cost.fit([(r["one"], r["problem"], r["one_ms"]) for r in ones],
-                          [(r["ring"], r["one"], r["problem"], r["measured"]) for r in fitted])
-    print(f"fitted {', '.join(cost.FITTED)} on {len(fitted)} ring rows and {len(ones)} 1-GPU times "
+    costs, rms = cost_fit.fit([(r["one"], r["problem"], r["one_ms"]) for r in ones],
+                              [(r["ring"], r["one"], r["problem"], r["measured"]) for r in fitted])
+    print(f"fitted {', '.join(cost_fit.FITTED)} on {len(fitted)} ring rows and {len(ones)} 1-GPU times "
           f"(rms error {rms:.3f}): {costs}\n")
     return costs
 
@@ -182,37 +192,44 @@ def calibration(rows: list[dict], costs: cost.Costs) -> list[dict]:
                  measured_in=r["source"]) for r in rows]
 
 
-def predictions(worlds: list[int], seqlens: list[int], costs: cost.Costs) -> list[dict]:
+def _direct_at(row: dict, names) -> str:
+    """Which of ``names`` (the row's keys) ran the direct schedule: ``row["schedules"]``."""
+    return ", ".join(name for name in names if row["schedules"].get(name) == "direct") or "-"
+
+
+def predictions(worlds: list[int], seqlens: list[int], costs: cost.Costs, schedule: str = "auto") -> list[dict]:
     records, table = [], []
     for seqlen in seqlens:
         for mask, layout in PREDICT:
             m = mask_of(mask, seqlen)
             problem = cost.Problem(segments=m.cu_seqlens is not None)
             one = cost.ring_counts(1, seqlen, "contiguous", m)
-            row = dict(mask=mask, seqlen=seqlen, layout=layout + (" (bound)" if layout == "documents" else ""))
+            row = dict(mask=mask, seqlen=seqlen, layout=layout + (" (bound)" if layout == "documents" else ""),
+                       schedules={})
             for world in worlds:
                 if layout == "documents":  # the model's bound for a layout built from the documents
                     bound = cost_bound.document_bound(world, seqlen, documents(seqlen), costs, problem)
-                    eff, steps = bound["efficiency"], None
-                elif layout == "document_layout":  # ringflash.document_layout, counted token by token
-                    ring = documents_ring(world, seqlen)
+                    eff, steps, ran = bound["efficiency"], None, "rotation"  # its rings: cost._timeline
+                else:  # document_layout: ringflash.document_layout, counted token by token
+                    ring = (documents_ring(world, seqlen, schedule) if layout == "document_layout"
+                            else cost.ring_counts(world, seqlen, layout, m, schedule))
                     if ring is None:
                         row[f"W={world}"] = float("nan")
                         continue
-                    eff, steps = cost.efficiency(ring, one, costs, problem), ring.steps
-                else:
-                    ring = cost.ring_counts(world, seqlen, layout, m)
-                    eff, steps = cost.efficiency(ring, one, costs, problem), ring.steps
-                row[f"W={world}"] = eff
+                    eff, steps, ran = cost.efficiency(ring, one, costs, problem), ring.steps, schedule_of(ring)
+                row[f"W={world}"], row["schedules"][str(world)] = eff, ran
                 records.append(dict(impl="cost_model", layout=layout, mask=mask, seqlen=seqlen, gpus=world,
                                     predicted_efficiency=eff, steps=steps, bound=layout == "documents",
-                                    window=WINDOW if mask == "window" else None))
+                                    schedule=ran, window=WINDOW if mask == "window" else None))
+            row["direct"] = _direct_at(row, [str(w) for w in worlds])
             table.append(row)
     print("\npredicted efficiency (the constants in use: cost.H100, or refitted; document_layout: "
           "ringflash.document_layout, nan past world x seqlen = 2^26; documents (bound): what a layout "
-          "from the documents splitting long ones over the fewest ranks could reach, by the model)")
+          "from the documents splitting long ones over the fewest ranks could reach, by the model; "
+          f"schedule {schedule!r}: \"direct at W\" names the W whose ring ran the direct schedule, the "
+          "rest the rotation)")
     print(results.format_table(table, [("mask", "mask"), ("seqlen", "seqlen", cli.fmt_size), ("layout", "layout")]
-                               + [(f"W={w}", f"W={w}", ".2f") for w in worlds]))
+                               + [(f"W={w}", f"W={w}", ".2f") for w in worlds] + [("direct", "direct at W")]))
     return records
 
 
@@ -286,34 +303,42 @@ def grid_calibration(rows: list[dict], costs: cost.Costs, grid: cost_grid.GridCo
                        measured_on=r["device"], measured_in=r["source"]) for r in rows]
 
 
-def grid_predictions(worlds: list[int], seqlens: list[int], costs: cost.Costs, grid: cost_grid.GridCosts) -> list[dict]:
+def grid_predictions(worlds: list[int], seqlens: list[int], costs: cost.Costs, grid: cost_grid.GridCosts,
+                     schedule: str = "auto") -> list[dict]:
     """Per W, seqlen and GRID_HEADS: the predicted efficiency on the packed documents of the
     ring alone with one link speed on every hop (cost's, as ``predictions``), and of the ring
     alone (U = 1) and each grid (U, W / U), U in GRID_UNITS dividing the heads and W, on the
     documents' layout over the ring, with ``grid``'s links (a heads group within a node, the
-    ring across nodes where W > node_gpus); which is best. nan (-) past R x seqlen = 2^26."""
+    ring across nodes where W > node_gpus); which is best; which ran the direct schedule.
+    nan (-) past R x seqlen = 2^26."""
     records, table = [], []
     for seqlen in seqlens:
         one = cost.ring_counts(1, seqlen, "contiguous", mask_of("documents", seqlen))
         for heads, kv_heads in GRID_HEADS:
             problem = cost.Problem(heads=heads, kv_heads=kv_heads, segments=True)
             for world in worlds:
-                ring = documents_ring(world, seqlen)
-                row = dict(world=world, seqlen=seqlen, heads=f"{heads}/{kv_heads}",
+                ring = documents_ring(world, seqlen, schedule)
+                row = dict(world=world, seqlen=seqlen, heads=f"{heads}/{kv_heads}", schedules={},
                            one_link=float("nan") if ring is None else cost.efficiency(ring, one, costs, problem))
+                if ring is not None:
+                    row["schedules"]["one link"] = schedule_of(ring)
                 for u in (1,) + GRID_UNITS:
                     if heads % u or world % u or u > grid.node_gpus:
                         continue
-                    ring = documents_ring(world // u, seqlen)
+                    ring = documents_ring(world // u, seqlen, schedule)
                     if ring is None:
                         row[f"U={u}"] = float("nan")
                         continue
                     times = cost_grid.grid_times(ring, u, problem, costs, grid)
                     row[f"U={u}"] = eff = cost_grid.efficiency_of(times, one, costs, problem)
+                    name = "(1, W)" if u == 1 else f"({u}, W/{u})"
+                    row["schedules"][name] = schedule_of(ring)
                     records.append(dict(impl="cost_model", layout="document_layout", mask="documents", seqlen=seqlen,
                                         gpus=world, heads_parallel=u, ring=world // u, head_chunks=times.chunks,
                                         heads=heads, kv_heads=kv_heads, predicted_efficiency=eff,
-                                        node_gpus=grid.node_gpus, internode_gbps=grid.internode_gbps))
+                                        schedule=schedule_of(ring), node_gpus=grid.node_gpus,
+                                        internode_gbps=grid.internode_gbps))
+                row["direct"] = _direct_at(row, ["one link", "(1, W)"] + [f"({u}, W/{u})" for u in GRID_UNITS])
                 best = max(((row[f"U={u}"], u) for u in (1,) + GRID_UNITS if row.get(f"U={u}", float("nan")) > 0),
                            default=None)
                 if best is not None:
@@ -323,11 +348,12 @@ def grid_predictions(worlds: list[int], seqlens: list[int], costs: cost.Costs, g
           f"ring; one link: the ring alone, every hop at {costs.link_gbps:g} GB/s as in the table above; the "
           f"rest: a heads group within a node of {grid.node_gpus} GPUs, all-to-all at "
           f"{grid.alltoall_gbps:g} GB/s + {grid.alltoall_ms:g} ms a call, the ring's hops at "
-          f"{grid.internode_gbps:g} GB/s where W > {grid.node_gpus}; - past R x seqlen = 2^26)")
+          f"{grid.internode_gbps:g} GB/s where W > {grid.node_gpus}; - past R x seqlen = 2^26; schedule "
+          f"{schedule!r}: \"direct\" names the columns whose ring ran the direct schedule, the rest the rotation)")
     print(results.format_table(table, [("world", "W"), ("seqlen", "seqlen", cli.fmt_size), ("heads", "heads"),
                                        ("one_link", "ring, one link", ".2f"), ("U=1", "(1, W)", ".2f")]
                                + [(f"U={u}", f"({u}, W/{u})", ".2f") for u in GRID_UNITS]
-                               + [("best", "best"), ("best_efficiency", "best eff", ".2f")]))
+                               + [("best", "best"), ("best_efficiency", "best eff", ".2f"), ("direct", "direct")]))
     return records
 
 
@@ -341,6 +367,8 @@ def main(argv=None):
                    help="GPUs a node: a heads group lies within one, the ring spans nodes beyond")
     p.add_argument("--internode-gbps", type=float, default=cost_grid.NVLINK.internode_gbps,
                    help="the ring's link across nodes, GB/s a GPU (50: one 400 Gb/s InfiniBand NIC a GPU)")
+    p.add_argument("--schedule", choices=cost.SCHEDULES, default="auto",
+                   help="the predictions' schedule, as RINGFLASH_SCHEDULE (the measured rows ran the rotation)")
     p.add_argument("--out", default=None, metavar="PATH", help="write the records as JSON here (a .json path)")
     args = p.parse_args(argv)
     worlds = sorted({int(w) for v in args.worlds for w in str(v).split(",") if w.strip()})
@@ -352,12 +380,12 @@ def main(argv=None):
         if args.fit:
             costs = refit(rows)
         records += calibration(rows, costs)
-    records += predictions(worlds, seqlens, costs)
+    records += predictions(worlds, seqlens, costs, args.schedule)
     grid = cost_grid.NVLINK._replace(node_gpus=args.node_gpus, internode_gbps=args.internode_gbps)
     if not args.no_calibration:
         grid, measured = grid_calibration(grid_rows(), costs, grid, args.fit)
         records += measured
-    records += grid_predictions(worlds, seqlens, costs, grid)
+    records += grid_predictions(worlds, seqlens, costs, grid, args.schedule)
     print(f"\nconstants: {costs}; {grid}; {time.time() - start:.1f} s on the CPU")
     if args.out:
         path = Path(args.out)

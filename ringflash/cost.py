@@ -32,13 +32,14 @@ backward's running fp32 dK/dV sum of the step's shard; after the last step that 
 home under the own shard's dK/dV pass (``rotate._rotate``); a ring of two whose whole
 shards travel and whose remote step is large takes the sum home early, in two pieces
 (``rotate._home_first``; ``RingCounts.early_home``). ``rank_times`` lays these out pass by
-pass (``_timeline``).
+pass (``_timeline``); from three steps on where shards travel cut (``ring_counts``'
+``schedule``: RINGFLASH_SCHEDULE), the direct schedule instead (``RingCounts.direct``,
+``_direct``): shards straight to the ranks computing them, partial dK/dV sums straight home.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -51,6 +52,8 @@ from .layouts import active_steps, global_positions, keys_within, layout_of, rem
 from .ring.plan import travelling_rows
 from .ring.rows import home_cuts, uncovered
 
+# What RINGFLASH_SCHEDULE may ask (``ring.plan.takes_direct``).
+SCHEDULES = ("auto", "rotate", "direct")
 # Counting token by token (a layout whose shards are not whole 128-token units) holds
 # world x seqlen numbers; past this it raises rather than run for minutes.
 TOKENWISE_LIMIT = 1 << 26
@@ -145,6 +148,9 @@ class RingCounts(NamedTuple):
     early_home: the backward takes a ring of two's early trip home (``rotate._home_first``):
         two steps, whole shards, no rank's own pairs overlapping in key rows and every remote
         step at least half its own step (``layouts.remote_share``); the rotation otherwise.
+    direct: the direct schedule (``ring.plan.takes_direct``): three steps or more, and the
+        schedule "direct", or "auto" where shards travel cut (``travelling_rows`` not None;
+        not ``received``, set for a layout computed from the documents whatever travels).
     """
 
     world: int
@@ -159,6 +165,7 @@ class RingCounts(NamedTuple):
     k_blocks: Optional[torch.Tensor] = None
     received: Optional[torch.Tensor] = None
     early_home: bool = False
+    direct: bool = False
 
     @property
     def local_len(self) -> int:
@@ -362,9 +369,12 @@ def _band_steps(shards: _Shards, seqlen: int, mask: Mask) -> int:
     return int(reach.max()) + 1 if reach.numel() else 1
 
 
-def ring_counts(world: int, seqlen: int, layout: str, mask: Mask = Mask()) -> RingCounts:
+def ring_counts(world: int, seqlen: int, layout: str, mask: Mask = Mask(), schedule: str = "auto") -> RingCounts:
     """The ``RingCounts`` of a ring of ``world`` ranks over ``seqlen`` tokens split by
-    ``layout`` (world 1: one device on the whole sequence, whatever the layout)."""
+    ``layout`` (world 1: one device on the whole sequence, whatever the layout); ``schedule``
+    as RINGFLASH_SCHEDULE would ask (``SCHEDULES``; the model does not read the variable)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if not isinstance(world, int) or world < 1:
         raise ValueError(f"world must be a positive integer, got {world!r}")
     if not isinstance(seqlen, int) or seqlen < 1:
@@ -380,17 +390,18 @@ def ring_counts(world: int, seqlen: int, layout: str, mask: Mask = Mask()) -> Ri
     if world == 1:  # one kernel call a pass over the whole sequence
         blocks = torch.full((1, 1), -(-seqlen // BLOCK), dtype=torch.long)
         return counts._replace(calls=torch.ones(1, 1, dtype=torch.long), q_blocks=blocks, k_blocks=blocks)
-    return _scheduled(counts, layout_of(layout), mask)
+    return _scheduled(counts, layout_of(layout), mask, schedule)
 
 
-def _scheduled(counts: RingCounts, layout, mask: Mask) -> RingCounts:
+def _scheduled(counts: RingCounts, layout, mask: Mask, schedule: str = "auto") -> RingCounts:
     """The counts with the ring's schedule (``ring.plan.schedule_of``): its steps (a layout
     computed from the documents, ``ringflash.document_layout``, whose documents must be the
     mask's, runs only those its crossing documents need), each step's block pairs and the
     rows their programs run over, cut to the rows that travel from the second step on where
     shards travel cut (``ring.plan.travelling_rows``: then also the K/V rows received per
     rank and step), and which backward runs (``early_home``, as ``rotate.ring_backward``
-    decides it for the Triton backward)."""
+    decides it for the Triton backward) and whether the direct schedule runs (``direct``,
+    as ``ring.plan.takes_direct`` decides it from ``schedule``)."""
     world, n = counts.world, counts.local_len
     band = band_of_window(mask.causal, mask.window)
     documents = hasattr(layout, "shared")
@@ -416,8 +427,9 @@ def _scheduled(counts: RingCounts, layout, mask: Mask) -> RingCounts:
     early_home = (steps == 2 and sent is None and remote_share(layout, world, n, band) >= 0.5 and all(
         uncovered([pair.k for pair in step_pairs(layout, rank, rank, world, n, band, True, None)], n) is not None
         for rank in range(world)))
+    direct = steps >= 3 and (schedule == "direct" or (schedule == "auto" and sent is not None))
     return counts._replace(steps=steps, calls=calls, q_blocks=q_blocks, k_blocks=k_blocks, received=received,
-                           early_home=early_home)
+                           early_home=early_home, direct=direct)
 
 
 # ----------------------------------------------------------------------------- bytes and time
@@ -461,8 +473,8 @@ def pass_times(counts: RingCounts, costs: Costs,
     """(forward, dQ, dK/dV), ms, each (W, W) [rank, step] (0 past the steps run): the step's
     tiles at ``tile_ms`` (times ``partial`` where partly visible) and the rows its kernel calls
     run over at ``row_ms`` (query rows in the forward and dQ passes, key rows in dK/dV), each
-    pass its share of both (``PASS_SHARES``). The constants may be 0-dim tensors (``fit``
-    differentiates through this)."""
+    pass its share of both (``PASS_SHARES``). The constants may be 0-dim tensors
+    (``cost_fit.fit`` differentiates through this)."""
     scale = problem.heads * problem.head_dim / _REF_WIDTH
     run = (torch.arange(counts.world) < counts.steps).double()
     tiles = costs.tile_ms * (counts.full.double() + costs.partial * (counts.touched - counts.full).double())
@@ -494,11 +506,13 @@ def transfer_times(counts: RingCounts, costs: Costs,
     sums = torch.zeros_like(received)
     sums[:, 2:steps] = received[:, 1:steps - 1]  # the shard of step s arrived during step s - 1
     own = received[(torch.arange(world) + 1) % world, 0]  # the rows of rank r's shard that travel
+    return _link_ms(received, kv_row, costs), _link_ms(sums, sum_row, costs), _link_ms(own, sum_row, costs)
 
-    def ms(rows: torch.Tensor, row_bytes: int) -> torch.Tensor:
-        return rows * row_bytes / (costs.link_gbps * 1e6) + costs.message_ms * (rows > 0)
 
-    return ms(received, kv_row), ms(sums, sum_row), ms(own, sum_row)
+def _link_ms(rows: torch.Tensor, row_bytes: int, costs: Costs) -> torch.Tensor:
+    """ms of exchanges of ``rows`` rows of ``row_bytes`` each: bytes at ``link_gbps`` plus
+    ``message_ms`` where any row travels."""
+    return rows * row_bytes / (costs.link_gbps * 1e6) + costs.message_ms * (rows > 0)
 
 
 def _forward(fwd, kv, steps: int) -> torch.Tensor:
@@ -536,20 +550,46 @@ def _early_home(fwd, dq, dkv, kv, home, costs: Costs, n: int) -> torch.Tensor:
     return torch.maximum(fwd[:, 0], kv[:, 0]) + fwd[:, 1] + torch.maximum(dq[:, 0], kv[:, 0]) + own
 
 
-def rank_times(counts: RingCounts, costs: Costs, problem: Problem = Problem()) -> torch.Tensor:
-    """(W,) ms of a forward+backward per rank, pass by pass as the ring schedules them
-    (``_timeline``; a ring of two taking its sums home early: ``_early_home``), plus
-    ``step_ms`` a step. A transfer hides behind the kernels it runs beside, and what it
-    outlasts them by is waited for. The ring takes its slowest rank's, each rank's time its
-    own: the coupling of one rank's steps to its neighbours' through the exchanges'
-    handshakes (the whole group's barriers until 2026-11-27) is not charged (docs/performance.md, "Cost model", its limits)."""
+def _direct(fwd, dq, dkv, kv, partials, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """((R,), (R,)) ms of the forward and the backward of the direct schedule from (R, S) pass
+    times, step s's K/V in kv[:, s - 1] and its partial dK/dV sum's trip home in
+    partials[:, s - 1]. Each pass posts every step's K/V at its start (the backward receives
+    them again), arriving one after another. Forward: the own step, then step s once its
+    shard is in. Backward: the own dQ pass, then each remote step's dQ and dK/dV passes once
+    its shard is in, its sum leaving once computed and the one before has left; the own dK/dV
+    pass last: done with it and the last send (the owner's adding up is not charged)."""
+    arrived = kv.cumsum(1)
+    forward, backward, sent = fwd[:, 0], dq[:, 0], torch.zeros_like(fwd[:, 0])
+    for s in range(1, steps):
+        forward = torch.maximum(forward, arrived[:, s - 1]) + fwd[:, s]
+        backward = torch.maximum(backward, arrived[:, s - 1]) + dq[:, s] + dkv[:, s]
+        sent = torch.maximum(sent, backward) + partials[:, s - 1]
+    return forward, torch.maximum(backward + dkv[:, 0], sent)
+
+
+def _schedule_times(counts: RingCounts, costs: Costs, problem: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the forward, forward+backward), each (W,) ms, as the call's schedule lays them out
+    (``rank_times`` without ``step_ms``)."""
     fwd, dq, dkv = pass_times(counts, costs, problem)
     kv, sums, home = transfer_times(counts, costs, problem)
+    if counts.direct:
+        partials = _link_ms(_received(counts), problem.kv_heads * problem.head_dim * 2 * 4, costs)
+        forward, backward = _direct(fwd, dq, dkv, kv, partials, counts.steps)
+        return forward, forward + backward
     if counts.early_home:
-        times = _early_home(fwd, dq, dkv, kv, home, costs, counts.local_len)
-    else:
-        times = _timeline(fwd, dq, dkv, kv, sums, home, counts.steps)
-    return times + counts.steps * costs.step_ms
+        return _forward(fwd, kv, counts.steps), _early_home(fwd, dq, dkv, kv, home, costs, counts.local_len)
+    return _forward(fwd, kv, counts.steps), _timeline(fwd, dq, dkv, kv, sums, home, counts.steps)
+
+
+def rank_times(counts: RingCounts, costs: Costs, problem: Problem = Problem()) -> torch.Tensor:
+    """(W,) ms of a forward+backward per rank, pass by pass as the ring schedules them
+    (``_timeline``; a ring of two taking its sums home early: ``_early_home``; the direct
+    schedule: ``_direct``), plus ``step_ms`` a step. A transfer hides behind the kernels it
+    runs beside, and what it outlasts them by is waited for. The ring takes its slowest
+    rank's, each rank's time its own: the coupling of one rank's steps to its neighbours'
+    through the exchanges' handshakes (the whole group's barriers until 2026-11-27) is not
+    charged (docs/performance.md, "Cost model", its limits)."""
+    return _schedule_times(counts, costs, problem)[1] + counts.steps * costs.step_ms
 
 
 def efficiency(ring: RingCounts, one: RingCounts, costs: Costs = H100, problem: Problem = Problem()):
@@ -558,39 +598,3 @@ def efficiency(ring: RingCounts, one: RingCounts, costs: Costs = H100, problem: 
     ratio = rank_times(one, costs, problem)[0] / (ring.world * rank_times(ring, costs, problem).max())
     return ratio if isinstance(costs.tile_ms, torch.Tensor) else float(ratio)
 
-
-FITTED = ("tile_ms", "row_ms", "step_ms", "message_ms")
-
-
-def fit(one_gpu: Sequence[tuple], rings: Sequence[tuple], start: Costs = H100, fitted: Sequence[str] = FITTED,
-        iters: int = 300) -> tuple[Costs, float]:
-    """(the constants, their rms relative error): the constants named in ``fitted`` fitted to
-    measurements, the others held at ``start``'s. one_gpu: (counts at world 1, Problem,
-    measured ms); rings: (ring counts, counts at world 1, Problem, measured efficiency).
-    Least squares on the log of predicted over measured (1-GPU times and ring efficiencies
-    alike), on the constants' logs (each must start positive) from ``start``: Adam, then
-    L-BFGS from where it stopped (the max() of kernels and transfers is piecewise linear)."""
-    names = list(fitted)
-    logs = torch.tensor([math.log(getattr(start, name)) for name in names], dtype=torch.float64,
-                        requires_grad=True)
-
-    def errors() -> torch.Tensor:
-        costs = start._replace(**dict(zip(names, logs.exp())))
-        out = [torch.log(rank_times(c, costs, p)[0] / ms) for c, p, ms in one_gpu]
-        out += [torch.log(efficiency(ring, one, costs, p) / eff) for ring, one, p, eff in rings]
-        return torch.stack(out)
-
-    def loss() -> torch.Tensor:
-        opt.zero_grad()
-        value = errors().square().mean()
-        value.backward()
-        return value
-
-    opt = torch.optim.Adam([logs], lr=0.03)
-    for _ in range(iters):
-        opt.step(loss)
-    opt = torch.optim.LBFGS([logs], lr=0.5, max_iter=200, line_search_fn="strong_wolfe")
-    opt.step(loss)
-    with torch.no_grad():
-        rms = float(errors().square().mean().sqrt())
-    return start._replace(**{name: float(v) for name, v in zip(names, logs.detach().exp())}), rms

@@ -50,8 +50,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from .cost import H100, PASS_SHARES, Costs, Mask, Problem, RingCounts, _forward, pass_times, rank_times
-from .cost import ring_counts, transfer_times
+from .cost import H100, PASS_SHARES, Costs, Mask, Problem, RingCounts, _schedule_times, rank_times, ring_counts
 from .documents import document_layout
 from .heads import head_chunks, kv_index
 
@@ -201,11 +200,11 @@ def ring_link(costs: Costs, world: int, ring_world: int, grid: GridCosts = NVLIN
 
 def _passes(ring: RingCounts, costs: Costs, problem: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     """(forward, backward), each (R,) ms of ``cost.rank_times``'s forward+backward: the
-    forward as ``cost._forward`` lays it out plus its share of ``step_ms`` (``PASS_SHARES``),
-    the backward the rest."""
+    forward as the ring's schedule lays it out (``cost._schedule_times``: the rotation's or
+    the direct schedule's) plus its share of ``step_ms`` (``PASS_SHARES``), the backward the
+    rest."""
     total = rank_times(ring, costs, problem)
-    forward = (_forward(pass_times(ring, costs, problem)[0], transfer_times(ring, costs, problem)[0], ring.steps)
-               + PASS_SHARES[0] * ring.steps * costs.step_ms)
+    forward = _schedule_times(ring, costs, problem)[0] + PASS_SHARES[0] * ring.steps * costs.step_ms
     return forward, total - forward
 
 
@@ -257,10 +256,12 @@ def grid_efficiency(ring: RingCounts, one: RingCounts, heads_world: int, problem
     return efficiency_of(grid_times(ring, heads_world, problem, costs, grid, chunks), one, costs, problem)
 
 
-def grid_ring(world: int, heads_world: int, seqlen: int, layout, mask: Mask = Mask()) -> RingCounts:
+def grid_ring(world: int, heads_world: int, seqlen: int, layout, mask: Mask = Mask(),
+              schedule: str = "auto") -> RingCounts:
     """The counts of the ring of a grid of ``world`` ranks, ``heads_world`` U of them a heads
-    group: ``cost.ring_counts`` over R = world / U ranks; ``layout`` a name, or "documents":
-    the layout ``ringflash.document_layout`` computes from the mask's documents over R."""
+    group: ``cost.ring_counts`` over R = world / U ranks (``schedule`` its own); ``layout`` a
+    name, or "documents": the layout ``ringflash.document_layout`` computes from the mask's
+    documents over R."""
     _positive(world, "world")
     _positive(heads_world, "heads_world")
     if world % heads_world:
@@ -270,7 +271,7 @@ def grid_ring(world: int, heads_world: int, seqlen: int, layout, mask: Mask = Ma
         if mask.cu_seqlens is None:
             raise ValueError("layout 'documents' needs the mask's cu_seqlens")
         layout = document_layout(torch.tensor(mask.cu_seqlens), seqlen, world=r)
-    return ring_counts(r, seqlen, layout, mask)
+    return ring_counts(r, seqlen, layout, mask, schedule)
 
 
 def fit_alltoall(measured: Sequence[tuple[Sequence[Exchange], float]], grid: GridCosts = NVLINK) -> tuple:

@@ -131,18 +131,21 @@ def test_bench_ring_profiles_a_grid_call_with_documents(tmp_path, results_untouc
 
 
 def test_bench_masks_ring_cpu_smoke_under_torchrun(tmp_path, results_untouched):
-    # Packed documents at 512 tokens over 2 gloo ranks: the ring's rows with their
-    # efficiency and the cost model's rows. torch CP's FlexAttention row is left out here:
-    # compiling FlexAttention for the CPU takes a minute (its rows were run on 4 H200s).
-    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+    # Packed documents at 768 tokens over 3 gloo ranks, both schedules: the ring's rows with
+    # their efficiency and the cost model's rows. torch CP's FlexAttention row is left out
+    # here: compiling FlexAttention for the CPU takes a minute (its rows were run on 4 H200s).
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3",
           "--max-restarts=0", str(BENCH / "bench_masks.py"), "--ring", "--device", "cpu",
-          "--masks", "documents", "--seqlens", "512", "--torch-cp"], tmp_path, timeout=600)
-    records = _written(tmp_path, "masks_cpux2.json")["records"]
+          "--masks", "documents", "--seqlens", "768", "--torch-cp", "--schedules", "rotate", "direct",
+          "--layouts", "documents", "zigzag", "block_stripe"], tmp_path, timeout=600)
+    records = _written(tmp_path, "masks_cpux3.json")["records"]
     ring = [r for r in records if r["impl"] == "ringflash"]
-    assert {r["layout"] for r in ring} == {"documents", "zigzag", "stripe", "block_stripe"}
-    assert all(r["gpus"] == 2 and r["efficiency"] > 0 for r in ring)
+    assert sorted((r["layout"], r["schedule"]) for r in ring) == sorted(
+        (layout, schedule) for layout in ("documents", "zigzag", "block_stripe") for schedule in ("rotate", "direct"))
+    assert all(r["gpus"] == 3 and r["efficiency"] > 0 for r in ring)
+    assert all(r["direct"] == (r["schedule"] == "direct" and r["ring_steps"] >= 3) for r in ring), ring
     model = [r for r in records if r["impl"] == "cost_model"]
-    assert sorted(r["layout"] for r in model) == sorted(r["layout"] for r in ring)
+    assert sorted((r["layout"], r["schedule"]) for r in model) == sorted((r["layout"], r["schedule"]) for r in ring)
     assert all(0 < r["predicted_efficiency"] <= 1 for r in model)
     assert not [r for r in records if r["impl"] == "torch_cp_flex"]
 
@@ -153,7 +156,8 @@ def test_bench_masks_efficiency_and_predicted_rows():
     document lengths torch CP's per-document balancer is given."""
     import argparse
     masks = _load(BENCH, "bench_masks")
-    args, seqlen = argparse.Namespace(heads=32, head_dim=128, window=4096), 16384
+    args = argparse.Namespace(heads=32, head_dim=128, window=4096, documents_seed=0, documents_median=2048)
+    seqlen = 16384
     records = []
     for mask in ("causal", "documents", "window"):
         visible = masks.case_mask(mask, seqlen, args.window, "cpu")[1]

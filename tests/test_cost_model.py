@@ -4,7 +4,9 @@ positions each rank holds, ``layouts.global_positions``), its steps equal the ri
 (``layouts.active_steps``), its kernel calls and their rows the ring's own schedule's
 (``ring.plan.schedule_of``) and cover every visible pair; bytes per link, the time model's
 schedule in its limits (free transfers, free kernels), efficiency 1 on one rank, the
-document bound, and benchmarks/predict_scaling.py on a tiny configuration."""
+document bound, benchmarks/predict_scaling.py on a tiny configuration, and the direct
+schedule: taken where the ring takes it (``ring.plan.takes_direct``), timed as laid out by
+hand, and leaving the rotation's numbers as they were."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import ringflash
 from ringflash import cost, cost_bound
 from ringflash.kernels.masks import BLOCK, band_of_window
 from ringflash.layouts import LAYOUTS, active_steps, global_positions, remote_share
+from ringflash.ring import plan
 from ringflash.ring.plan import schedule_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -244,6 +247,8 @@ def test_bad_input_names_the_argument():
         cost.ring_counts(2, 1024, "zigzag", cost.Mask(window=(-5, 0)))
     with pytest.raises(ValueError, match="world x seqlen"):
         cost.ring_counts(128, 1 << 20, "stripe")
+    with pytest.raises(ValueError, match="schedule"):
+        cost.ring_counts(2, 1024, "zigzag", schedule="fast")
 
 
 def _script():
@@ -296,3 +301,96 @@ def test_document_layout_counts_its_own_steps_and_rows(world):
              for s in range(world)] for r in range(world)]
     assert ring.received.tolist() == want
     assert 0 < cost.efficiency(ring, one, problem=cost.Problem(segments=True)) <= 1
+
+
+def _documents_layout(world: int, long: float):
+    """(seqlen, layout, mask): a document of ``long`` shards of 2048 tokens, then 64-token
+    ones, on the layout ``ringflash.document_layout`` computes from them (1.5 shards: its
+    rows travel cut from three ranks on; 2.6: whole shards)."""
+    seqlen = 2048 * world
+    first = int(long * 2048)
+    mask = cost.Mask.documents([first] + [64] * ((seqlen - first) // 64))
+    return seqlen, ringflash.document_layout(torch.tensor(mask.cu_seqlens), seqlen, world=world), mask
+
+
+def _direct_cases():
+    for world in (2, 3, 4):
+        seqlen = 2048 * world
+        yield world, seqlen, "zigzag", cost.Mask(causal=True)
+        yield world, seqlen, "contiguous", cost.Mask(causal=True, window=(300, 0))
+        yield world, seqlen, "contiguous", cost.Mask(causal=True, window=(3000, 0))  # over a shard: 3 steps
+        yield world, seqlen, "block_stripe", cost.Mask(causal=True, window=(300, 0))
+        for long in (1.5, 2.6)[:world - 1]:
+            yield (world, *_documents_layout(world, long))
+
+
+@pytest.mark.parametrize("choice", plan.SCHEDULES)
+def test_direct_is_taken_where_the_ring_takes_it(choice, monkeypatch):
+    """The model's ``direct`` is ``ring.plan.takes_direct`` on the ring's own schedule (its
+    steps and the rows that travel, every rank), RINGFLASH_SCHEDULE set as the model is asked."""
+    assert cost.SCHEDULES == plan.SCHEDULES
+    monkeypatch.setenv("RINGFLASH_SCHEDULE", choice)
+    seen = set()
+    for world, seqlen, layout, mask in _direct_cases():
+        counts = cost.ring_counts(world, seqlen, layout, mask, schedule=choice)
+        n, band = seqlen // world, band_of_window(mask.causal, mask.window)
+        for rank in range(world):
+            schedule = schedule_of(_Rank(world, rank), layout, n, band, (0.0, 0), None)
+            assert counts.steps == schedule.steps
+            assert counts.direct == plan.takes_direct(schedule.steps, schedule.sent), (world, layout, mask, rank)
+        assert not (counts.direct and counts.early_home)
+        seen.add((counts.direct, counts.steps >= 3, counts.received is not None))
+    # taken and not where the choice allows it (auto: on the cut documents), never below three steps
+    assert {direct for direct, _, _ in seen} == ({False} if choice == "rotate" else {False, True})
+    assert all(steps for direct, steps, _ in seen if direct)
+
+
+def test_the_direct_timeline_by_hand():
+    """Three ranks, three steps, full tiles only, scale 1 (32 heads of 128), one kv head: a
+    K/V row of 512 bytes, a partial sum's of 1024; a link of one K/V row a ms and 0.5 ms a
+    message, 0.5 ms a step: each rank's forward and backward as the direct schedule runs them."""
+    world = 3
+    full = torch.tensor([[100, 10, 20]] * world)  # forward 23, 2.3, 4.6; dQ 29, 2.9, 5.8; dK/dV 48, 4.8, 9.6
+    zeros = torch.zeros(world, world, dtype=torch.long)
+    received = torch.tensor([[30, 5, 0], [2, 1, 0], [30, 5, 0]])  # the rows of step 1's, step 2's shard
+    counts = cost.RingCounts(world, 3 * 1024, "contiguous", zeros, full, full, 3, zeros + 1, zeros, zeros,
+                             received, False, True)
+    costs = cost.Costs(tile_ms=1.0, partial=1.0, row_ms=0.0, step_ms=0.5, link_gbps=512e-6, message_ms=0.5)
+    problem = cost.Problem(heads=32, kv_heads=1, head_dim=128)
+    # rank 0: the K/V of steps 1 and 2 in at 30.5 and 36 ms (in each pass). Forward: 23, then
+    # 30.5 + 2.3, then 36 + 4.6 = 40.6. Backward: dQ 29, step 1 from 30.5: 38.2, its sum home at
+    # 38.2 + 60.5 = 98.7; step 2: 53.6, its sum at 98.7 + 10.5 = 109.2; the own dK/dV done at
+    # 101.6. 40.6 + 109.2 + 3 x 0.5. Rank 1: in at 2.5 and 4: forward 29.9; backward 36.7 (sum
+    # home at 41.2), 52.1 (sum at 54.6), the own dK/dV at 100.1: 29.9 + 100.1 + 1.5.
+    want = [151.3, 131.5, 151.3]
+    assert cost.rank_times(counts, costs, problem).tolist() == pytest.approx(want)
+    rotation = cost.rank_times(counts._replace(direct=False), costs, problem)
+    assert not torch.allclose(rotation, torch.tensor(want, dtype=torch.float64))
+
+
+def test_rows_the_direct_schedule_leaves_keep_their_numbers():
+    """Where the direct schedule is not taken (or "rotate" is asked), every number is as
+    before it was modelled (ms per rank, 32/8 heads with segment ids, computed then): causal
+    zigzag, a ring of two taking its sums home early, a window of one hop, documents on
+    block_stripe, a two-sided window on stripe, and the document layout whose rows travel
+    cut, through the rotation; "auto" counts a ring that does not take it as "rotate" does."""
+    problem = cost.Problem(heads=32, kv_heads=8, segments=True)
+    rows = [((4, 8192, "zigzag", cost.Mask()),
+             [4.35174049166275, 4.3386730516627505, 4.3386730516627505, 4.321479051662751]),
+            ((2, 4096, "zigzag", MASKS["documents"]), [1.9638953576559741, 2.003668497655974]),
+            ((4, 8192, "contiguous", cost.Mask(window=(1000, 0))),
+             [1.5608656428468137, 1.758429437655974, 1.758429437655974, 1.737605498724676]),
+            ((4, 8192, "block_stripe", cost.Mask.documents([3000, 17, 900, 1, 4274])),
+             [4.2303638729679225, 4.241752272967922, 4.244599372967922, 4.250293572967921]),
+            ((3, 6144, "stripe", cost.Mask(causal=False, window=(200, 50))), [3.0108890553119476] * 3),
+            ((3, *_documents_layout(3, 1.5)), [2.8381247023857394, 2.838114279993882, 2.8188447507317953]),
+            ((4, *_documents_layout(4, 1.5)),
+             [3.958210439151128, 3.9582026223572346, 3.95019822541067, 3.94375047541067])]
+    for (world, seqlen, layout, mask), want in rows:
+        auto, rotate = (cost.ring_counts(world, seqlen, layout, mask, schedule=s) for s in ("auto", "rotate"))
+        got = cost.rank_times(rotate, cost.H100, problem)
+        assert not rotate.direct and got.tolist() == pytest.approx(want, rel=1e-12, abs=0)
+        if isinstance(layout, str):
+            assert not auto.direct and torch.equal(cost.rank_times(auto, cost.H100, problem), got)
+        else:  # the cut documents take it, faster by the model
+            assert auto.direct and float(cost.rank_times(auto, cost.H100, problem).max()) < float(got.max())

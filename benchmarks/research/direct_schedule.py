@@ -1,26 +1,30 @@
-"""A design study on the cost model (ringflash.cost): what packed documents over 8-64 GPUs
-would gain from a schedule the library does not run, beside the rotation it runs.
+"""A study on the cost model (ringflash.cost): packed documents over 8-64 GPUs through the
+rotation, through the direct schedule the library runs, and through a variant of it that
+is not built (the K/V kept from the forward for the backward).
 
     python benchmarks/research/direct_schedule.py [--seqlen 1m] [--grids 8x1 8x8 64x1 64x4 64x8]
 
-The rotation (``cost.rank_times``): at each step a rank computes the block pairs of the
-shard it holds while the next one arrives from its neighbour; in the backward the shards
-travel again and the running fp32 dK/dV sums travel with them, home after the last step.
-Where a rank's own step is long and its later steps are short (documents kept whole), the
-transfers behind the short steps are exposed.
+The rotation (``cost.rank_times`` of ``ring_counts(..., schedule="rotate")``): at each step a
+rank computes the block pairs of the shard it holds while the next one arrives from its
+neighbour; in the backward the shards travel again and the running fp32 dK/dV sums travel
+with them, home after the last step. Where a rank's own step is long and its later steps
+are short (documents kept whole), the transfers behind the short steps are exposed.
 
-"Direct" (not built): every rank posts the receives of all the rows it needs from every
-other shard at once, while its own step's forward runs; keeps them for the backward (no
-second trip); runs its remote block pairs' dQ and dK/dV first and sends each remote shard's
-fp32 dK/dV partial sum straight to its owner while its own step's backward runs. A rank's
-time: the own step's forward, each remote step's forward once its rows are in (the receives
-one after another on the link), the remote steps' backward, each partial sum leaving once
-computed (one after another), and the own step's backward beside those departures, plus
-``step_ms`` a step. The rows are ``cost``'s travelling rows
-(``RingCounts.received``); links and the grid's all-to-all as
-benchmarks/predict_scaling.py has them (a heads group within a node of 8, the ring across
-nodes at 50 GB/s). Prints the efficiency of both schedules, the busiest rank over the mean
-(direct), and per ring rank what its time is made of.
+Direct (``schedule="direct"``, what RINGFLASH_SCHEDULE=auto takes from three steps on where
+shards travel cut: ``RingCounts.direct``, ``cost._direct``): every rank posts the receives
+of all the rows it needs from every other shard at the start of the forward, and again at
+the start of the backward; runs the own step first and each remote step once its rows are
+in; in the backward its remote steps' dQ and dK/dV first, each remote shard's fp32 partial
+dK/dV sum sent straight to its owner once computed (one after another), the own step's
+dK/dV pass last.
+
+"Direct, K/V kept (not built)" (``kept_times``): the same, but the rows received in the
+forward are kept for the backward (no second trip).
+
+Links and the grid's all-to-all as benchmarks/predict_scaling.py has them (a heads group
+within a node of 8, the ring across nodes at 50 GB/s), every all-to-all exposed (unchunked).
+Prints the efficiency of the three, which one the library takes (auto), the busiest rank
+over the mean (direct), and per ring rank (up to 16) what its time is made of.
 """
 
 from __future__ import annotations
@@ -37,8 +41,9 @@ from predict_scaling import mask_of  # noqa: E402
 from ringflash import cost, cost_grid  # noqa: E402
 
 
-def direct_times(ring: cost.RingCounts, costs: cost.Costs, problem: cost.Problem) -> torch.Tensor:
-    """(R,) ms of a forward+backward per ring rank under the direct schedule (module docstring)."""
+def kept_times(ring: cost.RingCounts, costs: cost.Costs, problem: cost.Problem) -> torch.Tensor:
+    """(R,) ms of a forward+backward per ring rank under the direct schedule with the K/V kept
+    from the forward (module docstring): the backward starts on rows already in."""
     fwd, dq, dkv = cost.pass_times(ring, costs, problem)
     kv, _, _ = cost.transfer_times(ring, costs, problem)
     steps = ring.steps
@@ -67,7 +72,9 @@ def main() -> None:
     one = cost.ring_counts(1, seqlen, "contiguous", mask)
     for spec in args.grids:
         world, u = (int(x) for x in spec.split("x"))
-        ring = cost_grid.grid_ring(world // u, 1, seqlen, "documents", mask)
+        auto = cost_grid.grid_ring(world // u, 1, seqlen, "documents", mask)  # counted once:
+        ring = auto._replace(direct=False)  # what schedule="rotate" counts,
+        direct_ring = auto._replace(direct=auto.steps >= 3)  # and schedule="direct"
         costs = cost_grid.ring_link(cost.H100, world, world // u, grid)
         for kv_heads in args.kv_heads:
             problem = cost.Problem(heads=32, kv_heads=kv_heads, segments=True)
@@ -75,18 +82,23 @@ def main() -> None:
             t1 = float(cost.rank_times(one, cost.H100, problem)[0])
             a2a = (sum(cost_grid.exchange_ms(x, grid) for x in cost_grid.exchanges(u, world // u, seqlen, problem))
                    if u > 1 else 0.0)  # unchunked: every exchange exposed
-            rotation, direct = cost.rank_times(ring, costs, whole), direct_times(ring, costs, whole)
+            times = {"rotation": cost.rank_times(ring, costs, whole),
+                     "direct": cost.rank_times(direct_ring, costs, whole),
+                     "direct, K/V kept (not built)": kept_times(ring, costs, whole)}
+            direct = times["direct"]
             print(f"W={world} U={u} R={world // u} heads 32/{kv_heads} steps {ring.steps}: "
-                  f"rotation {t1 / (world * (float(rotation.max()) + a2a)):.3f}, "
-                  f"direct {t1 / (world * (float(direct.max()) + a2a)):.3f} "
-                  f"(busiest rank / mean {float(direct.max() / direct.mean()):.3f}; all-to-all {a2a:.1f} ms; "
-                  f"ideal {t1 / world:.1f} ms a rank)")
+                  + ", ".join(f"{name} {t1 / (world * (float(t.max()) + a2a)):.3f}" for name, t in times.items())
+                  + f" (auto takes {'direct' if auto.direct else 'the rotation'}; direct's busiest rank / mean "
+                  f"{float(direct.max() / direct.mean()):.3f}; all-to-all {a2a:.1f} ms; ideal {t1 / world:.1f} ms "
+                  "a rank)")
+            if world // u > 16:  # per rank: not for long rings
+                continue
             fwd, dq, dkv = cost.pass_times(ring, costs, whole)
             kv = cost.transfer_times(ring, costs, whole)[0][:, :ring.steps].sum(1)
             for name, value in (("own step fwd+bwd", (fwd + dq + dkv)[:, 0]),
                                 ("remote steps fwd+bwd", (fwd + dq + dkv)[:, 1:ring.steps].sum(1)),
-                                ("K/V arrivals", kv), ("rotation", rotation), ("direct", direct)):
-                print(f"    {name:22s}" + " ".join(f"{x:7.1f}" for x in value.tolist()))
+                                ("K/V arrivals", kv), *times.items()):
+                print(f"    {name:28s}" + " ".join(f"{x:7.1f}" for x in value.tolist()))
 
 
 if __name__ == "__main__":
