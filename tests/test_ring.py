@@ -219,6 +219,15 @@ def test_ring_on_subgroup(worlds):
 
 
 @pytest.mark.world(4)
+def test_direct_schedule_on_subgroup(worlds):
+    """The direct schedule's messages go s ranks ahead and back within the ring's own group:
+    a ring over ranks 1, 2 and 3 of a world of 4 (rank 0 stays out of it)."""
+    configs = [RingCase(layout, True, tokens_per_rank(layout, 26), 4, 2, use_lse=True) for layout in LAYOUTS]
+    _assert_no_failures(worlds(4).run(with_schedule, "direct", check_configs, configs, seed=5,
+                                      group_ranks=[1, 2, 3]))
+
+
+@pytest.mark.world(4)
 def test_ring_on_two_subgroups_at_once(worlds):
     configs = [RingCase("zigzag", True, 26, 4, 1, use_lse=True), RingCase("stripe", True, 13, 2, 2)]
     _assert_no_failures(worlds(4).run(check_concurrent_subgroups, configs))
