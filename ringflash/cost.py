@@ -49,11 +49,9 @@ from .kernels.masks import BLOCK
 from .api import check_cu_seqlens
 from .kernels import band_of_window
 from .layouts import active_steps, global_positions, keys_within, layout_of, remote_share, step_pairs
-from .ring.plan import travelling_rows
+from .ring.plan import SCHEDULES, takes_direct, travelling_rows
 from .ring.rows import home_cuts, uncovered
 
-# What RINGFLASH_SCHEDULE may ask (``ring.plan.takes_direct``).
-SCHEDULES = ("auto", "rotate", "direct")
 # Counting token by token (a layout whose shards are not whole 128-token units) holds
 # world x seqlen numbers; past this it raises rather than run for minutes.
 TOKENWISE_LIMIT = 1 << 26
@@ -427,7 +425,7 @@ def _scheduled(counts: RingCounts, layout, mask: Mask, schedule: str = "auto") -
     early_home = (steps == 2 and sent is None and remote_share(layout, world, n, band) >= 0.5 and all(
         uncovered([pair.k for pair in step_pairs(layout, rank, rank, world, n, band, True, None)], n) is not None
         for rank in range(world)))
-    direct = steps >= 3 and (schedule == "direct" or (schedule == "auto" and sent is not None))
+    direct = takes_direct(steps, sent, schedule)
     return counts._replace(steps=steps, calls=calls, q_blocks=q_blocks, k_blocks=k_blocks, received=received,
                            early_home=early_home, direct=direct)
 

@@ -142,7 +142,7 @@ def schedule_choice() -> str:
     return choice
 
 
-def takes_direct(steps: int, sent) -> bool:
+def takes_direct(steps: int, sent, choice: Optional[str] = None) -> bool:
     """Whether a ring of ``steps`` active steps whose shards travel as ``sent``
     (``travelling_rows``) takes the direct schedule (rotate.py): every rank sends its shard
     straight to each rank that computes it, all at once, and each partial dK/dV sum goes
@@ -150,8 +150,10 @@ def takes_direct(steps: int, sent) -> bool:
     The two differ only from three steps on. "auto" takes it where shards travel cut (a
     layout computed from packed documents, windows): there a rank's steps are uneven, and
     behind a short step a rotation's next trip and running sum are exposed, where the
-    direct schedule posts every trip at the start (docs/performance.md, "Cost model")."""
-    choice = schedule_choice()
+    direct schedule posts every trip at the start (docs/performance.md, "Cost model").
+    ``choice``: one of SCHEDULES, or None to read RINGFLASH_SCHEDULE (the cost model passes
+    its own)."""
+    choice = schedule_choice() if choice is None else choice
     return steps >= 3 and (choice == "direct" or (choice == "auto" and sent is not None))
 
 
