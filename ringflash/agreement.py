@@ -40,7 +40,7 @@ _SIGNATURE_FIELDS = ("batch", "seqlen_local", "heads", "head_dim", "kv_heads", "
                      "layout", "softmax_scale", "requires_grad", "transport", "segment_ids given",
                      "dropout_p", "seed", "block_mask's nonzero blocks", "block_mask's checksum",
                      "deterministic (or torch.use_deterministic_algorithms)", "GPU architecture",
-                     "schedule (RINGFLASH_SCHEDULE)")
+                     "schedule (RINGFLASH_SCHEDULE)", "layout given as a spec (compiled)")
 # What the ranks of a heads x ring grid compare before their all-to-all (ringflash.heads):
 # the same, transport aside (the ring compares it in its own check).
 GRID_FIELDS = _SIGNATURE_FIELDS
@@ -65,19 +65,20 @@ def _block_digest(blocks) -> list[int]:
 
 
 def signature(q, k, band, layout, scale, needs_grad, kind, segments, dropout, blocks=None,
-              deterministic: bool = False) -> list[int]:
+              deterministic: bool = False, spec: bool = False) -> list[int]:
     """A few integers that every rank of the ring must agree on (``kind``: the transport,
     None where it is not chosen yet; ``deterministic``, or torch's deterministic mode, and
-    the GPU's architecture: they choose the backward's schedule, ring/rotate.py; and
+    the GPU's architecture: they choose the backward's schedule, ring/rotate.py;
     RINGFLASH_SCHEDULE, which chooses both passes' messages: a ValueError if it names no
-    schedule)."""
+    schedule; ``spec``: the layout came as a spec tensor, as under torch.compile, which
+    decides whether the direct schedule keeps its K/V for the backward, ops.py)."""
     lo, hi = band
     return [*q.shape, k.shape[2], SUPPORTED_DTYPES.index(q.dtype), -BAND_INF if lo is None else lo,
             BAND_INF if hi is None else hi, layout_code(layout), _float_bits(scale),
             int(needs_grad), -1 if kind is None else TRANSPORTS.index(kind), int(segments is not None), _float_bits(dropout[0]),
             dropout[1], *_block_digest(blocks),
             int(deterministic or torch.are_deterministic_algorithms_enabled()), _arch(q),
-            SCHEDULES.index(schedule_choice())]
+            SCHEDULES.index(schedule_choice()), int(spec)]
 
 
 def _arch(q: torch.Tensor) -> int:
@@ -146,7 +147,7 @@ def check_ranks_agree(ring: Ring, signature: list[int] | None, error: Exception 
 
     ``signature`` is None on a rank whose own checks failed with ``error``: it still joins
     the all-gather, so the other ranks learn of it instead of waiting in the ring.
-    Costs one all-gather of 21 int64 per call on the host (``exchange.host_group``: gloo),
+    Costs one all-gather of 22 int64 per call on the host (``exchange.host_group``: gloo),
     which waits for the other ranks' hosts but not for the GPU (a block mask's checksum
     is reduced on its device the first time the mask is seen). It runs on every call
     rather than once per signature: a rank that skipped it because its own

@@ -40,6 +40,7 @@ pass (``_timeline``); from three steps on where shards travel cut (``ring_counts
 from __future__ import annotations
 
 import functools
+from itertools import accumulate
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -73,10 +74,7 @@ class Mask(NamedTuple):
     def documents(cls, lengths: Sequence[int], causal: bool = True,
                   window: tuple[int, int] = (-1, -1)) -> "Mask":
         """Documents of ``lengths`` tokens packed from position 0."""
-        bounds = [0]
-        for length in lengths:
-            bounds.append(bounds[-1] + int(length))
-        return cls(causal, window, tuple(bounds))
+        return cls(causal, window, tuple(accumulate(map(int, lengths), initial=0)))
 
 
 class Costs(NamedTuple):
@@ -96,7 +94,9 @@ class Costs(NamedTuple):
     message_ms: per exchange, beside its bytes: the copy-engine transport's handshakes
         before and after the copies (``exchange.PeerRing``; barriers of the whole group
         when the constants were fitted), paid where the exchange is not hidden behind the
-        kernels it runs beside."""
+        kernels it runs beside.
+    keeps_received: the ring's messages go through torch.distributed (across nodes), so the
+        direct schedule keeps the rows it received for the backward (eager calls: ops.py)."""
 
     tile_ms: float
     partial: float
@@ -104,6 +104,7 @@ class Costs(NamedTuple):
     step_ms: float
     link_gbps: float
     message_ms: float = 0.0
+    keeps_received: bool = False
 
 
 # The forward's, the dQ pass's and the dK/dV pass's shares of a tile's and a row's time,
@@ -149,6 +150,8 @@ class RingCounts(NamedTuple):
     direct: the direct schedule (``ring.plan.takes_direct``): three steps or more, and the
         schedule "direct", or "auto" where shards travel cut (``travelling_rows`` not None;
         not ``received``, set for a layout computed from the documents whatever travels).
+    cut: shards travel cut; with the direct schedule and ``Costs.keeps_received`` the
+        backward then starts on the rows the forward received (``ring_forward``'s keep_received).
     """
 
     world: int
@@ -164,6 +167,7 @@ class RingCounts(NamedTuple):
     received: Optional[torch.Tensor] = None
     early_home: bool = False
     direct: bool = False
+    cut: bool = False
 
     @property
     def local_len(self) -> int:
@@ -425,9 +429,8 @@ def _scheduled(counts: RingCounts, layout, mask: Mask, schedule: str = "auto") -
     early_home = (steps == 2 and sent is None and remote_share(layout, world, n, band) >= 0.5 and all(
         uncovered([pair.k for pair in step_pairs(layout, rank, rank, world, n, band, True, None)], n) is not None
         for rank in range(world)))
-    direct = takes_direct(steps, sent, schedule)
     return counts._replace(steps=steps, calls=calls, q_blocks=q_blocks, k_blocks=k_blocks, received=received,
-                           early_home=early_home, direct=direct)
+                           early_home=early_home, direct=takes_direct(steps, sent, schedule), cut=sent is not None)
 
 
 # ----------------------------------------------------------------------------- bytes and time
@@ -508,14 +511,12 @@ def transfer_times(counts: RingCounts, costs: Costs,
 
 
 def _link_ms(rows: torch.Tensor, row_bytes: int, costs: Costs) -> torch.Tensor:
-    """ms of exchanges of ``rows`` rows of ``row_bytes`` each: bytes at ``link_gbps`` plus
-    ``message_ms`` where any row travels."""
+    """ms of exchanges of ``rows`` rows of ``row_bytes``: at ``link_gbps``, plus ``message_ms``."""
     return rows * row_bytes / (costs.link_gbps * 1e6) + costs.message_ms * (rows > 0)
 
 
 def _forward(fwd, kv, steps: int) -> torch.Tensor:
-    """(R,) ms of the forward alone: each step's kernels or the next shard's arrival, whichever
-    is longer (a ring of two taking its sums home early runs the same forward)."""
+    """(R,) ms of the forward alone: a step's kernels or the next shard's arrival, the longer."""
     return torch.maximum(fwd, kv)[:, :steps].sum(1)
 
 
@@ -548,21 +549,22 @@ def _early_home(fwd, dq, dkv, kv, home, costs: Costs, n: int) -> torch.Tensor:
     return torch.maximum(fwd[:, 0], kv[:, 0]) + fwd[:, 1] + torch.maximum(dq[:, 0], kv[:, 0]) + own
 
 
-def _direct(fwd, dq, dkv, kv, partials, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _direct(fwd, dq, dkv, kv, partials, steps: int, kept: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """((R,), (R,)) ms of the forward and the backward of the direct schedule from (R, S) pass
     times, step s's K/V in kv[:, s - 1] and its partial dK/dV sum's trip home in
-    partials[:, s - 1]. Each pass posts every step's K/V at its start (the backward receives
-    them again), arriving one after another. Forward: the own step, then step s once its
-    shard is in. Backward: the own dQ pass, then each remote step's dQ and dK/dV passes once
-    its shard is in, its sum leaving once computed and the one before has left; the own dK/dV
-    pass last: done with it and the last send (the owner's adding up is not charged)."""
+    partials[:, s - 1]. Each pass posts every step's K/V at its start, arriving one after
+    another. Forward: the own step, then step s once its shard is in. Backward: the own dQ
+    pass, then each remote step's dQ and dK/dV passes once its shard is in (``kept``: the
+    K/V kept from the forward, the remote steps at once and the own dQ pass last), its sum
+    leaving once computed and the one before has left; the own dK/dV pass last: done with
+    it and the last send (the owner's adding up is not charged)."""
     arrived = kv.cumsum(1)
-    forward, backward, sent = fwd[:, 0], dq[:, 0], torch.zeros_like(fwd[:, 0])
+    forward, backward, sent = fwd[:, 0], dq[:, 0] * (not kept), torch.zeros_like(fwd[:, 0])
     for s in range(1, steps):
         forward = torch.maximum(forward, arrived[:, s - 1]) + fwd[:, s]
-        backward = torch.maximum(backward, arrived[:, s - 1]) + dq[:, s] + dkv[:, s]
+        backward = (backward if kept else torch.maximum(backward, arrived[:, s - 1])) + dq[:, s] + dkv[:, s]
         sent = torch.maximum(sent, backward) + partials[:, s - 1]
-    return forward, torch.maximum(backward + dkv[:, 0], sent)
+    return forward, torch.maximum(backward + dkv[:, 0] + dq[:, 0] * kept, sent)
 
 
 def _schedule_times(counts: RingCounts, costs: Costs, problem: Problem) -> tuple[torch.Tensor, torch.Tensor]:
@@ -572,7 +574,7 @@ def _schedule_times(counts: RingCounts, costs: Costs, problem: Problem) -> tuple
     kv, sums, home = transfer_times(counts, costs, problem)
     if counts.direct:
         partials = _link_ms(_received(counts), problem.kv_heads * problem.head_dim * 2 * 4, costs)
-        forward, backward = _direct(fwd, dq, dkv, kv, partials, counts.steps)
+        forward, backward = _direct(fwd, dq, dkv, kv, partials, counts.steps, counts.cut and costs.keeps_received)
         return forward, forward + backward
     if counts.early_home:
         return _forward(fwd, kv, counts.steps), _early_home(fwd, dq, dkv, kv, home, costs, counts.local_len)

@@ -192,9 +192,10 @@ def _pipeline(start: float, ins: Sequence[float], rings: Sequence[torch.Tensor],
 
 def ring_link(costs: Costs, world: int, ring_world: int, grid: GridCosts = NVLINK) -> Costs:
     """``costs`` with the ring's link of a grid of ``world`` ranks: ``grid.internode_gbps``
-    where the ring spans nodes (world > node_gpus and R > 1), else unchanged."""
+    where the ring spans nodes (world > node_gpus and R > 1), through torch.distributed
+    (``keeps_received``), else unchanged."""
     if world > grid.node_gpus and ring_world > 1:
-        return costs._replace(link_gbps=grid.internode_gbps)
+        return costs._replace(link_gbps=grid.internode_gbps, keeps_received=True)
     return costs
 
 

@@ -65,10 +65,10 @@ def _capturing(t: torch.Tensor) -> bool:
 
 
 def _agreed_ring(q, k, segments, blocks, band, layout, softmax_scale, dropout, requires_grad,
-                 group_name, deterministic: bool = False) -> Ring:
+                 group_name, deterministic: bool = False, spec: bool = False) -> Ring:
     """The ring this call runs on, with its transport, once every rank agrees on the call.
 
-    The agreement check (``agreement.check_ranks_agree``: one all-gather of 21 int64 on the
+    The agreement check (``agreement.check_ranks_agree``: one all-gather of 22 int64 on the
     host, never waiting for the GPU) runs here, inside the op, on every call of a ring of
     more than one rank unless RINGFLASH_RANK_CHECK=0, and except while a CUDA graph is
     being captured: a graph replays GPU work only, and the eager warm-up iterations that
@@ -85,7 +85,7 @@ def _agreed_ring(q, k, segments, blocks, band, layout, softmax_scale, dropout, r
         agreement.check_ranks_agree(ring, None, error)
     if check:
         signature = agreement.signature(q, k, band, layout, softmax_scale, requires_grad, kind, segments,
-                                        dropout, blocks, deterministic)
+                                        dropout, blocks, deterministic, spec)
         agreement.check_ranks_agree(ring, signature, None)
     if kind == "peer" and ring.world > 1:
         ring = PeerRing(ring.group)
@@ -108,14 +108,15 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``deterministic`` (the backward's: it chooses the backward's schedule). ``layout_spec``:
     a layout computed at run time, as a CPU tensor (``layouts.layout_from_spec``)."""
     band, dropout = (band_lo, band_hi), (dropout_p, seed, dropout_head0)
+    keep_received = _keeps_received(requires_grad, layout)
     layout = layout_from_spec(layout, layout_spec)
     ring = _agreed_ring(q, k, segments, blocks, band, layout, softmax_scale, dropout, requires_grad,
-                        group_name, deterministic)
+                        group_name, deterministic, layout_spec is not None)
     keep = blocks is not None and keeps_kv(layout, ring.world, requires_grad, True,
                                            fuses(q, k, segments, blocks, dropout_p, deterministic))
     out, lse, kept = ring_forward(q, k, v, segments, softmax_scale=softmax_scale,
-                                  band=band, dropout=dropout, layout=layout,
-                                  ring=ring, blocks=blocks, keep=keep)
+                                  band=band, dropout=dropout, layout=layout, ring=ring, blocks=blocks, keep=keep,
+                                  keep_received=keep_received and not isinstance(ring, PeerRing))
     # Nothing kept though asked for (a ring whose shards never travel) still returns the
     # shapes the fake gives, uninitialized.
     kv_shape, seg_shape = _kept_shapes(k, segments, keep)
@@ -124,9 +125,24 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             q.new_empty(seg_shape, dtype=torch.int32) if seg is None else seg)
 
 
+def _keeps_received(requires_grad: bool, layout) -> bool:
+    """Whether ``ring_forward`` may keep the K/V rows the direct schedule receives for the
+    backward (``ring_forward``'s keep_received: where shards travel cut, which only a layout
+    computed from documents does), so that the backward receives none again: where a
+    backward follows and the layout came as itself, not by name (eager: a compiled call
+    passes a computed layout as its spec, whose rows the fake cannot know), and, the
+    caller adds, the messages go through torch.distributed (across nodes under
+    RINGFLASH_TRANSPORT=auto), where that second trip is slow beside the kernels; not on
+    the copy engines within a node, which carry it beside them at NVLink speed (the
+    memory is better left free). The ranks agree on each (the rank check's
+    requires_grad, layout given as a spec, and transport)."""
+    return requires_grad and not isinstance(layout, str)
+
+
 def _kept_shapes(k: torch.Tensor, segments: Optional[torch.Tensor], keep: bool) -> tuple:
     """The shapes of the kept K/V (the other rank's, (2, B, S, Hkv, D)) and segment ids
-    (both ranks', (B, 2 S)), (0,) where not kept (``ring.keeps_kv``)."""
+    (both ranks', (B, 2 S)), (0,) where not kept (``ring.keeps_kv``). (Received rows that
+    the direct schedule keeps come only in eager calls: ``_keeps_received``.)"""
     b, n, *rest = k.shape
     return (((2, *k.shape) if keep else (0,)),
             ((b, 2 * n) if keep and segments is not None else (0,)))
@@ -143,7 +159,7 @@ def _(q, k, v, segments, blocks, softmax_scale, band_lo, band_hi, layout, layout
     # a layout given by its spec (documents) never keeps K/V: it takes no block mask
     keep = layout_spec is None and blocks is not None and keeps_kv(
         layout, ring_of(group_name).world, requires_grad, True, fuses(q, k, segments, blocks, dropout_p, deterministic))
-    kv, seg = _kept_shapes(k, segments, keep)
+    kv, seg = _kept_shapes(k, segments, keep)  # a layout by name keeps no received rows: _keeps_received
     return (q.new_empty(q.shape), q.new_empty((b, h, n), dtype=torch.float32), k.new_empty(kv),
             q.new_empty(seg, dtype=torch.int32))
 

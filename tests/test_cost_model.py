@@ -338,6 +338,7 @@ def test_direct_is_taken_where_the_ring_takes_it(choice, monkeypatch):
             schedule = schedule_of(_Rank(world, rank), layout, n, band, (0.0, 0), None)
             assert counts.steps == schedule.steps
             assert counts.direct == plan.takes_direct(schedule.steps, schedule.sent), (world, layout, mask, rank)
+            assert counts.cut == (schedule.sent is not None)  # where the direct schedule may keep its K/V
         assert not (counts.direct and counts.early_home)
         seen.add((counts.direct, counts.steps >= 3, counts.received is not None))
     # taken and not where the choice allows it (auto: on the cut documents), never below three steps
@@ -366,6 +367,14 @@ def test_the_direct_timeline_by_hand():
     assert cost.rank_times(counts, costs, problem).tolist() == pytest.approx(want)
     rotation = cost.rank_times(counts._replace(direct=False), costs, problem)
     assert not torch.allclose(rotation, torch.tensor(want, dtype=torch.float64))
+    # The K/V kept from the forward (``keeps_received``, cut shards only): the backward's
+    # remote steps at once, the own dQ and dK/dV passes last. Rank 0: step 1 done at 7.7, its
+    # sum home at 68.2; step 2 at 23.1, its sum at 78.7; the own passes done at 100.1: 40.6 +
+    # 100.1 + 1.5. Rank 1: steps done at 7.7 and 23.1, sums home at 10.2 and 24.6, own at 100.1.
+    kept = costs._replace(keeps_received=True)
+    assert cost.rank_times(counts, kept, problem).tolist() == pytest.approx(want)  # whole shards: not kept
+    assert cost.rank_times(counts._replace(cut=True), kept, problem).tolist() == pytest.approx(
+        [142.2, 131.5, 142.2])
 
 
 def test_rows_the_direct_schedule_leaves_keep_their_numbers():

@@ -303,6 +303,51 @@ def test_backward_ends_on_the_own_shard_under_the_last_trip(monkeypatch, world, 
     assert ev[:first_wait].count(("dq",)) >= 1 and ("dkv",) not in ev[:first_wait], ev
 
 
+@pytest.mark.parametrize("keep", [False, True], ids=["received-again", "kept"])
+def test_direct_schedule_keeps_what_it_received(monkeypatch, keep):
+    """Asked to (``keep_received``), the direct schedule's forward keeps the rows every
+    step received (every travelling row of the shards it computes), and its backward posts no K/V
+    trip: only the partial sums home, one a remote step, the remote steps running first and
+    the own step's passes last; else it receives them again, under the own dQ pass.
+    Packed documents on their layout, 4 ranks, one cut in ring order over all of them."""
+    from ringflash.ring import ring_backward, ring_forward
+    from ringflash.ring.plan import schedule_of
+    from test_documents import _lognormal
+    monkeypatch.setenv("RINGFLASH_SCHEDULE", "auto")
+    world, n = 4, 512
+    layout = ringflash.document_layout(_lognormal(n * world - 100, 300, seed=10), n * world, world=world)
+    fake = _RecordingRing(world)
+    sched = schedule_of(fake, layout, n, (None, 0), (0.0, 0), None)
+    assert sched.direct and sched.sent is not None and sched.steps == 4
+    rows = sum(hi - lo for lo, hi in sched.sent[1:])  # from ranks 3, 2, 1 (steps 1-3)
+    monkeypatch.setattr(ringflash.kernels, "flash_attn_fwd", lambda *args, **kw: fake.events.append(("fwd",)))
+    monkeypatch.setattr(ringflash.kernels, "flash_attn_bwd", lambda *args, **kw: fake.events.append(
+        ("dq" if args[6] is not None else "dkv",)))
+    q, k, v, dout = (torch.randn(1, n, 2, 8) for _ in range(4))
+    ids = torch.zeros(1, n, dtype=torch.int32)
+    kw = dict(softmax_scale=0.3, band=(None, 0), dropout=(0.0, 0), layout=layout, ring=fake)
+    out, lse, kept = ring_forward(q, k, v, ids, keep_received=keep, **kw)
+    assert [e for e in fake.events if e[0] == "post"] == [("post", s) for s in (1, 2, 3)]
+    if keep:
+        assert kept[0].shape == (2 * 2 * 8 * rows,) and kept[1].shape == (rows,)
+    else:
+        assert kept is None
+    fake.events.clear()
+    mine = k.untyped_storage().data_ptr()
+    monkeypatch.setattr(ringflash.kernels, "flash_attn_bwd", lambda *args, **kw: fake.events.append(
+        ("dq" if args[6] is not None else "dkv", args[2].untyped_storage().data_ptr() == mine)))
+    ring_backward(dout, q, k, v, out, lse, None, ids, kept=kept, **kw)
+    ev = fake.events
+    posts = [e for e in ev if e[0] == "post"]
+    assert posts == [("post", s) for s in (1, 2, 3) if not keep] + [("post", -s) for s in (1, 2, 3)], ev
+    assert ev.count(("wait",)) == len(posts)
+    own = [i for i, e in enumerate(ev) if e[0] in ("dq", "dkv") and e[1]]
+    if keep:  # nothing to wait for: the remote steps first, the own step's dQ and dK/dV passes last
+        assert own and own[0] > ev.index(("post", -3)) and ev[own[0]][0] == "dq" and ev[own[-1]][0] == "dkv", ev
+    else:  # the own dQ pass under the K/V trips, its dK/dV pass last
+        assert ev[own[0]] == ("dq", True) and own[0] < ev.index(("post", -1)) < own[-1], ev
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("band", [(None, None), (None, 0)], ids=["full", "causal"])
@@ -632,7 +677,20 @@ DISAGREEMENTS = {
     "requires_grad": dict(requires_grad=False),
     "deterministic (or torch.use_deterministic_algorithms)": dict(kwargs=dict(deterministic=True)),
     "schedule (RINGFLASH_SCHEDULE)": dict(env=dict(RINGFLASH_SCHEDULE="direct")),
+    "layout given as a spec (compiled)": dict(spec=True),
 }
+
+
+def _document_call(q, k, v, as_spec: bool):
+    """A causal call of the ring's op on a layout computed from documents (as ``ring_attn``
+    makes it), the layout given as itself (eager) or ``as_spec`` (as compiled)."""
+    from ringflash import ops
+    seqlen = q.shape[1] * dist.get_world_size()
+    cu = torch.tensor([0, 5, seqlen])
+    layout = ringflash.document_layout(cu, seqlen)
+    ids = ringflash.segment_ids_from_cu_seqlens(cu, seqlen, layout=layout)
+    return ops.ring_attn_forward_impl(q, k, v, ids, None, 0.25, None, 0, layout.kind if as_spec else layout,
+                                      layout.spec if as_spec else None, dist.group.WORLD.group_name, 0.0, 0, 0, True)
 
 
 def _ring_still_works(rank, world) -> str | None:
@@ -654,7 +712,8 @@ def disagreeing_call(rank, world, field):
     kwargs.update(change.get("kwargs", {}))
     os.environ.update(change.get("env", {}))
     try:
-        caught = raised(lambda: ringflash.ring_flash_attn(q, k, v, **kwargs))
+        caught = raised(lambda: _document_call(q, k, v, change.get("spec", False)) if field.startswith("layout given")
+                        else ringflash.ring_flash_attn(q, k, v, **kwargs))
     finally:
         for name in change.get("env", {}):
             del os.environ[name]

@@ -1,6 +1,7 @@
 """A study on the cost model (ringflash.cost): packed documents over 8-64 GPUs through the
-rotation, through the direct schedule the library runs, and through a variant of it that
-is not built (the K/V kept from the forward for the backward).
+rotation and through the direct schedule, with the K/V received again in the backward (the
+copy engines, within a node) and kept from the forward (through torch.distributed, as
+across nodes, in eager calls: ringflash/ops.py ``_keeps_received``).
 
     python benchmarks/research/direct_schedule.py [--seqlen 1m] [--grids 8x1 8x8 64x1 64x4 64x8]
 
@@ -18,13 +19,16 @@ in; in the backward its remote steps' dQ and dK/dV first, each remote shard's fp
 dK/dV sum sent straight to its owner once computed (one after another), the own step's
 dK/dV pass last.
 
-"Direct, K/V kept (not built)" (``kept_times``): the same, but the rows received in the
-forward are kept for the backward (no second trip).
+"Direct, K/V kept" (``Costs.keeps_received``, which ``cost_grid.ring_link`` sets for a ring
+across nodes): the rows received in the forward are kept for the backward (no second trip;
+only where shards travel cut), whose remote steps then run at once and its own step's dQ
+and dK/dV passes last, under the partial sums' trips home.
 
 Links and the grid's all-to-all as benchmarks/predict_scaling.py has them (a heads group
 within a node of 8, the ring across nodes at 50 GB/s), every all-to-all exposed (unchunked).
 Prints the efficiency of the three, which one the library takes (auto), the busiest rank
-over the mean (direct), and per ring rank (up to 16) what its time is made of.
+over the mean (the direct schedule as the library runs it there), and per ring rank (up to
+16) what its time is made of.
 """
 
 from __future__ import annotations
@@ -39,26 +43,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness import cli  # noqa: E402
 from predict_scaling import mask_of  # noqa: E402
 from ringflash import cost, cost_grid  # noqa: E402
-
-
-def kept_times(ring: cost.RingCounts, costs: cost.Costs, problem: cost.Problem) -> torch.Tensor:
-    """(R,) ms of a forward+backward per ring rank under the direct schedule with the K/V kept
-    from the forward (module docstring): the backward starts on rows already in."""
-    fwd, dq, dkv = cost.pass_times(ring, costs, problem)
-    kv, _, _ = cost.transfer_times(ring, costs, problem)
-    steps = ring.steps
-    received = cost._received(ring)  # [rank, step]: the rows of step s + 1's shard
-    sum_row = problem.kv_heads * problem.head_dim * 2 * 4
-    sums = received * sum_row / (costs.link_gbps * 1e6) + costs.message_ms * (received > 0)
-    arrived = kv.cumsum(1)  # every receive posted at once, one after another on the link
-    t = fwd[:, 0].clone()  # the own step's forward, then each remote step once its rows are in
-    for s in range(1, steps):
-        t = torch.maximum(t, arrived[:, s - 1]) + fwd[:, s]
-    sent = t.clone()  # the remote steps' backward first, each partial sum leaving once computed
-    for s in range(1, steps):
-        t = t + dq[:, s] + dkv[:, s]
-        sent = torch.maximum(sent, t) + sums[:, s - 1]
-    return torch.maximum(t + dq[:, 0] + dkv[:, 0], sent) + steps * costs.step_ms
 
 
 def main() -> None:
@@ -83,9 +67,9 @@ def main() -> None:
             a2a = (sum(cost_grid.exchange_ms(x, grid) for x in cost_grid.exchanges(u, world // u, seqlen, problem))
                    if u > 1 else 0.0)  # unchunked: every exchange exposed
             times = {"rotation": cost.rank_times(ring, costs, whole),
-                     "direct": cost.rank_times(direct_ring, costs, whole),
-                     "direct, K/V kept (not built)": kept_times(ring, costs, whole)}
-            direct = times["direct"]
+                     "direct": cost.rank_times(direct_ring, costs._replace(keeps_received=False), whole),
+                     "direct, K/V kept": cost.rank_times(direct_ring, costs._replace(keeps_received=True), whole)}
+            direct = times["direct, K/V kept" if costs.keeps_received else "direct"]
             print(f"W={world} U={u} R={world // u} heads 32/{kv_heads} steps {ring.steps}: "
                   + ", ".join(f"{name} {t1 / (world * (float(t.max()) + a2a)):.3f}" for name, t in times.items())
                   + f" (auto takes {'direct' if auto.direct else 'the rotation'}; direct's busiest rank / mean "

@@ -71,6 +71,9 @@ it (shift s for step s) and receives every shard it computes into a slot of its 
 partial sum that leaves straight for its owner once the step is done (shift -s), and the
 owner adds the arriving sums in step order (``rotate._direct``). No step waits for a
 neighbour's running sum, so a short step exposes nothing; the bytes are the rotation's.
+Asked to (``keep_received``: ops.py, through torch.distributed in eager calls), the forward
+keeps the rows its slots received (``ring_forward``'s ``keep_received``) and the backward receives no K/V: its
+remote steps run at once and the own step's passes last, under the sums' trips home.
 
 A ring of two over contiguous shards under a block mask that the Gluon backward does not
 serve (``keeps_kv``: off Hopper, with segment ids, dropout or ``deterministic``; where it

@@ -22,50 +22,93 @@ from .rows import Aside, add_rows, copy_rows, home_cuts, key_rows, overlap, sum_
 class _Slots:
     """The buffers visiting shards arrive in: none for a ring that passes nothing, one when
     only the own shard travels (two steps), two taking turns when received shards are passed
-    on, one a step under the direct schedule (``direct``: every shard arrives at once).
-    ``sent`` (``plan.travelling_rows``): per source rank the rows of its shard that
-    travel, or None (whole shards); a slot then holds the rows of whichever shard it holds,
-    from its start, so that every rank receives a message where its sender wrote it."""
+    on, one a step under the direct schedule (``direct``: every shard arrives at once, each
+    into a slot of exactly its rows). ``sent`` (``plan.travelling_rows``): per source rank
+    the rows of its shard that travel, or None (whole shards); a slot then holds the rows of
+    whichever shard it holds, from its start, so that every rank receives a message where
+    its sender wrote it. ``kept``: (K/V, segment ids or None) that ``ring_forward`` kept
+    from its slots (``held`` rows), in the same places, instead of the ring's buffers."""
 
     def __init__(self, k: torch.Tensor, segments: Optional[torch.Tensor], ring: Ring, steps: int, sent,
-                 direct: bool = False):
-        self.ring, self.sent, self.n = ring, sent, k.shape[1]
+                 direct: bool = False, kept: Optional[tuple] = None):
+        self.ring, self.sent, self.n, self.direct = ring, sent, k.shape[1], direct
         self.count = 0 if steps == 1 else 1 if steps == 2 else steps - 1 if direct else 2
-        rows = self.n if sent is None else max(hi - lo for lo, hi in sent)
         b, _, hkv, d = k.shape
-        self.kv = ring.buffer("kv", (self.count, 2 * b * rows * hkv * d), k.dtype, k.device)
-        self.seg = None if segments is None else ring.buffer("segments", (self.count, b * rows),
-                                                             torch.int32, k.device)
-        self.shape = (b, hkv, d)
+        self.shape, self.row = (b, hkv, d), 2 * b * hkv * d  # elements of one packed K/V row
+        if kept is not None:
+            self.kv, self.seg = kept
+            return
+        # The same size on every rank (the copy engines' buffers are allocated together).
+        rows = max(map(self.held, range(ring.world)))
+        self.kv = ring.buffer("kv", (self.row * rows,), k.dtype, k.device)
+        self.seg = None if segments is None else ring.buffer("segments", (b * rows,), torch.int32, k.device)
 
     def rows(self, src: int) -> slice:
         """The rows of rank src's shard that travel."""
         return slice(None) if self.sent is None else slice(*self.sent[src])
 
+    def length(self, src: int) -> int:
+        """How many rows of rank src's shard travel."""
+        return self.n if self.sent is None else self.sent[src][1] - self.sent[src][0]
+
+    def start(self, rank: int, step: int) -> int:
+        """The row where rank ``rank``'s slot for step ``step`` (>= 1) starts: the direct
+        schedule's slots follow each other, each as long as its shard's travelling rows;
+        the others take turns, each as long as the longest."""
+        world = self.ring.world
+        if self.direct:
+            return sum(self.length((rank - s) % world) for s in range(1, step))
+        return 0 if self.count == 0 else (step - 1) % self.count * max(map(self.length, range(world)))
+
+    def held(self, rank: int) -> int:
+        """The rows of rank's slots together."""
+        if self.direct:
+            return self.start(rank, self.count + 1)
+        return self.count * max(map(self.length, range(self.ring.world)))
+
     def packed(self, flat: torch.Tensor, src: int) -> torch.Tensor:
         """The start of ``flat`` as rank src's travelling K/V rows, packed (2, B, rows, Hkv, D)."""
         b, hkv, d = self.shape
-        rows = len(range(self.n)[self.rows(src)])
-        return flat[:2 * b * rows * hkv * d].view(2, b, rows, hkv, d)
+        return flat[:self.row * self.length(src)].view(2, b, self.length(src), hkv, d)
+
+    def _span(self, rank: int, step: int, width: int) -> slice:
+        """The elements of rank's slot for ``step`` in a flat buffer of ``width`` elements a
+        row, as long as the rows of the shard that step computes there."""
+        at = self.start(rank, step)
+        return slice(width * at, width * (at + self.length((rank - step) % self.ring.world)))
+
+    def _slot(self, rank: int, step: int) -> tuple:
+        """(K/V, segment ids or None) of rank's slot for ``step``, flat views of the buffers."""
+        return (self.kv[self._span(rank, step, self.row)],
+                None if self.seg is None else self.seg[self._span(rank, step, self.shape[0])])
 
     def at(self, step: int) -> tuple:
         """(K/V packed as (2, B, rows, Hkv, D), segment ids (B, rows) or None) of the shard
         that step ``step`` (>= 1) computes, in its slot."""
-        src = (self.ring.rank - step) % self.ring.world
-        slot = (step - 1) % self.count
-        kv = self.packed(self.kv[slot], src)
-        return kv, None if self.seg is None else self.seg[slot, :kv.shape[1] * kv.shape[2]].view(kv.shape[1:3])
+        kv, seg = self._slot(self.ring.rank, step)
+        return self.packed(kv, (self.ring.rank - step) % self.ring.world), None if seg is None else seg.view(
+            self.shape[0], -1)
+
+    def keep(self, aside: Aside, kept: tuple, step: int) -> None:
+        """Copy step ``step``'s slot, arrived, into the same place of ``kept`` (K/V and
+        segment ids or None, flat, this rank's ``held`` rows), on the side stream."""
+        for dst, buf, width in zip(kept, (self.kv, self.seg), (self.row, self.shape[0])):
+            if buf is not None:
+                span = self._span(self.ring.rank, step, width)
+                aside.copy(dst[span], buf[span])
 
     def send_own(self, k: torch.Tensor, v: torch.Tensor, segments: Optional[torch.Tensor], shift: int = 1) -> list:
         """Send the own shard's travelling rows to rank + ``shift``, from k and v themselves
         (two messages) and its segment ids, and receive rank - shift's into the slot of step
-        ``shift``. Each message lands where the receiver's view of this shard has it (its V
-        starts after this shard's K rows, not the received shard's)."""
-        rows, (kv_next, seg_next) = self.rows(self.ring.rank), self.at(shift)
-        theirs = self.packed(self.kv[(shift - 1) % self.count], self.ring.rank)
+        ``shift``. Each message lands where the receiver's view of this shard has it (its
+        slot for step ``shift``, and there its V after this shard's K rows)."""
+        rank = self.ring.rank
+        rows, (kv_next, seg_next) = self.rows(rank), self.at(shift)
+        kv_theirs, seg_theirs = self._slot((rank + shift) % self.ring.world, shift)
+        theirs = self.packed(kv_theirs, rank)
         pairs = [(k[:, rows].contiguous(), kv_next[0], theirs[0]), (v[:, rows].contiguous(), kv_next[1], theirs[1])]
         if segments is not None:
-            pairs.append((segments[:, rows].contiguous(), seg_next))
+            pairs.append((segments[:, rows].contiguous(), seg_next, seg_theirs))
         return self.ring.exchange(*pairs, shift=shift)
 
     def send_all(self, k: torch.Tensor, v: torch.Tensor, segments: Optional[torch.Tensor]) -> list[list]:
@@ -83,17 +126,21 @@ def pass_on(ring: Ring, cur, nxt) -> list:
 
 
 def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout: tuple,
-                 layout: str, ring: Ring, blocks: Optional[torch.Tensor] = None, keep: bool = False):
+                 layout: str, ring: Ring, blocks: Optional[torch.Tensor] = None, keep: bool = False,
+                 keep_received: bool = False):
     """Returns out (in q's dtype), lse (fp32, (B, H, S)) of q against every rank's k, v, and
-    what the backward keeps: None, or with ``keep`` (``keeps_kv``) and two active steps,
+    what the backward keeps: None; with ``keep`` (``keeps_kv``) and two active steps,
     (kv, segment ids): the other rank's K/V, (2, B, S, Hkv, D), and both ranks' (B, 2 S)
-    int32 segment ids in global order, or None.
+    int32 segment ids in global order, or None; with ``keep_received``, under the direct
+    schedule where shards travel cut, every row its slots received (this rank's
+    ``_Slots.held``), (2 B Hkv D rows,) and (B rows,) int32 or None, flat (the backward then
+    receives no K/V).
     segments: this rank's (B, S) int32 segment ids, or None. dropout: (p, seed[, global head 0]).
     blocks: the GLOBAL block mask (heads or 1, N / BLOCK, N / BLOCK) bool, or None.
 
     The running out stays fp32 until the last step, whose pairs write the result in q's
     dtype straight from it where their query rows do not overlap (no separate cast of
-    the rows they cover). The kept copy runs on a side stream, under the kernels."""
+    the rows they cover). The kept copies run on a side stream, under the kernels."""
     b, n, h, d = q.shape
     sched = schedule_of(ring, layout, n, band, dropout, blocks)
     steps, schedule, first_writes, plan = sched.steps, sched.pairs, sched.first_writes, sched.plan
@@ -102,6 +149,10 @@ def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout
     if keep and segments is None and (ring.streams_chunks or not q.is_cuda):
         return gathered_forward(q, k, v, slots.at(1)[0], softmax_scale=softmax_scale, band=band,
                                 dropout=dropout, ring=ring, plan=plan, blocks=blocks)
+    held = slots.held(ring.rank) if keep_received and sched.direct and sched.sent is not None else 0
+    received = None if not held else (
+        torch.empty(slots.row * held, device=k.device, dtype=k.dtype),
+        None if segments is None else torch.empty(b * held, device=k.device, dtype=torch.int32))
     out = torch.empty((b, n, h, d), device=q.device, dtype=torch.float32)
     lse = torch.empty((b, h, n), device=q.device, dtype=torch.float32)
     if not first_writes:  # several pairs share the first step: every pair merges into these
@@ -142,6 +193,8 @@ def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout
                                        accumulate=merges, out_partial=out[:, piece.q] if writes and merges else None)
         ring.wait(pending)
         cur = nxt
+        if received is not None and nxt is not None:
+            slots.keep(aside, received, step + 1)
         if kept is not None and step == 0:  # out of the ring's buffer, which the next call reuses
             aside.copy(kept[0], cur[0])
             if cur[1] is not None:
@@ -150,7 +203,7 @@ def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout
         for rows in [slice(None)] if gaps is None else gaps:
             copy_rows(result, out, rows, 1)
     aside.join()
-    return result, lse, kept
+    return result, lse, kept if received is None else received
 
 
 class _Grads:
@@ -277,15 +330,20 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
     if kept is not None and steps == 2:
         return gathered_backward(dout, q, k, v, lse, delta, segments, kept, softmax_scale=softmax_scale,
                                  band=band, dropout=dropout, ring=ring, plan=plan, blocks=blocks)
-    slots = _Slots(k, segments, ring, steps, sent, direct)
+    # What the forward received, kept (``keep_received``): the direct schedule's K/V need not come again.
+    received = kept if kept is not None and direct else None
+    slots = _Slots(k, segments, ring, steps, sent, direct, kept=received)
     # With the fused kernel the own step runs in pieces of key rows: the first half's hide
     # the first K/V trip, the second half's the trip home of the last sums (``_rotate``).
     own_first, own_last = _own_pieces(pieces, n, range(n)[slots.rows(ring.rank)]) if steps > 1 else (
         [(range(n), schedule[0])], [])
     fused = _fuses(q, k, (*(pairs for _, pairs in own_first + own_last), *schedule[1:]), segments, dropout, plan,
                    blocks, deterministic)
+    # With the K/V kept nothing is in flight to hide at the start: the remote steps run at
+    # once and the own step's passes all run last, under the partial sums' trips home.
+    late = received is not None
     grads = _Grads(dout, q, lse, delta, segments, softmax_scale=softmax_scale, dropout=dropout, plan=plan,
-                   blocks=blocks, first_writes=first_writes, deterministic=deterministic, fused=fused)
+                   blocks=blocks, first_writes=first_writes and not late, deterministic=deterministic, fused=fused)
     own = ((k, v), segments)
     if steps == 1:
         dkv = _one_step(grads, k, own, schedule[0], first_writes)
@@ -298,8 +356,9 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
     home_first = not fused and steps == 2 and own_apart and sent is None and (
         remote_share(layout, ring.world, n, band) if plan is None else plan.remote_share(band, blocks)) >= 0.5
     # The own shard's dQ first (fused: its first pieces): it needs nothing in flight, so it
-    # hides the first K/V trip (the direct schedule's trips all start here).
-    trips = slots.send_all(k, v, segments) if direct else [slots.send_own(k, v, segments)]
+    # hides the first K/V trip (the direct schedule's trips all start here; none if kept).
+    trips = ([[]] * slots.count if received is not None else slots.send_all(k, v, segments) if direct
+             else [slots.send_own(k, v, segments)])
     if home_first:
         grads.dq_pass(schedule[0], *own, first_writes, False)
         ring.wait(trips[0])
@@ -310,14 +369,16 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
     sums = ring.buffer("grads", (steps if direct else 3, 2 * k.numel()), torch.float32, k.device)
     own_sums = _OwnSums(sums[-1].view(2, *k.shape), torch.empty((2, *k.shape), device=k.device, dtype=k.dtype),
                         slots.rows(ring.rank))
-    if fused:  # the own shard's dK/dV start here
+    if late:
+        own_last = own_first + own_last
+    elif fused:  # the own shard's dK/dV start here
         for rows, pairs in own_first:
             grads.fused_pass(pairs, *own, own_sums.into(rows, grads.writes(pairs, rows)), keys=rows)
     else:
         grads.dq_pass(schedule[0], *own, first_writes, False)
     ring.wait(trips[0])
     if direct:
-        home, pending = _direct(grads, ring, k, slots, schedule, steps, sums, trips)
+        home, pending = _direct(grads, ring, k, slots, schedule, steps, sums, trips, last_dq=not late)
     else:
         home, pending = _rotate(grads, ring, k, slots, schedule, steps, sums)
     # The own shard's dK/dV last, while the last sums go home: no trip after the last pass,
@@ -326,6 +387,8 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
         for rows, pairs in own_last:
             grads.fused_pass(pairs, *own, own_sums.into(rows, grads.writes(pairs, rows)), keys=rows)
     else:
+        if late:
+            grads.dq_pass(schedule[0], *own, False, True)
         own_sums.into(range(n))
         grads.dkv_pass(schedule[0], *own, own_sums.mine)
     ring.wait(pending)
@@ -514,14 +577,15 @@ def _rotate(grads: _Grads, ring: Ring, k, slots: _Slots, schedule, steps: int,
 
 
 def _direct(grads: _Grads, ring: Ring, k, slots: _Slots, schedule, steps: int, sums: torch.Tensor,
-            trips: list) -> tuple[list, list]:
+            trips: list, last_dq: bool = True) -> tuple[list, list]:
     """The direct schedule's remote steps: step s runs once its shard has arrived (``trips``,
     all posted at the start), its dK/dV into an fp32 partial sum of that shard's rows of
     its own, which goes straight home (s ranks back) while the next steps run; this rank's
     own shard's partial sums arrive from the s ranks ahead, one into each of ``sums``'
     first steps - 1 rows. Returns (those rows, which ``_OwnSums.finish`` adds in step order,
     so the bits do not depend on the order they arrive in; the pending trips home). No
-    step waits for another rank's gradients, so a short step exposes nothing."""
+    step waits for another rank's gradients, so a short step exposes nothing. ``last_dq``:
+    the last step's dQ pass is the last (else the own step's follows)."""
     homes, pending = [slots.packed(sums[step - 1], ring.rank) for step in range(1, steps)], []
     for step in range(1, steps):
         ring.wait(trips[step - 1] if step > 1 else [])  # step 1's: waited for under the own pass
@@ -530,7 +594,7 @@ def _direct(grads: _Grads, ring: Ring, k, slots: _Slots, schedule, steps: int, s
         if grads.fused:
             grads.fused_pass(pairs, kv, seg, part, keys=range(part.shape[2]))
         else:
-            grads.dq_pass(pairs, kv, seg, False, step == steps - 1)
+            grads.dq_pass(pairs, kv, seg, False, last_dq and step == steps - 1)
             grads.dkv_pass(pairs, kv, seg, part)
         pending += ring.exchange((part, homes[step - 1]), shift=-step)
     return homes, pending
