@@ -4,6 +4,7 @@ custom ops), by role:
     plan.py      what a call runs: its steps and their block pairs (from the layout), a block
                  mask's plan, the kernel's mask of one pair
     rotate.py    the rotation: ``ring_forward``, ``ring_backward``
+    slots.py     the buffers visiting shards arrive in
     gathered.py  the ring of two that keeps the other rank's K/V (``keeps_kv``)
     rows.py      rows of the ring's buffers, and copies beside the kernels
 
@@ -67,7 +68,7 @@ From three active steps on, the direct schedule may run instead (``plan.takes_di
 RINGFLASH_SCHEDULE: "auto", the default, where shards travel cut; "rotate"; "direct"): at
 the start of each pass every rank sends its own shard straight to each rank that computes
 it (shift s for step s) and receives every shard it computes into a slot of its own
-(``_Slots.send_all``); in the backward each visiting step's dK/dV go into a fresh fp32
+(``slots.Slots.send_all``); in the backward each visiting step's dK/dV go into a fresh fp32
 partial sum that leaves straight for its owner once the step is done (shift -s), and the
 owner adds the arriving sums in step order (``rotate._direct``). No step waits for a
 neighbour's running sum, so a short step exposes nothing; the bytes are the rotation's.

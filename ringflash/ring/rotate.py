@@ -17,112 +17,7 @@ from ..layouts import Band, remote_share
 from .gathered import gathered_backward, gathered_forward
 from .plan import pair_mask, schedule_of, tile_pieces
 from .rows import Aside, add_rows, copy_rows, home_cuts, key_rows, overlap, sum_rows, uncovered
-
-
-class _Slots:
-    """The buffers visiting shards arrive in: none for a ring that passes nothing, one when
-    only the own shard travels (two steps), two taking turns when received shards are passed
-    on, one a step under the direct schedule (``direct``: every shard arrives at once, each
-    into a slot of exactly its rows). ``sent`` (``plan.travelling_rows``): per source rank
-    the rows of its shard that travel, or None (whole shards); a slot then holds the rows of
-    whichever shard it holds, from its start, so that every rank receives a message where
-    its sender wrote it. ``kept``: (K/V, segment ids or None) that ``ring_forward`` kept
-    from its slots (``held`` rows), in the same places, instead of the ring's buffers."""
-
-    def __init__(self, k: torch.Tensor, segments: Optional[torch.Tensor], ring: Ring, steps: int, sent,
-                 direct: bool = False, kept: Optional[tuple] = None):
-        self.ring, self.sent, self.n, self.direct = ring, sent, k.shape[1], direct
-        self.count = 0 if steps == 1 else 1 if steps == 2 else steps - 1 if direct else 2
-        b, _, hkv, d = k.shape
-        self.shape, self.row = (b, hkv, d), 2 * b * hkv * d  # elements of one packed K/V row
-        if kept is not None:
-            self.kv, self.seg = kept
-            return
-        # The same size on every rank (the copy engines' buffers are allocated together).
-        rows = max(map(self.held, range(ring.world)))
-        self.kv = ring.buffer("kv", (self.row * rows,), k.dtype, k.device)
-        self.seg = None if segments is None else ring.buffer("segments", (b * rows,), torch.int32, k.device)
-
-    def rows(self, src: int) -> slice:
-        """The rows of rank src's shard that travel."""
-        return slice(None) if self.sent is None else slice(*self.sent[src])
-
-    def length(self, src: int) -> int:
-        """How many rows of rank src's shard travel."""
-        return self.n if self.sent is None else self.sent[src][1] - self.sent[src][0]
-
-    def start(self, rank: int, step: int) -> int:
-        """The row where rank ``rank``'s slot for step ``step`` (>= 1) starts: the direct
-        schedule's slots follow each other, each as long as its shard's travelling rows;
-        the others take turns, each as long as the longest."""
-        world = self.ring.world
-        if self.direct:
-            return sum(self.length((rank - s) % world) for s in range(1, step))
-        return 0 if self.count == 0 else (step - 1) % self.count * max(map(self.length, range(world)))
-
-    def held(self, rank: int) -> int:
-        """The rows of rank's slots together."""
-        if self.direct:
-            return self.start(rank, self.count + 1)
-        return self.count * max(map(self.length, range(self.ring.world)))
-
-    def packed(self, flat: torch.Tensor, src: int) -> torch.Tensor:
-        """The start of ``flat`` as rank src's travelling K/V rows, packed (2, B, rows, Hkv, D)."""
-        b, hkv, d = self.shape
-        return flat[:self.row * self.length(src)].view(2, b, self.length(src), hkv, d)
-
-    def _span(self, rank: int, step: int, width: int) -> slice:
-        """The elements of rank's slot for ``step`` in a flat buffer of ``width`` elements a
-        row, as long as the rows of the shard that step computes there."""
-        at = self.start(rank, step)
-        return slice(width * at, width * (at + self.length((rank - step) % self.ring.world)))
-
-    def _slot(self, rank: int, step: int) -> tuple:
-        """(K/V, segment ids or None) of rank's slot for ``step``, flat views of the buffers."""
-        return (self.kv[self._span(rank, step, self.row)],
-                None if self.seg is None else self.seg[self._span(rank, step, self.shape[0])])
-
-    def at(self, step: int) -> tuple:
-        """(K/V packed as (2, B, rows, Hkv, D), segment ids (B, rows) or None) of the shard
-        that step ``step`` (>= 1) computes, in its slot."""
-        kv, seg = self._slot(self.ring.rank, step)
-        return self.packed(kv, (self.ring.rank - step) % self.ring.world), None if seg is None else seg.view(
-            self.shape[0], -1)
-
-    def keep(self, aside: Aside, kept: tuple, step: int) -> None:
-        """Copy step ``step``'s slot, arrived, into the same place of ``kept`` (K/V and
-        segment ids or None, flat, this rank's ``held`` rows), on the side stream."""
-        for dst, buf, width in zip(kept, (self.kv, self.seg), (self.row, self.shape[0])):
-            if buf is not None:
-                span = self._span(self.ring.rank, step, width)
-                aside.copy(dst[span], buf[span])
-
-    def send_own(self, k: torch.Tensor, v: torch.Tensor, segments: Optional[torch.Tensor], shift: int = 1) -> list:
-        """Send the own shard's travelling rows to rank + ``shift``, from k and v themselves
-        (two messages) and its segment ids, and receive rank - shift's into the slot of step
-        ``shift``. Each message lands where the receiver's view of this shard has it (its
-        slot for step ``shift``, and there its V after this shard's K rows)."""
-        rank = self.ring.rank
-        rows, (kv_next, seg_next) = self.rows(rank), self.at(shift)
-        kv_theirs, seg_theirs = self._slot((rank + shift) % self.ring.world, shift)
-        theirs = self.packed(kv_theirs, rank)
-        pairs = [(k[:, rows].contiguous(), kv_next[0], theirs[0]), (v[:, rows].contiguous(), kv_next[1], theirs[1])]
-        if segments is not None:
-            pairs.append((segments[:, rows].contiguous(), seg_next, seg_theirs))
-        return self.ring.exchange(*pairs, shift=shift)
-
-    def send_all(self, k: torch.Tensor, v: torch.Tensor, segments: Optional[torch.Tensor]) -> list[list]:
-        """The direct schedule's trips, all posted at once: the own shard to each rank that
-        computes it (rank + s, for the steps s = 1, 2, ...), and into each step's slot the
-        shard it computes. One pending list a step, in step order (they travel in turn)."""
-        return [self.send_own(k, v, segments, shift) for shift in range(1, self.count + 1)]
-
-
-def pass_on(ring: Ring, cur, nxt) -> list:
-    """Send a received shard (packed K/V in its slot, and segment ids) on, and receive the
-    next one into ``nxt``."""
-    (kv, seg), (kv_next, seg_next) = cur, nxt
-    return ring.exchange(*[(kv, kv_next)] + ([] if seg is None else [(seg, seg_next)]))
+from .slots import Slots, pass_on
 
 
 def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout: tuple,
@@ -133,7 +28,7 @@ def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout
     (kv, segment ids): the other rank's K/V, (2, B, S, Hkv, D), and both ranks' (B, 2 S)
     int32 segment ids in global order, or None; with ``keep_received``, under the direct
     schedule where shards travel cut, every row its slots received (this rank's
-    ``_Slots.held``), (2 B Hkv D rows,) and (B rows,) int32 or None, flat (the backward then
+    ``Slots.held``), (2 B Hkv D rows,) and (B rows,) int32 or None, flat (the backward then
     receives no K/V).
     segments: this rank's (B, S) int32 segment ids, or None. dropout: (p, seed[, global head 0]).
     blocks: the GLOBAL block mask (heads or 1, N / BLOCK, N / BLOCK) bool, or None.
@@ -144,7 +39,7 @@ def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout
     b, n, h, d = q.shape
     sched = schedule_of(ring, layout, n, band, dropout, blocks)
     steps, schedule, first_writes, plan = sched.steps, sched.pairs, sched.first_writes, sched.plan
-    slots = _Slots(k, segments, ring, steps, sched.sent, sched.direct)
+    slots = Slots(k, segments, ring, steps, sched.sent, sched.direct)
     keep = keep and steps == 2
     if keep and segments is None and (ring.streams_chunks or not q.is_cuda):
         return gathered_forward(q, k, v, slots.at(1)[0], softmax_scale=softmax_scale, band=band,
@@ -332,7 +227,7 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
                                  band=band, dropout=dropout, ring=ring, plan=plan, blocks=blocks)
     # What the forward received, kept (``keep_received``): the direct schedule's K/V need not come again.
     received = kept if kept is not None and direct else None
-    slots = _Slots(k, segments, ring, steps, sent, direct, kept=received)
+    slots = Slots(k, segments, ring, steps, sent, direct, kept=received)
     # With the fused kernel the own step runs in pieces of key rows: the first half's hide
     # the first K/V trip, the second half's the trip home of the last sums (``_rotate``).
     own_first, own_last = _own_pieces(pieces, n, range(n)[slots.rows(ring.rank)]) if steps > 1 else (
@@ -521,7 +416,7 @@ def _home_first(grads: _Grads, ring: Ring, k, own, cur, schedule, pieces) -> tor
     return dkv
 
 
-def _rotate(grads: _Grads, ring: Ring, k, slots: _Slots, schedule, steps: int,
+def _rotate(grads: _Grads, ring: Ring, k, slots: Slots, schedule, steps: int,
             sums: torch.Tensor) -> tuple[torch.Tensor, list]:
     """The rotation's remote steps: each visiting shard's running fp32 dK/dV sum travels one
     step behind its K/V, and leaves for home after the last step. Returns (where the own
@@ -534,7 +429,7 @@ def _rotate(grads: _Grads, ring: Ring, k, slots: _Slots, schedule, steps: int,
     # Packed (dk, dv) sums in fp32: `running` belongs to the shard this step computes and
     # arrives from r-1 during the step (the shard of step 1 starts its sum here); `sending`
     # belongs to the shard of the step before and leaves for r+1. Both hold the travelling
-    # rows of their shard (``_Slots``).
+    # rows of their shard (``Slots``).
     fresh = None if not grads.fused or steps < 3 else torch.empty(2 * k.numel(), device=k.device,
                                                                   dtype=torch.float32)
     running = sending = None
@@ -576,7 +471,7 @@ def _rotate(grads: _Grads, ring: Ring, k, slots: _Slots, schedule, steps: int,
     return home, ring.exchange((sending, home), shift=1 - steps)
 
 
-def _direct(grads: _Grads, ring: Ring, k, slots: _Slots, schedule, steps: int, sums: torch.Tensor,
+def _direct(grads: _Grads, ring: Ring, k, slots: Slots, schedule, steps: int, sums: torch.Tensor,
             trips: list, last_dq: bool = True) -> tuple[list, list]:
     """The direct schedule's remote steps: step s runs once its shard has arrived (``trips``,
     all posted at the start), its dK/dV into an fp32 partial sum of that shard's rows of
