@@ -164,7 +164,7 @@ CHUNKS_RUN = {2: {"mha-causal": 4, "gqa-full": 4, "mqa-causal": 1, "uneven-gqa":
                   "blocks": 2, "dropout-mha": 2},
               # U = 1: the ring alone, its heads one chunk after another (heads.memory_chunks)
               1: {"mha-causal": 4, "gqa-full": 4, "mqa-causal": 1, "uneven-gqa": 3, "gqa-docs": 4,
-                  "blocks": 4, "dropout-mha": 4}}
+                  "blocks": 4, "dropout-mha": 4, "gqa-docs-cut": 4}}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -243,6 +243,35 @@ def test_chunked_heads_give_the_unchunked_bits(worlds, world_size, heads_world):
         per_rank = worlds(world_size).run(check_chunks, heads_world, "contiguous", blocks, seqlen, timeout=300)
         failures += _chunk_failures(per_rank, heads_world, bits=False)
     assert not failures, "\n".join(failures[:20])
+
+
+def check_chunks_keeping_kv(rank, world):
+    """``check_chunks`` of the ring alone (U = 1) on a layout computed from documents whose
+    ring of four takes the direct schedule on cut shards (3 steps), which through
+    torch.distributed keeps the K/V each chunk's forward received; and how many slots were
+    kept on this rank."""
+    from ringflash.ring.slots import Slots
+    lengths = [48, 16, 6, 58, 8, 47, 31, 42]
+    layout = ringflash.document_layout(torch.tensor([0, *lengths]).cumsum(0), 256, world=world)
+    kept, keep = [], Slots.keep
+    Slots.keep = lambda self, *args: (kept.append(args[-1]), keep(self, *args))[1]
+    try:
+        report = check_chunks(rank, world, 1, layout, [("gqa-docs-cut", 16, 8, True, (-1, -1), lengths, None)])
+    finally:
+        Slots.keep = keep
+    return report, len(kept)
+
+
+@pytest.mark.world(4)
+def test_ring_alone_in_chunks_keeps_each_chunks_kv(worlds):
+    """Chunks of heads on the ring alone, each call keeping the K/V its forward received
+    for its own backward (the direct schedule through torch.distributed): the same bits as
+    one call, exact against the oracle, and every rank kept its two steps' slots each call
+    (one call unchunked, four chunked)."""
+    per_rank = worlds(4).run(check_chunks_keeping_kv, timeout=300)
+    failures = _chunk_failures([report for report, _ in per_rank], 1)
+    assert not failures, "\n".join(failures[:20])
+    assert [kept for _, kept in per_rank] == [2 * (1 + 4)] * 4
 
 
 def test_kv_heads_are_picked_only_where_a_rank_shares_them():
