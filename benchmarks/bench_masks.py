@@ -140,11 +140,16 @@ def cost_mask(mask: str, seqlen: int, args) -> cost.Mask:
     return cost.Mask(True, (args.window, 0) if mask == "window" else (-1, -1))
 
 
-def bytes_sent(counts: cost.RingCounts, args) -> int:
+def bytes_sent(counts: cost.RingCounts, args, kept: bool = False) -> int:
     """Bytes the busiest rank sends in one forward+backward: the cost model's count
     (``cost.link_bytes``, from the schedule's travelling rows: K/V in bf16 in the forward and
-    again in the backward, the running dK/dV sum in fp32), segment ids aside."""
-    per_step = cost.link_bytes(counts, cost.Problem(args.heads, args.heads, args.head_dim))
+    again in the backward, the running dK/dV sum in fp32), segment ids aside; ``kept``: the
+    direct schedule keeps the rows its forward received (through NCCL on cut shards:
+    ringflash/ops.py), so its backward receives no K/V."""
+    problem = cost.Problem(args.heads, args.heads, args.head_dim)
+    per_step = cost.link_bytes(counts, problem)
+    if kept and counts.direct and counts.cut:
+        per_step = per_step - cost.kv_bytes(1, problem) * counts.received
     return int(per_step.sum(-1).max()) if per_step.dim() == 2 else int(per_step.sum())
 
 
@@ -180,7 +185,9 @@ def ring(args, device, group, world, rank) -> list[dict]:
                     rkw["segment_ids"] = ringflash.shard(kw["segment_ids"], 1, layout)
                 for schedule in args.schedules:  # RINGFLASH_SCHEDULE, the same on every rank
                     counts = cost.ring_counts(world, seqlen, layout, cost_mask(mask, seqlen, args), schedule=schedule)
-                    extra.update(schedule=schedule, direct=counts.direct, bytes_sent_per_rank=bytes_sent(counts, args))
+                    kept = ringflash.transport(group) == "nccl"  # eager calls through NCCL keep (ops.py)
+                    extra.update(schedule=schedule, direct=counts.direct,
+                                 bytes_sent_per_rank=bytes_sent(counts, args, kept))
                     with _schedule(schedule):
                         fwd, fwdbwd = timed(lambda q, k, v: ringflash.ring_flash_attn(q, k, v, **rkw),
                                             *local, device, args, group=group)

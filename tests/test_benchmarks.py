@@ -178,6 +178,30 @@ def test_bench_masks_efficiency_and_predicted_rows():
     assert masks.torch_cp.cp_document_lengths([3, 3], 2) == [3, 3]  # no split: left for the balancer to refuse
 
 
+def test_bench_masks_bytes_leave_out_the_kept_kv():
+    """A ring row's bytes: where the direct schedule keeps the K/V its forward received
+    (through NCCL, shards cut), the backward's second trip of them is not counted; the
+    rotation, or whole shards, count both trips."""
+    import argparse
+
+    import torch
+
+    import ringflash
+    from ringflash import cost
+    masks = _load(BENCH, "bench_masks")
+    args = argparse.Namespace(heads=4, head_dim=16)
+    lengths = [48, 16, 6, 58, 8, 47, 31, 42]  # over 4 ranks: 3 steps, shards cut
+    mask = cost.Mask.documents(lengths)
+    layout = ringflash.document_layout(torch.tensor(mask.cu_seqlens), 256, world=4)
+    direct, rotate = (cost.ring_counts(4, 256, layout, mask, schedule=s) for s in ("auto", "rotate"))
+    assert direct.direct and direct.cut and not rotate.direct
+    row = cost.kv_bytes(1, cost.Problem(4, 4, 16))
+    kept, again = masks.bytes_sent(direct, args, kept=True), masks.bytes_sent(direct, args)
+    busiest = int(direct.received.sum(1).argmax())  # the rank receiving most counts either way here
+    assert again - kept == row * int(direct.received[busiest].sum()) > 0
+    assert masks.bytes_sent(rotate, args, kept=True) == masks.bytes_sent(rotate, args) == again
+
+
 def test_bench_balance_cpu_smoke(tmp_path, results_untouched):
     _run([sys.executable, str(BENCH / "bench_balance.py"), "--device", "cpu"], tmp_path)
     data = _written(tmp_path, "balance_cpux1.json")
