@@ -28,6 +28,7 @@ class Slots:
         self.count = 0 if steps == 1 else 1 if steps == 2 else steps - 1 if direct else 2
         b, _, hkv, d = k.shape
         self.shape, self.row = (b, hkv, d), 2 * b * hkv * d  # elements of one packed K/V row
+        self.longest = max(map(self.length, range(ring.world)))
         if kept is not None:
             self.kv, self.seg = kept
             return
@@ -51,13 +52,13 @@ class Slots:
         world = self.ring.world
         if self.direct:
             return sum(self.length((rank - s) % world) for s in range(1, step))
-        return 0 if self.count == 0 else (step - 1) % self.count * max(map(self.length, range(world)))
+        return 0 if self.count == 0 else (step - 1) % self.count * self.longest
 
     def held(self, rank: int) -> int:
         """The rows of rank's slots together."""
         if self.direct:
             return self.start(rank, self.count + 1)
-        return self.count * max(map(self.length, range(self.ring.world)))
+        return self.count * self.longest
 
     def packed(self, flat: torch.Tensor, src: int) -> torch.Tensor:
         """The start of ``flat`` as rank src's travelling K/V rows, packed (2, B, rows, Hkv, D)."""
