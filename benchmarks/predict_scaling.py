@@ -209,7 +209,7 @@ def predictions(worlds: list[int], seqlens: list[int], costs: cost.Costs, schedu
             for world in worlds:
                 if layout == "documents":  # the model's bound for a layout built from the documents
                     bound = cost_bound.document_bound(world, seqlen, documents(seqlen), costs, problem)
-                    eff, steps, ran = bound["efficiency"], None, "rotation"  # its rings: cost._timeline
+                    eff, steps, ran = bound["efficiency"], None, "rotation"  # its rings: cost_timeline.rotation
                 else:  # document_layout: ringflash.document_layout, counted token by token
                     ring = (documents_ring(world, seqlen, schedule) if layout == "document_layout"
                             else cost.ring_counts(world, seqlen, layout, m, schedule))

@@ -32,9 +32,9 @@ backward's running fp32 dK/dV sum of the step's shard; after the last step that 
 home under the own shard's dK/dV pass (``rotate._rotate``); a ring of two whose whole
 shards travel and whose remote step is large takes the sum home early, in two pieces
 (``rotate._home_first``; ``RingCounts.early_home``). ``rank_times`` lays these out pass by
-pass (``_timeline``); from three steps on where shards travel cut (``ring_counts``'
+pass (``cost_timeline.rotation``); from three steps on where shards travel cut (``ring_counts``'
 ``schedule``: RINGFLASH_SCHEDULE), the direct schedule instead (``RingCounts.direct``,
-``_direct``): shards straight to the ranks computing them, partial dK/dV sums straight home.
+``cost_timeline.direct``): shards straight to the ranks computing them, partial dK/dV sums straight home.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ from .api import check_cu_seqlens
 from .kernels import band_of_window
 from .layouts import active_steps, global_positions, keys_within, layout_of, remote_share, step_pairs
 from .ring.plan import SCHEDULES, takes_direct, travelling_rows
-from .ring.rows import home_cuts, uncovered
+from . import cost_timeline as timeline
+from .ring.rows import uncovered
 
 # Counting token by token (a layout whose shards are not whole 128-token units) holds
 # world x seqlen numbers; past this it raises rather than run for minutes.
@@ -515,58 +516,6 @@ def _link_ms(rows: torch.Tensor, row_bytes: int, costs: Costs) -> torch.Tensor:
     return rows * row_bytes / (costs.link_gbps * 1e6) + costs.message_ms * (rows > 0)
 
 
-def _forward(fwd, kv, steps: int) -> torch.Tensor:
-    """(R,) ms of the forward alone: a step's kernels or the next shard's arrival, the longer."""
-    return torch.maximum(fwd, kv)[:, :steps].sum(1)
-
-
-def _timeline(fwd, dq, dkv, kv, sums, home, steps: int) -> torch.Tensor:
-    """(R,) ms of a forward+backward through the rotation (``rotate.ring_forward``,
-    ``rotate._rotate``), pass by pass over the steps run, from (R, S) pass and transfer times
-    and (R,) ``home``: forward step s runs its kernels while the next shard arrives; the
-    backward runs the own shard's dQ pass while the first shard arrives, then at each later
-    step its dQ pass while the running dK/dV sum arrives and its dK/dV pass once it has, the
-    next shard arriving behind the sum on the same copy engine; and last the own shard's
-    dK/dV pass while its sum comes home."""
-    forward = _forward(fwd, kv, steps)
-    later = torch.maximum(torch.maximum(dq, sums) + dkv, sums + kv)[:, 1:steps].sum(1)
-    return forward + torch.maximum(dq[:, 0], kv[:, 0]) + later + torch.maximum(dkv[:, 0], home)
-
-
-def _early_home(fwd, dq, dkv, kv, home, costs: Costs, n: int) -> torch.Tensor:
-    """(2,) ms of a forward+backward of a ring of two through ``rotate._home_first``: the own
-    dQ pass while the shard arrives; the remote dK/dV pass in two pieces of key rows
-    (``ring.rows.home_cuts``), each piece's sum leaving for home once computed (one message
-    each, one after the other); the remote dQ pass; the own dK/dV pass in the same two
-    pieces, each once its piece of the sum is home."""
-    cuts = home_cuts(n)
-    a = cuts[0] / n if cuts else 1.0
-    trip = home - costs.message_ms  # the bytes
-    first = a * dkv[:, 1] + a * trip + costs.message_ms
-    second = torch.maximum(dkv[:, 1], first) + ((1 - a) * trip + costs.message_ms if cuts else 0)
-    own = torch.maximum(dkv[:, 1] + dq[:, 1], first) + a * dkv[:, 0]
-    own = torch.maximum(own, second) + (1 - a) * dkv[:, 0]
-    return torch.maximum(fwd[:, 0], kv[:, 0]) + fwd[:, 1] + torch.maximum(dq[:, 0], kv[:, 0]) + own
-
-
-def _direct(fwd, dq, dkv, kv, partials, steps: int, kept: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """((R,), (R,)) ms of the forward and the backward of the direct schedule from (R, S) pass
-    times, step s's K/V in kv[:, s - 1] and its partial dK/dV sum's trip home in
-    partials[:, s - 1]. Each pass posts every step's K/V at its start, arriving one after
-    another. Forward: the own step, then step s once its shard is in. Backward: the own dQ
-    pass, then each remote step's dQ and dK/dV passes once its shard is in (``kept``: the
-    K/V kept from the forward, the remote steps at once and the own dQ pass last), its sum
-    leaving once computed and the one before has left; the own dK/dV pass last: done with
-    it and the last send (the owner's adding up is not charged)."""
-    arrived = kv.cumsum(1)
-    forward, backward, sent = fwd[:, 0], dq[:, 0] * (not kept), torch.zeros_like(fwd[:, 0])
-    for s in range(1, steps):
-        forward = torch.maximum(forward, arrived[:, s - 1]) + fwd[:, s]
-        backward = (backward if kept else torch.maximum(backward, arrived[:, s - 1])) + dq[:, s] + dkv[:, s]
-        sent = torch.maximum(sent, backward) + partials[:, s - 1]
-    return forward, torch.maximum(backward + dkv[:, 0] + dq[:, 0] * kept, sent)
-
-
 def _schedule_times(counts: RingCounts, costs: Costs, problem: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     """(the forward, forward+backward), each (W,) ms, as the call's schedule lays them out
     (``rank_times`` without ``step_ms``)."""
@@ -574,17 +523,17 @@ def _schedule_times(counts: RingCounts, costs: Costs, problem: Problem) -> tuple
     kv, sums, home = transfer_times(counts, costs, problem)
     if counts.direct:
         partials = _link_ms(_received(counts), problem.kv_heads * problem.head_dim * 2 * 4, costs)
-        forward, backward = _direct(fwd, dq, dkv, kv, partials, counts.steps, counts.cut and costs.keeps_received)
+        forward, backward = timeline.direct(fwd, dq, dkv, kv, partials, counts.steps, counts.cut and costs.keeps_received)
         return forward, forward + backward
     if counts.early_home:
-        return _forward(fwd, kv, counts.steps), _early_home(fwd, dq, dkv, kv, home, costs, counts.local_len)
-    return _forward(fwd, kv, counts.steps), _timeline(fwd, dq, dkv, kv, sums, home, counts.steps)
+        return timeline.forward(fwd, kv, counts.steps), timeline.early_home(fwd, dq, dkv, kv, home, costs.message_ms, counts.local_len)
+    return timeline.forward(fwd, kv, counts.steps), timeline.rotation(fwd, dq, dkv, kv, sums, home, counts.steps)
 
 
 def rank_times(counts: RingCounts, costs: Costs, problem: Problem = Problem()) -> torch.Tensor:
     """(W,) ms of a forward+backward per rank, pass by pass as the ring schedules them
-    (``_timeline``; a ring of two taking its sums home early: ``_early_home``; the direct
-    schedule: ``_direct``), plus ``step_ms`` a step. A transfer hides behind the kernels it
+    (``cost_timeline``: the rotation; a ring of two taking its sums home early; the direct
+    schedule), plus ``step_ms`` a step. A transfer hides behind the kernels it
     runs beside, and what it outlasts them by is waited for. The ring takes its slowest
     rank's, each rank's time its own: the coupling of one rank's steps to its neighbours'
     through the exchanges' handshakes (the whole group's barriers until 2026-11-27) is not

@@ -13,8 +13,9 @@ from typing import Sequence
 
 import torch
 
-from .cost import (_REF_WIDTH, H100, PASS_SHARES, Costs, Mask, Problem, RingCounts, _timeline, efficiency,
+from .cost import (_REF_WIDTH, H100, PASS_SHARES, Costs, Mask, Problem, RingCounts, efficiency,
                    pass_times, rank_times, ring_counts, transfer_times)
+from .cost_timeline import rotation
 from .kernels.masks import BLOCK
 
 def _packed_tiles(lengths: Sequence[int]) -> tuple[int, int]:
@@ -71,7 +72,7 @@ def _bound_times(world: int, n: int, assignment, costs: Costs, problem: Problem)
     """Each rank's ms (``document_bound``): step 0 its whole documents' tiles and one pass over
     its n rows, plus the steps of the split documents it holds a piece of, their passes and
     transfers added step by step (one exchange a step carrying them all), through the
-    rotation (``_timeline``)."""
+    rotation (``cost_timeline.rotation``)."""
     whole, split, pieces = assignment
     scale = problem.heads * problem.head_dim / _REF_WIDTH
     times = []
@@ -96,7 +97,7 @@ def _bound_times(world: int, n: int, assignment, costs: Costs, problem: Problem)
                 trips[t, 0, :part.numel()] += part - costs.message_ms * msg
         kv, sums = (t + costs.message_ms * (t > 0) for t in trips[:2])
         home = trips[2, :, 0] + costs.message_ms * (trips[2, :, 0] > 0)
-        times.append(float(_timeline(*passes, kv, sums, home, steps)[0]) + steps * costs.step_ms)
+        times.append(float(rotation(*passes, kv, sums, home, steps)[0]) + steps * costs.step_ms)
     return times
 
 

@@ -12,7 +12,7 @@ with them, home after the last step. Where a rank's own step is long and its lat
 are short (documents kept whole), the transfers behind the short steps are exposed.
 
 Direct (``schedule="direct"``, what RINGFLASH_SCHEDULE=auto takes from three steps on where
-shards travel cut: ``RingCounts.direct``, ``cost._direct``): every rank posts the receives
+shards travel cut: ``RingCounts.direct``, ``cost_timeline.direct``): every rank posts the receives
 of all the rows it needs from every other shard at the start of the forward, and again at
 the start of the backward; runs the own step first and each remote step once its rows are
 in; in the backward its remote steps' dQ and dK/dV first, each remote shard's fp32 partial
