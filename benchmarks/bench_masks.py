@@ -261,9 +261,10 @@ def add_efficiency(records: list[dict]) -> None:
             r["efficiency"] = per_gpu / base
 
 
-def predicted(records: list[dict], world: int, args) -> list[dict]:
-    """The cost model's efficiency (``ringflash.cost``, H100 constants) of each ring row of
-    ``records``: its world, seqlen, mask and layout ("documents": document_layout of its documents)."""
+def predicted(records: list[dict], world: int, args, costs: cost.Costs = cost.H100) -> list[dict]:
+    """The cost model's efficiency (``ringflash.cost``, ``costs``: ``model_constants``) of each
+    ring row of ``records``: its world, seqlen, mask and layout ("documents": document_layout
+    of its documents)."""
     out = []
     for r in [r for r in records if r["impl"] == "ringflash" and r.get("gpus")]:
         m = cost_mask(r["mask"], r["seqlen"], args)
@@ -273,11 +274,19 @@ def predicted(records: list[dict], world: int, args) -> list[dict]:
         problem = cost.Problem(args.heads, args.heads, args.head_dim, segments=m.cu_seqlens is not None)
         schedule = r.get("schedule", "auto")
         eff = cost.efficiency(cost.ring_counts(world, r["seqlen"], layout, m, schedule=schedule),
-                              cost.ring_counts(1, r["seqlen"], "contiguous", m), cost.H100, problem)
+                              cost.ring_counts(1, r["seqlen"], "contiguous", m), costs, problem)
         out.append(dict(impl="cost_model", gpus=world, layout=r["layout"], schedule=schedule, mask=r["mask"],
-                        seqlen=r["seqlen"], window=r["window"], predicted_efficiency=eff,
+                        seqlen=r["seqlen"], window=r["window"], predicted_efficiency=eff, gluon=costs.gluon,
                         measured_efficiency=r.get("efficiency")))
     return out
+
+
+def model_constants(device: torch.device, args) -> cost.Costs:
+    """The cost model's constants for this run's kernels: ``cost.H100_GLUON`` where the Gluon
+    kernels run the 1-GPU call (Hopper, bf16, head_dim 128: kernels/dispatch.py), else
+    ``cost.H100`` (the Triton kernels)."""
+    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    return cost.H100_GLUON if hopper and args.head_dim == 128 else cost.H100
 
 
 def plot(json_path) -> str:
@@ -360,7 +369,7 @@ def main(argv=None):
             return save(single_gpu(args, device))
         records = ring(args, device, group, world, rank)
         try:  # rank 0 alone, mid-run: never raises
-            records += predicted(records, world, args) if rank == 0 else []
+            records += predicted(records, world, args, model_constants(device, args)) if rank == 0 else []
         except Exception as exc:  # noqa: BLE001
             print(f"no cost model rows: {checks.short_error(exc)}", flush=True)
         save(records)  # the ring's rows are on disk before torch CP runs

@@ -8,6 +8,7 @@ and which grid (U, R) keeps packed documents fastest at W = 8-64 over nodes of 8
     python benchmarks/predict_scaling.py --fit                 # refit the constants first
     python benchmarks/predict_scaling.py --out /tmp/pred.json  # also the records (impl "cost_model")
     python benchmarks/predict_scaling.py --schedule rotate     # predict through the rotation alone
+    python benchmarks/predict_scaling.py --gluon               # predict at the Gluon kernels' rates
 
 Measured rows: every ring row of benchmarks/results/masks_h100x2.json, masks_h100x2_512k.json,
 masks_h200x2.json and masks_h200x4.json against the 1-GPU row of the same run, and the efficiencies measured on 4 x H100 on
@@ -19,7 +20,8 @@ Efficiency = 1-GPU time / (W x ring time). ``--fit`` fits the model's constants 
 rows on packed documents of bench_ring.py's grid runs (``MESH_MEASURED``), and the ring rows
 of ``CURRENT_LAYOUT`` (measured with the document layout as it is now, and counted so).
 Left out: runs whose segment ids ran on the Gluon kernels (meta.runs' ``segment_kernels``),
-faster than the Triton kernels the constants describe. The measured rows ran the rotation
+faster than the Triton kernels the constants describe; the rows of ``GLUON_MEASURED``, run on
+the Gluon kernels, are checked against ``cost.H100_GLUON`` instead. The measured rows ran the rotation
 and are counted so (``ring_counts(..., schedule="rotate")``); the predictions take the
 schedule the ring would (``--schedule``, as RINGFLASH_SCHEDULE: "auto", the direct schedule
 from three steps on where shards travel cut), and each table says which rows ran it.
@@ -64,6 +66,12 @@ MESH_MEASURED = ("mesh_h200x2.json", "mesh_h200x4.json")
 # order: its documents rows are counted with the layout as ringflash.document_layout builds it
 # now; checked against, not fitted to.
 CURRENT_LAYOUT = ("masks_h200x2_documents.json",)
+# bench_masks.py --ring on the Gluon kernels (2026-11-27/28, every ring step's segment ids,
+# causal band or window on them where its pairs are on local indices): checked against
+# cost.H100_GLUON, each row's own documents' draw and schedule.
+GLUON_MEASURED = ("masks_h100x2_window.json", "masks_h100x4_window.json", "masks_h100x4_direct_128k.json",
+                  "masks_h100x4_direct_512k.json", "masks_h100x4_direct_512k_nccl.json",
+                  "masks_h200x4_documents.json")
 # The grid runs (MESH_MEASURED's meta.runs) on trees whose document layout is today's: their
 # rows are counted so too.
 CURRENT_LAYOUT_COMMITS = ("85a2f25f6afd0b9315a03360e615a66144d8442d", "4343b21699db8aad437becc6feae7c66980f1a6e")
@@ -190,6 +198,41 @@ def calibration(rows: list[dict], costs: cost.Costs) -> list[dict]:
     return [dict(impl="cost_model", layout=r["layout"], mask=r["mask"], seqlen=r["seqlen"], gpus=r["gpus"],
                  predicted_efficiency=r["predicted"], measured_efficiency=r["measured"], measured_on=r["device"],
                  measured_in=r["source"]) for r in rows]
+
+
+def gluon_calibration() -> list[dict]:
+    """Every ring row of ``GLUON_MEASURED`` against ``cost.H100_GLUON`` (the steps whose
+    pairs carry a band on global positions, block_stripe's, at the Triton kernels' rates):
+    its documents' draw (``documents_seed``, ``documents_median``), its schedule, its layout
+    as ``ringflash.document_layout`` makes it now."""
+    rows = []
+    for name in GLUON_MEASURED:
+        data = results.load_results(results.RESULTS_DIR / name)
+        one = {(r["mask"], r["seqlen"]): r["fwdbwd_ms"] for r in data["records"] if r["impl"] == "ringflash_1gpu"}
+        for r in (r for r in data["records"] if r["impl"] == "ringflash" and r.get("gpus")):
+            seqlen, world = r["seqlen"], r["gpus"]
+            m = (cost.Mask.documents(documents(seqlen, r.get("documents_seed", 0), r.get("documents_median", 2048)))
+                 if r["mask"] == "documents" else mask_of(r["mask"], seqlen))
+            layout = (ringflash.document_layout(torch.tensor(m.cu_seqlens), seqlen, world=world)
+                      if r["layout"] == "documents" else r["layout"])
+            ring = cost.ring_counts(world, seqlen, layout, m, schedule=r.get("schedule", "rotate"))
+            measured = one[(r["mask"], seqlen)] / (world * r["fwdbwd_ms"])
+            predicted = cost.efficiency(ring, cost.ring_counts(1, seqlen, "contiguous", m), cost.H100_GLUON,
+                                        cost.Problem(segments=m.cu_seqlens is not None))
+            rows.append(dict(source=name, device=data["meta"]["device"], gpus=world, mask=r["mask"], seqlen=seqlen,
+                             layout=r["layout"], schedule=r.get("schedule", "-"), measured=measured,
+                             predicted=predicted, error=predicted / measured - 1))
+    print("\nthe Gluon kernels (cost.H100_GLUON; checked, not fitted):")
+    print(results.format_table(rows, [("source", "source"), ("gpus", "W"), ("mask", "mask"),
+                                      ("seqlen", "seqlen", cli.fmt_size), ("layout", "layout"),
+                                      ("schedule", "schedule"), ("measured", "measured", ".3f"),
+                                      ("predicted", "predicted", ".3f"), ("error", "error", "+.1%")]))
+    errors = torch.tensor([r["error"] for r in rows] or [0.0])
+    print(f"rms {float(errors.square().mean().sqrt()):.1%}, largest {float(errors.abs().max()):.1%}; "
+          f"{sum(abs(r['error']) <= 0.10 for r in rows)} of {len(rows)} rows within 10%")
+    return [dict(impl="cost_model", layout=r["layout"], mask=r["mask"], seqlen=r["seqlen"], gpus=r["gpus"],
+                 schedule=r["schedule"], predicted_efficiency=r["predicted"], measured_efficiency=r["measured"],
+                 measured_on=r["device"], measured_in=r["source"], kernels="gluon") for r in rows]
 
 
 def _direct_at(row: dict, names) -> str:
@@ -369,6 +412,8 @@ def main(argv=None):
                    help="the ring's link across nodes, GB/s a GPU (50: one 400 Gb/s InfiniBand NIC a GPU)")
     p.add_argument("--schedule", choices=cost.SCHEDULES, default="auto",
                    help="the predictions' schedule, as RINGFLASH_SCHEDULE (the measured rows ran the rotation)")
+    p.add_argument("--gluon", action="store_true",
+                   help="predict with cost.H100_GLUON (the Gluon kernels' rates) instead of cost.H100")
     p.add_argument("--out", default=None, metavar="PATH", help="write the records as JSON here (a .json path)")
     args = p.parse_args(argv)
     worlds = sorted({int(w) for v in args.worlds for w in str(v).split(",") if w.strip()})
@@ -379,17 +424,18 @@ def main(argv=None):
         counted(rows)
         if args.fit:
             costs = refit(rows)
-        records += calibration(rows, costs)
-    records += predictions(worlds, seqlens, costs, args.schedule)
+        records += calibration(rows, costs) + gluon_calibration()
+    ahead = costs._replace(gluon=cost.H100_GLUON.gluon) if args.gluon else costs  # the predictions'
+    records += predictions(worlds, seqlens, ahead, args.schedule)
     grid = cost_grid.NVLINK._replace(node_gpus=args.node_gpus, internode_gbps=args.internode_gbps)
     if not args.no_calibration:
         grid, measured = grid_calibration(grid_rows(), costs, grid, args.fit)
         records += measured
-    records += grid_predictions(worlds, seqlens, costs, grid, args.schedule)
-    print(f"\nconstants: {costs}; {grid}; {time.time() - start:.1f} s on the CPU")
+    records += grid_predictions(worlds, seqlens, ahead, grid, args.schedule)
+    print(f"\nconstants: {ahead}; {grid}; {time.time() - start:.1f} s on the CPU")
     if args.out:
         path = Path(args.out)
-        meta = dict(results.collect_meta(None), costs=costs._asdict(), grid_costs=grid._asdict(),
+        meta = dict(results.collect_meta(None), costs=ahead._asdict(), grid_costs=grid._asdict(),
                     model="ringflash.cost, ringflash.cost_grid")
         print(f"wrote {results.write_results(path.stem, meta, records, path.parent)}")
 

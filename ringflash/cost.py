@@ -97,7 +97,9 @@ class Costs(NamedTuple):
         when the constants were fitted), paid where the exchange is not hidden behind the
         kernels it runs beside.
     keeps_received: the ring's messages go through torch.distributed (across nodes), so the
-        direct schedule keeps the rows it received for the backward (eager calls: ops.py)."""
+        direct schedule keeps the rows it received for the backward (eager calls: ops.py).
+    gluon: a step's tile and row time on the Gluon kernels over the Triton kernels' (those
+        the constants were fitted to), for the steps they serve (not ``RingCounts.triton``)."""
 
     tile_ms: float
     partial: float
@@ -106,6 +108,7 @@ class Costs(NamedTuple):
     link_gbps: float
     message_ms: float = 0.0
     keeps_received: bool = False
+    gluon: float = 1.0
 
 
 # The forward's, the dQ pass's and the dK/dV pass's shares of a tile's and a row's time,
@@ -128,6 +131,10 @@ PASS_SHARES = (0.23, 0.29, 0.48)
 # the same note: the copies "behind a 0.11 ms barrier", and an exchange has two). H100 and H200
 # share them: their kernels run at one speed (masks_h200.json).
 H100 = Costs(tile_ms=2.005e-3, partial=1.0, row_ms=8.597e-3, step_ms=0.4031, link_gbps=393.0, message_ms=0.2446)
+# The kernels of today's Hopper runs (bf16, head_dim 128: kernels/dispatch.py): the 1-GPU kernel's
+# measured time over the model's in the runs on them (masks_h100x4_window.json,
+# masks_h100x4_direct_*.json, masks_h200x4_documents.json, 2026-11-28): 0.77-0.80.
+H100_GLUON = H100._replace(gluon=0.79)
 
 
 class RingCounts(NamedTuple):
@@ -153,6 +160,8 @@ class RingCounts(NamedTuple):
         not ``received``, set for a layout computed from the documents whatever travels).
     cut: shards travel cut; with the direct schedule and ``Costs.keeps_received`` the
         backward then starts on the rows the forward received (``ring_forward``'s keep_received).
+    triton: None (every step), or (W, W) bool [rank, step]: the step's pairs hold a band on
+        global positions (block_stripe's rows jump), which only the Triton kernels take.
     """
 
     world: int
@@ -169,6 +178,7 @@ class RingCounts(NamedTuple):
     early_home: bool = False
     direct: bool = False
     cut: bool = False
+    triton: Optional[torch.Tensor] = None
 
     @property
     def local_len(self) -> int:
@@ -411,13 +421,14 @@ def _scheduled(counts: RingCounts, layout, mask: Mask, schedule: str = "auto") -
     steps = active_steps(layout, world, n, band) if documents else counts.steps
     sent = travelling_rows(layout, world, n, band, True, steps) if steps > 1 else None
     calls, q_blocks, k_blocks = (torch.zeros(world, world, dtype=torch.long) for _ in range(3))
+    triton = torch.zeros(world, world, dtype=torch.bool)
     for rank in range(world):
         for s in range(steps):
             src = (rank - s) % world
             pairs = step_pairs(layout, rank, src, world, n, band, True, None)  # travelling_rows's cache key
             if s and sent is not None and sent[src] != (0, n):
                 pairs = [part for pair in pairs if (part := keys_within(pair, *sent[src], n)) is not None]
-            calls[rank, s] = len(pairs)
+            calls[rank, s], triton[rank, s] = len(pairs), any(pair.on_positions for pair in pairs)
             q_blocks[rank, s] = sum(-(-len(range(n)[pair.q]) // BLOCK) for pair in pairs)
             k_blocks[rank, s] = sum(-(-len(range(n)[pair.k]) // BLOCK) for pair in pairs)
     received = None
@@ -431,7 +442,8 @@ def _scheduled(counts: RingCounts, layout, mask: Mask, schedule: str = "auto") -
         uncovered([pair.k for pair in step_pairs(layout, rank, rank, world, n, band, True, None)], n) is not None
         for rank in range(world)))
     return counts._replace(steps=steps, calls=calls, q_blocks=q_blocks, k_blocks=k_blocks, received=received,
-                           early_home=early_home, direct=takes_direct(steps, sent, schedule), cut=sent is not None)
+                           early_home=early_home, direct=takes_direct(steps, sent, schedule), cut=sent is not None,
+                           triton=triton)
 
 
 # ----------------------------------------------------------------------------- bytes and time
@@ -475,12 +487,13 @@ def pass_times(counts: RingCounts, costs: Costs,
     """(forward, dQ, dK/dV), ms, each (W, W) [rank, step] (0 past the steps run): the step's
     tiles at ``tile_ms`` (times ``partial`` where partly visible) and the rows its kernel calls
     run over at ``row_ms`` (query rows in the forward and dQ passes, key rows in dK/dV), each
-    pass its share of both (``PASS_SHARES``). The constants may be 0-dim tensors
+    pass its share of both (``PASS_SHARES``), times ``gluon`` where the Gluon kernels serve it. The constants may be 0-dim tensors
     (``cost_fit.fit`` differentiates through this)."""
     scale = problem.heads * problem.head_dim / _REF_WIDTH
     run = (torch.arange(counts.world) < counts.steps).double()
     tiles = costs.tile_ms * (counts.full.double() + costs.partial * (counts.touched - counts.full).double())
     q, k = counts.q_blocks.double(), counts.k_blocks.double()
+    run = run * (costs.gluon if counts.triton is None else torch.where(counts.triton, 1.0, costs.gluon))
     return tuple(scale * share * run * (tiles + costs.row_ms * rows) for share, rows in zip(PASS_SHARES, (q, q, k)))
 
 

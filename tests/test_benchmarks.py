@@ -170,6 +170,10 @@ def test_bench_masks_efficiency_and_predicted_rows():
     ring = [r for r in records if r["impl"] == "ringflash"]
     assert all(r["efficiency"] == pytest.approx(8.0 / (2 * 5.0)) for r in ring)
     assert "efficiency" not in records[-1]
+    import torch
+
+    from ringflash import cost
+    assert masks.model_constants(torch.device("cpu"), args) is cost.H100  # the Triton kernels' rates
     model = masks.predicted(records, 2, args)
     assert [(r["mask"], r["layout"]) for r in model] == [(r["mask"], r["layout"]) for r in ring]
     assert all(r["impl"] == "cost_model" and r["gpus"] == 2 and 0 < r["predicted_efficiency"] <= 1 for r in model)
