@@ -493,7 +493,8 @@ def pass_times(counts: RingCounts, costs: Costs,
     run = (torch.arange(counts.world) < counts.steps).double()
     tiles = costs.tile_ms * (counts.full.double() + costs.partial * (counts.touched - counts.full).double())
     q, k = counts.q_blocks.double(), counts.k_blocks.double()
-    run = run * (costs.gluon if counts.triton is None else torch.where(counts.triton, 1.0, costs.gluon))
+    gluon = torch.full_like(run, costs.gluon)  # float64, as every time here
+    run = run * (gluon if counts.triton is None else gluon.masked_fill(counts.triton, 1.0))
     return tuple(scale * share * run * (tiles + costs.row_ms * rows) for share, rows in zip(PASS_SHARES, (q, q, k)))
 
 
