@@ -493,7 +493,7 @@ def pass_times(counts: RingCounts, costs: Costs,
     run = (torch.arange(counts.world) < counts.steps).double()
     tiles = costs.tile_ms * (counts.full.double() + costs.partial * (counts.touched - counts.full).double())
     q, k = counts.q_blocks.double(), counts.k_blocks.double()
-    gluon = torch.full_like(run, costs.gluon)  # float64, as every time here
+    gluon = torch.ones_like(run) * costs.gluon  # float64 as every time here; a tensor where fitted
     run = run * (gluon if counts.triton is None else gluon.masked_fill(counts.triton, 1.0))
     return tuple(scale * share * run * (tiles + costs.row_ms * rows) for share, rows in zip(PASS_SHARES, (q, q, k)))
 
@@ -557,7 +557,8 @@ def rank_times(counts: RingCounts, costs: Costs, problem: Problem = Problem()) -
 
 def efficiency(ring: RingCounts, one: RingCounts, costs: Costs = H100, problem: Problem = Problem()):
     """One device's time (``one``: the counts at world 1) over W x the ring's time (its
-    slowest rank), both from the model; a float, or a 0-dim tensor for tensor constants."""
+    slowest rank), both from the model; a float, or a 0-dim tensor where a constant is one
+    (``cost_fit.fit``)."""
     ratio = rank_times(one, costs, problem)[0] / (ring.world * rank_times(ring, costs, problem).max())
-    return ratio if isinstance(costs.tile_ms, torch.Tensor) else float(ratio)
+    return ratio if any(isinstance(v, torch.Tensor) for v in costs) else float(ratio)
 

@@ -8,8 +8,9 @@ wherever the balance allows, so most of the attention needs no communication at 
 
 1. A document longer than a shard (n = seqlen / W tokens), or with more visible causal
    pairs than ``spread`` x a rank's share, is split. Zigzag over the W ranks (2W chunks;
-   rank r holds chunks r and 2W - 1 - r): every rank gets the same tokens and pairs of it,
-   and the ring runs W steps. Or in consecutive pieces over consecutive ranks in ring order
+   rank r holds chunks r and 2W - 1 - r, meeting on a tile boundary of its rows once the
+   rest is placed: ``_align_zigzag``): every rank gets the same tokens and (within a few
+   rows) pairs of it, and the ring runs W steps. Or in consecutive pieces over consecutive ranks in ring order
    (``_cut_in_ring_order``, heaviest first), each rank filled up to a share of its pairs
    (``_FILLS``): a piece's queries see only the pieces before it, k pieces need k - 1 hops,
    and a document over two ranks one hop, as the pour's cuts do.
@@ -42,6 +43,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import math
+from itertools import accumulate
 from typing import NamedTuple, Optional
 
 import torch
@@ -167,21 +169,20 @@ def _assign(bounds: torch.Tensor, seqlen: int, world: int, spread: float,
     for d in sorted(heavy, key=lambda d: -work[d]) if fill else ():  # 1. in ring order
         _cut_in_ring_order(starts[d], lengths[d], fill * share, reserve, spans, room, load)
         placed[d], splits = True, splits + 1
+    zigzag = []  # (start, chunk sizes) of each document split zigzag
     for d in () if fill else heavy:  # 1. zigzag over every rank
         length = lengths[d]
         base, extra = divmod(length, world)
         per = [base + ((r - rotate) % world < extra) for r in range(world)]
         rotate = (rotate + extra) % world  # the ranks that take the odd tokens take turns
-        sizes = [p // 2 for p in per] + [p - p // 2 for p in reversed(per)]
-        owners = list(range(world)) + list(reversed(range(world)))
-        at = starts[d]
-        for size, r in zip(sizes, owners):
-            spans[r].append((at, size))
-            at += size
+        zigzag.append((starts[d], [p // 2 for p in per] + [p - p // 2 for p in reversed(per)]))
         for r in range(world):
             room[r] -= per[r]
             load[r] += work[d] / world
         placed[d], splits = True, splits + 1
+    for start, sizes in zigzag:
+        for size, r, at in zip(sizes, _zigzag_owners(world), accumulate(sizes, initial=start)):
+            spans[r].append((at, size))
     rest = [d for d in range(len(lengths)) if not placed[d] and lengths[d] > 0]
     stream_tokens = seqlen - sum(n - r for r in room)
     stream_work = sum(work[d] for d in rest)
@@ -213,7 +214,41 @@ def _assign(bounds: torch.Tensor, seqlen: int, world: int, spread: float,
             spans[r].append((start, take))
             room[r] -= take
             start, length = start + take, length - take
+    for start, sizes in zigzag:  # 4. the zigzag chunks' inner edges on tile boundaries
+        _align_zigzag(start, sizes, spans)
     return [_spans_to_runs(s) for s in spans], splits
+
+
+def _zigzag_owners(world: int) -> list[int]:
+    """The owners of a zigzag split's 2 W chunks: 0, 1, ..., W - 1, W - 1, ..., 0."""
+    return list(range(world)) + list(reversed(range(world)))
+
+
+def _align_zigzag(start: int, sizes: list[int], spans: list[list[tuple[int, int]]]) -> None:
+    """Moves the edges of a zigzag split's chunks (``sizes``, the document from ``start``;
+    ``spans`` every rank's, holding them) so that on each rank r < W - 1 its first chunk
+    ends on a tile boundary of its local rows, where its second starts (the two are
+    neighbours there: the chunks between them are other ranks'). A remote step's queries
+    then see either all of the other rank's keys of the document or none, row block by row
+    block, and its pairs run over whole tiles with no band (``_whole_tile_pairs``): no
+    slivers for the Triton kernels. Each move takes d tokens from chunk r + 1 to chunk r
+    and gives them back from chunk 2W - 1 - r to chunk 2W - 2 - r (|d| < BLOCK), so every
+    rank keeps its tokens; a chunk too short to move stays where it is."""
+    world, was = len(sizes) // 2, list(sizes)
+    before = [sum(length for at, length in rank if at < start) for rank in spans]
+    for r in range(world - 1):
+        move = -(before[r] + sizes[r]) % BLOCK
+        for d in (move, move - BLOCK):
+            changed = (sizes[r] + d, sizes[r + 1] - d, sizes[2 * world - 2 - r] + d, sizes[2 * world - 1 - r] - d)
+            if min(changed) >= 0:
+                sizes[r], sizes[r + 1], sizes[2 * world - 2 - r], sizes[2 * world - 1 - r] = changed
+                break
+    if sizes == was:
+        return
+    for size, r, at in zip(was, _zigzag_owners(world), accumulate(was, initial=start)):
+        spans[r].remove((at, size))
+    for size, r, at in zip(sizes, _zigzag_owners(world), accumulate(sizes, initial=start)):
+        spans[r].append((at, size))
 
 
 def _shared_pieces(bounds: list[int], runs: list[list[Piece]]) -> dict[int, dict[int, list[Piece]]]:
@@ -339,38 +374,52 @@ def _whole_tile_pairs(both: list, band, n: int) -> Optional[tuple[Pair, ...]]:
     """A remote step's pairs over whole tiles of BLOCK rows, or None where they cannot be.
 
     ``both``: for each document the two ranks share, (its pieces on the query rank, its
-    pieces on the key rank). Where every such document's queries see all of its keys there
-    (causal: its pieces on the key rank come first; or no band), the step needs no band:
-    the segment ids mask the rest. Each document's query rows and key rows, widened to
-    whole tiles, make a pair; pairs whose query rows overlap join (their hull),
-    so every query row lies in one pair and each document within one pair, computed once;
-    the rows the widening takes in belong to documents the other rank does not hold, which
-    the segment ids hide. So the Gluon kernels serve a document layout's remote steps
-    whole, with no pieces cut out for the Triton kernels (``ring.plan.tile_pieces``); the
-    kernels skip the tiles no document reaches. None where some shared document's queries
-    see only some of its keys there, or none (a step the ring does not run), or where ``n``
-    is not a multiple of BLOCK."""
+    pieces on the key rank). Pieces of one document on two ranks hold disjoint positions,
+    so under causal attention a query piece sees all of a key piece (it comes first) or
+    none of it; with no band, all. Each document's query pieces that see some key there
+    and the key pieces they see, widened to whole tiles, make a pair; pairs whose query
+    rows overlap join (their hull), so every query row lies in one pair. The step then
+    needs no band: the segment ids hide the rows the widening takes in where they belong
+    to documents the other rank does not hold, and within a pair every query piece of a
+    shared document must see every key piece of it there (else None: a band would be
+    needed). A zigzag split's two chunks on a rank meet on a tile boundary
+    (``_align_zigzag``) for this. So the Gluon kernels serve a document layout's remote
+    steps whole, with no pieces cut out for the Triton kernels (``ring.plan.tile_pieces``);
+    the kernels skip the tiles no document reaches. None also where no query sees a key
+    there (a step the ring does not run), or where ``n`` is not a multiple of BLOCK."""
     def tiles(pieces) -> tuple[int, int]:
         lo, hi = min(p.local for p in pieces), max(p.local + p.length for p in pieces)
         return lo // BLOCK * BLOCK, -(-hi // BLOCK) * BLOCK
 
-    def all_seen(qs, ks) -> bool:
-        return band == NO_BAND or max(p.start + p.length for p in ks) <= min(p.start for p in qs)
+    def sees(q: Piece, k: Piece) -> bool:
+        return band == NO_BAND or k.start + k.length <= q.start
 
-    if n % BLOCK or not both or not all(all_seen(qs, ks) for qs, ks in both):
+    def within(p: Piece, lo: int, hi: int) -> bool:
+        return p.local < hi and lo < p.local + p.length
+
+    if n % BLOCK:
         return None
+    spans = []
+    for qs, ks in both:
+        seeing = [q for q in qs if any(sees(q, k) for k in ks)]
+        if seeing:
+            spans.append((*tiles(seeing), *tiles([k for k in ks if any(sees(q, k) for q in seeing)])))
     groups: list[list[int]] = []
-    for q0, q1, k0, k1 in sorted((*tiles(qs), *tiles(ks)) for qs, ks in both):
+    for q0, q1, k0, k1 in sorted(spans):
         if groups and q0 < groups[-1][1]:
             last = groups[-1]
             last[1:] = max(last[1], q1), min(last[2], k0), max(last[3], k1)
         else:
             groups.append([q0, q1, k0, k1])
+    for q0, q1, k0, k1 in groups:
+        for qs, ks in both:
+            if not all(sees(q, k) for q in qs if within(q, q0, q1) for k in ks if within(k, k0, k1)):
+                return None
 
     def part(lo: int, hi: int) -> slice:
         return _ALL if (lo, hi) == (0, n) else slice(lo, hi)
 
-    return tuple(Pair(part(q0, q1), part(k0, k1)) for q0, q1, k0, k1 in groups)
+    return tuple(Pair(part(q0, q1), part(k0, k1)) for q0, q1, k0, k1 in groups) or None
 
 
 def document_layout(cu_seqlens, seqlen: int, group=None, *, world: Optional[int] = None) -> DocumentLayout:

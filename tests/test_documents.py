@@ -203,6 +203,39 @@ def test_remote_steps_run_whole_tiles_and_compute_each_element_once(world):
     assert whole >= 2 * world, "some remote steps run over whole tiles"
 
 
+# Two documents longer than a rank's shard side by side (at 512 tokens a rank, W = 2 and 4):
+# their zigzag chunks share a tile on some rank, so some remote step keeps its bands.
+_ADJACENT = [3, 300, 700, 700, 5, 9]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_zigzag_chunks_meet_on_tile_boundaries(world):
+    """A document split zigzag (longer than every shard) has its two chunks on rank r < W - 1
+    meet on a tile boundary of the rank's rows (``documents._align_zigzag``), every rank
+    keeping its tokens; its remote steps then run over whole tiles with no band. Each
+    (query, key) element of a document is computed exactly once, with documents side by
+    side too (where some pairs keep their bands)."""
+    n = 4 * BLOCK
+    seqlen = n * world
+    head = [5, 1, 1, 17, 3]
+    alone = ringflash.document_layout(_cu(head + [seqlen - seqlen // 8 - sum(head)]), seqlen, world=world)
+    long_doc = max(alone.shared.values(), key=lambda pieces: sum(p.length for ps in pieces.values() for p in ps))
+    for r in range(world - 1):
+        first, second = sorted(long_doc[r], key=lambda p: p.start)
+        assert first.local + first.length == second.local and second.local % BLOCK == 0, (r, long_doc[r])
+    assert all(len(alone.positions(seqlen, r, world)) == n for r in range(world))
+    for rank in range(world):
+        for step in range(1, world):
+            for p in step_pairs(alone, rank, (rank - step) % world, world, n, (None, 0)):
+                q, k = range(n)[p.q], range(n)[p.k]
+                assert p.band_hi is None and q.start % BLOCK == k.start % BLOCK == len(q) % BLOCK == len(k) % BLOCK == 0
+    for layout in (alone, ringflash.document_layout(_cu(_fit(_ADJACENT, seqlen)), seqlen, world=world)):
+        doc = _document_of(layout.bounds, seqlen)
+        pos = torch.arange(seqlen)
+        want = (doc[:, None] == doc[None]) & (doc[:, None] >= 0) & (pos[None] <= pos[:, None])
+        assert torch.equal(_computed(layout, world, n, (None, 0)), want.long())
+
+
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_own_step_pieces_keep_travelling_rows_apart(world):
     """The fused backward's own step (``rotate._own_pieces``): its pieces of key rows
@@ -401,20 +434,22 @@ def test_document_ring_matches_oracle(worlds, world_size):
 def test_document_ring_on_the_hopper_schedule_matches_oracle(worlds, world_size):
     """The configurations without dropout as the ring runs them on Hopper (where the Gluon
     kernels serve segment ids): the fused backward schedule, on the CPU twin, 512 tokens a
-    rank. Documents whose queries see all of their keys on the other rank run remote steps
-    over whole tiles (``documents._whole_tile_pairs``); a document longer than every shard
-    (zigzag) keeps its band, and its pieces are cut into whole tiles and the rest in the
-    forward and the backward (``plan.tile_pieces``)."""
+    rank. Remote steps run over whole tiles (``documents._whole_tile_pairs``), a document
+    longer than every shard (zigzag, "docs") too; two such documents side by side
+    ("docs-adjacent": a tile holds the end of one and the start of the other on some rank)
+    keep their bands, and their pieces are cut into whole tiles and the rest in the forward
+    and the backward (``plan.tile_pieces``)."""
     from ringflash.ring.plan import tile_pieces
     n, world = 512, world_size
     configs = [c for c in _configs(world, n) if c[-1] == 0]
+    configs.append(("docs-adjacent", _fit(_ADJACENT, n * world), True, (-1, -1), 4, 2, "float32", 0.0))
     cut = {}
     for name, lengths, causal, *_ in configs:
         layout = ringflash.document_layout(_cu(lengths), n * world, world=world)
         cut[name] = any(len(tile_pieces(pair, n)) > 1 for rank in range(world) for step in range(1, world)
                         for pair in layout.pairs(rank, (rank - step) % world, world, n,
                                                  (None, 0) if causal else NO_BAND, True, None))
-    assert cut["docs"] and not cut["docs-bf16"] and not cut["docs-full"], cut
+    assert cut["docs-adjacent"] and not any(cut[name] for name in ("docs", "docs-bf16", "docs-full")), cut
     per_rank = worlds(world_size).run(with_fused_backward, as_on_hopper, check_document_ring, n, 0, "cpu", 1,
                                       slice(None), configs, timeout=300)
     failures = [f for fs in per_rank for f in fs]

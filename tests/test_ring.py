@@ -309,13 +309,14 @@ def test_direct_schedule_keeps_what_it_received(monkeypatch, keep):
     step received (every travelling row of the shards it computes), and its backward posts no K/V
     trip: only the partial sums home, one a remote step, the remote steps running first and
     the own step's passes last; else it receives them again, under the own dQ pass.
-    Packed documents on their layout, 4 ranks, one cut in ring order over all of them."""
+    Packed documents on their layout, 4 ranks, one split over all of them (1024 tokens a
+    rank: widened to whole tiles, its pieces leave most of each shard home)."""
     from ringflash.ring import ring_backward, ring_forward
     from ringflash.ring.plan import schedule_of
     from test_documents import _lognormal
     monkeypatch.setenv("RINGFLASH_SCHEDULE", "auto")
-    world, n = 4, 512
-    layout = ringflash.document_layout(_lognormal(n * world - 100, 300, seed=10), n * world, world=world)
+    world, n = 4, 1024
+    layout = ringflash.document_layout(_lognormal(n * world - 100, 600, seed=17), n * world, world=world)
     fake = _RecordingRing(world)
     sched = schedule_of(fake, layout, n, (None, 0), (0.0, 0), None)
     assert sched.direct and sched.sent is not None and sched.steps == 4

@@ -256,10 +256,12 @@ def _bf16_within_single(layout, got: dict, want: dict, single: dict) -> list:
 
 
 @pytest.mark.parametrize("schedule", ["auto", "direct"])
-@pytest.mark.parametrize("layout", ["documents", "zigzag"])
+@pytest.mark.parametrize("layout", ["documents", "zigzag", "documents-long"])
 def test_packed_documents_take_the_gluon_kernels(nccl, layout, schedule, monkeypatch):
     """On Hopper, bf16, head_dim 128, causal packed documents (log-normal lengths, median
-    300, the last 200 tokens padding), over the layout computed from them and over zigzag:
+    300, the last 200 tokens padding; "documents-long": a few short ones, then one longer
+    than every shard, split zigzag with its chunks meeting on tile boundaries, and
+    padding), over the layout computed from them and over zigzag:
     the ring's forward and backward calls with segment ids run the Gluon kernels, the
     results are within 1.5x (+ slack) of the single GPU's error against the float64
     oracle, and padding rows stay exactly empty (elsewhere: no Gluon call). With
@@ -283,9 +285,10 @@ def test_packed_documents_take_the_gluon_kernels(nccl, layout, schedule, monkeyp
     monkeypatch.setattr(dispatch, "bwd_route", counted(bwd_route, "bwd"))
     world, n = dist.get_world_size(), 512
     seqlen = n * world
-    cu = _lognormal(seqlen - 200, 300, seed=3)
+    cu = (_lognormal(seqlen - 200, 300, seed=3) if layout != "documents-long"
+          else torch.tensor([0, 5, 6, 7, 24, 27, seqlen - seqlen // 8]))
     ids = _document_of(cu, seqlen)[None].int()
-    grid = ringflash.document_layout(cu, seqlen) if layout == "documents" else layout
+    grid = ringflash.document_layout(cu, seqlen) if layout.startswith("documents") else layout
     q, k, v, dout, _ = _inputs(1, seqlen, 4, 2, 128, BF16, nccl, seed=11)
     local = [ringflash.shard(t, 1, grid).detach().requires_grad_() for t in (q, k, v)]
     got = ring_results(local, dout, grid, causal=True, segment_ids=ringflash.shard(ids.to(nccl), 1, grid))
