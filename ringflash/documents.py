@@ -214,8 +214,7 @@ def _assign(bounds: torch.Tensor, seqlen: int, world: int, spread: float,
             spans[r].append((start, take))
             room[r] -= take
             start, length = start + take, length - take
-    for start, sizes in zigzag:  # 4. the zigzag chunks' inner edges on tile boundaries
-        _align_zigzag(start, sizes, spans)
+    _align_zigzag(zigzag, spans)  # 4. the zigzag chunks' edges on tile boundaries
     return [_spans_to_runs(s) for s in spans], splits
 
 
@@ -224,31 +223,62 @@ def _zigzag_owners(world: int) -> list[int]:
     return list(range(world)) + list(reversed(range(world)))
 
 
-def _align_zigzag(start: int, sizes: list[int], spans: list[list[tuple[int, int]]]) -> None:
-    """Moves the edges of a zigzag split's chunks (``sizes``, the document from ``start``;
-    ``spans`` every rank's, holding them) so that on each rank r < W - 1 its first chunk
-    ends on a tile boundary of its local rows, where its second starts (the two are
-    neighbours there: the chunks between them are other ranks'). A remote step's queries
-    then see either all of the other rank's keys of the document or none, row block by row
-    block, and its pairs run over whole tiles with no band (``_whole_tile_pairs``): no
-    slivers for the Triton kernels. Each move takes d tokens from chunk r + 1 to chunk r
-    and gives them back from chunk 2W - 1 - r to chunk 2W - 2 - r (|d| < BLOCK), so every
-    rank keeps its tokens; a chunk too short to move stays where it is."""
-    world, was = len(sizes) // 2, list(sizes)
-    before = [sum(length for at, length in rank if at < start) for rank in spans]
-    for r in range(world - 1):
-        move = -(before[r] + sizes[r]) % BLOCK
-        for d in (move, move - BLOCK):
-            changed = (sizes[r] + d, sizes[r + 1] - d, sizes[2 * world - 2 - r] + d, sizes[2 * world - 1 - r] - d)
-            if min(changed) >= 0:
-                sizes[r], sizes[r + 1], sizes[2 * world - 2 - r], sizes[2 * world - 1 - r] = changed
-                break
-    if sizes == was:
+def _align_zigzag(zigzag: list[tuple[int, list[int]]], spans: list[list[tuple[int, int]]]) -> None:
+    """Moves the edges of the zigzag splits' chunks (``zigzag``: each document's start and
+    chunk sizes; ``spans`` every rank's, holding them) onto tile boundaries of the ranks'
+    local rows, every rank keeping its tokens and every document its length:
+
+    - on each rank r < W - 1 a document's first chunk ends where its second starts (the
+      chunks between them are other ranks'): d tokens go from chunk r + 1 to chunk r and
+      come back from chunk 2W - 1 - r to chunk 2W - 2 - r (|d| < BLOCK);
+    - where the next document is split zigzag too and starts where this one ends, this
+      one's second chunk on each rank grows by e (the next one's shrinks by as much) so
+      that it ends on a tile boundary, the e adding up to 0: rank W - 1 takes the rest
+      (the ranks' ends add up to the documents' border, so one may stay off a boundary).
+
+    A remote step's queries then see either all of another rank's keys of the document or
+    none, tile by tile, and its pairs run over whole tiles with no band
+    (``_whole_tile_pairs``): no slivers for the Triton kernels. A move that would leave a
+    chunk shorter than 0 is not made."""
+    if not zigzag:
         return
-    for size, r, at in zip(was, _zigzag_owners(world), accumulate(was, initial=start)):
-        spans[r].remove((at, size))
-    for size, r, at in zip(sizes, _zigzag_owners(world), accumulate(sizes, initial=start)):
-        spans[r].append((at, size))
+    world = len(zigzag[0][1]) // 2
+    items = sorted(zigzag)
+    was = [list(sizes) for _, sizes in items]
+    shift = [0] * world  # tokens the document before took from this one, per rank
+    for i, (start, sizes) in enumerate(items):
+        for r in range(world):
+            sizes[2 * world - 1 - r] -= shift[r]
+        before = [sum(length for at, length in rank if at < start) + shift[r] for r, rank in enumerate(spans)]
+        for r in range(world - 1):
+            move = -(before[r] + sizes[r]) % BLOCK
+            for d in (move, move - BLOCK):
+                changed = (sizes[r] + d, sizes[r + 1] - d, sizes[2 * world - 2 - r] + d, sizes[2 * world - 1 - r] - d)
+                if min(changed) >= 0:
+                    sizes[r], sizes[r + 1], sizes[2 * world - 2 - r], sizes[2 * world - 1 - r] = changed
+                    break
+        shift = [0] * world
+        if i + 1 < len(items) and items[i + 1][0] == start + sum(sizes):
+            nxt = items[i + 1][1]
+
+            def fits(r: int, e: int) -> bool:
+                return sizes[2 * world - 1 - r] + e >= 0 and nxt[2 * world - 1 - r] - e >= 0
+
+            for r in range(world - 1):
+                end = -(before[r] + sizes[r] + sizes[2 * world - 1 - r]) % BLOCK
+                options = [e for e in (end, end - BLOCK) if fits(r, e)] or [0]
+                shift[r] = min(options, key=lambda e: abs(sum(shift) + e))
+            shift[-1] = -sum(shift)
+            if not fits(world - 1, shift[-1]):
+                shift = [0] * world
+            for r in range(world):
+                sizes[2 * world - 1 - r] += shift[r]
+    for (start, sizes), old in zip(items, was):
+        if sizes != old:
+            for size, r, at in zip(old, _zigzag_owners(world), accumulate(old, initial=start)):
+                spans[r].remove((at, size))
+            for size, r, at in zip(sizes, _zigzag_owners(world), accumulate(sizes, initial=start)):
+                spans[r].append((at, size))
 
 
 def _shared_pieces(bounds: list[int], runs: list[list[Piece]]) -> dict[int, dict[int, list[Piece]]]:
@@ -351,6 +381,7 @@ class DocumentLayout(Layout):
         """Own step: every run against itself and against the runs holding the same
         document (one call over the shard under causal or full attention when merging);
         other steps: the pieces of each document that both ranks hold."""
+        tiled = ()
         if rank == src:
             if merge and band in (NO_BAND, (None, 0)):
                 return (Pair(_ALL, _ALL, None, band[1]),)
@@ -363,30 +394,34 @@ class DocumentLayout(Layout):
             chunks = [(runs[a].chunk(), runs[b].chunk()) for a, b in sorted(together)]
         else:
             both = [(pieces[rank], pieces[src]) for pieces in self.shared.values() if rank in pieces and src in pieces]
-            if merge and band in (NO_BAND, (None, 0)) and (tiled := _whole_tile_pairs(both, band, local_len)):
-                return tiled
+            if merge and band in (NO_BAND, (None, 0)):
+                tiled, both = _whole_tile_pairs(both, band, local_len)
             chunks = [(q.chunk(), k.chunk()) for qs, ks in both for q in qs for k in ks]
         pairs = [p for qc, kc in chunks if (p := _local_pair(qc, kc, band, local_len)) is not None]
-        return tuple(_merged(pairs, local_len)) if merge else tuple(pairs)
+        return tiled + tuple(_merged(pairs, local_len)) if merge else tuple(pairs)
 
 
-def _whole_tile_pairs(both: list, band, n: int) -> Optional[tuple[Pair, ...]]:
-    """A remote step's pairs over whole tiles of BLOCK rows, or None where they cannot be.
+def _whole_tile_pairs(both: list, band, n: int) -> tuple[tuple[Pair, ...], list]:
+    """A remote step's pairs over whole tiles of BLOCK rows, and the documents of ``both``
+    left to pairs on their exact rows (with their band).
 
     ``both``: for each document the two ranks share, (its pieces on the query rank, its
     pieces on the key rank). Pieces of one document on two ranks hold disjoint positions,
     so under causal attention a query piece sees all of a key piece (it comes first) or
     none of it; with no band, all. Each document's query pieces that see some key there
     and the key pieces they see, widened to whole tiles, make a pair; pairs whose query
-    rows overlap join (their hull), so every query row lies in one pair. The step then
-    needs no band: the segment ids hide the rows the widening takes in where they belong
-    to documents the other rank does not hold, and within a pair every query piece of a
-    shared document must see every key piece of it there (else None: a band would be
-    needed). A zigzag split's two chunks on a rank meet on a tile boundary
-    (``_align_zigzag``) for this. So the Gluon kernels serve a document layout's remote
-    steps whole, with no pieces cut out for the Triton kernels (``ring.plan.tile_pieces``);
-    the kernels skip the tiles no document reaches. None also where no query sees a key
-    there (a step the ring does not run), or where ``n`` is not a multiple of BLOCK."""
+    rows and key rows both overlap join (their hull), so no element lies in two pairs
+    (pairs sharing query rows only are computed apart and merged as the ring merges its
+    steps). Such a pair needs no band: the segment ids hide the rows the widening takes in
+    where they belong to other documents, provided every query piece of a shared document
+    within it sees every key piece of that document within it. Where that fails, the
+    pair's documents are left to exact pairs (the other pairs hold none of their
+    elements: every element of a document lies in its own pair's rectangle, and
+    rectangles that meet are joined). The zigzag splits' chunks meet on tile boundaries
+    (``_align_zigzag``) so that this seldom happens. So the Gluon kernels serve a document
+    layout's remote steps whole, with no pieces cut out for the Triton kernels
+    (``ring.plan.tile_pieces``); the kernels skip the tiles no document reaches. Every
+    document is left where ``n`` is not a multiple of BLOCK."""
     def tiles(pieces) -> tuple[int, int]:
         lo, hi = min(p.local for p in pieces), max(p.local + p.length for p in pieces)
         return lo // BLOCK * BLOCK, -(-hi // BLOCK) * BLOCK
@@ -398,28 +433,31 @@ def _whole_tile_pairs(both: list, band, n: int) -> Optional[tuple[Pair, ...]]:
         return p.local < hi and lo < p.local + p.length
 
     if n % BLOCK:
-        return None
-    spans = []
+        return (), both
+    groups: list[tuple[list[int], list]] = []  # ([q0, q1, k0, k1], its documents)
     for qs, ks in both:
         seeing = [q for q in qs if any(sees(q, k) for k in ks)]
-        if seeing:
-            spans.append((*tiles(seeing), *tiles([k for k in ks if any(sees(q, k) for q in seeing)])))
-    groups: list[list[int]] = []
-    for q0, q1, k0, k1 in sorted(spans):
-        if groups and q0 < groups[-1][1]:
-            last = groups[-1]
-            last[1:] = max(last[1], q1), min(last[2], k0), max(last[3], k1)
-        else:
-            groups.append([q0, q1, k0, k1])
-    for q0, q1, k0, k1 in groups:
-        for qs, ks in both:
-            if not all(sees(q, k) for q in qs if within(q, q0, q1) for k in ks if within(k, k0, k1)):
-                return None
+        if not seeing:
+            continue
+        box, members = [*tiles(seeing), *tiles([k for k in ks if any(sees(q, k) for q in seeing)])], [(qs, ks)]
+        while (meets := next((g for g in groups if box[0] < g[0][1] and g[0][0] < box[1] and box[2] < g[0][3]
+                              and g[0][2] < box[3]), None)) is not None:
+            groups.remove(meets)
+            box = [min(box[0], meets[0][0]), max(box[1], meets[0][1]), min(box[2], meets[0][2]),
+                   max(box[3], meets[0][3])]
+            members += meets[1]
+        groups.append((box, members))
 
     def part(lo: int, hi: int) -> slice:
         return _ALL if (lo, hi) == (0, n) else slice(lo, hi)
 
-    return tuple(Pair(part(q0, q1), part(k0, k1)) for q0, q1, k0, k1 in groups) or None
+    tiled, left = [], []
+    for (q0, q1, k0, k1), members in sorted(groups, key=lambda g: g[0]):
+        if all(sees(q, k) for qs, ks in both for q in qs if within(q, q0, q1) for k in ks if within(k, k0, k1)):
+            tiled.append(Pair(part(q0, q1), part(k0, k1)))
+        else:
+            left += members
+    return tuple(tiled), left
 
 
 def document_layout(cu_seqlens, seqlen: int, group=None, *, world: Optional[int] = None) -> DocumentLayout:
