@@ -71,7 +71,8 @@ CURRENT_LAYOUT = ("masks_h200x2_documents.json",)
 # cost.H100_GLUON, each row's own documents' draw and schedule.
 GLUON_MEASURED = ("masks_h100x2_window.json", "masks_h100x4_window.json", "masks_h100x4_direct_128k.json",
                   "masks_h100x4_direct_512k.json", "masks_h100x4_direct_512k_nccl.json",
-                  "masks_h200x4_documents.json", "masks_h200x4_zigzag_tiles.json")
+                  "masks_h200x4_documents.json", "masks_h200x4_zigzag_tiles.json", "masks_h200x4_direct_512k.json",
+                  "masks_h200x4_direct_512k_nccl.json", "masks_h200x4_documents_rerun.json")
 # Files of GLUON_MEASURED holding a run on an earlier layout beside today's: the run counted.
 GLUON_RUN = {"masks_h200x4_zigzag_tiles.json": 2}
 # The grid runs (MESH_MEASURED's meta.runs) on trees whose document layout is today's: their
