@@ -214,7 +214,7 @@ def _assign(bounds: torch.Tensor, seqlen: int, world: int, spread: float,
             spans[r].append((start, take))
             room[r] -= take
             start, length = start + take, length - take
-    _align_zigzag(zigzag, spans)  # 4. the zigzag chunks' edges on tile boundaries
+    _align_zigzag(zigzag, spans, bounds.tolist())  # 4. the zigzag chunks' edges on tile boundaries
     return [_spans_to_runs(s) for s in spans], splits
 
 
@@ -223,30 +223,34 @@ def _zigzag_owners(world: int) -> list[int]:
     return list(range(world)) + list(reversed(range(world)))
 
 
-def _align_zigzag(zigzag: list[tuple[int, list[int]]], spans: list[list[tuple[int, int]]]) -> None:
+def _align_zigzag(zigzag: list[tuple[int, list[int]]], spans: list[list[tuple[int, int]]],
+                  bounds: list[int]) -> None:
     """Moves the edges of the zigzag splits' chunks (``zigzag``: each document's start and
-    chunk sizes; ``spans`` every rank's, holding them) onto tile boundaries of the ranks'
-    local rows, every rank keeping its tokens and every document its length:
+    chunk sizes; ``spans`` every rank's, holding them; ``bounds`` the documents' cu_seqlens)
+    onto tile boundaries of the ranks' local rows, every rank keeping its tokens and every
+    document its length:
 
     - on each rank r < W - 1 a document's first chunk ends where its second starts (the
       chunks between them are other ranks'): d tokens go from chunk r + 1 to chunk r and
       come back from chunk 2W - 1 - r to chunk 2W - 2 - r (|d| < BLOCK);
-    - where the next document is split zigzag too and starts where this one ends, this
-      one's second chunk on each rank grows by e (the next one's shrinks by as much) so
-      that it ends on a tile boundary, the e adding up to 0: rank W - 1 takes the rest
-      (the ranks' ends add up to the documents' border, so one may stay off a boundary).
+    - where the next document is split too, zigzag or in consecutive pieces one a rank (as
+      the pour leaves one that ends the sequence), this one's second chunk on each rank
+      holding a piece of it grows by e, that rank's piece of the next shrinking by as much,
+      so that it ends on a tile boundary; the e add up to 0, the last of those ranks taking
+      the rest (the ends add up to the documents' border, so one may stay off a boundary).
 
-    A remote step's queries then see either all of another rank's keys of the document or
+    A remote step's queries then see either all of another rank's keys of a document or
     none, tile by tile, and its pairs run over whole tiles with no band
     (``_whole_tile_pairs``): no slivers for the Triton kernels. A move that would leave a
-    chunk shorter than 0 is not made."""
+    chunk or piece shorter than 0 is not made."""
     if not zigzag:
         return
     world = len(zigzag[0][1]) // 2
     items = sorted(zigzag)
     was = [list(sizes) for _, sizes in items]
+    split = {start: sizes for start, sizes in items}
     shift = [0] * world  # tokens the document before took from this one, per rank
-    for i, (start, sizes) in enumerate(items):
+    for start, sizes in items:
         for r in range(world):
             sizes[2 * world - 1 - r] -= shift[r]
         before = [sum(length for at, length in rank if at < start) + shift[r] for r, rank in enumerate(spans)]
@@ -258,21 +262,35 @@ def _align_zigzag(zigzag: list[tuple[int, list[int]]], spans: list[list[tuple[in
                     sizes[r], sizes[r + 1], sizes[2 * world - 2 - r], sizes[2 * world - 1 - r] = changed
                     break
         shift = [0] * world
-        if i + 1 < len(items) and items[i + 1][0] == start + sum(sizes):
-            nxt = items[i + 1][1]
-
-            def fits(r: int, e: int) -> bool:
-                return sizes[2 * world - 1 - r] + e >= 0 and nxt[2 * world - 1 - r] - e >= 0
-
-            for r in range(world - 1):
-                end = -(before[r] + sizes[r] + sizes[2 * world - 1 - r]) % BLOCK
-                options = [e for e in (end, end - BLOCK) if fits(r, e)] or [0]
-                shift[r] = min(options, key=lambda e: abs(sum(shift) + e))
-            shift[-1] = -sum(shift)
-            if not fits(world - 1, shift[-1]):
-                shift = [0] * world
-            for r in range(world):
-                sizes[2 * world - 1 - r] += shift[r]
+        end = start + sum(sizes)
+        nxt = split.get(end)
+        if nxt is not None:  # zigzag: rank r's piece is its chunks, the second gives way
+            ranks, room = list(range(world)), [nxt[2 * world - 1 - r] for r in range(world)]
+        else:  # in pieces one a rank, in the order of their positions
+            d = bisect.bisect_right(bounds, end) - 1
+            stop = bounds[d + 1] if bounds[d] == end and d + 1 < len(bounds) else end
+            held = {r: [span for span in rank if end <= span[0] < stop and span[1] > 0] for r, rank in enumerate(spans)}
+            pieces = sorted((span, r) for r, found in held.items() if len(found) == 1 for span in found)
+            if not pieces or any(len(found) > 1 for found in held.values()) or \
+                    sum(span[1] for span, _ in pieces) != stop - end:
+                continue
+            ranks, room = [r for _, r in pieces], [span[1] for span, _ in pieces]
+        for i, r in enumerate(ranks[:-1]):
+            target = -(before[r] + sizes[r] + sizes[2 * world - 1 - r]) % BLOCK
+            options = [e for e in (target, target - BLOCK) if sizes[2 * world - 1 - r] + e >= 0 and room[i] - e >= 0]
+            shift[r] = min(options or [0], key=lambda e: abs(sum(shift) + e))
+        shift[ranks[-1]] = -sum(shift)
+        if sizes[2 * world - 1 - ranks[-1]] + shift[ranks[-1]] < 0 or room[-1] - shift[ranks[-1]] < 0:
+            shift = [0] * world
+        for r in range(world):
+            sizes[2 * world - 1 - r] += shift[r]
+        if nxt is None and any(shift):
+            at = end
+            for (span, r), length in zip(pieces, room):
+                spans[r].remove(span)
+                spans[r].append((at, length - shift[r]))
+                at += length - shift[r]
+            shift = [0] * world
     for (start, sizes), old in zip(items, was):
         if sizes != old:
             for size, r, at in zip(old, _zigzag_owners(world), accumulate(old, initial=start)):

@@ -224,16 +224,46 @@ def test_zigzag_chunks_meet_on_tile_boundaries(world):
         first, second = sorted(long_doc[r], key=lambda p: p.start)
         assert first.local + first.length == second.local and second.local % BLOCK == 0, (r, long_doc[r])
     assert all(len(alone.positions(seqlen, r, world)) == n for r in range(world))
-    for rank in range(world):
-        for step in range(1, world):
-            for p in step_pairs(alone, rank, (rank - step) % world, world, n, (None, 0)):
-                q, k = range(n)[p.q], range(n)[p.k]
-                assert p.band_hi is None and q.start % BLOCK == k.start % BLOCK == len(q) % BLOCK == len(k) % BLOCK == 0
+    assert _whole_tiles(alone, world, n)
     for layout in (alone, ringflash.document_layout(_cu(_fit(_ADJACENT, seqlen)), seqlen, world=world)):
         doc = _document_of(layout.bounds, seqlen)
         pos = torch.arange(seqlen)
         want = (doc[:, None] == doc[None]) & (doc[:, None] >= 0) & (pos[None] <= pos[:, None])
         assert torch.equal(_computed(layout, world, n, (None, 0)), want.long())
+
+
+def _whole_tiles(layout, world: int, n: int) -> bool:
+    """Whether every remote step's pairs under causal attention are whole tiles, no band."""
+    return all(p.band_hi is None and all(r.start % BLOCK == len(r) % BLOCK == 0 for r in (range(n)[p.q], range(n)[p.k]))
+               for rank in range(world) for step in range(1, world)
+               for p in step_pairs(layout, rank, (rank - step) % world, world, n, (None, 0)))
+
+
+@pytest.mark.parametrize("world, n, lengths", [(3, 512, [1301, 235]), (2, 1024, [1745, 303])])
+def test_zigzag_split_then_a_poured_document_runs_whole_tiles(world, n, lengths):
+    """A document split zigzag followed by one the pour cuts over several ranks: the first
+    one's end on each rank holding a piece of the second moves onto a tile boundary (that
+    piece giving way, the last such rank taking the rest), so the remote steps run over
+    whole tiles with no band, and every element is computed once."""
+    seqlen = n * world
+    layout = ringflash.document_layout(_cu(lengths), seqlen, world=world)
+    assert layout.splits == 1 and len(layout.shared[1]) >= 2, layout.shared
+    assert _whole_tiles(layout, world, n)
+    doc = _document_of(layout.bounds, seqlen)
+    pos = torch.arange(seqlen)
+    want = (doc[:, None] == doc[None]) & (doc[:, None] >= 0) & (pos[None] <= pos[:, None])
+    assert torch.equal(_computed(layout, world, n, (None, 0)), want.long())
+
+
+def test_heavy_draw_at_128k_runs_whole_tiles():
+    """bench_masks.py's documents of median 16k (seed 1) at 128k over 4 ranks: four split
+    zigzag side by side and a fifth poured over all four. Every remote step runs over
+    whole tiles (it made 16-20 calls, 12-15 of them slivers, before the edges moved)."""
+    seqlen, world = 131072, 4
+    layout = ringflash.document_layout(_cu([44182, 24451, 17972, 41607, 2860]), seqlen, world=world)
+    assert layout.splits == 4 and layout.steps == world
+    assert _whole_tiles(layout, world, seqlen // world)
+    assert all(len(layout.positions(seqlen, r, world)) == seqlen // world for r in range(world))
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
