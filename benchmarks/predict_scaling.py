@@ -73,8 +73,8 @@ GLUON_MEASURED = ("masks_h100x2_window.json", "masks_h100x4_window.json", "masks
                   "masks_h100x4_direct_512k.json", "masks_h100x4_direct_512k_nccl.json",
                   "masks_h200x4_documents.json", "masks_h200x4_zigzag_tiles.json", "masks_h200x4_direct_512k.json",
                   "masks_h200x4_direct_512k_nccl.json", "masks_h200x4_documents_rerun.json")
-# Files of GLUON_MEASURED holding a run on an earlier layout beside today's: the run counted.
-GLUON_RUN = {"masks_h200x4_zigzag_tiles.json": 2}
+# Files of GLUON_MEASURED holding runs on earlier layouts beside later ones: the runs counted.
+GLUON_RUNS = {"masks_h200x4_zigzag_tiles.json": (2, 4)}
 # The grid runs (MESH_MEASURED's meta.runs) on trees whose document layout is today's: their
 # rows are counted so too.
 CURRENT_LAYOUT_COMMITS = ("85a2f25f6afd0b9315a03360e615a66144d8442d", "4343b21699db8aad437becc6feae7c66980f1a6e")
@@ -211,8 +211,8 @@ def gluon_calibration() -> list[dict]:
     rows = []
     for name in GLUON_MEASURED:
         data = results.load_results(results.RESULTS_DIR / name)
-        records = [r for r in data["records"] if r.get("run", 0) == GLUON_RUN.get(name, r.get("run", 0))]
-        one = {(r["mask"], r["seqlen"]): r["fwdbwd_ms"] for r in records if r["impl"] == "ringflash_1gpu"}
+        records = [r for r in data["records"] if r.get("run", 0) in GLUON_RUNS.get(name, (r.get("run", 0),))]
+        one = {(r.get("run"), r["mask"], r["seqlen"]): r["fwdbwd_ms"] for r in records if r["impl"] == "ringflash_1gpu"}
         for r in (r for r in records if r["impl"] == "ringflash" and r.get("gpus")):
             seqlen, world = r["seqlen"], r["gpus"]
             m = (cost.Mask.documents(documents(seqlen, r.get("documents_seed", 0), r.get("documents_median", 2048)))
@@ -220,7 +220,7 @@ def gluon_calibration() -> list[dict]:
             layout = (ringflash.document_layout(torch.tensor(m.cu_seqlens), seqlen, world=world)
                       if r["layout"] == "documents" else r["layout"])
             ring = cost.ring_counts(world, seqlen, layout, m, schedule=r.get("schedule", "rotate"))
-            measured = one[(r["mask"], seqlen)] / (world * r["fwdbwd_ms"])
+            measured = one[(r.get("run"), r["mask"], seqlen)] / (world * r["fwdbwd_ms"])
             predicted = cost.efficiency(ring, cost.ring_counts(1, seqlen, "contiguous", m), cost.H100_GLUON,
                                         cost.Problem(segments=m.cu_seqlens is not None))
             rows.append(dict(source=name, device=data["meta"]["device"], gpus=world, mask=r["mask"], seqlen=seqlen,
