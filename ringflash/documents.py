@@ -30,9 +30,10 @@ else the most even. On 4 ranks at 128k this takes the ring from 4 steps to 2
 A rank holds its tokens in increasing global position. Under causal (or full) attention
 its own step is then one kernel call over the shard (key row <= query row; the segment
 ids tell documents apart); the other steps compute only the pieces of the documents that
-cross ranks (``DocumentLayout.pairs``; where a rank's shard is whole tiles of 128 rows and
-a crossing document's queries see all of its keys on the other rank, as pairs widened to
-whole tiles that the segment ids mask: ``_whole_tile_pairs``), and the ring runs only as
+cross ranks (``DocumentLayout.pairs``; where a rank's shard is whole tiles of 128 rows, as
+pairs widened to whole tiles that the segment ids mask, wherever every query piece of a
+document in a pair sees every key piece of it there: ``_whole_tile_pairs``, with the
+zigzag chunks' edges on tile boundaries for it, ``_align_zigzag``), and the ring runs only as
 far as they reach (``layouts.active_steps``; ``DocumentLayout.steps``): 2 steps when every
 crossing document spans two neighbours (the one hop hides behind the own step), W where
 one is split zigzag.
