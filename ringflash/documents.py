@@ -151,11 +151,13 @@ def _cut_in_ring_order(start: int, length: int, limit: float, reserve: int, span
         r, visits = (r + 1) % world, visits + 1
 
 
-def _assign(bounds: torch.Tensor, seqlen: int, world: int, spread: float,
-            fill: Optional[float] = None) -> tuple[list[list[Piece]], int]:
-    """Each rank's runs for one ``spread`` (module docstring, steps 1-3), the documents to
-    split cut zigzag (``fill`` None) or in pieces over consecutive ranks, each filled up to
-    ``fill`` x its share of the pairs; and the number of documents split."""
+def _assign(bounds: torch.Tensor, seqlen: int, world: int, spread: float, fill: Optional[float] = None,
+            force: tuple = ()) -> tuple[list[list[Piece]], int, list[int]]:
+    """Each rank's runs for one ``spread`` (module docstring, steps 1-4), the documents to
+    split (those of ``force`` too) cut zigzag (``fill`` None) or in pieces over consecutive
+    ranks, each filled up to ``fill`` x its share of the pairs; the number of documents
+    split; and the documents placed whole nowhere (no rank had room), which the pour cut
+    wherever the ranks' room ended."""
     n = seqlen // world
     lengths = (bounds[1:] - bounds[:-1]).tolist()
     starts = bounds[:-1].tolist()
@@ -166,7 +168,8 @@ def _assign(bounds: torch.Tensor, seqlen: int, world: int, spread: float,
     placed = [False] * len(lengths)
     rotate, splits = 0, 0
     reserve = n // _RESERVE  # room kept for the pour on every rank, so that it never skips one
-    heavy = [d for d, length in enumerate(lengths) if length > n or (length and work[d] > spread * share)]
+    heavy = [d for d, length in enumerate(lengths)
+             if length > n or (length and work[d] > spread * share) or d in force]
     for d in sorted(heavy, key=lambda d: -work[d]) if fill else ():  # 1. in ring order
         _cut_in_ring_order(starts[d], lengths[d], fill * share, reserve, spans, room, load)
         placed[d], splits = True, splits + 1
@@ -184,7 +187,7 @@ def _assign(bounds: torch.Tensor, seqlen: int, world: int, spread: float,
     for start, sizes in zigzag:
         for size, r, at in zip(sizes, _zigzag_owners(world), accumulate(sizes, initial=start)):
             spans[r].append((at, size))
-    rest = [d for d in range(len(lengths)) if not placed[d] and lengths[d] > 0]
+    rest, poured = [d for d in range(len(lengths)) if not placed[d] and lengths[d] > 0], []
     stream_tokens = seqlen - sum(n - r for r in room)
     stream_work = sum(work[d] for d in rest)
     for d in sorted(rest, key=lambda d: -work[d])[:_PLACED_PER_RANK * world]:  # 2. whole
@@ -192,6 +195,7 @@ def _assign(bounds: torch.Tensor, seqlen: int, world: int, spread: float,
         density = stream_work / max(stream_tokens, 1)
         fits = [r for r in range(world) if room[r] - length >= reserve]
         if not fits:
+            poured.append(d)
             continue
         r = min(fits, key=lambda r: (load[r] + density * (room[r] - length), r))
         spans[r].append((starts[d], length))
@@ -216,7 +220,7 @@ def _assign(bounds: torch.Tensor, seqlen: int, world: int, spread: float,
             room[r] -= take
             start, length = start + take, length - take
     _align_zigzag(zigzag, spans, bounds.tolist())  # 4. the zigzag chunks' edges on tile boundaries
-    return [_spans_to_runs(s) for s in spans], splits
+    return [_spans_to_runs(s) for s in spans], splits, poured
 
 
 def _zigzag_owners(world: int) -> list[int]:
@@ -497,8 +501,8 @@ def document_layout(cu_seqlens, seqlen: int, group=None, *, world: Optional[int]
     and the ring's rank check compares it. seqlen must be a multiple of the ring's size.
     ``world``: the ring's size, to plan a layout without a process group (cost model,
     tests); with a group, it must be the group's. Block masks are not served with it
-    (ValueError). Host time (one core, no GPU, bench_masks.py's documents, 2026-11-27):
-    1-17 ms at 32k-1M tokens over 2 ranks, 4-25 ms over 8, 31-105 ms over 64.
+    (ValueError). Host time (one core, no GPU, bench_masks.py's documents, 2026-11-28):
+    0.3-5 ms at 32k-1M tokens over 2 ranks, 3-12 ms over 8, 22-101 ms over 64.
     """
     seqlen = positive_int(seqlen, "seqlen")
     bounds = check_cu_seqlens(cu_seqlens, seqlen)
@@ -537,12 +541,25 @@ def _keep(key: tuple, layout: DocumentLayout) -> DocumentLayout:
     return layout
 
 
+def _judged(bounds: list[int], runs: list[list[Piece]], world: int, way: int) -> tuple:
+    """A candidate's key (the least is taken): (0, its ring steps, way) where its busiest
+    rank is within ``_BALANCED`` of the mean, else (1, busiest over mean, way)."""
+    loads = [_rank_work(bounds, rank) for rank in runs]
+    worst = max(loads) / max(sum(loads) / world, 1)
+    return (0, _steps(_shared_pieces(bounds, runs), world), way) if worst <= _BALANCED else (1, round(worst, 9), way)
+
+
 def _made(bounds: torch.Tensor, seqlen: int, world: int, fills: tuple = _FILLS) -> DocumentLayout:
     """``document_layout`` once its arguments are checked: for each way of splitting (zigzag;
     in ring order at each of ``fills``) the candidates of ``_SPREADS`` up to the first
     balanced one; of the balanced candidates the one of the fewest ring steps (the first
     where they tie: zigzag), else the most even; no more are tried once one is balanced in
-    two steps or fewer (on two ranks: once one is balanced). ``fills=()``: zigzag only, the layout
+    two steps or fewer (on two ranks: once one is balanced). Where the most even is a
+    zigzag one, uneven, that poured documents no rank had room for whole (the pour cuts
+    them wherever the ranks' room ends, a heavy piece on one rank: at 1M tokens over 32
+    ranks the busiest rank held 1.14x the mean), it is made again with those split zigzag
+    too, and kept if more even: a zigzag ring runs W steps either way, while a split in
+    ring order runs fewer, which no balance is traded for here. ``fills=()``: zigzag only, the layout
     before documents were cut in ring order (the cost model's calibration counts the
     layout its measured rows ran)."""
     best: Optional[tuple] = None
@@ -551,16 +568,18 @@ def _made(bounds: torch.Tensor, seqlen: int, world: int, fills: tuple = _FILLS) 
         if best is not None and best[0][:2] <= (0, 2):  # balanced in one hop: nothing to gain
             break
         for spread in _SPREADS:
-            runs, splits = _assign(bounds, seqlen, world, spread, fill)
-            loads = [_rank_work(listed, rank) for rank in runs]
-            worst = max(loads) / max(sum(loads) / world, 1)
-            key = ((0, _steps(_shared_pieces(listed, runs), world), way) if worst <= _BALANCED
-                   else (1, round(worst, 9), way))
+            runs, splits, poured = _assign(bounds, seqlen, world, spread, fill)
+            key = _judged(listed, runs, world, way)
             if best is None or key < best[0]:
-                best = (key, runs, splits, spread)
-            if worst <= _BALANCED:
+                best = (key, runs, splits, spread, poured)
+            if key[0] == 0:
                 break
-    _, runs, splits, spread = best
+    key, _, _, spread, poured = best
+    if key[0] == 1 and key[2] == 0 and poured and fills == _FILLS:  # zigzag, uneven: split what it poured too
+        runs, splits, _ = _assign(bounds, seqlen, world, spread, None, tuple(poured))
+        if (again := _judged(listed, runs, world, 0)) < key:
+            best = (again, runs, splits, spread, ())
+    _, runs, splits, spread, _ = best
     if fills != _FILLS:  # not what document_layout makes: a name of its own, not found by spec
         return remember(DocumentLayout(bounds, seqlen, world, runs, splits, spread, variant=f";fills={fills}"))
     layout = DocumentLayout(bounds, seqlen, world, runs, splits, spread)
