@@ -153,7 +153,7 @@ def _cut_in_ring_order(start: int, length: int, limit: float, reserve: int, span
 
 def _assign(bounds: torch.Tensor, seqlen: int, world: int, spread: float, fill: Optional[float] = None,
             force: tuple = ()) -> tuple[list[list[Piece]], int, list[int]]:
-    """Each rank's runs for one ``spread`` (module docstring, steps 1-4), the documents to
+    """Each rank's runs for one ``spread`` (module docstring, steps 1-3, then ``_align_zigzag``), the documents to
     split (those of ``force`` too) cut zigzag (``fill`` None) or in pieces over consecutive
     ranks, each filled up to ``fill`` x its share of the pairs; the number of documents
     split; and the documents placed whole nowhere (no rank had room), which the pour cut
@@ -474,9 +474,12 @@ def _whole_tile_pairs(both: list, band, n: int) -> tuple[tuple[Pair, ...], list]
     def part(lo: int, hi: int) -> slice:
         return _ALL if (lo, hi) == (0, n) else slice(lo, hi)
 
+    hulls = [(min(p.local for p in qs), max(p.local + p.length for p in qs), min(p.local for p in ks),
+              max(p.local + p.length for p in ks), qs, ks) for qs, ks in both]
     tiled, left = [], []
     for (q0, q1, k0, k1), members in sorted(groups, key=lambda g: g[0]):
-        if all(sees(q, k) for qs, ks in both for q in qs if within(q, q0, q1) for k in ks if within(k, k0, k1)):
+        near = [(qs, ks) for a, b, c, d, qs, ks in hulls if a < q1 and q0 < b and c < k1 and k0 < d]
+        if all(sees(q, k) for qs, ks in near for q in qs if within(q, q0, q1) for k in ks if within(k, k0, k1)):
             tiled.append(Pair(part(q0, q1), part(k0, k1)))
         else:
             left += members
