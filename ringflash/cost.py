@@ -50,7 +50,7 @@ from .kernels.masks import BLOCK
 from .api import check_cu_seqlens
 from .kernels import band_of_window
 from .layouts import active_steps, global_positions, keys_within, layout_of, remote_share, step_pairs
-from .ring.plan import SCHEDULES, takes_direct, travelling_rows
+from .ring.plan import SCHEDULES, routes, takes_direct, travelling_rows
 from . import cost_timeline as timeline
 from .ring.rows import uncovered
 
@@ -420,14 +420,19 @@ def _scheduled(counts: RingCounts, layout, mask: Mask, schedule: str = "auto") -
     documents = hasattr(layout, "shared")
     steps = active_steps(layout, world, n, band) if documents else counts.steps
     sent = travelling_rows(layout, world, n, band, True, steps) if steps > 1 else None
+    direct = takes_direct(steps, sent, schedule)
+    table = routes(layout, world, n, band, True, steps) if direct else None
     calls, q_blocks, k_blocks = (torch.zeros(world, world, dtype=torch.long) for _ in range(3))
     triton = torch.zeros(world, world, dtype=torch.bool)
     for rank in range(world):
         for s in range(steps):
             src = (rank - s) % world
             pairs = step_pairs(layout, rank, src, world, n, band, True, None)  # travelling_rows's cache key
-            if s and sent is not None and sent[src] != (0, n):
-                pairs = [part for pair in pairs if (part := keys_within(pair, *sent[src], n)) is not None]
+            rows = None if not s or sent is None else sent[src] if table is None else table[src][s - 1]
+            if s and table is not None and rows is None:  # a route that sees nothing: no pair runs
+                pairs = []
+            elif rows is not None and rows != (0, n):
+                pairs = [part for pair in pairs if (part := keys_within(pair, *rows, n)) is not None]
             calls[rank, s], triton[rank, s] = len(pairs), any(pair.on_positions for pair in pairs)
             q_blocks[rank, s] = sum(-(-len(range(n)[pair.q]) // BLOCK) for pair in pairs)
             k_blocks[rank, s] = sum(-(-len(range(n)[pair.k]) // BLOCK) for pair in pairs)
@@ -436,13 +441,15 @@ def _scheduled(counts: RingCounts, layout, mask: Mask, schedule: str = "auto") -
         received = torch.zeros(world, world, dtype=torch.long)
         for rank in range(world):
             for s in range(steps - 1):  # the shard of step s + 1 arrives during step s
-                lo, hi = (0, n) if sent is None else sent[(rank - s - 1) % world]
+                src = (rank - s - 1) % world
+                lo, hi = ((0, n) if sent is None else sent[src] if table is None
+                          else table[src][s] or (0, 1))  # one row where the route sees nothing
                 received[rank, s] = hi - lo
     early_home = (steps == 2 and sent is None and remote_share(layout, world, n, band) >= 0.5 and all(
         uncovered([pair.k for pair in step_pairs(layout, rank, rank, world, n, band, True, None)], n) is not None
         for rank in range(world)))
     return counts._replace(steps=steps, calls=calls, q_blocks=q_blocks, k_blocks=k_blocks, received=received,
-                           early_home=early_home, direct=takes_direct(steps, sent, schedule), cut=sent is not None,
+                           early_home=early_home, direct=direct, cut=sent is not None,
                            triton=triton)
 
 

@@ -185,7 +185,8 @@ def test_bench_masks_efficiency_and_predicted_rows():
 def test_bench_masks_bytes_leave_out_the_kept_kv():
     """A ring row's bytes: where the direct schedule keeps the K/V its forward received
     (through NCCL, shards cut), the backward's second trip of them is not counted; the
-    rotation, or whole shards, count both trips."""
+    rotation, or whole shards, count both trips, and the rotation carries every row a shard
+    sends any rank, where the direct schedule sends each rank only the rows it sees."""
     import argparse
 
     import torch
@@ -203,7 +204,7 @@ def test_bench_masks_bytes_leave_out_the_kept_kv():
     kept, again = masks.bytes_sent(direct, args, kept=True), masks.bytes_sent(direct, args)
     busiest = int(direct.received.sum(1).argmax())  # the rank receiving most counts either way here
     assert again - kept == row * int(direct.received[busiest].sum()) > 0
-    assert masks.bytes_sent(rotate, args, kept=True) == masks.bytes_sent(rotate, args) == again
+    assert masks.bytes_sent(rotate, args, kept=True) == masks.bytes_sent(rotate, args) > again
 
 
 def test_bench_balance_cpu_smoke(tmp_path, results_untouched):

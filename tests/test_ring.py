@@ -320,7 +320,13 @@ def test_direct_schedule_keeps_what_it_received(monkeypatch, keep):
     fake = _RecordingRing(world)
     sched = schedule_of(fake, layout, n, (None, 0), (0.0, 0), None)
     assert sched.direct and sched.sent is not None and sched.steps == 4
-    rows = sum(hi - lo for lo, hi in sched.sent[1:])  # from ranks 3, 2, 1 (steps 1-3)
+    # Rank 0 receives from ranks 3, 2, 1 (steps 1-3) the rows its own pairs see: each
+    # inside what that shard sends any rank, and together fewer here.
+    got = [sched.routes[world - s][s - 1] or (sched.sent[world - s][0], sched.sent[world - s][0] + 1)
+           for s in (1, 2, 3)]
+    assert all(sent[0] <= lo < hi <= sent[1] for (lo, hi), sent in zip(got, sched.sent[:0:-1]))
+    rows = sum(hi - lo for lo, hi in got)
+    assert rows < sum(hi - lo for lo, hi in sched.sent[1:])
     monkeypatch.setattr(ringflash.kernels, "flash_attn_fwd", lambda *args, **kw: fake.events.append(("fwd",)))
     monkeypatch.setattr(ringflash.kernels, "flash_attn_bwd", lambda *args, **kw: fake.events.append(
         ("dq" if args[6] is not None else "dkv",)))

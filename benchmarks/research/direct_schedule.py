@@ -50,20 +50,23 @@ def main() -> None:
     p.add_argument("--seqlen", default="1m")
     p.add_argument("--grids", nargs="+", default=["8x1", "8x8", "64x1", "64x4", "64x8"], help="W x U")
     p.add_argument("--kv-heads", type=int, nargs="+", default=[8, 32])
+    p.add_argument("--gluon", action="store_true", help="the Gluon kernels' rates (cost.H100_GLUON)")
     args = p.parse_args()
+    base = cost.H100_GLUON if args.gluon else cost.H100
     seqlen = cli.parse_sizes([args.seqlen])[0]
     mask, grid = mask_of("documents", seqlen), cost_grid.NVLINK
     one = cost.ring_counts(1, seqlen, "contiguous", mask)
     for spec in args.grids:
         world, u = (int(x) for x in spec.split("x"))
-        auto = cost_grid.grid_ring(world // u, 1, seqlen, "documents", mask)  # counted once:
-        ring = auto._replace(direct=False)  # what schedule="rotate" counts,
-        direct_ring = auto._replace(direct=auto.steps >= 3)  # and schedule="direct"
-        costs = cost_grid.ring_link(cost.H100, world, world // u, grid)
+        auto = cost_grid.grid_ring(world // u, 1, seqlen, "documents", mask)
+        ring = cost_grid.grid_ring(world // u, 1, seqlen, "documents", mask, schedule="rotate")
+        direct_ring = auto if auto.direct else cost_grid.grid_ring(world // u, 1, seqlen, "documents", mask,
+                                                                   schedule="direct")
+        costs = cost_grid.ring_link(base, world, world // u, grid)
         for kv_heads in args.kv_heads:
             problem = cost.Problem(heads=32, kv_heads=kv_heads, segments=True)
             whole = problem._replace(heads=32 // u, kv_heads=max(kv_heads // u, 1))
-            t1 = float(cost.rank_times(one, cost.H100, problem)[0])
+            t1 = float(cost.rank_times(one, base, problem)[0])
             a2a = (sum(cost_grid.exchange_ms(x, grid) for x in cost_grid.exchanges(u, world // u, seqlen, problem))
                    if u > 1 else 0.0)  # unchunked: every exchange exposed
             times = {"rotation": cost.rank_times(ring, costs, whole),

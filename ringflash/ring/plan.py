@@ -118,7 +118,9 @@ class Schedule(NamedTuple):
     ranks' messages pair up; False for other step counts), and ``sent``: per rank, the rows
     [lo, hi) of its K/V shard that travel (``travelling_rows``), or None where whole shards
     do. Where they are cut, the pairs of steps 1 on read key rows of the travelling part.
-    ``direct``: the shards go straight to the ranks that compute them (``takes_direct``)."""
+    ``direct``: the shards go straight to the ranks that compute them (``takes_direct``),
+    and ``routes``: where shards travel cut, per source rank and step the rows it sends
+    (``routes``); the pairs of steps 1 on then read key rows of the step's route."""
 
     steps: int
     pairs: list
@@ -128,6 +130,7 @@ class Schedule(NamedTuple):
     own_apart: bool
     sent: Optional[tuple[tuple[int, int], ...]] = None
     direct: bool = False
+    routes: Optional[tuple] = None
 
 
 SCHEDULE_ENV = "RINGFLASH_SCHEDULE"
@@ -157,6 +160,23 @@ def takes_direct(steps: int, sent, choice: Optional[str] = None) -> bool:
     return steps >= 3 and (choice == "direct" or (choice == "auto" and sent is not None))
 
 
+def _seen(layout, dst: int, src: int, world: int, n: int, band: Band, merge: bool,
+          occupied: Optional[frozenset]) -> tuple[int, int, bool]:
+    """(lo, hi, jumps): the rows [lo, hi) of rank src's shard that rank dst's pairs see
+    (``layouts.visible_keys``; lo == hi: none), and whether a pair's positions jump."""
+    pairs = step_pairs(layout, dst, src, world, n, band, merge, occupied)
+    keys = [r for r in (visible_keys(pair, n) for pair in pairs) if len(r)]
+    lo, hi = min((r.start for r in keys), default=0), max((r.stop for r in keys), default=0)
+    return lo, hi, any(pair.pos is not None and pair.pos[3] for pair in pairs)
+
+
+def _rows(lo: int, hi: int, jumps: bool, n: int) -> tuple[int, int]:
+    """[lo, hi), at least one row, on whole blocks of BLOCK where positions jump."""
+    if jumps:
+        lo, hi = lo // BLOCK * BLOCK, min(n, -(-hi // BLOCK) * BLOCK)
+    return lo, max(hi, lo + 1)
+
+
 @functools.lru_cache(maxsize=1024)
 def travelling_rows(layout, world: int, n: int, band: Band, merge: bool, steps: int,
                     occupied: Optional[frozenset] = None) -> Optional[tuple[tuple[int, int], ...]]:
@@ -169,17 +189,33 @@ def travelling_rows(layout, world: int, n: int, band: Band, merge: bool, steps: 
     rank (it is computed from every rank's pairs), so the messages' sizes agree."""
     rows = []
     for src in range(world):
-        pairs = [pair for s in range(1, steps)
-                 for pair in step_pairs(layout, (src + s) % world, src, world, n, band, merge, occupied)]
-        keys = [r for r in (visible_keys(pair, n) for pair in pairs) if len(r)]
-        lo, hi = min((r.start for r in keys), default=0), max((r.stop for r in keys), default=1)
-        if any(pair.pos is not None and pair.pos[3] for pair in pairs):  # cut on block bounds
-            lo, hi = lo // BLOCK * BLOCK, min(n, -(-hi // BLOCK) * BLOCK)
-        rows.append((lo, max(hi, lo + 1)))
+        seen = [_seen(layout, (src + s) % world, src, world, n, band, merge, occupied) for s in range(1, steps)]
+        some = [(lo, hi) for lo, hi, _ in seen if lo < hi]
+        rows.append(_rows(min((lo for lo, _ in some), default=0), max((hi for _, hi in some), default=0),
+                          any(jumps for *_, jumps in seen), n))
     # Cut shards keep the ring of two off ``_home_first`` (rotate.py): worth it only where
     # they save at least half of what whole shards carry (documents, windows), not for the
     # block or chunk that causal attention leaves unseen on block_stripe or zigzag.
     return None if sum(hi - lo for lo, hi in rows) > world * n // 2 else tuple(rows)
+
+
+@functools.lru_cache(maxsize=1024)
+def routes(layout, world: int, n: int, band: Band, merge: bool, steps: int,
+           occupied: Optional[frozenset] = None) -> Optional[tuple[tuple[Optional[tuple[int, int]], ...], ...]]:
+    """What the direct schedule sends where shards travel cut (``travelling_rows`` not
+    None): per source rank, per step s = 1 … steps - 1, the rows [lo, hi) of its shard
+    that rank src + s's pairs see (inside its travelling rows), or None where they see
+    none (one row then travels, and no pair runs). Each rank gets only what its own queries
+    see, not every row that some rank sees: on packed documents over 8 ranks most of a
+    long document's rows go to the one or two ranks holding its later pieces."""
+    sent = travelling_rows(layout, world, n, band, merge, steps, occupied)
+    if sent is None:
+        return None
+    table = []
+    for src in range(world):
+        seen = [_seen(layout, (src + s) % world, src, world, n, band, merge, occupied) for s in range(1, steps)]
+        table.append(tuple(_rows(lo, hi, jumps, n) if lo < hi else None for lo, hi, jumps in seen))
+    return tuple(table)
 
 
 def _travelling(pairs: tuple, rows: tuple[int, int], n: int) -> tuple:
@@ -213,11 +249,19 @@ def schedule_of(ring: Ring, layout: str, local_len: int, band: Band, dropout: tu
     # Cut shards travel where no block mask is given (its ring of two may keep whole shards).
     sent = None if blocks is not None or steps == 1 else travelling_rows(
         layout, ring.world, local_len, band, merge, steps)
+    direct = takes_direct(steps, sent)
+    table = routes(layout, ring.world, local_len, band, merge, steps) if direct else None
     if sent is not None:
-        pairs = [pairs[0]] + [_travelling(p, sent[(ring.rank - s) % ring.world], local_len)
+        pairs = [pairs[0]] + [_travelling(p, sent[(ring.rank - s) % ring.world], local_len) if table is None
+                              else _routed(p, table[(ring.rank - s) % ring.world][s - 1], local_len)
                               for s, p in enumerate(pairs[1:], 1)]
     return Schedule(steps, pairs, writes_first(pairs[0]), plan,
-                    lambda s, cuts: step_pieces(*of(ring.rank, s), cuts), own_apart, sent, takes_direct(steps, sent))
+                    lambda s, cuts: step_pieces(*of(ring.rank, s), cuts), own_apart, sent, direct, table)
+
+
+def _routed(pairs: tuple, route: Optional[tuple[int, int]], n: int) -> tuple:
+    """A direct step's pairs cut to its route's rows (``routes``); none where it sees none."""
+    return () if route is None else _travelling(pairs, route, n)
 
 
 def _own_ids(ids: torch.Tensor, part: slice) -> torch.Tensor:

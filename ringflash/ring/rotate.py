@@ -39,7 +39,7 @@ def ring_forward(q, k, v, segments, *, softmax_scale: float, band: Band, dropout
     b, n, h, d = q.shape
     sched = schedule_of(ring, layout, n, band, dropout, blocks)
     steps, schedule, first_writes, plan = sched.steps, sched.pairs, sched.first_writes, sched.plan
-    slots = Slots(k, segments, ring, steps, sched.sent, sched.direct)
+    slots = Slots(k, segments, ring, steps, sched.sent, sched.direct, routes=sched.routes)
     keep = keep and steps == 2
     if keep and segments is None and (ring.streams_chunks or not q.is_cuda):
         return gathered_forward(q, k, v, slots.at(1)[0], softmax_scale=softmax_scale, band=band,
@@ -220,14 +220,14 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
     order)."""
     n = q.shape[1]
     sched = schedule_of(ring, layout, n, band, dropout, blocks)
-    steps, schedule, first_writes, plan, pieces, own_apart, sent, direct = sched
+    steps, schedule, first_writes, plan, pieces, own_apart, sent, direct, routes = sched
     delta = attn_delta(out, dout, dlse)
     if kept is not None and steps == 2:
         return gathered_backward(dout, q, k, v, lse, delta, segments, kept, softmax_scale=softmax_scale,
                                  band=band, dropout=dropout, ring=ring, plan=plan, blocks=blocks)
     # What the forward received, kept (``keep_received``): the direct schedule's K/V need not come again.
     received = kept if kept is not None and direct else None
-    slots = Slots(k, segments, ring, steps, sent, direct, kept=received)
+    slots = Slots(k, segments, ring, steps, sent, direct, kept=received, routes=routes)
     # With the fused kernel the own step runs in pieces of key rows: the first half's hide
     # the first K/V trip, the second half's the trip home of the last sums (``_rotate``).
     own_first, own_last = _own_pieces(pieces, n, range(n)[slots.rows(ring.rank)]) if steps > 1 else (
@@ -314,15 +314,17 @@ class _OwnSums:
 
     def finish(self, home) -> torch.Tensor:
         """The gradients: the travelling rows' sum with ``home`` (their sum from the other
-        ranks, (2, B, rows, Hkv, D) fp32, or a list of such partial sums, added in order
-        into the first), each rounded once."""
+        ranks, (2, B, rows, Hkv, D) fp32; or a list of (rows, partial sum over those rows of
+        the shard), added into ``mine`` in order), each rounded once."""
+        travelling = slice(self.travelling.start, self.travelling.stop)
         if isinstance(home, list):
-            for part in home[1:]:
-                home[0].add_(part)
-            home = home[0]
+            for rows, part in home:
+                self.mine[:, :, rows.start:rows.stop].add_(part)
+            self.rounded.append(self.travelling)
         for rows in self.rounded:
             copy_rows(self.dkv, self.mine, slice(rows.start, rows.stop), 2)
-        sum_rows(self.dkv, self.mine, home, slice(self.travelling.start, self.travelling.stop))
+        if not isinstance(home, list):
+            sum_rows(self.dkv, self.mine, home, travelling)
         return self.dkv
 
 
@@ -477,11 +479,14 @@ def _direct(grads: _Grads, ring: Ring, k, slots: Slots, schedule, steps: int, su
     all posted at the start), its dK/dV into an fp32 partial sum of that shard's rows of
     its own, which goes straight home (s ranks back) while the next steps run; this rank's
     own shard's partial sums arrive from the s ranks ahead, one into each of ``sums``'
-    first steps - 1 rows. Returns (those rows, which ``_OwnSums.finish`` adds in step order,
-    so the bits do not depend on the order they arrive in; the pending trips home). No
+    first steps - 1 rows, each over the rows its route sent there (``Slots.rows``). Returns
+    ((rows, partial sum) a step, which ``_OwnSums.finish`` adds in step order, so the bits
+    do not depend on the order they arrive in; the pending trips home). No
     step waits for another rank's gradients, so a short step exposes nothing. ``last_dq``:
     the last step's dQ pass is the last (else the own step's follows)."""
-    homes, pending = [slots.packed(sums[step - 1], ring.rank) for step in range(1, steps)], []
+    homes = [(range(slots.n)[slots.rows(ring.rank, step)], slots.packed(sums[step - 1], ring.rank, step))
+             for step in range(1, steps)]
+    pending = []
     for step in range(1, steps):
         ring.wait(trips[step - 1] if step > 1 else [])  # step 1's: waited for under the own pass
         pairs, (kv, seg) = schedule[step], slots.at(step)
@@ -491,7 +496,7 @@ def _direct(grads: _Grads, ring: Ring, k, slots: Slots, schedule, steps: int, su
         else:
             grads.dq_pass(pairs, kv, seg, False, last_dq and step == steps - 1)
             grads.dkv_pass(pairs, kv, seg, part)
-        pending += ring.exchange((part, homes[step - 1]), shift=-step)
+        pending += ring.exchange((part, homes[step - 1][1]), shift=-step)
     return homes, pending
 
 

@@ -19,12 +19,14 @@ class Slots:
     into a slot of exactly its rows). ``sent`` (``plan.travelling_rows``): per source rank
     the rows of its shard that travel, or None (whole shards); a slot then holds the rows of
     whichever shard it holds, from its start, so that every rank receives a message where
-    its sender wrote it. ``kept``: (K/V, segment ids or None) that ``ring_forward`` kept
-    from its slots (``held`` rows), in the same places, instead of the ring's buffers."""
+    its sender wrote it. ``routes`` (``plan.routes``, the direct schedule's): per source
+    rank and step the rows it sends, each rank's own. ``kept``: (K/V, segment ids or None)
+    that ``ring_forward`` kept from its slots (``held`` rows), in the same places, instead
+    of the ring's buffers."""
 
     def __init__(self, k: torch.Tensor, segments: Optional[torch.Tensor], ring: Ring, steps: int, sent,
-                 direct: bool = False, kept: Optional[tuple] = None):
-        self.ring, self.sent, self.n, self.direct = ring, sent, k.shape[1], direct
+                 direct: bool = False, kept: Optional[tuple] = None, routes: Optional[tuple] = None):
+        self.ring, self.sent, self.n, self.direct, self.routes = ring, sent, k.shape[1], direct, routes
         self.count = 0 if steps == 1 else 1 if steps == 2 else steps - 1 if direct else 2
         b, _, hkv, d = k.shape
         self.shape, self.row = (b, hkv, d), 2 * b * hkv * d  # elements of one packed K/V row
@@ -37,21 +39,25 @@ class Slots:
         self.kv = ring.buffer("kv", (self.row * rows,), k.dtype, k.device)
         self.seg = None if segments is None else ring.buffer("segments", (b * rows,), torch.int32, k.device)
 
-    def rows(self, src: int) -> slice:
-        """The rows of rank src's shard that travel."""
+    def rows(self, src: int, shift: Optional[int] = None) -> slice:
+        """The rows of rank src's shard that travel (to rank src + ``shift``, where each
+        rank gets its own: ``routes``; one row where it sees none)."""
+        if self.routes is not None and shift is not None:
+            route = self.routes[src][shift - 1]
+            return slice(*route) if route is not None else slice(self.sent[src][0], self.sent[src][0] + 1)
         return slice(None) if self.sent is None else slice(*self.sent[src])
 
-    def length(self, src: int) -> int:
-        """How many rows of rank src's shard travel."""
-        return self.n if self.sent is None else self.sent[src][1] - self.sent[src][0]
+    def length(self, src: int, shift: Optional[int] = None) -> int:
+        """How many rows of rank src's shard travel (to rank src + ``shift``)."""
+        return len(range(self.n)[self.rows(src, shift)])
 
     def start(self, rank: int, step: int) -> int:
         """The row where rank ``rank``'s slot for step ``step`` (>= 1) starts: the direct
-        schedule's slots follow each other, each as long as its shard's travelling rows;
+        schedule's slots follow each other, each as long as the rows it receives there;
         the others take turns, each as long as the longest."""
         world = self.ring.world
         if self.direct:
-            return sum(self.length((rank - s) % world) for s in range(1, step))
+            return sum(self.length((rank - s) % world, s) for s in range(1, step))
         return 0 if self.count == 0 else (step - 1) % self.count * self.longest
 
     def held(self, rank: int) -> int:
@@ -60,16 +66,18 @@ class Slots:
             return self.start(rank, self.count + 1)
         return self.count * self.longest
 
-    def packed(self, flat: torch.Tensor, src: int) -> torch.Tensor:
-        """The start of ``flat`` as rank src's travelling K/V rows, packed (2, B, rows, Hkv, D)."""
+    def packed(self, flat: torch.Tensor, src: int, shift: Optional[int] = None) -> torch.Tensor:
+        """The start of ``flat`` as rank src's travelling K/V rows (to rank src + ``shift``),
+        packed (2, B, rows, Hkv, D)."""
         b, hkv, d = self.shape
-        return flat[:self.row * self.length(src)].view(2, b, self.length(src), hkv, d)
+        rows = self.length(src, shift)
+        return flat[:self.row * rows].view(2, b, rows, hkv, d)
 
     def _span(self, rank: int, step: int, width: int) -> slice:
         """The elements of rank's slot for ``step`` in a flat buffer of ``width`` elements a
         row, as long as the rows of the shard that step computes there."""
         at = self.start(rank, step)
-        return slice(width * at, width * (at + self.length((rank - step) % self.ring.world)))
+        return slice(width * at, width * (at + self.length((rank - step) % self.ring.world, step)))
 
     def _slot(self, rank: int, step: int) -> tuple:
         """(K/V, segment ids or None) of rank's slot for ``step``, flat views of the buffers."""
@@ -80,7 +88,7 @@ class Slots:
         """(K/V packed as (2, B, rows, Hkv, D), segment ids (B, rows) or None) of the shard
         that step ``step`` (>= 1) computes, in its slot."""
         kv, seg = self._slot(self.ring.rank, step)
-        return self.packed(kv, (self.ring.rank - step) % self.ring.world), None if seg is None else seg.view(
+        return self.packed(kv, (self.ring.rank - step) % self.ring.world, step), None if seg is None else seg.view(
             self.shape[0], -1)
 
     def keep(self, aside: Aside, kept: tuple, step: int) -> None:
@@ -97,9 +105,9 @@ class Slots:
         ``shift``. Each message lands where the receiver's view of this shard has it (its
         slot for step ``shift``, and there its V after this shard's K rows)."""
         rank = self.ring.rank
-        rows, (kv_next, seg_next) = self.rows(rank), self.at(shift)
+        rows, (kv_next, seg_next) = self.rows(rank, shift), self.at(shift)
         kv_theirs, seg_theirs = self._slot((rank + shift) % self.ring.world, shift)
-        theirs = self.packed(kv_theirs, rank)
+        theirs = self.packed(kv_theirs, rank, shift)
         pairs = [(k[:, rows].contiguous(), kv_next[0], theirs[0]), (v[:, rows].contiguous(), kv_next[1], theirs[1])]
         if segments is not None:
             pairs.append((segments[:, rows].contiguous(), seg_next, seg_theirs))
