@@ -72,9 +72,10 @@ CURRENT_LAYOUT = ("masks_h200x2_documents.json",)
 GLUON_MEASURED = ("masks_h100x2_window.json", "masks_h100x4_window.json", "masks_h100x4_direct_128k.json",
                   "masks_h100x4_direct_512k.json", "masks_h100x4_direct_512k_nccl.json",
                   "masks_h200x4_documents.json", "masks_h200x4_zigzag_tiles.json", "masks_h200x4_direct_512k.json",
-                  "masks_h200x4_direct_512k_nccl.json", "masks_h200x4_documents_rerun.json")
-# Files of GLUON_MEASURED holding runs on earlier layouts beside later ones: the runs counted.
-GLUON_RUNS = {"masks_h200x4_zigzag_tiles.json": (2, 4)}
+                  "masks_h200x4_direct_512k_nccl.json", "masks_h200x4_documents_rerun.json",
+                  "masks_h200x4_routes_512k.json")
+# Files of GLUON_MEASURED holding runs of earlier code beside today's: the runs counted.
+GLUON_RUNS = {"masks_h200x4_zigzag_tiles.json": (2, 4), "masks_h200x4_routes_512k.json": (0, 2)}
 # The grid runs (MESH_MEASURED's meta.runs) on trees whose document layout is today's: their
 # rows are counted so too.
 CURRENT_LAYOUT_COMMITS = ("85a2f25f6afd0b9315a03360e615a66144d8442d", "4343b21699db8aad437becc6feae7c66980f1a6e")

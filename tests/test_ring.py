@@ -234,11 +234,11 @@ def test_ring_on_two_subgroups_at_once(worlds):
 
 
 class _RecordingRing:
-    """Rank 0 of ``world`` to ring_backward, moving no data: records the messages it posts,
-    the waits and the kernel passes in between."""
+    """Rank ``rank`` (0) of ``world`` to ring_backward, moving no data: records the messages
+    it posts, the waits and the kernel passes in between."""
 
-    def __init__(self, world):
-        self.rank, self.world, self.events, self.messages = 0, world, [], []
+    def __init__(self, world, rank=0):
+        self.rank, self.world, self.events, self.messages = rank, world, [], []
 
     def buffer(self, name, shape, dtype, device):
         return torch.zeros(shape, dtype=dtype, device=device)
@@ -301,6 +301,43 @@ def test_backward_ends_on_the_own_shard_under_the_last_trip(monkeypatch, world, 
         assert ("dkv",) in ev[last_post:] and ("dq",) not in ev[last_post:] and ev[-1] == ("wait",), ev
     first_wait = ev.index(("wait",))
     assert ev[:first_wait].count(("dq",)) >= 1 and ("dkv",) not in ev[:first_wait], ev
+
+
+@pytest.mark.parametrize("world, seed", [(3, 10), (4, 17), (8, 12)])
+def test_direct_schedule_sends_each_rank_what_it_sees(world, seed):
+    """Under the direct schedule each exchange carries the rows of the source's shard that
+    the receiving rank's pairs see (``plan.routes``), inside what the rotation carries
+    (``travelling_rows``); where they see none, one row travels and no pair runs. Every
+    rank's step pairs read only key rows of its route, and every key its pairs see before
+    the cut is still seen after it (packed documents of median 300, 1024 tokens a rank:
+    draws that take the direct schedule with routes of both kinds)."""
+    from ringflash.layouts import step_pairs, visible_keys
+    from ringflash.ring.plan import schedule_of
+    from test_documents import _lognormal
+    n = 1024
+    layout = ringflash.document_layout(_lognormal(n * world - 100, 300, seed=seed), n * world, world=world)
+    band, empty, shorter = (None, 0), 0, 0
+    for rank in range(world):
+        sched = schedule_of(_RecordingRing(world, rank), layout, n, band, (0.0, 0), None)
+        assert sched.direct and sched.steps >= 3, (rank, sched.steps)
+        for s in range(1, sched.steps):
+            src = (rank - s) % world
+            route, sent = sched.routes[src][s - 1], sched.sent[src]
+            before = [visible_keys(p, n) for p in step_pairs(layout, rank, src, world, n, band, True, None)]
+            seen = [r for r in before if len(r)]
+            if route is None:
+                empty += 1
+                assert not seen and sched.pairs[s] == (), (rank, s)
+                continue
+            lo, hi = route
+            assert sent[0] <= lo < hi <= sent[1], (rank, s, route, sent)
+            shorter += hi - lo < sent[1] - sent[0]
+            assert min(r.start for r in seen) == lo and max(r.stop for r in seen) == hi, (rank, s)
+            assert all(0 <= p.k.start < p.k.stop <= hi - lo for p in sched.pairs[s]), (rank, s)
+            # Back in the shard's rows (a pair's band counts from its own first key row):
+            after = [visible_keys(p._replace(k=slice(p.k.start + lo, p.k.stop + lo)), n) for p in sched.pairs[s]]
+            assert sorted((r.start, r.stop) for r in after if len(r)) == sorted((r.start, r.stop) for r in seen)
+    assert empty and shorter, (empty, shorter)  # the draw exercises both
 
 
 @pytest.mark.parametrize("keep", [False, True], ids=["received-again", "kept"])
