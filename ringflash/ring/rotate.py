@@ -316,15 +316,15 @@ class _OwnSums:
         """The gradients: the travelling rows' sum with ``home`` (their sum from the other
         ranks, (2, B, rows, Hkv, D) fp32; or a list of (rows, partial sum over those rows of
         the shard), added into ``mine`` in order), each rounded once."""
-        travelling = slice(self.travelling.start, self.travelling.stop)
-        if isinstance(home, list):
+        if isinstance(home, list):  # the direct schedule's partial sums
             for rows, part in home:
                 self.mine[:, :, rows.start:rows.stop].add_(part)
             self.rounded.append(self.travelling)
+            home = None
         for rows in self.rounded:
             copy_rows(self.dkv, self.mine, slice(rows.start, rows.stop), 2)
-        if not isinstance(home, list):
-            sum_rows(self.dkv, self.mine, home, travelling)
+        if home is not None:
+            sum_rows(self.dkv, self.mine, home, slice(self.travelling.start, self.travelling.stop))
         return self.dkv
 
 
