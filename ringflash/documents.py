@@ -310,20 +310,13 @@ def _shared_pieces(bounds: list[int], runs: list[list[Piece]]) -> dict[int, dict
     def doc_at(position: int) -> int:  # -1: padding
         return -1 if position >= bounds[-1] else bisect.bisect_right(bounds, position) - 1
 
-    candidates = {doc_at(p) for rank in runs for run in rank for p in (run.start, run.start + run.length - 1)} - {-1}
-    shared = {}
-    for d in sorted(candidates):
-        lo, hi = bounds[d], bounds[d + 1]
-        pieces = {}
-        for r, rank in enumerate(runs):
-            mine = [Piece(max(lo, run.start), min(hi, run.start + run.length) - max(lo, run.start),
-                          run.local + max(lo, run.start) - run.start)
-                    for run in rank if run.start < hi and lo < run.start + run.length]
-            if mine:
-                pieces[r] = mine
-        if len(pieces) > 1:
-            shared[d] = pieces
-    return shared
+    pieces: dict[int, dict[int, list[Piece]]] = {}
+    for r, rank in enumerate(runs):
+        for run in rank:  # a document on several ranks meets a run's edge wherever it lies
+            for d in sorted({doc_at(run.start), doc_at(run.start + run.length - 1)} - {-1}):
+                a, b = max(bounds[d], run.start), min(bounds[d + 1], run.start + run.length)
+                pieces.setdefault(d, {}).setdefault(r, []).append(Piece(a, b - a, run.local + a - run.start))
+    return {d: pieces[d] for d in sorted(pieces) if len(pieces[d]) > 1}
 
 
 def _steps(shared: dict, world: int) -> int:
@@ -505,7 +498,7 @@ def document_layout(cu_seqlens, seqlen: int, group=None, *, world: Optional[int]
     ``world``: the ring's size, to plan a layout without a process group (cost model,
     tests); with a group, it must be the group's. Block masks are not served with it
     (ValueError). Host time (one core, no GPU, bench_masks.py's documents, 2026-11-28):
-    0.3-5 ms at 32k-1M tokens over 2 ranks, 3-12 ms over 8, 22-101 ms over 64.
+    0.2-5 ms at 32k-1M tokens over 2 ranks, 3-10 ms over 8, 21-78 ms over 64.
     """
     seqlen = positive_int(seqlen, "seqlen")
     bounds = check_cu_seqlens(cu_seqlens, seqlen)
