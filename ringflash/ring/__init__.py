@@ -73,8 +73,8 @@ partial sum that leaves straight for its owner once the step is done (shift -s),
 owner adds the arriving sums in step order (``rotate._direct``). No step waits for a
 neighbour's running sum, so a short step exposes nothing. Where shards travel cut, each
 rank receives only the rows its own pairs see (``plan.routes``; one row where it sees
-none), not every row some rank sees, as the rotation must carry: on packed documents over
-4 ranks at 512k, 28% fewer bytes for the busiest rank.
+none), not every row some rank sees, as the rotation must carry: on packed documents of
+median 16k over 4 ranks at 512k, 28% fewer bytes for the busiest rank.
 Asked to (``keep_received``: ops.py, through torch.distributed in eager calls), the forward
 keeps the rows its slots received (``ring_forward``'s ``keep_received``) and the backward receives no K/V: its
 remote steps run at once and the own step's passes last, under the sums' trips home.
