@@ -354,7 +354,7 @@ class DocumentLayout(Layout):
         # What the ring's ops take it as (``spec_of``): a CPU tensor is a graph input under
         # torch.compile, so a new layout of the same sizes needs no new graph.
         self.spec = torch.tensor([seqlen, world, *self._bounds], dtype=torch.int64)
-        self._positions = [_positions(rank) for rank in runs]
+        self._positions: dict[int, torch.Tensor] = {}  # per rank, made on first use
         self.shared = _shared_pieces(self._bounds, runs)
 
     def __repr__(self) -> str:
@@ -388,6 +388,8 @@ class DocumentLayout(Layout):
 
     def positions(self, seqlen, rank, world):
         self.check_seqlen(seqlen, world)
+        if rank not in self._positions:
+            self._positions[rank] = _positions(self.runs[rank])
         return self._positions[rank].clone()
 
     def block_chunk(self, world, local_len, block):
@@ -498,7 +500,8 @@ def document_layout(cu_seqlens, seqlen: int, group=None, *, world: Optional[int]
     ``world``: the ring's size, to plan a layout without a process group (cost model,
     tests); with a group, it must be the group's. Block masks are not served with it
     (ValueError). Host time (one core, no GPU, bench_masks.py's documents, 2026-11-28):
-    0.2-5 ms at 32k-1M tokens over 2 ranks, 3-10 ms over 8, 21-78 ms over 64.
+    0.2-5 ms at 32k-1M tokens over 2 ranks, 2-7 ms over 8, 19-71 ms over 64 (a rank's own
+    positions, made on first use, included).
     """
     seqlen = positive_int(seqlen, "seqlen")
     bounds = check_cu_seqlens(cu_seqlens, seqlen)
