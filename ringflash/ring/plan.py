@@ -160,14 +160,22 @@ def takes_direct(steps: int, sent, choice: Optional[str] = None) -> bool:
     return steps >= 3 and (choice == "direct" or (choice == "auto" and sent is not None))
 
 
-def _seen(layout, dst: int, src: int, world: int, n: int, band: Band, merge: bool,
-          occupied: Optional[frozenset]) -> tuple[int, int, bool]:
-    """(lo, hi, jumps): the rows [lo, hi) of rank src's shard that rank dst's pairs see
-    (``layouts.visible_keys``; lo == hi: none), and whether a pair's positions jump."""
-    pairs = step_pairs(layout, dst, src, world, n, band, merge, occupied)
-    keys = [r for r in (visible_keys(pair, n) for pair in pairs) if len(r)]
-    lo, hi = min((r.start for r in keys), default=0), max((r.stop for r in keys), default=0)
-    return lo, hi, any(pair.pos is not None and pair.pos[3] for pair in pairs)
+@functools.lru_cache(maxsize=1024)
+def _seen(layout, world: int, n: int, band: Band, merge: bool, steps: int,
+          occupied: Optional[frozenset]) -> tuple[tuple[tuple[int, int, bool], ...], ...]:
+    """Per source rank src, per step s = 1 … steps - 1, (lo, hi, jumps): the rows [lo, hi)
+    of src's shard that rank src + s's pairs see (``layouts.visible_keys``; lo == hi: none),
+    and whether a pair's positions jump."""
+    table = []
+    for src in range(world):
+        row = []
+        for s in range(1, steps):
+            pairs = step_pairs(layout, (src + s) % world, src, world, n, band, merge, occupied)
+            keys = [r for r in (visible_keys(pair, n) for pair in pairs) if len(r)]
+            row.append((min((r.start for r in keys), default=0), max((r.stop for r in keys), default=0),
+                        any(pair.pos is not None and pair.pos[3] for pair in pairs)))
+        table.append(tuple(row))
+    return tuple(table)
 
 
 def _rows(lo: int, hi: int, jumps: bool, n: int) -> tuple[int, int]:
@@ -188,10 +196,9 @@ def travelling_rows(layout, world: int, n: int, band: Band, merge: bool, steps: 
     its last window of keys, causal contiguous shards nothing backwards. The same on every
     rank (it is computed from every rank's pairs), so the messages' sizes agree."""
     rows = []
-    for src in range(world):
-        seen = [_seen(layout, (src + s) % world, src, world, n, band, merge, occupied) for s in range(1, steps)]
+    for seen in _seen(layout, world, n, band, merge, steps, occupied):
         some = [(lo, hi) for lo, hi, _ in seen if lo < hi]
-        rows.append(_rows(min((lo for lo, _ in some), default=0), max((hi for _, hi in some), default=0),
+        rows.append(_rows(min((lo for lo, _ in some), default=0), max((hi for _, hi in some), default=1),
                           any(jumps for *_, jumps in seen), n))
     # Cut shards keep the ring of two off ``_home_first`` (rotate.py): worth it only where
     # they save at least half of what whole shards carry (documents, windows), not for the
@@ -208,14 +215,10 @@ def routes(layout, world: int, n: int, band: Band, merge: bool, steps: int,
     none (one row then travels, and no pair runs). Each rank gets only what its own queries
     see, not every row that some rank sees: on packed documents over 8 ranks most of a
     long document's rows go to the one or two ranks holding its later pieces."""
-    sent = travelling_rows(layout, world, n, band, merge, steps, occupied)
-    if sent is None:
+    if travelling_rows(layout, world, n, band, merge, steps, occupied) is None:
         return None
-    table = []
-    for src in range(world):
-        seen = [_seen(layout, (src + s) % world, src, world, n, band, merge, occupied) for s in range(1, steps)]
-        table.append(tuple(_rows(lo, hi, jumps, n) if lo < hi else None for lo, hi, jumps in seen))
-    return tuple(table)
+    return tuple(tuple(_rows(lo, hi, jumps, n) if lo < hi else None for lo, hi, jumps in seen)
+                 for seen in _seen(layout, world, n, band, merge, steps, occupied))
 
 
 def _travelling(pairs: tuple, rows: tuple[int, int], n: int) -> tuple:
