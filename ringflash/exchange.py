@@ -71,11 +71,13 @@ class Ring:
         rank-shift. A pair may name a third tensor, ``at``: a view of the buffer ``recv``
         belongs to, at the place where rank+shift receives this message in its own copy of
         that buffer, when that is not where this rank receives (a message one way only:
-        this rank receives an empty view while rank+shift receives into ``at``)."""
+        this rank receives an empty view while rank+shift receives into ``at``). ``recv``
+        is contiguous; ``send`` may be a view (NCCL sends a contiguous copy of it; the copy
+        engines read the heads of a chunk in place)."""
         to, frm = self.peer(shift), self.peer(-shift)
         ops = []
         for send, recv, *_at in pairs:
-            ops.append(dist.P2POp(dist.isend, send, to, self.group))
+            ops.append(dist.P2POp(dist.isend, send.contiguous(), to, self.group))
             ops.append(dist.P2POp(dist.irecv, recv, frm, self.group))
         return dist.batch_isend_irecv(ops)
 
@@ -181,13 +183,22 @@ def _check(status: int, what: str) -> None:
         raise RuntimeError(f"PeerRing: {what} failed with CUDA error {status}")
 
 
-def _copy_rows(dst: int, src: int, width: int, pitch: int, height: int, stream) -> None:
-    """``height`` rows of ``width`` bytes, ``pitch`` bytes apart at both ends, from device
-    address ``src`` to ``dst`` on ``stream``: one 2-D copy on the copy engines."""
+def _copy_rows(dst: int, src: int, width: int, pitch: int, height: int, stream, dst_pitch=None) -> None:
+    """``height`` rows of ``width`` bytes, ``pitch`` bytes apart at the source and
+    ``dst_pitch`` (default ``pitch``) at the destination, from device address ``src`` to
+    ``dst`` on ``stream``: one 2-D copy on the copy engines."""
     copy = _Copy2D(srcMemoryType=2, srcDevice=src, srcPitch=pitch, dstMemoryType=2,  # device
-                   dstDevice=dst, dstPitch=pitch, WidthInBytes=width, Height=height)
+                   dstDevice=dst, dstPitch=pitch if dst_pitch is None else dst_pitch, WidthInBytes=width,
+                   Height=height)
     _check(_driver("cuMemcpy2DAsync_v2")(ctypes.byref(copy), ctypes.c_void_p(stream.cuda_stream)),
            "cuMemcpy2DAsync")
+
+
+def _pitched(t: torch.Tensor) -> bool:
+    """Whether ``t`` is (B, S, H, D) rows of contiguous heads a fixed pitch apart (some heads
+    of a contiguous tensor), which one 2-D copy a batch entry carries."""
+    return (t.dim() == 4 and t.stride(3) == 1 and (t.shape[2] == 1 or t.stride(2) == t.shape[3])
+            and t.stride(1) >= t.shape[2] * t.shape[3])
 
 
 class _MemoryBarrier(ctypes.Structure):
@@ -484,8 +495,9 @@ class PeerRing(Ring):
         self._status.check()
         located = []
         for send, recv, *at in pairs:
-            if not (send.is_contiguous() and recv.is_contiguous()):
-                raise ValueError("PeerRing.exchange: send and recv must be contiguous")
+            if not ((send.is_contiguous() or _pitched(send)) and recv.is_contiguous()):
+                raise ValueError("PeerRing.exchange: recv must be contiguous, send contiguous or (B, S, H, D) "
+                                 f"rows of contiguous heads (strides {send.stride()})")
             located.append((send, *self._find(at[0] if at else recv)))
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream())
@@ -496,7 +508,13 @@ class PeerRing(Ring):
                 send.record_stream(stream)  # read here: not to be reused before the copy is done
                 theirs = handle.get_buffer((self.rank + shift) % self.world, tuple(send.shape),
                                            send.dtype, offset)
-                theirs.copy_(send)
+                if send.is_contiguous():
+                    theirs.copy_(send)
+                else:  # some heads of each row (a chunk of heads): 2-D copies, one a batch entry
+                    width, size = send.shape[2] * send.shape[3] * send.element_size(), send.element_size()
+                    for b in range(send.shape[0]):
+                        _copy_rows(theirs[b].data_ptr(), send[b].data_ptr(), width, send.stride(1) * size,
+                                   send.shape[1], stream, dst_pitch=width)
             self._landed(first, shift)
             event = torch.cuda.Event()
             event.record(stream)

@@ -477,10 +477,24 @@ def _chunk_slices(call: _Call, q: torch.Tensor, k: torch.Tensor) -> list[tuple[s
     return [(slice(c * m, (c + 1) * m), slice(c * e, (c + 1) * e)) for c in range(call.chunks)]
 
 
+def _copy_aside(pairs, device: torch.device) -> None:
+    """dst.copy_(src) for each (dst, src), aside (``_aside``): a chunk's results into its
+    heads while the next chunk's kernels run. Each src stays allocated until its copy is
+    done; the caller ``_rejoin``s before the destinations are read."""
+    with _aside(device):
+        for dst, src in pairs:
+            dst.copy_(src)
+            if device.type == "cuda":
+                src.record_stream(torch.cuda.current_stream(device))
+
+
 class _Sequential(torch.autograd.Function):
     """out (B, S, H, D), lse (B, H, S) of ``ring_in_chunks``: chunk c's ring runs on views
-    of q, k, v (its heads) and its results are copied into the whole tensors, so the ring's
-    buffers and one chunk's results are all that is alive beside them."""
+    of q, k, v (its heads; the copy engines send its K/V from those views in place) and its
+    results are copied into the whole tensors beside the next chunk's kernels, so the
+    ring's buffers and a chunk's results are all that is alive beside them. What a chunk
+    costs beyond its kernels is those copies and the last chunk's exposed trips home:
+    docs/performance.md, "Masks through the ring, 2 × H200"."""
 
     @staticmethod
     def forward(ctx, q, k, v, call: _Call, requires_grad: bool):
@@ -491,8 +505,9 @@ class _Sequential(torch.autograd.Function):
         for c, (hs, ks) in enumerate(_chunk_slices(call, q, k)):
             out_c, lse_c, kept_kv, kept_segments = call.forward(c, q[:, :, hs], k[:, :, ks], v[:, :, ks],
                                                                 requires_grad)
-            out[:, :, hs], lse[:, hs] = out_c, lse_c
+            _copy_aside([(out[:, :, hs], out_c), (lse[:, hs], lse_c)], q.device)
             kept += [kept_kv, kept_segments]
+        _rejoin(q.device)
         ctx.save_for_backward(q, k, v, out, lse, *kept)
         ctx.call = call
         ctx.set_materialize_grads(False)  # an unused lse's gradient stays None, as the ring op's
@@ -503,10 +518,11 @@ class _Sequential(torch.autograd.Function):
         no_double_backward()
         q, k, v, out, lse, *kept = ctx.saved_tensors
         dout = torch.zeros_like(out) if dout is None else dout  # only lse was used
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dq, dkv = torch.empty_like(q), k.new_empty((2, *k.shape))
         for c, (hs, ks) in enumerate(_chunk_slices(ctx.call, q, k)):
             dq_c, dkv_c = ctx.call.backward(c, dout[:, :, hs], q[:, :, hs], k[:, :, ks], v[:, :, ks],
                                             out[:, :, hs], lse[:, hs], None if dlse is None else dlse[:, hs],
                                             *kept[2 * c:2 * c + 2])
-            dq[:, :, hs], dk[:, :, ks], dv[:, :, ks] = dq_c, dkv_c[0], dkv_c[1]
-        return dq, dk, dv, None, None
+            _copy_aside([(dq[:, :, hs], dq_c), (dkv[:, :, :, ks], dkv_c)], q.device)
+        _rejoin(q.device)
+        return dq, dkv[0], dkv[1], None, None

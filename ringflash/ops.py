@@ -183,7 +183,8 @@ def _backward_grads(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     if ring.world > 1 and transport(ring.group) == "peer":
         ring = PeerRing(ring.group)
     kept = (kept_kv, kept_segments if kept_segments.numel() else None) if kept_kv.numel() else None
-    return ring_backward(dout.contiguous(), q, k, v, out, lse, dlse, segments,
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()  # the kernels read any other strides
+    return ring_backward(dout, q, k, v, out, lse, dlse, segments,
                          softmax_scale=softmax_scale, band=(band_lo, band_hi),
                          dropout=(dropout_p, seed, dropout_head0), layout=layout_from_spec(layout, layout_spec),
                          ring=ring, blocks=blocks, kept=kept, deterministic=deterministic)

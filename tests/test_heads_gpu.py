@@ -12,7 +12,10 @@ order and agrees on the verdict with an all-reduce (as tests/test_ring_gpu.py do
   allows (U = 1: the ring alone, its heads in turn), chunked (RINGFLASH_HEAD_CHUNKS=4)
   against the float64 oracle, and against the unchunked call (=1);
 - large, bf16 (32 heads, GQA 8, head_dim 128, 4096 tokens a rank, causal zigzag): the
-  chunked call against the unchunked one, and both finite.
+  chunked call against the unchunked one, and both finite;
+- the ring alone in 1, 2 and 4 chunks one after another, bf16, deterministic backward, on
+  either transport (the copy engines send a chunk's K/V from the views of its heads): the
+  same bits, MHA and GQA, a window on block_stripe (the Triton kernels) and causal zigzag.
 """
 
 from __future__ import annotations
@@ -93,4 +96,38 @@ def test_chunked_grid_bf16_matches_unchunked(nccl):
             apart = rel_err(t.float(), whole[name].float())
             if not apart <= APART_BF16:
                 failures.append(f"U={heads_world} {name}: chunked and unchunked differ by {apart:.3g}")
+    _agree(failures)
+
+
+def _in_turn(transport: str, heads_kv: tuple, case: dict, chunks: str, monkeypatch) -> list:
+    """out, lse and the gradients of a deterministic bf16 ring-alone call in ``chunks``
+    chunks, one after another."""
+    rank = dist.get_rank()
+    gen = torch.Generator(device="cuda").manual_seed(rank)
+    n, (h, hkv) = 1024, heads_kv
+    q, dout = (torch.randn(1, n, h, 128, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, n, hkv, 128, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    monkeypatch.setenv("RINGFLASH_TRANSPORT", transport)
+    monkeypatch.setenv("RINGFLASH_HEAD_CHUNKS", chunks)
+    out, lse = ringflash.ring_flash_attn(q, k, v, deterministic=True, return_lse=True, **case)
+    out.backward(dout)
+    torch.cuda.synchronize()
+    return [out, lse, q.grad, k.grad, v.grad]
+
+
+@pytest.mark.parametrize("transport", ["nccl", "peer"])
+def test_chunks_in_turn_give_the_same_bits(nccl, transport, monkeypatch):
+    failures = []
+    cases = {"window block_stripe": dict(causal=True, window_size=(300, 0), layout="block_stripe"),
+             "causal zigzag": dict(causal=True, layout="zigzag")}
+    for heads_kv in ((8, 8), (8, 2)):
+        for name, case in cases.items():
+            whole = _in_turn(transport, heads_kv, case, "1", monkeypatch)
+            for chunks in ("2", "4"):
+                got = _in_turn(transport, heads_kv, case, chunks, monkeypatch)
+                for what, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, whole):
+                    if not torch.equal(a, b):
+                        failures.append(f"{transport} {heads_kv} {name}, {chunks} chunks: {what} differs "
+                                        f"(max {(a.float() - b.float()).abs().max().item():.3g})")
     _agree(failures)

@@ -108,7 +108,7 @@ class Slots:
         rows, (kv_next, seg_next) = self.rows(rank, shift), self.at(shift)
         kv_theirs, seg_theirs = self._slot((rank + shift) % self.ring.world, shift)
         theirs = self.packed(kv_theirs, rank, shift)
-        pairs = [(k[:, rows].contiguous(), kv_next[0], theirs[0]), (v[:, rows].contiguous(), kv_next[1], theirs[1])]
+        pairs = [(k[:, rows], kv_next[0], theirs[0]), (v[:, rows], kv_next[1], theirs[1])]
         if segments is not None:
             pairs.append((segments[:, rows].contiguous(), seg_next, seg_theirs))
         return self.ring.exchange(*pairs, shift=shift)
