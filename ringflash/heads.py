@@ -290,8 +290,8 @@ class _Call:
         return ring_attn_forward_impl(q2, k2, v2, self.segments, self.blocks[c], *self.ring, *self.dropout,
                                       self.head0[c], requires_grad, self.deterministic)
 
-    def backward(self, c: int, dout2, q2, k2, v2, out2, lse2, dlse2, kept_kv, kept_segments):
-        return ring_attn_backward_impl(dout2, q2, k2, v2, out2, lse2, dlse2, self.segments, self.blocks[c],
+    def backward(self, c: int, dout2, q2, k2, v2, out2, lse2, dlse2, kept_kv, kept_segments, into=None):
+        return ring_attn_backward_impl(into, dout2, q2, k2, v2, out2, lse2, dlse2, self.segments, self.blocks[c],
                                        kept_kv, kept_segments, *self.ring, *self.dropout, self.head0[c],
                                        self.deterministic)
 
@@ -490,9 +490,10 @@ def _copy_aside(pairs, device: torch.device) -> None:
 
 class _Sequential(torch.autograd.Function):
     """out (B, S, H, D), lse (B, H, S) of ``ring_in_chunks``: chunk c's ring runs on views
-    of q, k, v (its heads; the copy engines send its K/V from those views in place) and its
-    results are copied into the whole tensors beside the next chunk's kernels, so the
-    ring's buffers and a chunk's results are all that is alive beside them. What a chunk
+    of q, k, v (its heads; the copy engines send its K/V from those views in place); its
+    out is copied into the whole tensor beside the next chunk's kernels, its gradients go
+    into theirs (where the ring writes them, else copied: ``ring_backward``'s into), so
+    the ring's buffers and a chunk's results are all that is alive beside them. What a chunk
     costs beyond its kernels is those copies and the last chunk's exposed trips home:
     docs/performance.md, "Masks through the ring, 2 × H200"."""
 
@@ -520,9 +521,7 @@ class _Sequential(torch.autograd.Function):
         dout = torch.zeros_like(out) if dout is None else dout  # only lse was used
         dq, dkv = torch.empty_like(q), k.new_empty((2, *k.shape))
         for c, (hs, ks) in enumerate(_chunk_slices(ctx.call, q, k)):
-            dq_c, dkv_c = ctx.call.backward(c, dout[:, :, hs], q[:, :, hs], k[:, :, ks], v[:, :, ks],
-                                            out[:, :, hs], lse[:, hs], None if dlse is None else dlse[:, hs],
-                                            *kept[2 * c:2 * c + 2])
-            _copy_aside([(dq[:, :, hs], dq_c), (dkv[:, :, :, ks], dkv_c)], q.device)
-        _rejoin(q.device)
+            ctx.call.backward(c, dout[:, :, hs], q[:, :, hs], k[:, :, ks], v[:, :, ks], out[:, :, hs], lse[:, hs],
+                              None if dlse is None else dlse[:, hs], *kept[2 * c:2 * c + 2],
+                              into=(dq[:, :, hs], dkv[:, :, :, ks]))
         return dq, dkv[0], dkv[1], None, None

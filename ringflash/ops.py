@@ -179,15 +179,32 @@ def _backward_grads(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     views of one buffer, which is what the ring's last hop delivers. kept_kv, kept_segments:
     what the forward kept (empty: nothing). The transport is chosen again here, from the
     same RINGFLASH_TRANSPORT as the forward's. deterministic: the same bits run to run."""
+    return _backward_into(None, dout, q, k, v, out, lse, dlse, segments, blocks, kept_kv, kept_segments,
+                          softmax_scale, band_lo, band_hi, layout, layout_spec, group_name, dropout_p, seed,
+                          dropout_head0, deterministic)
+
+
+def _backward_into(into: Optional[tuple], dout, q, k, v, out, lse, dlse, segments, blocks, kept_kv, kept_segments,
+                   softmax_scale, band_lo, band_hi, layout, layout_spec, group_name, dropout_p=0.0, seed=0,
+                   dropout_head0=0, deterministic=False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_backward_grads``, its gradients in ``into`` where given: (dq like q, dkv (2,
+    *k.shape) in k's dtype), views such as a chunk's heads of larger tensors, which the
+    ring writes where it can and copies into elsewhere (``ring_backward``'s into)."""
     ring = ring_of(group_name)
     if ring.world > 1 and transport(ring.group) == "peer":
         ring = PeerRing(ring.group)
     kept = (kept_kv, kept_segments if kept_segments.numel() else None) if kept_kv.numel() else None
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()  # the kernels read any other strides
-    return ring_backward(dout, q, k, v, out, lse, dlse, segments,
-                         softmax_scale=softmax_scale, band=(band_lo, band_hi),
-                         dropout=(dropout_p, seed, dropout_head0), layout=layout_from_spec(layout, layout_spec),
-                         ring=ring, blocks=blocks, kept=kept, deterministic=deterministic)
+    grads = ring_backward(dout, q, k, v, out, lse, dlse, segments,
+                          softmax_scale=softmax_scale, band=(band_lo, band_hi),
+                          dropout=(dropout_p, seed, dropout_head0), layout=layout_from_spec(layout, layout_spec),
+                          ring=ring, blocks=blocks, kept=kept, deterministic=deterministic, into=into)
+    if into is None:
+        return grads
+    for dest, got in zip(into, grads):
+        if got is not dest:
+            dest.copy_(got)
+    return into
 
 
 ring_attn_backward = torch.library.custom_op("ringflash::ring_attn_backward", mutates_args=(),
@@ -229,7 +246,7 @@ _RingAttn = eager_function("_RingAttn", _forward, _setup_context, _backward)
 # The implementations behind the two ops, for eager callers that run several rings inside an
 # autograd Function of their own and order their forwards and backwards themselves
 # (ringflash.heads: chunks of heads overlapped with their all-to-alls).
-ring_attn_forward_impl, ring_attn_backward_impl = _forward, _backward_grads
+ring_attn_forward_impl, ring_attn_backward_impl = _forward, _backward_into
 
 
 def ring_attn(q, k, v, segments=None, *, softmax_scale: float, band=(None, None), layout,

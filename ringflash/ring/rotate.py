@@ -111,7 +111,7 @@ class _Grads:
     pass and a dK/dV pass apart (the Triton kernels: two kernels a pair either way)."""
 
     def __init__(self, dout, q, lse, delta, segments, *, softmax_scale: float, dropout, plan, blocks,
-                 first_writes: bool, deterministic: bool = False, fused: bool = False):
+                 first_writes: bool, deterministic: bool = False, fused: bool = False, dq_out=None):
         self.dout, self.q, self.lse, self.delta, self.segments = dout, q, lse, delta, segments
         self.softmax_scale, self.dropout, self.plan, self.blocks = softmax_scale, dropout, plan, blocks
         self.deterministic, self.fused = deterministic, fused
@@ -119,8 +119,11 @@ class _Grads:
         self.dq = torch.empty(q.shape, device=q.device, dtype=torch.float32)
         if fused or not first_writes:
             self.dq.zero_()
-        self.dq_out = self.dq if q.dtype == torch.float32 else torch.empty(q.shape, device=q.device,
-                                                                            dtype=q.dtype)
+        # A given dq_out (a view, say a chunk's heads) only where the passes never write it
+        # with the fp32 sums as their partials, which must share its strides: fused.
+        if dq_out is None or not fused:
+            dq_out = self.dq if q.dtype == torch.float32 else torch.empty(q.shape, device=q.device, dtype=q.dtype)
+        self.dq_out = dq_out
 
     def pair(self, pair, kv, seg, write: bool, dq=None, dkv=None, partial=None, write_dkv: bool = False) -> None:
         """One block pair's dQ pass (into dq) or dK/dV pass (into packed dkv), adding to
@@ -213,11 +216,15 @@ class _Grads:
 
 def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: float, band: Band,
                   dropout: tuple, layout: str, ring: Ring,
-                  blocks: Optional[torch.Tensor] = None, kept=None, deterministic: bool = False):
+                  blocks: Optional[torch.Tensor] = None, kept=None, deterministic: bool = False,
+                  into: Optional[tuple] = None):
     """Returns dq (like q) and dk, dv of this rank's shards packed as one (2, *k.shape)
     tensor in k's dtype. kept: what ``ring_forward`` kept, or None. deterministic: the
     same bits run to run (``kernels.flash_attn_bwd``: the Gluon kernel's dQ adds in a fixed
-    order)."""
+    order). into: None, or (dq, dkv) of those shapes and dtypes, any strides with the last
+    dimension contiguous (a chunk's heads of larger tensors), written where the schedule
+    writes its results from fp32 sums or without partial sums, so that no copy follows;
+    what is returned is then those tensors, or, where not, new ones (the caller copies)."""
     n = q.shape[1]
     sched = schedule_of(ring, layout, n, band, dropout, blocks)
     steps, schedule, first_writes, plan, pieces, own_apart, sent, direct, routes = sched
@@ -237,11 +244,13 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
     # With the K/V kept nothing is in flight to hide at the start: the remote steps run at
     # once and the own step's passes all run last, under the partial sums' trips home.
     late = received is not None
+    dq_into, dkv_into = (None, None) if into is None else into
     grads = _Grads(dout, q, lse, delta, segments, softmax_scale=softmax_scale, dropout=dropout, plan=plan,
-                   blocks=blocks, first_writes=first_writes and not late, deterministic=deterministic, fused=fused)
+                   blocks=blocks, first_writes=first_writes and not late, deterministic=deterministic, fused=fused,
+                   dq_out=dq_into)
     own = ((k, v), segments)
     if steps == 1:
-        dkv = _one_step(grads, k, own, schedule[0], first_writes)
+        dkv = _one_step(grads, k, own, schedule[0], first_writes, dkv_into)
         return grads.result(), dkv
     # Two active steps (a ring of two) take ``_home_first`` where no rank's own pairs overlap
     # in key rows and every rank's remote step is at least half its own step (a sliding
@@ -262,8 +271,8 @@ def ring_backward(dout, q, k, v, out, lse, dlse, segments, *, softmax_scale: flo
     # the first two, the direct schedule's partial sums come home into one a step; the
     # last is the own shard's (``_OwnSums.mine``).
     sums = ring.buffer("grads", (steps if direct else 3, 2 * k.numel()), torch.float32, k.device)
-    own_sums = _OwnSums(sums[-1].view(2, *k.shape), torch.empty((2, *k.shape), device=k.device, dtype=k.dtype),
-                        slots.rows(ring.rank))
+    own_sums = _OwnSums(sums[-1].view(2, *k.shape), torch.empty((2, *k.shape), device=k.device, dtype=k.dtype)
+                        if dkv_into is None else dkv_into, slots.rows(ring.rank))
     if late:
         own_last = own_first + own_last
     elif fused:  # the own shard's dK/dV start here
@@ -376,21 +385,22 @@ def _fuses(q, k, steps, segments, dropout, plan, blocks, deterministic: bool) ->
         for pair in pairs)
 
 
-def _one_step(grads: _Grads, k, own, pairs, first_writes: bool) -> torch.Tensor:
+def _one_step(grads: _Grads, k, own, pairs, first_writes: bool, into=None) -> torch.Tensor:
     """dK/dV of a ring whose shards never travel (one rank, or masks that keep to the own
     shard), after its dQ: pairs adding into one key row add in fp32, then round once (the
     fused kernel writes k's dtype where its pairs keep to disjoint key rows, and adds into
-    fp32 sums elsewhere)."""
+    fp32 sums elsewhere). ``into``: where k's dtype may be written (``ring_backward``)."""
     overlapping = uncovered([pair.k for pair in pairs], grads.n) is None
     rows = range(grads.n)
     fp32 = overlapping or (grads.fused and not grads.writes(pairs, rows))
-    sums = torch.empty((2, *k.shape), device=k.device, dtype=torch.float32 if fp32 else k.dtype)
+    sums = into if into is not None and not fp32 else torch.empty(
+        (2, *k.shape), device=k.device, dtype=torch.float32 if fp32 else k.dtype)
     if grads.fused:
         grads.fused_pass(pairs, *own, sums, keys=rows)
     else:
         grads.dq_pass(pairs, *own, first_writes, True)
         grads.dkv_pass(pairs, *own, sums)
-    return sums.to(k.dtype)
+    return sums if sums is into else sums.to(k.dtype)
 
 
 def _home_first(grads: _Grads, ring: Ring, k, own, cur, schedule, pieces) -> torch.Tensor:

@@ -49,13 +49,19 @@ def add_rows(dst: torch.Tensor, src: torch.Tensor, rows: slice, dim: int) -> Non
 
 def sum_rows(dst: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: slice) -> None:
     """dst[:, :, rows] = a[:, :, rows] + b, rounded once to dst's dtype: packed (2, B, n,
-    Hkv, D) dst and a, b holding only those rows (2, B, rows, Hkv, D), contiguous; one
-    pass over the 2 B pieces (``kernels.add_rounded``)."""
+    Hkv, D) dst and a, b holding only those rows (2, B, rows, Hkv, D), contiguous (dst's
+    heads may be a view's: then a second pass places them); one pass over the 2 B pieces
+    (``kernels.add_rounded``)."""
     def pieces(t: torch.Tensor, part: slice) -> torch.Tensor:
         return t.flatten(0, 1)[:, part].flatten(2)  # (2 B, rows, Hkv D): rows x Hkv D contiguous
 
     out, first = pieces(dst, rows), pieces(a, rows)
-    add_rounded(out.flatten(1), first.flatten(1), b.flatten(0, 1).flatten(1))
+    if out[0].is_contiguous():
+        add_rounded(out.flatten(1), first.flatten(1), b.flatten(0, 1).flatten(1))
+    else:  # dst's rows are some heads of wider rows (``ring_backward``'s into): rounded, then placed
+        whole = torch.empty(out.shape, device=out.device, dtype=out.dtype)
+        add_rounded(whole.flatten(1), first.flatten(1), b.flatten(0, 1).flatten(1))
+        out.copy_(whole)
 
 
 def home_cuts(n: int) -> tuple[int, ...]:
