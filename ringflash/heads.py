@@ -45,7 +45,9 @@ the slots visiting K/V land in -- grow with the heads a call runs: 56 KiB a loca
 than ``MEMORY_SHARE`` of the GPU's memory runs its heads in C chunks one after another
 (``memory_chunks``; ``_Sequential``): each chunk's ring holds 1/C of those buffers and
 frees them before the next starts, and every chunk computes what the whole call computes
-for its heads, bit for bit. RINGFLASH_HEAD_CHUNKS=k runs k chunks (the largest divisor of
+for its heads, bit for bit, on views of the call's tensors (its K/V sent from them, its
+gradients written into them; about 4% of a light mask's time on 2 H200s at 512k,
+docs/performance.md). RINGFLASH_HEAD_CHUNKS=k runs k chunks (the largest divisor of
 kv_heads up to k) whatever the size; 1 never chunks. Eager calls only: under torch.compile
 the ring op runs every head at once (README, support matrix).
 """

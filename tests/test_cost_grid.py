@@ -49,7 +49,8 @@ def _recording(monkeypatch) -> list:
     def forward_impl(q2, k2, v2, *_):
         return q2.clone(), q2.float().sum(-1).transpose(1, 2).contiguous(), torch.empty(0), torch.empty(0)
 
-    def backward_impl(dout2, q2, k2, v2, *_):
+    def backward_impl(into, dout2, q2, k2, v2, *_):  # the grid's chunks pass no into
+        assert into is None
         return dout2.clone(), torch.stack([k2, v2])
 
     monkeypatch.setattr(dist, "all_to_all_single", all_to_all_single)

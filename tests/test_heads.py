@@ -262,6 +262,26 @@ def check_chunks_keeping_kv(rank, world):
     return report, len(kept)
 
 
+def test_a_chunks_heads_are_sent_and_summed_where_they_lie():
+    """What the chunks run on without copies: the copy engines send some heads of each row
+    in place (``exchange._pitched``: rows of contiguous heads a fixed pitch apart), and the
+    travelling rows' dK/dV sums land in some heads of wider tensors with the same bits as
+    in a contiguous one (``rows.sum_rows``)."""
+    from ringflash.exchange import _pitched
+    from ringflash.ring.rows import sum_rows
+    k = torch.randn(2, 64, 8, 16)
+    assert _pitched(k[:, :, 2:4]) and _pitched(k[:, 10:30, 4:8]) and _pitched(k[:, :, 3:4])
+    assert not _pitched(k[..., :8]) and not _pitched(k.transpose(1, 2)) and not _pitched(k[:, ::2, :, :].mT)
+    mine, home = torch.randn(2, 2, 64, 2, 16), torch.randn(2, 2, 24, 2, 16)
+    rows = slice(20, 44)
+    whole = torch.zeros(2, 2, 64, 8, 16, dtype=torch.bfloat16)
+    alone = torch.zeros(2, 2, 64, 2, 16, dtype=torch.bfloat16)
+    sum_rows(whole[:, :, :, 4:6], mine, home, rows)
+    sum_rows(alone, mine, home, rows)
+    assert torch.equal(whole[:, :, :, 4:6], alone) and torch.equal(alone[:, :, rows], (mine[:, :, rows] + home).bfloat16())
+    assert not whole[:, :, :, :4].any() and not whole[:, :, :, 6:].any() and not whole[:, :, :20].any()
+
+
 @pytest.mark.world(4)
 def test_ring_alone_in_chunks_keeps_each_chunks_kv(worlds):
     """Chunks of heads on the ring alone, each call keeping the K/V its forward received
