@@ -120,6 +120,14 @@ def _rank_work(bounds: list[int], runs: list[Piece]) -> int:
     return total
 
 
+def _heavy(lengths: list[int], n: int, world: int, spread: float, force: tuple = ()) -> list[int]:
+    """The documents ``_assign`` splits at ``spread``: longer than a shard of n tokens, or
+    with more causal pairs than ``spread`` x a rank's share, and those of ``force``."""
+    work = [length * (length + 1) / 2 for length in lengths]
+    share = sum(work) / world
+    return [d for d, length in enumerate(lengths) if length > n or (length and work[d] > spread * share) or d in force]
+
+
 def _cut_in_ring_order(start: int, length: int, limit: float, reserve: int, spans: list, room: list,
                        load: list) -> None:
     """Document [start, start + length) in consecutive pieces over consecutive ranks in ring
@@ -168,8 +176,7 @@ def _assign(bounds: torch.Tensor, seqlen: int, world: int, spread: float, fill: 
     placed = [False] * len(lengths)
     rotate, splits = 0, 0
     reserve = n // _RESERVE  # room kept for the pour on every rank, so that it never skips one
-    heavy = [d for d, length in enumerate(lengths)
-             if length > n or (length and work[d] > spread * share) or d in force]
+    heavy = _heavy(lengths, n, world, spread, force)
     for d in sorted(heavy, key=lambda d: -work[d]) if fill else ():  # 1. in ring order
         _cut_in_ring_order(starts[d], lengths[d], fill * share, reserve, spans, room, load)
         placed[d], splits = True, splits + 1
@@ -500,7 +507,7 @@ def document_layout(cu_seqlens, seqlen: int, group=None, *, world: Optional[int]
     ``world``: the ring's size, to plan a layout without a process group (cost model,
     tests); with a group, it must be the group's. Block masks are not served with it
     (ValueError). Host time (one core, no GPU, bench_masks.py's documents, 2026-11-28):
-    0.2-5 ms at 32k-1M tokens over 2 ranks, 2-7 ms over 8, 19-71 ms over 64 (a rank's own
+    0.3-5 ms at 32k-1M tokens over 2 ranks, 1-7 ms over 8, 9-37 ms over 64 (a rank's own
     positions, made on first use, included).
     """
     seqlen = positive_int(seqlen, "seqlen")
@@ -563,10 +570,16 @@ def _made(bounds: torch.Tensor, seqlen: int, world: int, fills: tuple = _FILLS) 
     layout its measured rows ran)."""
     best: Optional[tuple] = None
     listed = bounds.tolist()
+    lengths = [b - a for a, b in zip(listed, listed[1:])]
     for way, fill in enumerate((None, *fills)):
         if best is not None and best[0][:2] <= (0, 2):  # balanced in one hop: nothing to gain
             break
+        before = None
         for spread in _SPREADS:
+            heavy = _heavy(lengths, seqlen // world, world, spread)
+            if heavy == before:  # the spread before split the same documents: the same candidate
+                continue
+            before = heavy
             runs, splits, poured = _assign(bounds, seqlen, world, spread, fill)
             key = _judged(listed, runs, world, way)
             if best is None or key < best[0]:
