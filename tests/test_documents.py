@@ -88,6 +88,33 @@ def test_every_way_of_splitting_holds_every_token_once(world):
                     assert torch.equal(torch.cat(held).sort().values, torch.arange(seqlen)), (seed, fill, spread)
 
 
+class _NeverEqual(list):
+    def __eq__(self, other):
+        return False
+
+    __hash__ = None
+
+
+def test_a_candidate_made_once_is_the_layout_made_every_time(monkeypatch):
+    """``_made`` skips a spread that splits the same documents as the one before (the same
+    candidate): the layouts are those of trying every spread, at 2-16 ranks."""
+    from ringflash import documents
+
+    def made(cu, seqlen, world):
+        layout = documents._made(cu, seqlen, world)
+        return [list(rank) for rank in layout.runs], layout.splits, layout.spread
+
+    heavy = documents._heavy
+    for world, seqlen, median, seed in [(2, 1 << 16, 2048, 0), (4, 1 << 17, 2048, 1), (8, 1 << 18, 512, 2),
+                                        (8, 1 << 18, 8192, 3), (16, 1 << 18, 2048, 4), (3, 3 * 8192, 256, 5)]:
+        cu = torch.tensor([0, *_lognormal_sigma(seqlen - 5, median, 1.5, seed)]).cumsum(0)
+        once = made(cu, seqlen, world)
+        monkeypatch.setattr(documents, "_heavy", lambda *a: _NeverEqual(heavy(*a)))  # every spread made
+        every = made(cu, seqlen, world)
+        monkeypatch.setattr(documents, "_heavy", heavy)
+        assert once == every, (world, seqlen, median, seed)
+
+
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_balanced_on_lognormal_documents(world):
     """Causal pairs per rank within 6% of the mean (block_stripe's own balance is within 2%
