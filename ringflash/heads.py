@@ -496,7 +496,7 @@ class _Sequential(torch.autograd.Function):
     out is copied into the whole tensor beside the next chunk's kernels, its gradients go
     into theirs (where the ring writes them, else copied: ``ring_backward``'s into), so
     the ring's buffers and a chunk's results are all that is alive beside them. What a chunk
-    costs beyond its kernels is those copies and the last chunk's exposed trips home:
+    costs beyond its kernels (out's copy, dout's strided reads, its own ring's trips):
     docs/performance.md, "Masks through the ring, 2 × H200"."""
 
     @staticmethod
