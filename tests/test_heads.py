@@ -164,7 +164,7 @@ CHUNKS_RUN = {2: {"mha-causal": 4, "gqa-full": 4, "mqa-causal": 1, "uneven-gqa":
                   "blocks": 2, "dropout-mha": 2},
               # U = 1: the ring alone, its heads one chunk after another (heads.memory_chunks)
               1: {"mha-causal": 4, "gqa-full": 4, "mqa-causal": 1, "uneven-gqa": 3, "gqa-docs": 4,
-                  "blocks": 4, "dropout-mha": 4, "gqa-docs-cut": 4}}
+                  "blocks": 4, "dropout-mha": 4, "gqa-docs-cut": 4, "gqa-docs-whole": 4}}
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -242,6 +242,35 @@ def test_chunked_heads_give_the_unchunked_bits(worlds, world_size, heads_world):
         blocks = [case for case in CHUNK_CASES if case[0] == "blocks"]
         per_rank = worlds(world_size).run(check_chunks, heads_world, "contiguous", blocks, seqlen, timeout=300)
         failures += _chunk_failures(per_rank, heads_world, bits=False)
+    assert not failures, "\n".join(failures[:20])
+
+
+def check_chunks_fused(rank, world, layout, cases, seqlen) -> list[str]:
+    """``check_chunks``' failures of the ring alone (U = 1) under the fused backward schedule
+    (the Gluon backward's, on the CPU twin: ``test_ring_masks.with_fused_backward``), where
+    a chunk's dq and dK/dV are written straight into its heads of the call's gradients."""
+    from test_ring_masks import with_fused_backward
+
+    if layout == "documents":  # documents that end where the shards do: one step, no travel
+        lengths = [100, 156] * world
+        layout = ringflash.document_layout(torch.tensor([0, *lengths]).cumsum(0), seqlen, world=world)
+        cases = [("gqa-docs-whole", 16, 8, True, (-1, -1), lengths, None)]
+
+    def failures(rank, world):
+        return _chunk_failures([check_chunks(rank, world, 1, layout, cases, seqlen)], 1)
+    return [f"rank {rank}: {f}" for f in with_fused_backward(rank, world, failures)]
+
+
+@pytest.mark.parametrize("world_size,layout", [(2, "block_stripe"), (2, "zigzag"), (3, "block_stripe"),
+                                               (2, "documents")])
+def test_chunks_under_the_fused_backward_give_the_unchunked_bits(worlds, world_size, layout):
+    """Heads in chunks on the ring alone, the backward fused (each chunk's gradients go
+    straight into their heads: ``ring_backward``'s into): the unchunked call's bits, exact
+    against the oracle; MHA, GQA with and without a mask, packed documents, and documents
+    that never cross a rank (one step)."""
+    cases = [case for case in CHUNK_CASES if case[0] in ("mha-causal", "gqa-full", "gqa-docs")]
+    per_rank = worlds(world_size).run(check_chunks_fused, layout, cases, 256 * world_size, timeout=300)
+    failures = [f for rank in per_rank for f in rank]
     assert not failures, "\n".join(failures[:20])
 
 
