@@ -121,8 +121,7 @@ def _rank_work(bounds: list[int], runs: list[Piece]) -> int:
 
 
 def _heavy(lengths: list[int], n: int, world: int, spread: float, force: tuple = ()) -> list[int]:
-    """The documents ``_assign`` splits at ``spread``: longer than a shard of n tokens, or
-    with more causal pairs than ``spread`` x a rank's share, and those of ``force``."""
+    """What ``_assign`` splits: documents over n tokens or ``spread`` x a rank's pairs, and ``force``."""
     work = [length * (length + 1) / 2 for length in lengths]
     share = sum(work) / world
     return [d for d, length in enumerate(lengths) if length > n or (length and work[d] > spread * share) or d in force]
@@ -522,8 +521,7 @@ def document_layout(cu_seqlens, seqlen: int, group=None, *, world: Optional[int]
     return _made(bounds, seqlen, world)
 
 
-# The layouts the ring's ops were last given as spec tensors, by their spec.
-_FROM_SPEC: dict[tuple, DocumentLayout] = {}
+_FROM_SPEC: dict[tuple, DocumentLayout] = {}  # the layouts the ring's ops were last given as specs, by spec
 
 
 @spec_maker("documents")
@@ -555,25 +553,17 @@ def _judged(bounds: list[int], runs: list[list[Piece]], world: int, way: int) ->
     return (0, _steps(_shared_pieces(bounds, runs), world), way) if worst <= _BALANCED else (1, round(worst, 9), way)
 
 
-def _made(bounds: torch.Tensor, seqlen: int, world: int, fills: tuple = _FILLS) -> DocumentLayout:
-    """``document_layout`` once its arguments are checked: for each way of splitting (zigzag;
-    in ring order at each of ``fills``) the candidates of ``_SPREADS`` up to the first
-    balanced one; of the balanced candidates the one of the fewest ring steps (the first
-    where they tie: zigzag), else the most even; no more are tried once one is balanced in
-    two steps or fewer (on two ranks: once one is balanced). Where the most even is a
-    zigzag one, uneven, that poured documents no rank had room for whole (the pour cuts
-    them wherever the ranks' room ends, a heavy piece on one rank: at 1M tokens over 32
-    ranks the busiest rank held 1.14x the mean), it is made again with those split zigzag
-    too, and kept if more even: a zigzag ring runs W steps either way, while a split in
-    ring order runs fewer, which no balance is traded for here. ``fills=()``: zigzag only, the layout
-    before documents were cut in ring order (the cost model's calibration counts the
-    layout its measured rows ran)."""
-    best: Optional[tuple] = None
+def _candidates(bounds: torch.Tensor, seqlen: int, world: int, fills: tuple = _FILLS, every: bool = False):
+    """``_made``'s candidates in order, (``_judged``'s key, runs, splits, spread, poured) each: per
+    way of splitting (zigzag; in ring order at each of ``fills``) those of ``_SPREADS`` up to
+    the first balanced one but those splitting the documents of the spread before (``_heavy``);
+    none after one balanced in two steps or fewer. ``every``: all (research/layout_choice.py)."""
     listed = bounds.tolist()
     lengths = [b - a for a, b in zip(listed, listed[1:])]
+    done = False
     for way, fill in enumerate((None, *fills)):
-        if best is not None and best[0][:2] <= (0, 2):  # balanced in one hop: nothing to gain
-            break
+        if done and not every:  # balanced in one hop: nothing to gain
+            return
         before = None
         for spread in _SPREADS:
             heavy = _heavy(lengths, seqlen // world, world, spread)
@@ -582,14 +572,26 @@ def _made(bounds: torch.Tensor, seqlen: int, world: int, fills: tuple = _FILLS) 
             before = heavy
             runs, splits, poured = _assign(bounds, seqlen, world, spread, fill)
             key = _judged(listed, runs, world, way)
-            if best is None or key < best[0]:
-                best = (key, runs, splits, spread, poured)
-            if key[0] == 0:
+            yield key, runs, splits, spread, poured
+            done = done or key[:2] <= (0, 2)
+            if key[0] == 0 and not every:
                 break
+
+
+def _made(bounds: torch.Tensor, seqlen: int, world: int, fills: tuple = _FILLS) -> DocumentLayout:
+    """``document_layout`` once its arguments are checked: of the candidates (``_candidates``)
+    the balanced one of the fewest ring steps (the first where they tie: zigzag), else the
+    most even. Where the most even is a zigzag one, uneven, that poured documents no rank
+    had room for whole (the pour cuts them where the ranks' room ends, a heavy piece on one
+    rank: at 1M tokens over 32 ranks the busiest held 1.14x the mean), it is made again
+    with those split zigzag too, and kept if more even (a zigzag ring runs W steps either
+    way). ``fills=()``: zigzag only, the layout before documents were cut in ring order
+    (the cost model's calibration counts the layout its measured rows ran)."""
+    best = min(_candidates(bounds, seqlen, world, fills), key=lambda candidate: candidate[0])  # the first least
     key, _, _, spread, poured = best
     if key[0] == 1 and key[2] == 0 and poured and fills == _FILLS:  # zigzag, uneven: split what it poured too
         runs, splits, _ = _assign(bounds, seqlen, world, spread, None, tuple(poured))
-        if (again := _judged(listed, runs, world, 0)) < key:
+        if (again := _judged(bounds.tolist(), runs, world, 0)) < key:
             best = (again, runs, splits, spread, ())
     _, runs, splits, spread, _ = best
     if fills != _FILLS:  # not what document_layout makes: a name of its own, not found by spec
