@@ -4,7 +4,8 @@ Packed documents under a document mask attend only within each document. ``block
 balances them by giving every rank blocks of every document, so each of the W ring steps
 moves a whole K/V shard for a slice of pairs that shrinks as 1 / W^2
 (docs/performance.md, "Cost model"). This layout keeps documents whole on one rank
-wherever the balance allows, so most of the attention needs no communication at all:
+wherever the balance allows, so most of the attention needs no communication at all
+(steps 1-3 and the zigzag edges' alignment: ringflash/documents_place.py):
 
 1. A document longer than a shard (n = seqlen / W tokens), or with more visible causal
    pairs than ``spread`` x a rank's share, is split. Zigzag over the W ranks (2W chunks;
@@ -25,7 +26,9 @@ wherever the balance allows, so most of the attention needs no communication at 
 busiest rank is within ``_BALANCED`` of the mean (for each way, the one of the fewest split
 documents, ``_SPREADS``), the one whose ring runs the fewest steps (zigzag where they tie);
 else the most even. On 4 ranks at 128k this takes the ring from 4 steps to 2
-(docs/notes/documents.md, "Documents cut in ring order").
+(docs/notes/documents.md, "Documents cut in ring order"). The documents are read once per
+call, and a candidate that can no longer be taken is given up while it is made
+(``_beaten``; docs/notes/documents.md, "Host time, second round").
 
 A rank holds its tokens in increasing global position. Under causal (or full) attention
 its own step is then one kernel call over the shard (key row <= query row; the segment
@@ -43,7 +46,6 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import math
 from itertools import accumulate
 from typing import NamedTuple, Optional
 
@@ -52,6 +54,8 @@ import torch
 from .api import check_cu_seqlens, positive_int
 from .groups import resolve_grid
 from .kernels.masks import BLOCK
+from .documents_place import _documents, _Documents, _heavy, _spans
+from .documents_place import _rank_work  # noqa: F401 - a rank's pairs (tests)
 from .layouts import (_ALL, NO_BAND, Layout, Pair, _Chunk, _local_pair, _merged, _MADE_PREFIX,
                       remember, spec_maker)
 
@@ -60,11 +64,6 @@ from .layouts import (_ALL, NO_BAND, Layout, Pair, _Chunk, _local_pair, _merged,
 # mean is taken.
 _SPREADS = (float("inf"), 1.0, 0.5, 0.25)
 _BALANCED = 1.03
-# Documents placed one by one (heaviest first) per rank; the lighter rest is poured.
-_PLACED_PER_RANK = 64
-# Placing leaves every rank 1 / _RESERVE of its shard for the pour: a document the pour cuts
-# then reaches the next rank, not one further on.
-_RESERVE = 16
 # Cutting a document in ring order fills a rank up to one of these shares of its pairs (each a
 # candidate: which one balances depends on the documents); whole documents and the pour bring
 # it to its share.
@@ -84,17 +83,15 @@ class Piece(NamedTuple):
 
 def _spans_to_runs(spans: list[tuple[int, int]]) -> list[Piece]:
     """Spans (start, length) of one rank, sorted and joined where adjacent, with local rows."""
-    runs: list[list[int]] = []
-    for start, length in sorted(s for s in spans if s[1] > 0):
-        if runs and runs[-1][0] + runs[-1][1] == start:
-            runs[-1][1] += length
-        else:
-            runs.append([start, length])
-    local, out = 0, []
-    for start, length in runs:
-        out.append(Piece(start, length, local))
-        local += length
-    return out
+    starts: list[int] = []
+    lengths: list[int] = []
+    for start, length in sorted(spans):
+        if length and starts and starts[-1] + lengths[-1] == start:
+            lengths[-1] += length
+        elif length:
+            starts.append(start)
+            lengths.append(length)
+    return list(map(Piece._make, zip(starts, lengths, accumulate(lengths, initial=0))))
 
 
 def _positions(runs: list[Piece]) -> torch.Tensor:
@@ -104,60 +101,6 @@ def _positions(runs: list[Piece]) -> torch.Tensor:
     return torch.repeat_interleave(starts, lengths) + torch.arange(int(lengths.sum()))
 
 
-def _rank_work(bounds: list[int], runs: list[Piece]) -> int:
-    """The causal pairs a rank's queries see within their documents (padding: none), summed
-    document piece by document piece: rows a..b-1 of a document starting at d see
-    (a - d + 1) + ... + (b - d) keys."""
-    total = 0
-    for run in runs:
-        at, stop = run.start, min(run.start + run.length, bounds[-1])
-        d = bisect.bisect_right(bounds, at) - 1
-        while at < stop:
-            end = min(stop, bounds[d + 1])
-            first, last = at - bounds[d] + 1, end - bounds[d]
-            total += (first + last) * (last - first + 1) // 2
-            at, d = end, d + 1
-    return total
-
-
-def _heavy(lengths: list[int], n: int, world: int, spread: float, force: tuple = ()) -> list[int]:
-    """What ``_assign`` splits: documents over n tokens or ``spread`` x a rank's pairs, and ``force``."""
-    work = [length * (length + 1) / 2 for length in lengths]
-    share = sum(work) / world
-    return [d for d, length in enumerate(lengths) if length > n or (length and work[d] > spread * share) or d in force]
-
-
-def _cut_in_ring_order(start: int, length: int, limit: float, reserve: int, spans: list, room: list,
-                       load: list) -> None:
-    """Document [start, start + length) in consecutive pieces over consecutive ranks in ring
-    order from the rank with the most room, each piece as long as its rank's room (less
-    ``reserve`` for the pour) and its load up to ``limit`` pairs allow (a piece of rows
-    a..b-1 of the document adds the causal pairs of those rows); a rank with nothing to
-    spare is passed by, and what is left once every rank was visited goes on wherever
-    there is room."""
-    world = len(room)
-    r = max(range(world), key=lambda q: (room[q], -load[q], -q))
-    at, end, visits = start, start + length, 0
-
-    def pairs(x: int) -> int:  # the causal pairs of the document's first x rows
-        return x * (x + 1) // 2
-
-    while at < end:
-        take = min(end - at, room[r])
-        if visits < world:  # the rows and pairs this rank can take
-            take = min(take, max(room[r] - reserve, 0))
-            spare = int(limit - load[r])
-            if spare < pairs(at + take - start) - pairs(at - start):
-                rows = (math.isqrt(8 * max(pairs(at - start) + spare, 0) + 1) - 1) // 2
-                take = max(0, min(take, start + rows - at))
-        if take:
-            spans[r].append((at, take))
-            room[r] -= take
-            load[r] += pairs(at + take - start) - pairs(at - start)
-            at += take
-        r, visits = (r + 1) % world, visits + 1
-
-
 def _assign(bounds: torch.Tensor, seqlen: int, world: int, spread: float, fill: Optional[float] = None,
             force: tuple = ()) -> tuple[list[list[Piece]], int, list[int]]:
     """Each rank's runs for one ``spread`` (module docstring, steps 1-3, then ``_align_zigzag``), the documents to
@@ -165,164 +108,40 @@ def _assign(bounds: torch.Tensor, seqlen: int, world: int, spread: float, fill: 
     ranks, each filled up to ``fill`` x its share of the pairs; the number of documents
     split; and the documents placed whole nowhere (no rank had room), which the pour cut
     wherever the ranks' room ended."""
-    n = seqlen // world
-    lengths = (bounds[1:] - bounds[:-1]).tolist()
-    starts = bounds[:-1].tolist()
-    work = [length * (length + 1) / 2 for length in lengths]
-    share = sum(work) / world
-    spans: list[list[tuple[int, int]]] = [[] for _ in range(world)]
-    room, load = [n] * world, [0.0] * world
-    placed = [False] * len(lengths)
-    rotate, splits = 0, 0
-    reserve = n // _RESERVE  # room kept for the pour on every rank, so that it never skips one
-    heavy = _heavy(lengths, n, world, spread, force)
-    for d in sorted(heavy, key=lambda d: -work[d]) if fill else ():  # 1. in ring order
-        _cut_in_ring_order(starts[d], lengths[d], fill * share, reserve, spans, room, load)
-        placed[d], splits = True, splits + 1
-    zigzag = []  # (start, chunk sizes) of each document split zigzag
-    for d in () if fill else heavy:  # 1. zigzag over every rank
-        length = lengths[d]
-        base, extra = divmod(length, world)
-        per = [base + ((r - rotate) % world < extra) for r in range(world)]
-        rotate = (rotate + extra) % world  # the ranks that take the odd tokens take turns
-        zigzag.append((starts[d], [p // 2 for p in per] + [p - p // 2 for p in reversed(per)]))
-        for r in range(world):
-            room[r] -= per[r]
-            load[r] += work[d] / world
-        placed[d], splits = True, splits + 1
-    for start, sizes in zigzag:
-        for size, r, at in zip(sizes, _zigzag_owners(world), accumulate(sizes, initial=start)):
-            spans[r].append((at, size))
-    rest, poured = [d for d in range(len(lengths)) if not placed[d] and lengths[d] > 0], []
-    stream_tokens = seqlen - sum(n - r for r in room)
-    stream_work = sum(work[d] for d in rest)
-    for d in sorted(rest, key=lambda d: -work[d])[:_PLACED_PER_RANK * world]:  # 2. whole
-        length = lengths[d]
-        density = stream_work / max(stream_tokens, 1)
-        fits = [r for r in range(world) if room[r] - length >= reserve]
-        if not fits:
-            poured.append(d)
-            continue
-        r = min(fits, key=lambda r: (load[r] + density * (room[r] - length), r))
-        spans[r].append((starts[d], length))
-        room[r] -= length
-        load[r] += work[d]
-        stream_tokens -= length
-        stream_work -= work[d]
-        placed[d] = True
-    taken = sorted(s for rank in spans for s in rank)  # 3. pour the rest in ring order
-    gaps, at = [], 0
-    for start, length in taken + [(seqlen, 0)]:
-        if start > at:
-            gaps.append((at, start - at))
-        at = max(at, start + length)
-    r = 0
-    for start, length in gaps:
-        while length:
-            while room[r] == 0:
-                r += 1
-            take = min(length, room[r])
-            spans[r].append((start, take))
-            room[r] -= take
-            start, length = start + take, length - take
-    _align_zigzag(zigzag, spans, bounds.tolist())  # 4. the zigzag chunks' edges on tile boundaries
+    docs = _documents(bounds)
+    heavy = _heavy(docs.lengths, seqlen // world, world, spread, force)
+    spans, splits, poured, _ = _spans(docs, seqlen, world, heavy, fill)
     return [_spans_to_runs(s) for s in spans], splits, poured
-
-
-def _zigzag_owners(world: int) -> list[int]:
-    """The owners of a zigzag split's 2 W chunks: 0, 1, ..., W - 1, W - 1, ..., 0."""
-    return list(range(world)) + list(reversed(range(world)))
-
-
-def _align_zigzag(zigzag: list[tuple[int, list[int]]], spans: list[list[tuple[int, int]]],
-                  bounds: list[int]) -> None:
-    """Moves the edges of the zigzag splits' chunks (``zigzag``: each document's start and
-    chunk sizes; ``spans`` every rank's, holding them; ``bounds`` the documents' cu_seqlens)
-    onto tile boundaries of the ranks' local rows, every rank keeping its tokens and every
-    document its length:
-
-    - on each rank r < W - 1 a document's first chunk ends where its second starts (the
-      chunks between them are other ranks'): d tokens go from chunk r + 1 to chunk r and
-      come back from chunk 2W - 1 - r to chunk 2W - 2 - r (|d| < BLOCK);
-    - where the next document is split too, zigzag or in consecutive pieces one a rank (as
-      the pour leaves one that ends the sequence), this one's second chunk on each rank
-      holding a piece of it grows by e, that rank's piece of the next shrinking by as much,
-      so that it ends on a tile boundary; the e add up to 0, the last of those ranks taking
-      the rest (the ends add up to the documents' border, so one may stay off a boundary).
-
-    A remote step's queries then see either all of another rank's keys of a document or
-    none, tile by tile, and its pairs run over whole tiles with no band
-    (``_whole_tile_pairs``): no slivers for the Triton kernels. A move that would leave a
-    chunk or piece shorter than 0 is not made."""
-    if not zigzag:
-        return
-    world = len(zigzag[0][1]) // 2
-    items = sorted(zigzag)
-    was = [list(sizes) for _, sizes in items]
-    split = {start: sizes for start, sizes in items}
-    shift = [0] * world  # tokens the document before took from this one, per rank
-    for start, sizes in items:
-        for r in range(world):
-            sizes[2 * world - 1 - r] -= shift[r]
-        before = [sum(length for at, length in rank if at < start) + shift[r] for r, rank in enumerate(spans)]
-        for r in range(world - 1):
-            move = -(before[r] + sizes[r]) % BLOCK
-            for d in (move, move - BLOCK):
-                changed = (sizes[r] + d, sizes[r + 1] - d, sizes[2 * world - 2 - r] + d, sizes[2 * world - 1 - r] - d)
-                if min(changed) >= 0:
-                    sizes[r], sizes[r + 1], sizes[2 * world - 2 - r], sizes[2 * world - 1 - r] = changed
-                    break
-        shift = [0] * world
-        end = start + sum(sizes)
-        nxt = split.get(end)
-        if nxt is not None:  # zigzag: rank r's piece is its chunks, the second gives way
-            ranks, room = list(range(world)), [nxt[2 * world - 1 - r] for r in range(world)]
-        else:  # in pieces one a rank, in the order of their positions
-            d = bisect.bisect_right(bounds, end) - 1
-            stop = bounds[d + 1] if bounds[d] == end and d + 1 < len(bounds) else end
-            held = {r: [span for span in rank if end <= span[0] < stop and span[1] > 0] for r, rank in enumerate(spans)}
-            pieces = sorted((span, r) for r, found in held.items() if len(found) == 1 for span in found)
-            if not pieces or any(len(found) > 1 for found in held.values()) or \
-                    sum(span[1] for span, _ in pieces) != stop - end:
-                continue
-            ranks, room = [r for _, r in pieces], [span[1] for span, _ in pieces]
-        for i, r in enumerate(ranks[:-1]):
-            target = -(before[r] + sizes[r] + sizes[2 * world - 1 - r]) % BLOCK
-            options = [e for e in (target, target - BLOCK) if sizes[2 * world - 1 - r] + e >= 0 and room[i] - e >= 0]
-            shift[r] = min(options or [0], key=lambda e: abs(sum(shift) + e))
-        shift[ranks[-1]] = -sum(shift)
-        if sizes[2 * world - 1 - ranks[-1]] + shift[ranks[-1]] < 0 or room[-1] - shift[ranks[-1]] < 0:
-            shift = [0] * world
-        for r in range(world):
-            sizes[2 * world - 1 - r] += shift[r]
-        if nxt is None and any(shift):
-            at = end
-            for (span, r), length in zip(pieces, room):
-                spans[r].remove(span)
-                spans[r].append((at, length - shift[r]))
-                at += length - shift[r]
-            shift = [0] * world
-    for (start, sizes), old in zip(items, was):
-        if sizes != old:
-            for size, r, at in zip(old, _zigzag_owners(world), accumulate(old, initial=start)):
-                spans[r].remove((at, size))
-            for size, r, at in zip(sizes, _zigzag_owners(world), accumulate(sizes, initial=start)):
-                spans[r].append((at, size))
 
 
 def _shared_pieces(bounds: list[int], runs: list[list[Piece]]) -> dict[int, dict[int, list[Piece]]]:
     """{document: {rank: its pieces there}} of the documents on more than one rank. Only a
-    run's first and last documents can reach past it."""
-    def doc_at(position: int) -> int:  # -1: padding
-        return -1 if position >= bounds[-1] else bisect.bisect_right(bounds, position) - 1
+    run's first and last documents can reach past it: the runs' edges are read first, and
+    pieces made only of the documents found on two ranks or more (a run within one
+    document is its own piece)."""
+    def doc_at(position: int, lo: int = 0) -> int:  # -1: padding
+        return -1 if position >= tokens else bisect.bisect_right(bounds, position, lo) - 1
 
-    pieces: dict[int, dict[int, list[Piece]]] = {}
+    edges, first_rank, crossing, tokens = [], {}, set(), bounds[-1]
     for r, rank in enumerate(runs):
         for run in rank:  # a document on several ranks meets a run's edge wherever it lies
-            for d in sorted({doc_at(run.start), doc_at(run.start + run.length - 1)} - {-1}):
-                a, b = max(bounds[d], run.start), min(bounds[d + 1], run.start + run.length)
-                pieces.setdefault(d, {}).setdefault(r, []).append(Piece(a, b - a, run.local + a - run.start))
-    return {d: pieces[d] for d in sorted(pieces) if len(pieces[d]) > 1}
+            start, stop = run.start, run.start + run.length
+            a = bisect.bisect_right(bounds, start) - 1 if start < tokens else -1
+            b = a if a < 0 or stop <= bounds[a + 1] else doc_at(stop - 1, a)
+            for d in (a, b):
+                if d >= 0 and first_rank.setdefault(d, r) != r:
+                    crossing.add(d)
+            edges.append((r, run, a, b))
+    pieces: dict[int, dict[int, list[Piece]]] = {d: {} for d in sorted(crossing)}
+    for r, run, a, b in edges:
+        if a == b and a in crossing:
+            pieces[a].setdefault(r, []).append(run)
+        elif a != b:
+            for d in (a, b) if b >= 0 else (a,):
+                if d in crossing:
+                    lo, hi = max(bounds[d], run.start), min(bounds[d + 1], run.start + run.length)
+                    pieces[d].setdefault(r, []).append(Piece(lo, hi - lo, run.local + lo - run.start))
+    return pieces
 
 
 def _steps(shared: dict, world: int) -> int:
@@ -506,8 +325,9 @@ def document_layout(cu_seqlens, seqlen: int, group=None, *, world: Optional[int]
     ``world``: the ring's size, to plan a layout without a process group (cost model,
     tests); with a group, it must be the group's. Block masks are not served with it
     (ValueError). Host time (one core, no GPU, bench_masks.py's documents, 2026-11-28):
-    0.3-5 ms at 32k-1M tokens over 2 ranks, 1-7 ms over 8, 9-37 ms over 64 (a rank's own
-    positions, made on first use, included).
+    0.3-6 ms at 32k-1M tokens over 2 ranks (at 1M mostly the rank's positions), 0.6-3 ms
+    over 8, 3-12 ms over 64 (a rank's own positions, made on first use, included;
+    docs/notes/documents.md, "Host time, second round").
     """
     seqlen = positive_int(seqlen, "seqlen")
     bounds = check_cu_seqlens(cu_seqlens, seqlen)
@@ -545,12 +365,16 @@ def _keep(key: tuple, layout: DocumentLayout) -> DocumentLayout:
     return layout
 
 
-def _judged(bounds: list[int], runs: list[list[Piece]], world: int, way: int) -> tuple:
+def _judged(docs: _Documents, spans: list[list[tuple[int, int]]], world: int, way: int,
+            loads: list[int]) -> tuple[tuple, Optional[list]]:
     """A candidate's key (the least is taken): (0, its ring steps, way) where its busiest
-    rank is within ``_BALANCED`` of the mean, else (1, busiest over mean, way)."""
-    loads = [_rank_work(bounds, rank) for rank in runs]
+    rank (``loads``: each rank's causal pairs) is within ``_BALANCED`` of the mean, else (1,
+    busiest over mean, way); and its runs where the steps needed them (else None)."""
     worst = max(loads) / max(sum(loads) / world, 1)
-    return (0, _steps(_shared_pieces(bounds, runs), world), way) if worst <= _BALANCED else (1, round(worst, 9), way)
+    if worst > _BALANCED:
+        return (1, round(worst, 9), way), None
+    runs = [_spans_to_runs(s) for s in spans]
+    return (0, _steps(_shared_pieces(docs.bounds, runs), world), way), runs
 
 
 def _candidates(bounds: torch.Tensor, seqlen: int, world: int, fills: tuple = _FILLS, every: bool = False):
@@ -558,24 +382,52 @@ def _candidates(bounds: torch.Tensor, seqlen: int, world: int, fills: tuple = _F
     way of splitting (zigzag; in ring order at each of ``fills``) those of ``_SPREADS`` up to
     the first balanced one but those splitting the documents of the spread before (``_heavy``);
     none after one balanced in two steps or fewer. ``every``: all (research/layout_choice.py)."""
-    listed = bounds.tolist()
-    lengths = [b - a for a, b in zip(listed, listed[1:])]
-    done = False
+    for key, spans, runs, splits, spread, poured in _spanned(_documents(bounds), seqlen, world, fills, every):
+        yield key, runs if runs is not None else [_spans_to_runs(s) for s in spans], splits, spread, poured
+
+
+def _spanned(docs: _Documents, seqlen: int, world: int, fills: tuple, every: bool, prune: bool = False):
+    """``_candidates``, each as (key, spans, runs or None, splits, spread, poured): the runs
+    are sorted only where judging needed them (``_made`` sorts the one it takes). ``prune``:
+    leave out the candidates found, as they are made, uneven and no less than the least key
+    so far (``_beaten``): they would not be taken, and only a balanced one stops a way."""
+    done, heavies, least = False, {}, None
     for way, fill in enumerate((None, *fills)):
         if done and not every:  # balanced in one hop: nothing to gain
             return
         before = None
         for spread in _SPREADS:
-            heavy = _heavy(lengths, seqlen // world, world, spread)
+            if spread not in heavies:  # the same for every way
+                heavies[spread] = _heavy(docs.lengths, seqlen // world, world, spread)
+            heavy = heavies[spread]
             if heavy == before:  # the spread before split the same documents: the same candidate
                 continue
             before = heavy
-            runs, splits, poured = _assign(bounds, seqlen, world, spread, fill)
-            key = _judged(listed, runs, world, way)
-            yield key, runs, splits, spread, poured
+            beaten = _beaten(least, way, docs.total / world) if prune else None  # (total: whole numbers, exact)
+            made = _spans(docs, seqlen, world, heavy, fill, beaten)
+            if made is None:  # uneven, so neither balanced nor a reason to stop
+                continue
+            spans, splits, poured, loads = made
+            key, runs = _judged(docs, spans, world, way, loads)
+            least = key if least is None else min(least, key)
+            yield key, spans, runs, splits, spread, poured
             done = done or key[:2] <= (0, 2)
             if key[0] == 0 and not every:
                 break
+
+
+def _beaten(least: Optional[tuple], way: int, mean: float):
+    """For a candidate of ``way`` made after one of key ``least`` (None: the first), the test
+    of one rank's pairs that says it cannot be taken: its key (``_judged``) is then at
+    least (1, that rank's pairs over the mean ``mean``, way), no less than ``least``."""
+    if least is None:
+        return None
+    mean = max(mean, 1)
+
+    def beaten(pairs: float) -> bool:
+        worst = pairs / mean
+        return worst > _BALANCED and (least[0] == 0 or (1, round(worst, 9), way) >= least)
+    return beaten
 
 
 def _made(bounds: torch.Tensor, seqlen: int, world: int, fills: tuple = _FILLS) -> DocumentLayout:
@@ -587,13 +439,17 @@ def _made(bounds: torch.Tensor, seqlen: int, world: int, fills: tuple = _FILLS) 
     with those split zigzag too, and kept if more even (a zigzag ring runs W steps either
     way). ``fills=()``: zigzag only, the layout before documents were cut in ring order
     (the cost model's calibration counts the layout its measured rows ran)."""
-    best = min(_candidates(bounds, seqlen, world, fills), key=lambda candidate: candidate[0])  # the first least
-    key, _, _, spread, poured = best
+    docs = _documents(bounds)
+    key, spans, runs, splits, spread, poured = min(_spanned(docs, seqlen, world, fills, False, True),
+                                                   key=lambda candidate: candidate[0])  # the first least
     if key[0] == 1 and key[2] == 0 and poured and fills == _FILLS:  # zigzag, uneven: split what it poured too
-        runs, splits, _ = _assign(bounds, seqlen, world, spread, None, tuple(poured))
-        if (again := _judged(bounds.tolist(), runs, world, 0)) < key:
-            best = (again, runs, splits, spread, ())
-    _, runs, splits, spread, _ = best
+        heavy = _heavy(docs.lengths, seqlen // world, world, spread, tuple(poured))
+        spans_again, splits_again, _, loads = _spans(docs, seqlen, world, heavy, None)
+        again, runs_again = _judged(docs, spans_again, world, 0, loads)
+        if again < key:
+            spans, runs, splits = spans_again, runs_again, splits_again
+    if runs is None:
+        runs = [_spans_to_runs(s) for s in spans]
     if fills != _FILLS:  # not what document_layout makes: a name of its own, not found by spec
         return remember(DocumentLayout(bounds, seqlen, world, runs, splits, spread, variant=f";fills={fills}"))
     layout = DocumentLayout(bounds, seqlen, world, runs, splits, spread)

@@ -115,6 +115,45 @@ def test_a_candidate_made_once_is_the_layout_made_every_time(monkeypatch):
         assert once == every, (world, seqlen, median, seed)
 
 
+def test_pairs_counted_as_placed_are_those_of_the_runs():
+    """``documents_place._spans`` counts each rank's causal pairs as its spans come (pieces
+    cut in ring order, whole documents, the pour, the zigzag chunks once aligned), and
+    candidates are judged by them: they are the pairs of the runs, for every way and spread."""
+    from ringflash.documents import _FILLS, _SPREADS, _spans_to_runs
+    from ringflash.documents_place import _documents, _heavy, _spans
+    for world, seqlen, median, seed in [(2, 1 << 14, 256, 0), (3, 3 << 13, 300, 1), (8, 1 << 16, 512, 2),
+                                        (16, 1 << 17, 2048, 3), (64, 1 << 18, 2048, 4)]:
+        docs = _documents(torch.tensor([0, *_lognormal_sigma(seqlen - 37, median, 1.5, seed)]).cumsum(0))
+        for fill in (None, *_FILLS):
+            for spread in _SPREADS:
+                heavy = _heavy(docs.lengths, seqlen // world, world, spread)
+                spans, _, _, pairs = _spans(docs, seqlen, world, heavy, fill)
+                assert pairs == [_rank_work(docs.bounds, _spans_to_runs(rank)) for rank in spans], (world, fill, spread)
+
+
+def test_candidates_given_up_would_not_be_taken(monkeypatch):
+    """``_made`` gives a candidate up while it is made once a rank holds so many pairs that it
+    cannot be taken (``documents._beaten``): the layouts are those of making every candidate
+    whole, on draws where candidates are given up."""
+    from ringflash import documents
+    beaten, given_up = documents._beaten, []
+
+    def counted(*args):
+        test = beaten(*args)
+        return test and (lambda pairs: given_up.append(test(pairs)) or given_up[-1])
+
+    for world, seqlen, median, seed in [(8, 1 << 20, 2048, 0), (16, 1 << 18, 512, 1), (32, 1 << 19, 2048, 2),
+                                        (64, 1 << 18, 16384, 3), (4, 1 << 17, 2048, 4)]:
+        cu = torch.tensor([0, *_lognormal_sigma(seqlen, median, 1.5, seed)]).cumsum(0)
+        monkeypatch.setattr(documents, "_beaten", counted)
+        given_up.clear()
+        pruned = documents._made(cu, seqlen, world)
+        monkeypatch.setattr(documents, "_beaten", lambda *args: None)
+        whole = documents._made(cu, seqlen, world)
+        assert (pruned.runs, pruned.splits, pruned.spread) == (whole.runs, whole.splits, whole.spread), (world, seed)
+        assert world == 4 or any(given_up), (world, seqlen, seed)
+
+
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_balanced_on_lognormal_documents(world):
     """Causal pairs per rank within 6% of the mean (block_stripe's own balance is within 2%
