@@ -116,20 +116,19 @@ class Route(NamedTuple):
 
 
 MASK_WHY = "mask: only no mask, a band on local indices, segment ids and a block mask (not with segment ids)"
-DROPOUT_WHY = ("dropout: the Gluon backward's needs positions of stride 1 and no block mask or deterministic; the "
-               "Gluon forward has none")
+DROPOUT_WHY = ("dropout: the Gluon kernels need positions of stride 1 and no block mask (the backward: nor "
+               "deterministic)")
 
 
-def gluon_mask(mask: PairMask, backward: bool = False) -> bool:
+def gluon_mask(mask: PairMask) -> bool:
     """Whether the Gluon kernels serve ``mask``: no mask, a band on local indices (causal, a
     window, both), segment ids, a block mask, or a band with either (not segment ids with
-    a block mask; no band on global positions); dropout in the ``backward`` only, on
-    positions of stride 1 (``PairMask.pos``: what every rank of a ring agrees on, its
-    layout; their alignment is checked per call, kernels/gluon/launch.py) without a block
-    mask."""
+    a block mask; no band on global positions); dropout on positions of stride 1
+    (``PairMask.pos``: what every rank of a ring agrees on, its layout; their alignment is
+    checked per call, kernels/gluon/launch.py) without a block mask."""
     if mask.band_on_positions or not (mask.blocks is None or mask.q_segments is None):
         return False
-    return mask.dropout_p == 0 or (backward and mask.blocks is None and mask.pos is not None and mask.pos[2] == 1)
+    return mask.dropout_p == 0 or (mask.blocks is None and mask.pos is not None and mask.pos[2] == 1)
 
 
 def deterministic_mode(deterministic: bool) -> bool:
@@ -144,7 +143,7 @@ def gluon_serves(q: torch.Tensor, k: torch.Tensor, rows_q: int, rows_k: int, mas
     torch's mode), judged only from what every rank of a ring agrees on (not strides or
     addresses, which ``bwd_route`` checks per call): the ring chooses its schedule from
     this (ringflash/ring/rotate.py), and every rank must choose alike."""
-    return (capability(q) == (9, 0) and gluon_mask(mask, backward=True) and q.dtype == torch.bfloat16
+    return (capability(q) == (9, 0) and gluon_mask(mask) and q.dtype == torch.bfloat16
             and q.shape[-1] in (64, 128)
             and not ((mask.q_segments is not None or mask.blocks is not None or mask.dropout_p != 0)
                      and deterministic_mode(deterministic))
@@ -159,10 +158,8 @@ def fwd_route(q, k, v, out, lse, *, softmax_scale: float, mask: PairMask, accumu
     arch = capability(q)
     if arch is None:
         return Route("reference")
-    if mask.dropout_p != 0:
-        why = DROPOUT_WHY
-    elif not gluon_mask(mask):
-        why = MASK_WHY
+    if not gluon_mask(mask):
+        why = DROPOUT_WHY if gluon_mask(mask._replace(dropout_p=0.0)) else MASK_WHY
     elif tail is not None or arrival is not None:
         why = "k, v Joined from two tensors"
     elif q.shape[-1] != 128:
@@ -173,7 +170,8 @@ def fwd_route(q, k, v, out, lse, *, softmax_scale: float, mask: PairMask, accumu
         from .gluon import launch as kernel  # imported on Hopper only; it compiles nothing at import
 
         error = kernel.fwd_unsupported(q, k, v, out, lse, softmax_scale, mask.band_hi, accumulate, out_partial,
-                                       mask.band_lo, mask.q_segments, mask.k_segments, mask.blocks)
+                                       mask.band_lo, mask.q_segments, mask.k_segments, mask.blocks, mask.dropout_p,
+                                       mask.pos)
         why = None if error is None else str(error)
     return Route("triton", why) if why else Route(GLUON)
 
@@ -189,7 +187,8 @@ def fwd(q, k, v, out, lse, *, softmax_scale: float, mask: PairMask, accumulate: 
 
         attn_fwd_sm90(q, k, v, out, lse, softmax_scale, causal_offset=mask.band_hi, accumulate=accumulate,
                       out_partial=out_partial, band_lo=mask.band_lo, q_segments=mask.q_segments,
-                      k_segments=mask.k_segments, blocks=mask.blocks)
+                      k_segments=mask.k_segments, blocks=mask.blocks, dropout_p=mask.dropout_p, seed=mask.seed,
+                      pos=mask.pos, dropout_head0=mask.dropout_head0)
     else:
         backend(q).fwd(q, k, v, out, lse, softmax_scale=softmax_scale, mask=mask, accumulate=accumulate,
                        out_partial=out_partial, tail=tail, arrival=arrival)
@@ -203,7 +202,7 @@ def bwd_route(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, ma
     arch = capability(q)
     if arch is None:
         return Route("reference")
-    if not gluon_mask(mask, backward=True):
+    if not gluon_mask(mask):
         why = DROPOUT_WHY if gluon_mask(mask._replace(dropout_p=0.0)) else MASK_WHY
     elif dq is None or dk is None:
         why = "dq or dk/dv skipped: the Gluon kernel computes them together"

@@ -189,6 +189,16 @@ def _blocks(mask: torch.Tensor):
     (dict(blocks=_blocks(torch.ones(1, 2, 2, dtype=torch.bool)), q_segments=torch.zeros(1, 256, dtype=torch.int32),
           k_segments=torch.zeros(1, 256, dtype=torch.int32)), ValueError, "blocks with segment ids is not served"),
     (dict(blocks=_blocks(torch.ones(2, 2, 2, dtype=torch.bool)), causal_offset=0), ValueError, "runs on a Hopper"),
+    # dropout: positions of stride 1 starting on its bits' blocks, no block mask
+    (dict(dropout_p=0.1, seed=2 ** 62 + 5, pos=(4096, 2048, 1, 384), causal_offset=0), ValueError,
+     "runs on a Hopper"),
+    (dict(dropout_p=1.0, pos=(0, 0, 1, 0)), ValueError, "attn_fwd_sm90: dropout_p must be a float in [0, 1)"),
+    (dict(dropout_p=0.1), ValueError, "dropout needs pos = (q0, k0, stride, jump)"),
+    (dict(dropout_p=0.1, pos=(0, 0, 2, 0)), ValueError, "dropout needs pos with stride 1"),
+    (dict(dropout_p=0.1, pos=(8, 0, 1, 0)), ValueError, "q0 a multiple of 16"),
+    (dict(dropout_p=0.1, pos=(0, 0, 1, 16)), ValueError, "k0 and jump of 32"),
+    (dict(dropout_p=0.1, pos=(0, 0, 1, 0), blocks=_blocks(torch.ones(1, 2, 2, dtype=torch.bool))), ValueError,
+     "dropout with blocks is not served"),
 ])
 def test_argument_checks(change, error, match):
     from ringflash.kernels.gluon import attn_fwd_sm90
@@ -292,3 +302,38 @@ def test_a_block_masks_launch_runs_its_long_rows_first():
     causal = _block_args(blocks, 0, None, q, q, keys_outer=False)[-1].tolist()
     assert causal == [bh * n + t for bh in range(b * h) for t in reversed(range(n))]
     assert len(_block_args(blocks, None, None, q, q, keys_outer=True)) == 5  # the backward: the grid's order
+
+
+# Dropout (kernels/gluon/dropout.py's ``keep``), each beside its twin without it: alone, under
+# the causal band, with GQA, a window and the ring's merge, with segment ids.
+DROPOUT_TWINS = {"dropout": "mha", "dropout-causal": "causal", "dropout-gqa-window-add": None,
+                 "dropout-documents": "documents"}
+
+
+@pytest.mark.parametrize("name", list(DROPOUT_TWINS))
+def test_dropout_draws_its_bits_in_every_loop(name):
+    """With dropout every tile loop of both consumer groups draws its tile's bits (Philox's
+    4 calls a thread, 7 rounds; ``keep``'s joins asserted trivial at compile time, no data
+    moved: 64 byte compares a thread, and the products among the integer multiplies) and
+    applies them to P (64 selects and 64 multiplies), each loop otherwise its twin's without
+    dropout (the same wgmmas and exp2); no spills, no serialized wgmma."""
+    twin = DROPOUT_TWINS[name]
+    kw = dict(VARIANTS[twin] if twin else dict(heads=8, kv_heads=2, causal_offset=0, band_lo=-300,
+                                                  accumulate=True, out_dtype=torch.float32))
+    missing = [t for t in ("ptxas", "nvdisasm") if not (BIN / t).exists()]
+    if missing:
+        pytest.skip(f"this triton ships no {', '.join(missing)}")
+    from ringflash.kernels.gluon import compile_fwd_sm90
+    kernel = compile_fwd_sm90(**kw, dropout=True)
+    sass, stderr = assemble(kernel)
+    assert "serialized" not in stderr and not re.search(r"C751\d", stderr), stderr
+    assert re.search(r"0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", stderr), stderr
+    plain = compile_fwd_sm90(**kw)
+    loops, plain_loops = _tile_loops(sass), _tile_loops(assemble(plain)[0])
+    assert len(loops) == len(plain_loops), ([len(x) for x in loops], [len(x) for x in plain_loops])
+    for loop, without in zip(loops, plain_loops):
+        more = Counter(loop)
+        more.subtract(Counter(without))
+        assert more["FSEL"] == 64 and more["FMUL"] == 64 and more["ISETP"] >= 64 and more["IMAD"] >= 32, more
+        assert more["HGMMA"] == 0 and more["MUFU"] == 0, more
+    assert not re.findall(r"mul\.wide\.u32 \S+, \S+, 0x(?:CD9E8D57|D2511F53);", plain.asm["ptx"])

@@ -7,12 +7,14 @@ bf16; no mask or
 the causal band with offsets (key j seen by query i iff j <= i + o: the diagonal, the
 ring's neighbouring blocks at +-128, a diagonal through the middle of Q tiles at -100
 and +37, Sq != Sk, every key hidden, every pair visible), a window's lower edge, GQA and
-MQA, strided views of one packed projection, segment ids (packed documents, padding). Modes:
+MQA, strided views of one packed projection, segment ids (packed documents, padding), block
+masks, dropout (the library's bits on the pair's global positions). Modes:
 
 - "write": out (bf16) and lse (a view into a longer buffer, as the ring's) NaN-prefilled, written;
 - "add": ``accumulate`` into an fp32 running out and lse holding the oracle's result over
   another 256 keys (every third row of it empty: out 0, lse -inf), which must come back as
-  the oracle over both key sets;
+  the oracle over both key sets (with dropout: the running result merged with the oracle's
+  dropped one over this call's keys, by the rule the ring merges with);
 - "partial": the same sums read from ``out_partial`` (fp32) and the result written into a
   NaN-prefilled bf16 out (the ring's last step).
 
@@ -94,11 +96,23 @@ CASES = [
     # and with the band (whose order is reversed), GQA with the merge, batch 2
     (1, 2048, 2048, 4, 4, None, "write", "contiguous", None, None, "global"),
     (2, 2048, 2048, 8, 2, 0, "add", "contiguous", None, None, "global"),
+    # dropout (the 12th field: [p, seed, PairMask.pos, dropout_head0], as tests/test_gluon_gpu.py's):
+    # non-causal, the causal band with positions shifted as a ring's pair, block_stripe's
+    # jump with a window, GQA with the merge and a global head offset, packed documents, a
+    # high rate, the last step, head_dim 64
+    (1, 1024, 1024, 4, 4, None, "write", "contiguous", None, None, None, [0.1, 1234, [0, 0, 1, 0], 0]),
+    (2, 1024, 1024, 4, 4, 0, "write", "contiguous", None, None, None, [0.2, 7, [4096, 2048, 1, 0], 0]),
+    (1, 1024, 1024, 4, 4, 0, "write", "contiguous", -300, None, None, [0.1, 2 ** 40 + 3, [256, 256, 1, 384], 0]),
+    (2, 1024, 1024, 8, 2, 0, "add", "contiguous", None, None, None, [0.1, 99, [1024, 0, 1, 0], 8]),
+    (2, 1024, 1024, 4, 4, 0, "write", "contiguous", None, "docs", None, [0.1, 5, [0, 0, 1, 0], 0]),
+    (1, 2048, 2048, 4, 4, None, "write", "contiguous", None, None, None, [0.6, 11, [0, 0, 1, 0], 0]),
+    (1, 1024, 1024, 4, 4, -100, "partial", "contiguous", None, None, None, [0.1, 3, [16, 32, 1, 0], 0]),
+    (1, 1024, 1024, 4, 4, 0, "write", "hd64", None, None, None, [0.1, 3, [0, 0, 1, 0], 0]),
 ]
 
 
-def _id(b, sq, sk, h, hkv, offset, mode, layout, band_lo=None, segments=None, blocks=None) -> str:
-    return f"b{b}-q{sq}-k{sk}-h{h}kv{hkv}-{mask_id(offset, band_lo, segments, blocks)}-{mode}-{layout}"
+def _id(b, sq, sk, h, hkv, offset, mode, layout, band_lo=None, segments=None, blocks=None, dropout=None) -> str:
+    return f"b{b}-q{sq}-k{sk}-h{h}kv{hkv}-{mask_id(offset, band_lo, segments, blocks, dropout)}-{mode}-{layout}"
 
 
 def _segment_ids(pattern: str, b: int, sq: int, sk: int):
@@ -148,7 +162,8 @@ def test_gluon_fwd_matches_oracle(case):
 # ----------------------------------------------------------------------------- the child
 
 
-def _child(b, sq, sk, h, hkv, offset, mode, layout, band_lo=None, segments=None, block_kind=None) -> dict:
+def _child(b, sq, sk, h, hkv, offset, mode, layout, band_lo=None, segments=None, block_kind=None,
+           dropout=None) -> dict:
     sys.path.insert(0, str(TESTS))
     from oracle import attention_oracle, rel_err
     from test_gluon_gpu import _block_mask
@@ -185,18 +200,34 @@ def _child(b, sq, sk, h, hkv, offset, mode, layout, band_lo=None, segments=None,
         grid = _block_mask(block_kind, h, sq, sk).cuda()
         blocks = Blocks(grid)
         visible = visible[None, None] & grid.repeat_interleave(128, 1).repeat_interleave(128, 2)[None]
+    drop, dropped = {}, None
+    if dropout is not None:  # the library's keep mask on the pair's global positions and heads
+        from ringflash.kernels import dropout as bits
+        from ringflash.kernels.masks import pair_positions
+        p, seed, pos, head0 = dropout
+        drop = dict(dropout_p=p, seed=seed, pos=tuple(pos), dropout_head0=head0)
+        qp, kp = pair_positions(tuple(pos), torch.arange(sq), torch.arange(sk))
+        keep = bits.dropout_keep_mask(seed, p, b, head0 + h, sq, sk, q_positions=qp, k_positions=kp)[:, head0:]
+        dropped = (keep.cuda(), bits.keep_scale(p))
     accumulate = mode != "write"
     if accumulate:  # a running result over 256 other keys, every third row empty
         k0, v0 = randn(b, 256, hkv, D), randn(b, 256, hkv, D)
         seen0 = (torch.arange(sq, device="cuda") % 3 != 0)[:, None].expand(sq, 256)
         out0, lse0 = attention_oracle(q, k0, v0, softmax_scale=scale, mask=seen0)
-        both = torch.cat([seen0.expand(visible.shape[:-1] + (256,)), visible], -1)
-        want, want_lse = attention_oracle(q, torch.cat([k0, k], 1), torch.cat([v0, v], 1), softmax_scale=scale,
-                                          mask=both)
+        if dropped is None:
+            both = torch.cat([seen0.expand(visible.shape[:-1] + (256,)), visible], -1)
+            want, want_lse = attention_oracle(q, torch.cat([k0, k], 1), torch.cat([v0, v], 1), softmax_scale=scale,
+                                              mask=both)
+        else:  # the running result merged with this call's dropped one: weights exp(lse - lse of both)
+            out1, lse1 = attention_oracle(q, k, v, softmax_scale=scale, mask=visible, dropped=dropped)
+            want_lse = torch.logaddexp(lse0, lse1)
+            safe = torch.where(want_lse == float("-inf"), 0.0, want_lse)
+            want = sum(torch.exp(lse_i - safe).transpose(1, 2)[..., None] * out_i
+                       for lse_i, out_i in ((lse0, out0), (lse1, out1)))
         running = out0.float().contiguous()
         running_lse = lse0.float()
     else:
-        want, want_lse = attention_oracle(q, k, v, softmax_scale=scale, mask=visible)
+        want, want_lse = attention_oracle(q, k, v, softmax_scale=scale, mask=visible, dropped=dropped)
         seen0 = torch.zeros(sq, 1, dtype=torch.bool, device="cuda")
 
     def call(kernel):
@@ -218,8 +249,9 @@ def _child(b, sq, sk, h, hkv, offset, mode, layout, band_lo=None, segments=None,
 
     out, lse = call(lambda o, s, acc, part: attn_fwd_sm90(q, k, v, o, s, scale, causal_offset=offset,
                                                            accumulate=acc, out_partial=part, band_lo=band_lo,
-                                                           q_segments=q_ids, k_segments=k_ids, blocks=blocks))
-    lib_mask = PairMask(band_lo=band_lo, band_hi=offset, q_segments=q_ids, k_segments=k_ids, blocks=blocks)
+                                                           q_segments=q_ids, k_segments=k_ids, blocks=blocks,
+                                                           **drop))
+    lib_mask = PairMask(band_lo=band_lo, band_hi=offset, q_segments=q_ids, k_segments=k_ids, blocks=blocks, **drop)
     lib_out, _ = call(lambda o, s, acc, part: triton_kernels.fwd(q, k, v, o, s, softmax_scale=scale, mask=lib_mask,
                                                                  accumulate=acc, out_partial=part))
     torch.cuda.synchronize()
@@ -229,6 +261,7 @@ def _child(b, sq, sk, h, hkv, offset, mode, layout, band_lo=None, segments=None,
                    and bool((lse[empty] == float("-inf")).all()))
     finite = ~empty
     return dict(out=rel_err(out.double(), want), library_out=rel_err(lib_out.double(), want),
+                same_as_library=bool(torch.equal(out, lib_out)),  # reported, not asserted
                 lse=rel_err(lse[finite].double(), want_lse[finite]),
                 empty_rows=int(empty.sum()), empty_rows_exact=empty_exact,
                 nan=int(torch.isnan(out).sum() + torch.isnan(lse).sum()))

@@ -1,11 +1,17 @@
-"""Attention dropout's keep decisions in the Gluon backward's keys-by-queries tiles.
+"""Attention dropout's keep decisions in the Gluon kernels' tiles: the forward's queries by
+keys (``keep``) and the backward's keys by queries (``keep_t``).
 
 The bits are the library's (kernels/dropout.py has the definition and its PyTorch twin):
 one Philox4x32-7 call a block of 16 elements, 2 queries by 8 keys (query bit 3; key bits
 0, 3 and 4), keyed by (seed, batch, global head, global query position, global key
 position), so this kernel drops exactly what the forward (and the Triton kernels) drop.
 
-In the 64 x 64 wgmma accumulator of Sᵀ (keys by queries, kernels/gluon/bwd.py) a thread
+In the forward's 64 x 128 wgmma accumulator of S (queries by keys, kernels/gluon/fwd.py) a
+thread holds query rows differing in bit 3 and key columns differing in bits 0 and 3-6:
+all 16 elements of each call it needs (query bit 3; key bits 0, 3, 4), four calls a tile,
+each run once and its bytes joined into place (``keep``), as the Triton forward does.
+
+In the backward's 64 x 64 wgmma accumulator of Sᵀ (keys by queries, kernels/gluon/bwd.py) a thread
 holds key rows differing in bit 3 and query columns differing in bits 0, 3, 4 and 5; key
 bits 0-2 are its lane's and 4-5 its warp's. So of a call's 16 elements a thread holds 4
 (key bit 3 by query bit 3: the call's four words), and its byte within each word (key
@@ -62,6 +68,51 @@ def _call_axes(x):
 def _byte_kept(word, shift, threshold):
     """Whether the byte of ``word`` at bit ``shift`` is >= threshold (kept)."""
     return ((word >> shift) & 0xFF) >= threshold
+
+
+@gluon.jit
+def _fwd_call_axes(x):
+    """A (64 queries, 128 keys) tile as (q5 q4, q2-0, k6 k5, k2 k1, k0, k4, k3, q3): a call's
+    16 elements, all of one thread's registers, on the last four axes. Register moves only."""
+    return x.reshape([4, 2, 8, 4, 2, 2, 4, 2]).permute([0, 2, 3, 6, 7, 4, 5, 1])
+
+
+@gluon.jit
+def _word_kept(word, threshold):
+    """A word's four bytes' decisions on two new last axes: (key bit 0, key bit 4)."""
+    return gl.join(gl.join(_byte_kept(word, 0, threshold), _byte_kept(word, 8, threshold)),
+                   gl.join(_byte_kept(word, 16, threshold), _byte_kept(word, 24, threshold)))
+
+
+@gluon.jit
+def keep(query0, key0, head, batch, drop, layout: gl.constexpr):
+    """(64, 128) bool in ``layout`` (the forward's 64 x 128 wgmma accumulator of S): whether
+    the pair of query query0 + r and key key0 + c (global positions, query0 % 16 == 0 and
+    key0 % 32 == 0) is kept. drop = (seed_lo, seed_hi, threshold, ...). Each call once: its
+    counter words from the tile's first element of it (``_fwd_call_axes``, split down to
+    one element a call), its 16 bytes joined back into place: word (key bit 3, query bit
+    3), byte (key bit 0, key bit 4)."""
+    seed_lo, seed_hi, threshold = drop[0].to(gl.uint32), drop[1].to(gl.uint32), drop[2].to(gl.uint32)
+    r = gl.arange(0, 64, gl.SliceLayout(1, layout)).to(gl.uint32) + query0.to(gl.uint32)
+    c = gl.arange(0, 128, gl.SliceLayout(0, layout)).to(gl.uint32) + key0.to(gl.uint32)
+    qc, kc = gl.broadcast(gl.expand_dims(((r >> 4) << 3) | (r & 7), 1),
+                          gl.expand_dims(((c >> 5) << 2) | ((c >> 1) & 3), 0))
+    qc, kc = _fwd_call_axes(qc), _fwd_call_axes(kc)
+    qc, _ = qc.split()  # query bit 3 = 0, then key bits 3, 4 and 0: one element a call
+    qc, _ = qc.split()
+    qc, _ = qc.split()
+    qc, _ = qc.split()
+    kc, _ = kc.split()
+    kc, _ = kc.split()
+    kc, _ = kc.split()
+    kc, _ = kc.split()
+    head = gl.full(kc.shape, 0, gl.uint32, kc.type.layout) + head.to(gl.uint32)
+    batch = gl.full(kc.shape, 0, gl.uint32, kc.type.layout) + batch.to(gl.uint32)
+    o0, o1, o2, o3 = _philox(seed_lo, seed_hi, kc, qc, head, batch)
+    x = gl.join(gl.join(_word_kept(o0, threshold), _word_kept(o1, threshold)),
+                gl.join(_word_kept(o2, threshold), _word_kept(o3, threshold)))  # (..., k0, k4, k3, q3)
+    x = x.permute([0, 7, 1, 2, 5, 6, 3, 4]).reshape([64, 128])
+    return gl.convert_layout(x, layout, assert_trivial=True)
 
 
 @gluon.jit

@@ -15,7 +15,11 @@ local indices (the ring's pairs); with it or without it a window's lower edge
 (SEGMENTS: packed documents, int32 (B, Sq) and (B, Sk), key j seen only if its id equals
 query i's, ids < 0 padding), or a block mask with or without the band (BLOCKS, not with
 segment ids: the K tiles of the Q tile's row of ``masks.block_lists``, the partial ones
-masked, as the backward walks its lists).
+masked, as the backward walks its lists); with any of these but a block mask, attention
+dropout (DROPOUT: kernels/dropout.py's bits on global positions, drawn per step in the
+score tile's registers by kernels/gluon/dropout.py's ``keep`` while the step's products
+run; P scaled where kept and zeroed where dropped before P V, l and lse those of the
+undropped P, as the Triton forward).
 Outputs: out (B, Sq, H, D) in any float dtype and lse (B, H, Sq) fp32 (natural log; a
 row that sees no key gets out 0 and lse -inf), through their own strides; with
 ``ACCUMULATE`` the block's result is merged with the running (out_in, lse) first, exactly
@@ -65,6 +69,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
+from .dropout import keep
 from .ptx import _hide
 from .tiles import _list_row, _narrow
 
@@ -200,11 +205,12 @@ def _softmax(s, m_i, l_i, qk_scale, diag, ids, MASKED: gl.constexpr, CAUSAL: gl.
 
 
 @gluon.jit
-def _step(t, p, m_i, l_i, acc, q, smem, bars, qk_scale, diag, ids, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-          LOWER: gl.constexpr, SEGMENTS: gl.constexpr):
+def _step(t, p, m_i, l_i, acc, q, smem, bars, qk_scale, diag, ids, key0, drop, MASKED: gl.constexpr,
+          CAUSAL: gl.constexpr, LOWER: gl.constexpr, SEGMENTS: gl.constexpr, DROPOUT: gl.constexpr):
     """The CTA's t-th K tile's scores and softmax under the previous tile's P V (``diag``,
     ``ids``: ``_softmax``'s, for this tile): returns (P as the next P V's bf16 register operand, m,
-    l, O rescaled to the new m)."""
+    l, O rescaled to the new m). DROPOUT: P dropped (``_dropped``) at the tile's first key
+    position ``key0``, its bits drawn while the two products run."""
     q_smem, k_smem, v_smem = smem
     q_ready, k_ready, v_ready, k_empty, v_empty = bars
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
@@ -216,13 +222,35 @@ def _step(t, p, m_i, l_i, acc, q, smem, bars, qk_scale, diag, ids, MASKED: gl.co
                            gl.zeros([64, BLOCK_N], gl.float32, mma), use_acc=False, is_async=True)
     mbarrier.wait(v_ready.index(sp), ((t - 1) // STAGES) & 1)
     acc = warpgroup_mma(p, v_smem.index(sp).reshape([BLOCK_N, q.shape[1]]), acc, is_async=True)
+    kept = _kept(key0, drop, mma, DROPOUT)
     scores = warpgroup_mma_wait(1, deps=[scores])  # the scores done; P V may still run
     mbarrier.arrive(k_empty.index(s), count=1)
     p_new, m_i, l_i, alpha = _softmax(scores, m_i, l_i, qk_scale, diag, ids, MASKED, CAUSAL, LOWER, SEGMENTS)
+    p_new = _dropped(p_new, kept, drop, DROPOUT)
     acc, p = warpgroup_mma_wait(0, deps=[acc, p])
     mbarrier.arrive(v_empty.index(sp), count=1)
     acc = acc * gl.expand_dims(_rows_of(alpha, acc), 1)
     return gl.convert_layout(p_new.to(gl.bfloat16), p.type.layout, assert_trivial=True), m_i, l_i, acc
+
+
+@gluon.jit
+def _kept(key0, drop, layout: gl.constexpr, DROPOUT: gl.constexpr):
+    """DROPOUT: the keep decisions of the tile at key position ``key0`` for the rows of
+    ``drop`` = (seed lo, hi, threshold, kept scale, global head, the rows' first query
+    position, k0, a K tile's step in positions, batch) (``dropout.keep``); else 0 (unread)."""
+    kept = 0
+    if DROPOUT:
+        kept = keep(drop[5], key0, drop[4], drop[8], drop, layout)
+    return kept
+
+
+@gluon.jit
+def _dropped(p, kept, drop, DROPOUT: gl.constexpr):
+    """P as P V takes it: DROPOUT scales the kept probabilities and zeroes the dropped ones
+    (a multiply, as the Triton forward; l has the undropped P)."""
+    if DROPOUT:
+        p = p * gl.where(kept, drop[3], 0.0)
+    return p
 
 
 @gluon.jit
@@ -233,8 +261,8 @@ def _rows_of(x, acc):
 
 
 @gluon.jit
-def _first(p, m_i, l_i, q, smem, bars, qk_scale, diag, ids, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
-           LOWER: gl.constexpr, SEGMENTS: gl.constexpr):
+def _first(p, m_i, l_i, q, smem, bars, qk_scale, diag, ids, key0, drop, MASKED: gl.constexpr, CAUSAL: gl.constexpr,
+           LOWER: gl.constexpr, SEGMENTS: gl.constexpr, DROPOUT: gl.constexpr):
     """The CTA's first K tile's scores and softmax (nothing to hide them under): (P, m, l)."""
     q_smem, k_smem, v_smem = smem
     q_ready, k_ready, v_ready, k_empty, v_empty = bars
@@ -242,9 +270,11 @@ def _first(p, m_i, l_i, q, smem, bars, qk_scale, diag, ids, MASKED: gl.constexpr
     mbarrier.wait(k_ready.index(0), 0)
     scores = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, q.shape[1]]).permute((1, 0)),
                            gl.zeros([64, BLOCK_N], gl.float32, mma), use_acc=False, is_async=True)
+    kept = _kept(key0, drop, mma, DROPOUT)
     scores = warpgroup_mma_wait(0, deps=[scores])
     mbarrier.arrive(k_empty.index(0), count=1)
     p_new, m_i, l_i, alpha = _softmax(scores, m_i, l_i, qk_scale, diag, ids, MASKED, CAUSAL, LOWER, SEGMENTS)
+    p_new = _dropped(p_new, kept, drop, DROPOUT)
     return gl.convert_layout(p_new.to(gl.bfloat16), p.type.layout, assert_trivial=True), m_i, l_i
 
 
@@ -262,15 +292,16 @@ def _tile_ids(q_ids, k_ids_ptr, j, MASKED: gl.constexpr, SEGMENTS: gl.constexpr)
 
 
 @gluon.jit
-def _consume(t0, t1, start, p, m_i, l_i, acc, q, smem, bars, qk_scale, diag0, ids, MASKED: gl.constexpr,
-             CAUSAL: gl.constexpr, LOWER: gl.constexpr, SEGMENTS: gl.constexpr):
+def _consume(t0, t1, start, p, m_i, l_i, acc, q, smem, bars, qk_scale, diag0, ids, drop, MASKED: gl.constexpr,
+             CAUSAL: gl.constexpr, LOWER: gl.constexpr, SEGMENTS: gl.constexpr, DROPOUT: gl.constexpr):
     """The K tiles [t0, t1) (absolute; the CTA's own count from ``start``), each a ``_step``
     with its tile's diagonals and ids (``_softmax``'s, from those of K tile 0 and from
-    ids = (the rows' ids, the keys' ids pointer))."""
+    ids = (the rows' ids, the keys' ids pointer)) and, with DROPOUT, its first key's position."""
     for j in range(t0, t1):
         p, m_i, l_i, acc = _step(j - start, p, m_i, l_i, acc, q, smem, bars, qk_scale,
                                  (diag0[0] - j * BLOCK_N, j * BLOCK_N - diag0[1]),
-                                 _tile_ids(ids[0], ids[1], j, MASKED, SEGMENTS), MASKED, CAUSAL, LOWER, SEGMENTS)
+                                 _tile_ids(ids[0], ids[1], j, MASKED, SEGMENTS), drop[6] + j * drop[7], drop, MASKED,
+                                 CAUSAL, LOWER, SEGMENTS, DROPOUT)
     return p, m_i, l_i, acc
 
 
@@ -284,8 +315,8 @@ def _consume_listed(e0, e1, row, p, m_i, l_i, acc, q, smem, bars, qk_scale, diag
         if MASKED:
             j = gl.load(row + e)
         p, m_i, l_i, acc = _step(e, p, m_i, l_i, acc, q, smem, bars, qk_scale,
-                                 (diag0[0] - j * BLOCK_N, j * BLOCK_N - diag0[1]), (0, 0), MASKED, CAUSAL, LOWER,
-                                 False)
+                                 (diag0[0] - j * BLOCK_N, j * BLOCK_N - diag0[1]), (0, 0), 0, (0, ), MASKED, CAUSAL,
+                                 LOWER, False, False)
     return p, m_i, l_i, acc
 
 
@@ -302,9 +333,10 @@ def _walk_listed(p, m_i, l_i, acc, q, smem, bars, qk_scale, tile, row0, blks, CA
         if (CAUSAL or LOWER) and partial > 0:
             j = gl.load(row)
             p, m_i, l_i = _first(p, m_i, l_i, q, smem, bars, qk_scale, (diag0[0] - j * BLOCK_N,
-                                 j * BLOCK_N - diag0[1]), (0, 0), True, CAUSAL, LOWER, False)
+                                 j * BLOCK_N - diag0[1]), (0, 0), 0, (0, ), True, CAUSAL, LOWER, False, False)
         else:
-            p, m_i, l_i = _first(p, m_i, l_i, q, smem, bars, qk_scale, (0, 0), (0, 0), False, CAUSAL, LOWER, False)
+            p, m_i, l_i = _first(p, m_i, l_i, q, smem, bars, qk_scale, (0, 0), (0, 0), 0, (0, ), False, CAUSAL, LOWER,
+                                 False, False)
     if CAUSAL or LOWER:
         p, m_i, l_i, acc = _consume_listed(1, partial, row, p, m_i, l_i, acc, q, smem, bars, qk_scale, diag0, True,
                                            CAUSAL, LOWER)
@@ -314,13 +346,15 @@ def _walk_listed(p, m_i, l_i, acc, q, smem, bars, qk_scale, tile, row0, blks, CA
 
 
 @gluon.jit
-def _consumer(smem, bars, tile, out, segs, blks, HALF: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr,
-              SEGMENTS: gl.constexpr, ACCUMULATE: gl.constexpr, BLOCKS: gl.constexpr):
+def _consumer(smem, bars, tile, out, segs, blks, drop, HALF: gl.constexpr, CAUSAL: gl.constexpr, LOWER: gl.constexpr,
+              SEGMENTS: gl.constexpr, ACCUMULATE: gl.constexpr, BLOCKS: gl.constexpr, DROPOUT: gl.constexpr):
     """Consumer warp group HALF: query rows [m0 + 64 HALF, m0 + 64 HALF + 64) over the K
     tiles [start, end) (``_k_tiles``) in increasing order: those across the lower edge
     (masked), the unmasked ones, those across the upper edge (masked); BLOCKS: over the Q
     tile's listed blocks (``_walk_listed``); then out and lse (merged with the running ones
-    first with ACCUMULATE)."""
+    first with ACCUMULATE). DROPOUT (not with BLOCKS): ``drop`` = (seed lo, hi, threshold,
+    kept scale, head 0's global index, q0, k0, jump) (``attn_fwd_sm90``'s positions,
+    PairMask.pos: local row x at q0 + x + (x // 128) jump)."""
     q_smem, k_smem, v_smem = smem
     q_ready, k_ready, v_ready, k_empty, v_empty = bars
     off_b, off_h, off_hk, m0, seqlen_k, offset, band_lo = tile
@@ -342,9 +376,11 @@ def _consumer(smem, bars, tile, out, segs, blks, HALF: gl.constexpr, CAUSAL: gl.
     if BLOCKS:
         p, m_i, l_i, acc, start, end = _walk_listed(p, m_i, l_i, acc, q, smem, bars, qk_scale, tile, row0, blks,
                                                     CAUSAL, LOWER)
-    else:
-        p, m_i, l_i, acc, start, end = _walk(p, m_i, l_i, acc, q, smem, bars, qk_scale, tile, row0, segs, CAUSAL,
-                                             LOWER, SEGMENTS)
+    else:  # the rows' global head and first query position, K tile j's first key at k0 + j (128 + jump)
+        drop = (drop[0], drop[1], drop[2], drop[3], drop[4] + off_h, drop[5] + row0 + (m0 // BLOCK_M) * drop[7],
+                drop[6], BLOCK_N + drop[7], off_b)
+        p, m_i, l_i, acc, start, end = _walk(p, m_i, l_i, acc, q, smem, bars, qk_scale, tile, row0, segs, drop,
+                                             CAUSAL, LOWER, SEGMENTS, DROPOUT)
     if end > start:  # the last tile's P V
         last = end - 1 - start
         mbarrier.wait(v_ready.index(last % STAGES), (last // STAGES) & 1)
@@ -355,10 +391,11 @@ def _consumer(smem, bars, tile, out, segs, blks, HALF: gl.constexpr, CAUSAL: gl.
 
 
 @gluon.jit
-def _walk(p, m_i, l_i, acc, q, smem, bars, qk_scale, tile, row0, segs, CAUSAL: gl.constexpr,
-          LOWER: gl.constexpr, SEGMENTS: gl.constexpr):
+def _walk(p, m_i, l_i, acc, q, smem, bars, qk_scale, tile, row0, segs, drop, CAUSAL: gl.constexpr,
+          LOWER: gl.constexpr, SEGMENTS: gl.constexpr, DROPOUT: gl.constexpr):
     """The band's walk (``_loader``'s): the K tiles [start, end) of ``_k_tiles`` in
-    increasing order, masked where an edge crosses them. Returns (P, m, l, O, start, end)."""
+    increasing order, masked where an edge crosses them (``drop``: ``_kept``'s). Returns
+    (P, m, l, O, start, end)."""
     off_b, off_h, off_hk, m0, seqlen_k, offset, band_lo = tile
     rows_l: gl.constexpr = gl.SliceLayout(1, gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                        instr_shape=[16, BLOCK_N, 16]))
@@ -373,19 +410,19 @@ def _walk(p, m_i, l_i, acc, q, smem, bars, qk_scale, tile, row0, segs, CAUSAL: g
         if (start >= u0) & (start < u1):
             p, m_i, l_i = _first(p, m_i, l_i, q, smem, bars, qk_scale, (diag0[0] - start * BLOCK_N,
                                  start * BLOCK_N - diag0[1]), _tile_ids(q_ids, segs[1], start, False, SEGMENTS),
-                                 False, CAUSAL, LOWER, SEGMENTS)
+                                 drop[6] + start * drop[7], drop, False, CAUSAL, LOWER, SEGMENTS, DROPOUT)
         else:
             p, m_i, l_i = _first(p, m_i, l_i, q, smem, bars, qk_scale, (diag0[0] - start * BLOCK_N,
                                  start * BLOCK_N - diag0[1]), _tile_ids(q_ids, segs[1], start, True, SEGMENTS),
-                                 True, CAUSAL, LOWER, SEGMENTS)
+                                 drop[6] + start * drop[7], drop, True, CAUSAL, LOWER, SEGMENTS, DROPOUT)
     if LOWER or SEGMENTS:
         p, m_i, l_i, acc = _consume(start + 1, u0, start, p, m_i, l_i, acc, q, smem, bars, qk_scale, diag0, ids,
-                                    True, CAUSAL, LOWER, SEGMENTS)
+                                    drop, True, CAUSAL, LOWER, SEGMENTS, DROPOUT)
     p, m_i, l_i, acc = _consume(gl.maximum(u0, start + 1), u1, start, p, m_i, l_i, acc, q, smem, bars, qk_scale,
-                                diag0, ids, False, CAUSAL, LOWER, SEGMENTS)
+                                diag0, ids, drop, False, CAUSAL, LOWER, SEGMENTS, DROPOUT)
     if CAUSAL or SEGMENTS:
         p, m_i, l_i, acc = _consume(gl.maximum(u1, start + 1), end, start, p, m_i, l_i, acc, q, smem, bars, qk_scale,
-                                    diag0, ids, True, CAUSAL, LOWER, SEGMENTS)
+                                    diag0, ids, drop, True, CAUSAL, LOWER, SEGMENTS, DROPOUT)
     return p, m_i, l_i, acc, start, end
 
 
@@ -420,24 +457,25 @@ def _epilogue(acc, m_i, l_i, row0, off_b, off_h, out, ACCUMULATE: gl.constexpr):
 
 
 @gluon.jit
-def _consumer0(smem, bars, tile, out, segs, blks, CAUSAL: gl.constexpr, LOWER: gl.constexpr, SEGMENTS: gl.constexpr,
-               ACCUMULATE: gl.constexpr, BLOCKS: gl.constexpr):
-    _consumer(smem, bars, tile, out, segs, blks, 0, CAUSAL, LOWER, SEGMENTS, ACCUMULATE, BLOCKS)
+def _consumer0(smem, bars, tile, out, segs, blks, drop, CAUSAL: gl.constexpr, LOWER: gl.constexpr,
+               SEGMENTS: gl.constexpr, ACCUMULATE: gl.constexpr, BLOCKS: gl.constexpr, DROPOUT: gl.constexpr):
+    _consumer(smem, bars, tile, out, segs, blks, drop, 0, CAUSAL, LOWER, SEGMENTS, ACCUMULATE, BLOCKS, DROPOUT)
 
 
 @gluon.jit
-def _consumer1(smem, bars, tile, out, segs, blks, CAUSAL: gl.constexpr, LOWER: gl.constexpr, SEGMENTS: gl.constexpr,
-               ACCUMULATE: gl.constexpr, BLOCKS: gl.constexpr):
-    _consumer(smem, bars, tile, out, segs, blks, 1, CAUSAL, LOWER, SEGMENTS, ACCUMULATE, BLOCKS)
+def _consumer1(smem, bars, tile, out, segs, blks, drop, CAUSAL: gl.constexpr, LOWER: gl.constexpr,
+               SEGMENTS: gl.constexpr, ACCUMULATE: gl.constexpr, BLOCKS: gl.constexpr, DROPOUT: gl.constexpr):
+    _consumer(smem, bars, tile, out, segs, blks, drop, 1, CAUSAL, LOWER, SEGMENTS, ACCUMULATE, BLOCKS, DROPOUT)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=("seed_lo", "seed_hi", "drop_threshold", "drop_head0", "drop_q0", "drop_k0", "drop_jump"))
 def _attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_ptr, o_in_ptr, lse_ptr, o_stride_b, o_stride_s, o_stride_h,
                           lse_stride_b, lse_stride_h, lse_stride_s, heads, group, seqlen_k, causal_offset, band_lo,
                           qk_scale, q_ids_ptr, k_ids_ptr, q_ids_stride_b, k_ids_stride_b, tiles_ptr, tiles_stride_b,
                           blk_counts, blk_index, blk_kind_stride, blk_head_rows, blk_cols, blk_order,
+                          seed_lo, seed_hi, drop_threshold, drop_scale, drop_head0, drop_q0, drop_k0, drop_jump,
                           CAUSAL: gl.constexpr, LOWER: gl.constexpr, SEGMENTS: gl.constexpr,
-                          ACCUMULATE: gl.constexpr, BLOCKS: gl.constexpr, STAGES: gl.constexpr,
+                          ACCUMULATE: gl.constexpr, BLOCKS: gl.constexpr, DROPOUT: gl.constexpr, STAGES: gl.constexpr,
                           CONSUMER_REGS: gl.constexpr, WORKER_REGS: gl.constexpr):
     """Grid (Sq / 128, B H): Q tile program_id(0) of (batch, head) program_id(1), the last
     Q tile first under the band (it sees the most keys). ``group`` = heads / kv_heads;
@@ -448,7 +486,11 @@ def _attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_ptr, o_in_ptr, lse_ptr, o_st
     Q tile, as the backward's (``tiles._list_row``), the CTAs in the order blk_order gives
     (``masks.program_order``, numbered (b H + h) Sq / 128 + Q tile: the rows with much more
     work than the rest first, so that none runs alone at the end; under the band the last
-    Q tile first); STAGES: the K and V stages (each its own: K is released a step before V)."""
+    Q tile first); DROPOUT (not with BLOCKS): kernels/dropout.py's bits of the 64-bit seed
+    (seed_lo, seed_hi), threshold and kept scale, query head h's global index drop_head0 +
+    h, and PairMask.pos's positions (q0, k0, stride 1, jump) with q0 % 16 == k0 % 32 ==
+    jump % 32 == 0, read only then; STAGES: the K and V stages (each its own: K is
+    released a step before V)."""
     if BLOCKS:
         program = gl.load(blk_order + gl.program_id(1) * gl.num_programs(0) + gl.program_id(0))
         bh, m_tile = program // gl.num_programs(0), program % gl.num_programs(0)
@@ -464,6 +506,7 @@ def _attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_ptr, o_in_ptr, lse_ptr, o_st
     segs = (q_ids_ptr + off_b * q_ids_stride_b, k_ids_ptr + off_b * k_ids_stride_b,
             tiles_ptr + off_b * tiles_stride_b + m_tile * 4)  # read only when SEGMENTS
     blks = (blk_counts, blk_index, blk_kind_stride, blk_head_rows, blk_cols)  # read only when BLOCKS
+    drop = (seed_lo, seed_hi, drop_threshold, drop_scale, drop_head0, drop_q0, drop_k0, drop_jump)  # only DROPOUT
     # Shared memory: Q 32 KB, K and V STAGES x 2 x 32 KB (160 KB at 2 stages, 224 KB at 3).
     smem = (gl.allocate_shared_memory(gl.bfloat16, [2] + q_desc.block_type.shape, q_desc.layout),
             gl.allocate_shared_memory(gl.bfloat16, [STAGES] + k_desc.block_type.shape, k_desc.layout),
@@ -482,8 +525,10 @@ def _attn_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_ptr, o_in_ptr, lse_ptr, o_st
     bars = (q_ready, k_ready, v_ready, k_empty, v_empty)
     out = (o_ptr, o_in_ptr, (o_stride_b, o_stride_s, o_stride_h), lse_ptr, (lse_stride_b, lse_stride_h, lse_stride_s),
            qk_scale)
-    gl.warp_specialize([(_consumer0, (smem, bars, tile, out, segs, blks, CAUSAL, LOWER, SEGMENTS, ACCUMULATE, BLOCKS)),
-                        (_consumer1, (smem, bars, tile, out, segs, blks, CAUSAL, LOWER, SEGMENTS, ACCUMULATE, BLOCKS)),
+    gl.warp_specialize([(_consumer0, (smem, bars, tile, out, segs, blks, drop, CAUSAL, LOWER, SEGMENTS, ACCUMULATE,
+                                       BLOCKS, DROPOUT)),
+                        (_consumer1, (smem, bars, tile, out, segs, blks, drop, CAUSAL, LOWER, SEGMENTS, ACCUMULATE,
+                                       BLOCKS, DROPOUT)),
                         (_loader, ((q_desc, k_desc, v_desc), smem, bars, tile, segs, blks, CAUSAL, LOWER, SEGMENTS,
                                    BLOCKS))],
                        [4, 1], [CONSUMER_REGS, WORKER_REGS])

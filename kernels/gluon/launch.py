@@ -218,7 +218,7 @@ def unsupported(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal
              or _shape_error("attn_bwd_sm90", q, k, HEAD_DIMS)
              or _segments_error("attn_bwd_sm90", q, k, q_segments, k_segments)
              or _blocks_error("attn_bwd_sm90", q, k, blocks, deterministic, q_segments is not None)
-             or _dropout_error(dropout_p, pos, deterministic, blocks))
+             or _dropout_error("attn_bwd_sm90", dropout_p, pos, deterministic, blocks))
     if error is not None:
         return error
     if deterministic and q_segments is not None:
@@ -253,22 +253,22 @@ def unsupported(dout, q, k, v, lse, delta, dq_acc, dk, dv, softmax_scale, causal
     return _device_error("attn_bwd_sm90", q)
 
 
-def _dropout_error(dropout_p, pos, deterministic: bool, blocks) -> Optional[Exception]:
-    """Dropout as the backward takes it (kernels/gluon/dropout.py): not with deterministic or
-    a block mask, positions ``PairMask.pos`` = (q0, k0, 1, jump) with q0 % 16 == 0 and k0
+def _dropout_error(kernel: str, dropout_p, pos, deterministic: bool, blocks) -> Optional[Exception]:
+    """Dropout as the Gluon kernels take it (kernels/gluon/dropout.py): not with deterministic
+    or a block mask, positions ``PairMask.pos`` = (q0, k0, 1, jump) with q0 % 16 == 0 and k0
     and jump multiples of 32 (runs whose bits lie in one thread's registers)."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0 <= dropout_p < 1:
-        return ValueError(f"attn_bwd_sm90: dropout_p must be a float in [0, 1), got {dropout_p!r}")
+        return ValueError(f"{kernel}: dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if dropout_p == 0:
         return None
     if deterministic or blocks is not None:
-        return ValueError(f"attn_bwd_sm90: dropout with {'deterministic' if deterministic else 'blocks'} is not "
+        return ValueError(f"{kernel}: dropout with {'deterministic' if deterministic else 'blocks'} is not "
                           f"served (the Triton kernels serve it)")
     if pos is None or len(pos) != 4 or not all(isinstance(x, int) and not isinstance(x, bool) for x in pos):
-        return ValueError(f"attn_bwd_sm90: dropout needs pos = (q0, k0, stride, jump) ints (PairMask.pos), got {pos!r}")
+        return ValueError(f"{kernel}: dropout needs pos = (q0, k0, stride, jump) ints (PairMask.pos), got {pos!r}")
     q0, k0, stride, jump = pos
     if stride != 1 or q0 % 16 or k0 % 32 or jump % 32 or min(q0, k0, jump) < 0:
-        return ValueError(f"attn_bwd_sm90: dropout needs pos with stride 1, q0 a multiple of 16, k0 and jump of 32 "
+        return ValueError(f"{kernel}: dropout needs pos with stride 1, q0 a multiple of 16, k0 and jump of 32 "
                           f"(every call's bits in one thread's registers), got {pos!r}")
     return None
 
@@ -435,7 +435,7 @@ def _fwd_descriptors(q, k, v):
 
 def fwd_unsupported(q, k, v, out, lse, softmax_scale, causal_offset, accumulate: bool = False,
                     out_in=None, band_lo: Optional[int] = None, q_segments=None,
-                    k_segments=None, blocks=None) -> Optional[Exception]:
+                    k_segments=None, blocks=None, dropout_p: float = 0.0, pos=None) -> Optional[Exception]:
     """Why the forward cannot take these arguments: a TypeError / ValueError naming the
     argument (kernels/gluon/fwd.py's docstring says what it serves), or None."""
     named = dict(q=q, k=k, v=v, out=out, lse=lse)
@@ -455,7 +455,8 @@ def fwd_unsupported(q, k, v, out, lse, softmax_scale, causal_offset, accumulate:
     error = (_scalar_error("attn_fwd_sm90", softmax_scale, causal_offset, band_lo)
              or _shape_error("attn_fwd_sm90", q, k, fwd.HEAD_DIMS)
              or _segments_error("attn_fwd_sm90", q, k, q_segments, k_segments)
-             or _blocks_error("attn_fwd_sm90", q, k, blocks, False, q_segments is not None))
+             or _blocks_error("attn_fwd_sm90", q, k, blocks, False, q_segments is not None)
+             or _dropout_error("attn_fwd_sm90", dropout_p, pos, False, blocks))
     if error is not None:
         return error
     b, sq, h, _ = q.shape
@@ -483,18 +484,20 @@ def fwd_unsupported(q, k, v, out, lse, softmax_scale, causal_offset, accumulate:
 
 
 def _fwd_args(q, k, v, out, lse, softmax_scale, causal_offset, out_in, band_lo, q_segments=None, k_segments=None,
-              blocks=None):
+              blocks=None, dropout_p: float = 0.0, seed: int = 0, pos=None, dropout_head0: int = 0):
     b, sq, h, _ = q.shape
     return (*_fwd_descriptors(q, k, v), out, out if out_in is None else out_in, lse, *out.stride()[:3], *lse.stride(),
             h, h // k.shape[2], k.shape[1], _kernel_offset(causal_offset, sq, k.shape[1]),
             _kernel_offset(band_lo, sq, k.shape[1]), softmax_scale * LOG2E,
             *_segment_args(q_segments, k_segments, sq, k.shape[1], q.device, keys_outer=False),
-            *_block_args(blocks, causal_offset, band_lo, q, k, keys_outer=False))
+            *_block_args(blocks, causal_offset, band_lo, q, k, keys_outer=False),
+            *_dropout_args(dropout_p, seed, pos, dropout_head0))
 
 
 def attn_fwd_sm90(q, k, v, out, lse, softmax_scale: float, causal_offset: Optional[int] = None,
                   accumulate: bool = False, out_partial=None, band_lo: Optional[int] = None, q_segments=None,
-                  k_segments=None, blocks=None):
+                  k_segments=None, blocks=None, dropout_p: float = 0.0, seed: int = 0, pos=None,
+                  dropout_head0: int = 0):
     """The forward of one (query block, key block) pair (head_dim 128, bf16): out and lse
     written, or with ``accumulate`` merged with the running ones (normalized out, its lse;
     -inf for none yet) and written in place; ``out_partial``: with accumulate, the running
@@ -508,17 +511,21 @@ def attn_fwd_sm90(q, k, v, out, lse, softmax_scale: float, causal_offset: Option
     only if their ids are equal (ids < 0: padding, seeing and seen by nothing; the
     non-negative ids non-decreasing along each row, as ``masks.segment_ranges`` needs). A
     row that sees no key (and had none) gets out 0 and lse -inf. blocks (not with segment
-    ids): a ``kernels.masks.Blocks``, as ``attn_bwd_sm90``'s. Returns (out, lse)."""
+    ids): a ``kernels.masks.Blocks``, as ``attn_bwd_sm90``'s. dropout_p, seed, pos,
+    dropout_head0: attention dropout as ``PairMask`` has it and ``attn_bwd_sm90`` takes it
+    (kernels/dropout.py's bits; not with blocks; pos (q0, k0, 1, jump) with q0 % 16 == k0 %
+    32 == jump % 32 == 0): the kept probabilities scaled, the dropped ones zeroed before
+    P V, lse that of the undropped scores. Returns (out, lse)."""
     error = fwd_unsupported(q, k, v, out, lse, softmax_scale, causal_offset, accumulate, out_partial, band_lo,
-                            q_segments, k_segments, blocks)
+                            q_segments, k_segments, blocks, dropout_p, pos)
     if error is not None:
         raise error
     b, sq, h, _ = q.shape
     fwd._attn_fwd_sm90_kernel[(sq // fwd.BLOCK_M.value, b * h)](
         *_fwd_args(q, k, v, out, lse, softmax_scale, causal_offset, out_partial, band_lo, q_segments, k_segments,
-                   blocks),
+                   blocks, dropout_p, seed, pos, dropout_head0),
         causal_offset is not None, band_lo is not None, q_segments is not None, bool(accumulate), blocks is not None,
-        FWD_STAGES, CONSUMER_REGS, WORKER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)
+        dropout_p > 0, FWD_STAGES, CONSUMER_REGS, WORKER_REGS, num_warps=NUM_WARPS, maxnreg=MAXNREG)
     return out, lse
 
 
@@ -526,19 +533,21 @@ def compile_fwd_sm90(causal_offset: Optional[int] = None, heads: int = 4, kv_hea
                      seqlen_k: int = 1024, accumulate: bool = False, out_dtype=torch.bfloat16,
                      stages: Optional[int] = None, head_dim: int = 128, band_lo: Optional[int] = None,
                      segments: bool = False, consumer_regs: int = CONSUMER_REGS, maxnreg: int = MAXNREG,
-                     blocks: bool = False):
+                     blocks: bool = False, dropout: bool = False):
     """The forward compiled for sm_90 on any machine, as ``attn_fwd_sm90`` would specialize
     it on contiguous (1, seqlen_q, heads, 128) q and (1, seqlen_k, kv_heads, 128) k, v, an
     out of ``out_dtype`` and with ``segments`` segment ids or ``blocks`` a block mask, one
-    per head (CPU stand-ins: only their types, alignments and strides are read)."""
+    per head, and ``dropout`` (p = 0.1) (CPU stand-ins: only their types, alignments and
+    strides are read)."""
     stages = FWD_STAGES if stages is None else stages
     q = torch.zeros(1, seqlen_q, heads, head_dim, dtype=torch.bfloat16)
     k = torch.zeros(1, seqlen_k, kv_heads, head_dim, dtype=torch.bfloat16)
     out, lse = torch.zeros(q.shape, dtype=out_dtype), torch.zeros(1, heads, seqlen_q)
     values = _fwd_args(q, k, k, out, lse, 0.1, causal_offset, out if accumulate else None, band_lo,
                        *_stand_in_ids(segments, seqlen_q, seqlen_k),
-                       _stand_in_blocks(blocks, heads, seqlen_q, seqlen_k))
+                       _stand_in_blocks(blocks, heads, seqlen_q, seqlen_k), 0.1 if dropout else 0.0, 0x123456789AB,
+                       (4096, 8192, 1, 0), 0)
     consts = dict(CAUSAL=causal_offset is not None, LOWER=band_lo is not None, SEGMENTS=segments,
-                  ACCUMULATE=accumulate, BLOCKS=blocks, STAGES=stages, CONSUMER_REGS=consumer_regs,
+                  ACCUMULATE=accumulate, BLOCKS=blocks, DROPOUT=dropout, STAGES=stages, CONSUMER_REGS=consumer_regs,
                   WORKER_REGS=WORKER_REGS)
     return _compile(fwd._attn_fwd_sm90_kernel, values, consts, maxnreg)
