@@ -31,6 +31,11 @@ The forward takes the first route that serves the call (``fwd_route``):
   1.86 ms: its global row ran last); with the CTAs launched long rows first
   (``masks.program_order``, runs 4-7, one H100) level or faster than the Triton forward in
   every row (1.00-1.13x; local_global 0.05 1.68 ms).
+  Not routed: dropout. The Gluon forward takes it (``attn_fwd_sm90(dropout_p=...)``, the
+  same bits, tests/test_gluon_fwd_gpu.py) but ran slower than the Triton forward: one
+  H200, 2026-11-28, bench_dropout.py at 32k, p = 0.1, both trees in one call
+  (benchmarks/results/dropout_h200_gluon_fwd.json against dropout_h200_triton_fwd.json):
+  forward 39.59 against 38.75 ms non-causal, 20.60 against 19.68 causal.
 - ``triton``: every other CUDA call.
 
 The backward takes the first route that serves the call (``bwd_route``):
@@ -116,19 +121,21 @@ class Route(NamedTuple):
 
 
 MASK_WHY = "mask: only no mask, a band on local indices, segment ids and a block mask (not with segment ids)"
-DROPOUT_WHY = ("dropout: the Gluon kernels need positions of stride 1 and no block mask (the backward: nor "
-               "deterministic)")
+DROPOUT_WHY = ("dropout: the Gluon backward's needs positions of stride 1 and no block mask or deterministic; the "
+               "Gluon forward's measured slower than the Triton forward")
 
 
-def gluon_mask(mask: PairMask) -> bool:
-    """Whether the Gluon kernels serve ``mask``: no mask, a band on local indices (causal, a
-    window, both), segment ids, a block mask, or a band with either (not segment ids with
-    a block mask; no band on global positions); dropout on positions of stride 1
-    (``PairMask.pos``: what every rank of a ring agrees on, its layout; their alignment is
-    checked per call, kernels/gluon/launch.py) without a block mask."""
+def gluon_mask(mask: PairMask, backward: bool = False) -> bool:
+    """Whether the Gluon kernels are routed for ``mask``: no mask, a band on local indices
+    (causal, a window, both), segment ids, a block mask, or a band with either (not segment
+    ids with a block mask; no band on global positions); dropout in the ``backward`` only,
+    on positions of stride 1 (``PairMask.pos``: what every rank of a ring agrees on, its
+    layout; their alignment is checked per call, kernels/gluon/launch.py) without a block
+    mask (the Gluon forward takes dropout too, measured slower than the Triton forward:
+    the module's docstring)."""
     if mask.band_on_positions or not (mask.blocks is None or mask.q_segments is None):
         return False
-    return mask.dropout_p == 0 or (mask.blocks is None and mask.pos is not None and mask.pos[2] == 1)
+    return mask.dropout_p == 0 or (backward and mask.blocks is None and mask.pos is not None and mask.pos[2] == 1)
 
 
 def deterministic_mode(deterministic: bool) -> bool:
@@ -143,7 +150,7 @@ def gluon_serves(q: torch.Tensor, k: torch.Tensor, rows_q: int, rows_k: int, mas
     torch's mode), judged only from what every rank of a ring agrees on (not strides or
     addresses, which ``bwd_route`` checks per call): the ring chooses its schedule from
     this (ringflash/ring/rotate.py), and every rank must choose alike."""
-    return (capability(q) == (9, 0) and gluon_mask(mask) and q.dtype == torch.bfloat16
+    return (capability(q) == (9, 0) and gluon_mask(mask, backward=True) and q.dtype == torch.bfloat16
             and q.shape[-1] in (64, 128)
             and not ((mask.q_segments is not None or mask.blocks is not None or mask.dropout_p != 0)
                      and deterministic_mode(deterministic))
@@ -158,8 +165,10 @@ def fwd_route(q, k, v, out, lse, *, softmax_scale: float, mask: PairMask, accumu
     arch = capability(q)
     if arch is None:
         return Route("reference")
-    if not gluon_mask(mask):
-        why = DROPOUT_WHY if gluon_mask(mask._replace(dropout_p=0.0)) else MASK_WHY
+    if mask.dropout_p != 0:
+        why = DROPOUT_WHY
+    elif not gluon_mask(mask):
+        why = MASK_WHY
     elif tail is not None or arrival is not None:
         why = "k, v Joined from two tensors"
     elif q.shape[-1] != 128:
@@ -202,7 +211,7 @@ def bwd_route(dout, q, k, v, lse, delta, dq, dk, dv, *, softmax_scale: float, ma
     arch = capability(q)
     if arch is None:
         return Route("reference")
-    if not gluon_mask(mask):
+    if not gluon_mask(mask, backward=True):
         why = DROPOUT_WHY if gluon_mask(mask._replace(dropout_p=0.0)) else MASK_WHY
     elif dq is None or dk is None:
         why = "dq or dk/dv skipped: the Gluon kernel computes them together"
