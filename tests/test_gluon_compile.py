@@ -405,6 +405,19 @@ def _bf16(*shape):
     return torch.zeros(*shape, dtype=torch.bfloat16)
 
 
+# Dropout's arguments as both Gluon kernels check them (tests/test_gluon_fwd_compile.py too):
+# positions of stride 1 starting on its bits' blocks.
+DROPOUT_ARGUMENTS = [
+    (dict(dropout_p=0.1, seed=2 ** 62 + 5, pos=(4096, 2048, 1, 384), causal_offset=0), ValueError,
+     "runs on a Hopper (sm_90) GPU"),
+    (dict(dropout_p=1.0, pos=(0, 0, 1, 0)), ValueError, "dropout_p must be a float in [0, 1)"),
+    (dict(dropout_p=0.1), ValueError, "dropout needs pos = (q0, k0, stride, jump)"),
+    (dict(dropout_p=0.1, pos=(0, 0, 2, 0)), ValueError, "dropout needs pos with stride 1"),
+    (dict(dropout_p=0.1, pos=(8, 0, 1, 0)), ValueError, "q0 a multiple of 16"),
+    (dict(dropout_p=0.1, pos=(0, 0, 1, 16)), ValueError, "k0 and jump of 32"),
+]
+
+
 @pytest.mark.parametrize("changes,error,words", [
     (dict(v=torch.zeros(1, 256, 2, 128, dtype=torch.float16)), TypeError, "v must be bfloat16"),
     (dict(dq_acc=_bf16(1, 256, 2, 128)), TypeError, "dq_acc must be float32"),
@@ -442,15 +455,9 @@ def _bf16(*shape):
           k_segments=torch.zeros(1, 256, dtype=torch.int32)), ValueError, "deterministic with segment ids"),
     (dict(causal_offset=0, q_segments=torch.zeros(1, 256, dtype=torch.int32),
           k_segments=torch.zeros(1, 256, dtype=torch.int32)), ValueError, "runs on a Hopper (sm_90) GPU"),
-    # dropout: positions of stride 1 starting on its bits' blocks, no block mask, not deterministic
-    (dict(dropout_p=0.1, seed=2 ** 62 + 5, pos=(4096, 2048, 1, 384), causal_offset=0), ValueError,
-     "runs on a Hopper (sm_90) GPU"),
-    (dict(dropout_p=1.0, pos=(0, 0, 1, 0)), ValueError, "dropout_p must be a float in [0, 1)"),
-    (dict(dropout_p=0.1), ValueError, "dropout needs pos = (q0, k0, stride, jump)"),
-    (dict(dropout_p=0.1, pos=(0, 0, 2, 0)), ValueError, "dropout needs pos with stride 1"),
-    (dict(dropout_p=0.1, pos=(8, 0, 1, 0)), ValueError, "q0 a multiple of 16"),
-    (dict(dropout_p=0.1, pos=(0, 0, 1, 16)), ValueError, "k0 and jump of 32"),
+    # dropout: not deterministic, and DROPOUT_ARGUMENTS
     (dict(dropout_p=0.1, pos=(0, 0, 1, 0), deterministic=True), ValueError, "dropout with deterministic"),
+    *DROPOUT_ARGUMENTS,
 ])
 def test_arguments_outside_the_kernel_raise_naming_them(changes, error, words):
     pytest.importorskip("triton.experimental.gluon.nvidia.hopper")

@@ -21,7 +21,8 @@ import torch
 pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper",
                     reason="this triton has no Gluon Hopper module")
 
-from test_gluon_compile import BIN, H100_SHARED, _ptx_ops, _tile_loops, assemble, narrow  # noqa: E402
+from test_gluon_compile import (BIN, DROPOUT_ARGUMENTS, H100_SHARED, _ptx_ops, _tile_loops,  # noqa: E402
+                                assemble, narrow)
 
 def _head_dim(name: str) -> int:
     return VARIANTS[name].get("head_dim", 128)
@@ -189,16 +190,10 @@ def _blocks(mask: torch.Tensor):
     (dict(blocks=_blocks(torch.ones(1, 2, 2, dtype=torch.bool)), q_segments=torch.zeros(1, 256, dtype=torch.int32),
           k_segments=torch.zeros(1, 256, dtype=torch.int32)), ValueError, "blocks with segment ids is not served"),
     (dict(blocks=_blocks(torch.ones(2, 2, 2, dtype=torch.bool)), causal_offset=0), ValueError, "runs on a Hopper"),
-    # dropout: positions of stride 1 starting on its bits' blocks, no block mask
-    (dict(dropout_p=0.1, seed=2 ** 62 + 5, pos=(4096, 2048, 1, 384), causal_offset=0), ValueError,
-     "runs on a Hopper"),
-    (dict(dropout_p=1.0, pos=(0, 0, 1, 0)), ValueError, "attn_fwd_sm90: dropout_p must be a float in [0, 1)"),
-    (dict(dropout_p=0.1), ValueError, "dropout needs pos = (q0, k0, stride, jump)"),
-    (dict(dropout_p=0.1, pos=(0, 0, 2, 0)), ValueError, "dropout needs pos with stride 1"),
-    (dict(dropout_p=0.1, pos=(8, 0, 1, 0)), ValueError, "q0 a multiple of 16"),
-    (dict(dropout_p=0.1, pos=(0, 0, 1, 16)), ValueError, "k0 and jump of 32"),
+    # dropout: not with a block mask, and tests/test_gluon_compile.py's DROPOUT_ARGUMENTS
     (dict(dropout_p=0.1, pos=(0, 0, 1, 0), blocks=_blocks(torch.ones(1, 2, 2, dtype=torch.bool))), ValueError,
-     "dropout with blocks is not served"),
+     "attn_fwd_sm90: dropout with blocks is not served"),
+    *DROPOUT_ARGUMENTS,
 ])
 def test_argument_checks(change, error, match):
     from ringflash.kernels.gluon import attn_fwd_sm90

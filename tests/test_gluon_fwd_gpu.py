@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_gluon_gpu import _hopper, mask_id
+from test_gluon_gpu import _hopper, dropout_case, mask_id
 
 pytestmark = pytest.mark.gpu
 
@@ -200,15 +200,7 @@ def _child(b, sq, sk, h, hkv, offset, mode, layout, band_lo=None, segments=None,
         grid = _block_mask(block_kind, h, sq, sk).cuda()
         blocks = Blocks(grid)
         visible = visible[None, None] & grid.repeat_interleave(128, 1).repeat_interleave(128, 2)[None]
-    drop, dropped = {}, None
-    if dropout is not None:  # the library's keep mask on the pair's global positions and heads
-        from ringflash.kernels import dropout as bits
-        from ringflash.kernels.masks import pair_positions
-        p, seed, pos, head0 = dropout
-        drop = dict(dropout_p=p, seed=seed, pos=tuple(pos), dropout_head0=head0)
-        qp, kp = pair_positions(tuple(pos), torch.arange(sq), torch.arange(sk))
-        keep = bits.dropout_keep_mask(seed, p, b, head0 + h, sq, sk, q_positions=qp, k_positions=kp)[:, head0:]
-        dropped = (keep.cuda(), bits.keep_scale(p))
+    drop, dropped = dropout_case(dropout, b, h, sq, sk)
     accumulate = mode != "write"
     if accumulate:  # a running result over 256 other keys, every third row empty
         k0, v0 = randn(b, 256, hkv, D), randn(b, 256, hkv, D)

@@ -120,6 +120,20 @@ CASES = [
 ]
 
 
+def dropout_case(dropout, b: int, h: int, sq: int, sk: int) -> tuple[dict, tuple | None]:
+    """A case's dropout field [p, seed, PairMask.pos, dropout_head0] (or None) as (the
+    kernels' keywords, the oracle's ``dropped``: the library's keep mask on the pair's
+    global positions and heads, and the kept scale)."""
+    if dropout is None:
+        return {}, None
+    from ringflash.kernels import dropout as bits
+    from ringflash.kernels.masks import pair_positions
+    p, seed, pos, head0 = dropout
+    qp, kp = pair_positions(tuple(pos), torch.arange(sq), torch.arange(sk))
+    keep = bits.dropout_keep_mask(seed, p, b, head0 + h, sq, sk, q_positions=qp, k_positions=kp)[:, head0:]
+    return dict(dropout_p=p, seed=seed, pos=tuple(pos), dropout_head0=head0), (keep.cuda(), bits.keep_scale(p))
+
+
 def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
@@ -242,15 +256,7 @@ def _child(b, sq, sk, h, hkv, offset, layout, scale, band_lo=None, segments=None
         grid = _block_mask(block_kind, h, sq, sk).cuda()
         blocks = Blocks(grid)
         visible = visible[None, None] & grid.repeat_interleave(128, 1).repeat_interleave(128, 2)[None]
-    drop, dropped = {}, None
-    if dropout is not None:  # the library's keep mask on the pair's global positions and heads
-        from ringflash.kernels import dropout as bits
-        from ringflash.kernels.masks import pair_positions
-        p, seed, pos, head0 = dropout
-        drop = dict(dropout_p=p, seed=seed, pos=tuple(pos), dropout_head0=head0)
-        qp, kp = pair_positions(tuple(pos), torch.arange(sq), torch.arange(sk))
-        keep = bits.dropout_keep_mask(seed, p, b, head0 + h, sq, sk, q_positions=qp, k_positions=kp)[:, head0:]
-        dropped = (keep.cuda(), bits.keep_scale(p))
+    drop, dropped = dropout_case(dropout, b, h, sq, sk)
     out, lse = attention_oracle(q, k, v, softmax_scale=scale, mask=visible, dropped=dropped)
     delta = (out * dout.double()).sum(-1).transpose(1, 2).float().contiguous()  # (B, H, S)
     lse = lse.float().contiguous()
