@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+from functools import cached_property
 from itertools import accumulate
 from typing import NamedTuple, Optional
 
@@ -180,11 +181,16 @@ class DocumentLayout(Layout):
         # torch.compile, so a new layout of the same sizes needs no new graph.
         self.spec = torch.tensor([seqlen, world, *self._bounds], dtype=torch.int64)
         self._positions: dict[int, torch.Tensor] = {}  # per rank, made on first use
-        self.shared = _shared_pieces(self._bounds, runs)
 
     def __repr__(self) -> str:
         return (f"DocumentLayout(seqlen={self.seqlen}, world={self.world}, documents={len(self.bounds) - 1}, "
                 f"split={self.splits})")
+
+    @cached_property
+    def shared(self) -> dict[int, dict[int, list[Piece]]]:
+        """{document: {rank: its pieces there}} of the documents on more than one rank
+        (``_shared_pieces``), made on first use (``pairs``, ``steps``)."""
+        return _shared_pieces(self._bounds, self.runs)
 
     @property
     def steps(self) -> int:
@@ -325,9 +331,10 @@ def document_layout(cu_seqlens, seqlen: int, group=None, *, world: Optional[int]
     ``world``: the ring's size, to plan a layout without a process group (cost model,
     tests); with a group, it must be the group's. Block masks are not served with it
     (ValueError). Host time (one core, no GPU, bench_masks.py's documents, 2026-11-28):
-    0.3-6 ms at 32k-1M tokens over 2 ranks (at 1M mostly the rank's positions), 0.6-3 ms
-    over 8, 3-12 ms over 64 (a rank's own positions, made on first use, included;
-    docs/notes/documents.md, "Host time, second round").
+    0.2-5 ms at 32k-1M tokens over 2 ranks (at 1M mostly the rank's positions), 0.5-2.5 ms
+    over 8, 2-8 ms over 64 (a rank's own positions, made on first use, included; the pieces
+    shared between ranks, made on first use by ``pairs`` or ``steps``, not;
+    docs/notes/documents.md, "Host time, third round").
     """
     seqlen = positive_int(seqlen, "seqlen")
     bounds = check_cu_seqlens(cu_seqlens, seqlen)

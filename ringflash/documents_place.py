@@ -140,14 +140,25 @@ def _spans(docs: _Documents, seqlen: int, world: int, heavy: list[int], fill: Op
             load[r] += work[d] / world
         placed[d], splits = True, splits + 1
     stream_tokens = seqlen - sum(n - r for r in room)
-    stream_work = sum(work[d] for d in range(len(lengths)) if not placed[d] and lengths[d] > 0)
-    poured = []
+    # (every sum of pairs is a whole number below 2 ** 53 here, so exact in any order)
+    stream_work = docs.total - sum(work[d] for d in heavy) if docs.total < 2 ** 53 else \
+        sum(work[d] for d in range(len(lengths)) if not placed[d] and lengths[d] > 0)
+    poured, ranks = [], range(world)
     for d in [d for d in docs.heaviest if not placed[d]][:_PLACED_PER_RANK * world]:  # 2. whole
         length = lengths[d]
-        r = _least_loaded(room, load, length + reserve, length, stream_work / max(stream_tokens, 1))
-        if r < 0:
+        needs = length + reserve
+        if needs > max(room):
             poured.append(d)
             continue
+        # the rank with ``needs`` tokens of room whose projected load (its pairs, plus what its room
+        # left after this document brings at the density, pairs a token, of what is left) is
+        # least, the first of equals (inline: a call per document cost more than the scan)
+        density, r, least = stream_work / max(stream_tokens, 1), -1, math.inf
+        for q, free, held in zip(ranks, room, load):
+            if free >= needs:
+                projected = held + density * (free - length)
+                if projected < least:
+                    r, least = q, projected
         spans[r].append((starts[d], length))
         room[r] -= length
         load[r] += work[d]
@@ -169,21 +180,6 @@ def _spans(docs: _Documents, seqlen: int, world: int, heavy: list[int], fill: Op
     if beaten and beaten(max(pairs)):
         return None
     return spans, splits, poured, pairs
-
-
-def _least_loaded(room: list[int], load: list[float], needs: int, length: int, density: float) -> int:
-    """The rank with ``needs`` tokens of room whose projected load (its pairs, plus what its
-    room left after ``length`` tokens brings at ``density`` pairs a token) is least, the
-    first of equals; -1 where none has the room."""
-    best, least = -1, 0.0
-    if needs > max(room):
-        return best
-    for r, free in enumerate(room):
-        if free >= needs:
-            projected = load[r] + density * (free - length)
-            if best < 0 or projected < least:
-                best, least = r, projected
-    return best
 
 
 def _pour(docs: _Documents, placed: list[bool], seqlen: int, room: list[int],
@@ -297,10 +293,10 @@ def _align_zigzag(zigzag: list[tuple[int, list[int]]], spans: list[list[tuple[in
             shift = [0] * world
     for start, sizes in items:
         at = list(accumulate(sizes, initial=0))  # each chunk's first row in its document
-        for r in range(world):
-            for c in (r, last - r):  # rows a..a+k-1 of a document see (a + 1) + ... + (a + k) keys
-                chunks[r].append((start + at[c], sizes[c]))
-                pairs[r] += (2 * at[c] + sizes[c] + 1) * sizes[c] // 2
+        for r, a, k, b, j in zip(range(world), at, sizes, at[last:world - 1:-1], sizes[last:world - 1:-1]):
+            chunks[r] += (start + a, k), (start + b, j)  # chunks r and 2W - 1 - r
+            # rows a..a+k-1 of a document see (a + 1) + ... + (a + k) keys: (2a + k + 1) k / 2, a whole number
+            pairs[r] += ((2 * a + k + 1) * k + (2 * b + j + 1) * j) // 2
     return chunks, pairs
 
 
