@@ -96,10 +96,12 @@ def _spans_to_runs(spans: list[tuple[int, int]]) -> list[Piece]:
 
 
 def _positions(runs: list[Piece]) -> torch.Tensor:
-    """The global positions of a rank's runs, in local order (int64)."""
-    starts = torch.tensor([run.start - run.local for run in runs])
-    lengths = torch.tensor([run.length for run in runs])
-    return torch.repeat_interleave(starts, lengths) + torch.arange(int(lengths.sum()))
+    """The global positions of a rank's runs, in local order (int64): one arange a run,
+    joined (at 1M tokens over 2 ranks 1 ms against 5-6 for a repeat_interleave of the
+    runs' offsets, one CPU core)."""
+    if not runs:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.cat([torch.arange(run.start, run.start + run.length) for run in runs])
 
 
 def _assign(bounds: torch.Tensor, seqlen: int, world: int, spread: float, fill: Optional[float] = None,
@@ -331,10 +333,9 @@ def document_layout(cu_seqlens, seqlen: int, group=None, *, world: Optional[int]
     ``world``: the ring's size, to plan a layout without a process group (cost model,
     tests); with a group, it must be the group's. Block masks are not served with it
     (ValueError). Host time (one core, no GPU, bench_masks.py's documents, 2026-11-28):
-    0.2-5 ms at 32k-1M tokens over 2 ranks (at 1M mostly the rank's positions), 0.5-2.5 ms
-    over 8, 2-8 ms over 64 (a rank's own positions, made on first use, included; the pieces
-    shared between ranks, made on first use by ``pairs`` or ``steps``, not;
-    docs/notes/documents.md, "Host time, third round").
+    0.2-2.5 ms at 32k-1M tokens over 2 or 8 ranks, 2-8 ms over 64 (a rank's own positions,
+    made on first use, included; the pieces shared between ranks, made on first use by
+    ``pairs`` or ``steps``, not; docs/notes/documents.md, "Host time, third round").
     """
     seqlen = positive_int(seqlen, "seqlen")
     bounds = check_cu_seqlens(cu_seqlens, seqlen)
