@@ -12,7 +12,11 @@ a test at a time, so a run lasts about as long as the share of its slowest world
 
 Each world writes its output to <logs>/world<i>.log; the launcher prints each world's
 pytest summaries (one a rank), the whole log of a world that failed, and the wall time.
-Exit status 0 when every world passed. Cold, on 4 H200s (2026-11-27): test_ring_gpu.py in
+Exit status 0 when every world passed. ``--deadline S``: no test is claimed S seconds
+after the launch (a world has claimed its next test while it runs one, so it may start
+one more); the worlds finish and report as usual, and the launcher says how many were
+claimed. For a command under an outer time limit: a world killed by it prints nothing,
+a world stopped by the deadline its summary and its failures' names. Cold, on 4 H200s (2026-11-27): test_ring_gpu.py in
 222 s at --nproc 4 and 176 s at --nproc 2 (as one world it did not finish in 530 s).
 
 The same file is the pytest plugin the launcher loads (``-p run_gpu``): while
@@ -39,12 +43,19 @@ import pytest
 
 QUEUE = "RINGFLASH_TEST_QUEUE"  # the queue's folder
 WORLD = "RINGFLASH_TEST_WORLD"  # which world this process belongs to
+DEADLINE = "RINGFLASH_TEST_DEADLINE"  # time.time() after which no test starts (unset: none)
+STOP = sys.maxsize  # the index claim returns past the deadline: beyond every test
 SUMMARY = re.compile(r"\d+ (passed|failed|errors?|skipped)|no tests ran")  # a rank's last line
 WAIT_S = 3600.0  # a rank waits this long for its rank 0's next index, then fails
 
 
-def claim(folder: str) -> int:
-    """The next test index of the queue in ``folder`` (0, 1, 2, ... over all worlds)."""
+def claim(folder: str, deadline: float | None = None) -> int:
+    """The next test index of the queue in ``folder`` (0, 1, 2, ... over all worlds), or
+    ``STOP`` once time.time() is past ``deadline`` (None: the environment's ``DEADLINE``)."""
+    if deadline is None and os.environ.get(DEADLINE):
+        deadline = float(os.environ[DEADLINE])
+    if deadline is not None and time.time() > deadline:
+        return STOP
     with open(os.path.join(folder, "next"), "a+") as f:
         fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
         f.seek(0)
@@ -108,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, required=True, help="ranks (GPUs) of each world")
     parser.add_argument("--worlds", type=int, default=6, help="worlds running at once (6)")
     parser.add_argument("--logs", default=None, help="folder for the worlds' logs (a new temporary one)")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="seconds after the launch from which no test starts (the module's docstring)")
     parser.add_argument("files", nargs="+", help="test files; pytest options after --")
     args, rest = parser.parse_known_args(argv)
     if args.nproc < 1 or args.worlds < 1:
@@ -118,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     queue = tempfile.mkdtemp(prefix="queue-", dir=logs)
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, **{QUEUE: queue})
+    if args.deadline is not None:
+        env[DEADLINE] = str(time.time() + args.deadline)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
     for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                         ("NVSHMEM_DISABLE_NVLS", "1")):
@@ -142,6 +157,13 @@ def main(argv: list[str] | None = None) -> int:
         if code:
             status = status or code
             print("\n".join(lines), file=sys.stderr)
+    if args.deadline is not None:
+        claimed = ""
+        if os.path.exists(os.path.join(queue, "next")):
+            with open(os.path.join(queue, "next")) as f:
+                claimed = f.read().strip()
+        print(f"--deadline {args.deadline:.0f} s: {claimed or 0} test indices claimed before it (those past the "
+              "files' last test included); any test not in the summaries above did not run")
     print(f"{args.worlds} worlds of {args.nproc} ranks: {time.monotonic() - start:.0f} s (logs in {logs})")
     return status
 
