@@ -143,24 +143,29 @@ def _spans(docs: _Documents, seqlen: int, world: int, heavy: list[int], fill: Op
     # (every sum of pairs is a whole number below 2 ** 53 here, so exact in any order)
     stream_work = docs.total - sum(work[d] for d in heavy) if docs.total < 2 ** 53 else \
         sum(work[d] for d in range(len(lengths)) if not placed[d] and lengths[d] > 0)
-    poured, ranks = [], range(world)
+    poured, ranks, most = [], range(world), max(room)
     for d in [d for d in docs.heaviest if not placed[d]][:_PLACED_PER_RANK * world]:  # 2. whole
         length = lengths[d]
         needs = length + reserve
-        if needs > max(room):
+        if needs > most:  # (the most room a rank has, kept as rooms shrink)
             poured.append(d)
             continue
         # the rank with ``needs`` tokens of room whose projected load (its pairs, plus what its room
         # left after this document brings at the density, pairs a token, of what is left) is
-        # least, the first of equals (inline: a call per document cost more than the scan)
-        density, r, least = stream_work / max(stream_tokens, 1), -1, math.inf
+        # least, the first of equals (inline: a call per document cost more than the scan;
+        # stream_tokens, the room left, is never below 0)
+        density, r, least = stream_work / (stream_tokens or 1), -1, math.inf
         for q, free, held in zip(ranks, room, load):
             if free >= needs:
                 projected = held + density * (free - length)
                 if projected < least:
                     r, least = q, projected
         spans[r].append((starts[d], length))
-        room[r] -= length
+        if room[r] == most:
+            room[r] -= length
+            most = max(room)
+        else:
+            room[r] -= length
         load[r] += work[d]
         stream_tokens -= length
         stream_work -= work[d]
@@ -169,12 +174,14 @@ def _spans(docs: _Documents, seqlen: int, world: int, heavy: list[int], fill: Op
             peak = load[r]
             if beaten(peak):
                 return None
+    whole = [len(rank) for rank in spans]  # (zigzag: each rank's documents placed whole, first)
     added = _pour(docs, placed, seqlen, room, spans)  # 3.
     if fill:  # each rank's pairs: counted as they came, and the pour's
         pairs = [int(held) + _rank_work(docs.bounds, more) for held, more in zip(load, added)]
     else:  # 4. the zigzag chunks' edges on tile boundaries; the pairs of the chunks, and of the rest
-        chunks, held = _align_zigzag(zigzag, spans, docs.bounds)
-        pairs = [chunked + _rank_work(docs.bounds, rank) for chunked, rank in zip(held, spans)]
+        chunks, held = _align_zigzag(zigzag, spans, docs.bounds)  # (it moves none of the whole ones)
+        pairs = [chunked + sum([length * (length + 1) // 2 for _, length in rank[:k]])
+                 + _rank_work(docs.bounds, rank[k:]) for chunked, rank, k in zip(held, spans, whole)]
         for rank, more in zip(spans, chunks):
             rank += more
     if beaten and beaten(max(pairs)):
