@@ -13,6 +13,8 @@ ranks.
 from __future__ import annotations
 
 import os
+import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -836,22 +838,26 @@ def test_ranks_disagree_every_rank_raises(worlds, field):
 
 
 def check_on_a_host_group(rank, world):
-    """The world group taken for NCCL: the rank check must gather on a gloo group of its
+    """The world group taken for NCCL: the rank check must gather on a gloo twin of its
     own (made once, then reused), never on the ring's group itself."""
     from ringflash import exchange
-    gathered_on, real_is_nccl, real_gather = [], exchange._is_nccl, dist.all_gather
+    on_ring, hosts = [], []
+    real_is_nccl, real_gather, real_host = exchange._is_nccl, dist.all_gather, exchange.host_group
 
     def all_gather(tensors, tensor, group=None, **kw):
         if tensor.dtype == torch.int64:  # not unshard's gathers of the data
-            gathered_on.append(group)
+            on_ring.append(group)
         return real_gather(tensors, tensor, group=group, **kw)
-    exchange._is_nccl, dist.all_gather = (lambda group: True), all_gather
+
+    def host_group(group):
+        hosts.append(real_host(group))
+        return hosts[-1]
+    exchange._is_nccl, dist.all_gather, exchange.host_group = (lambda group: True), all_gather, host_group
     try:
         calls = [disagreeing_call(rank, world, "band_hi (from causal, window_size)") for _ in range(2)]
     finally:
-        exchange._is_nccl, dist.all_gather = real_is_nccl, real_gather
+        exchange._is_nccl, dist.all_gather, exchange.host_group = real_is_nccl, real_gather, real_host
     host = exchange._HOST_GROUPS.pop(dist.group.WORLD.group_name, (None, None))[1]
-    backend = None if host is None else str(dist.get_backend(host))
     # a twin kept for another group of the same name (the process group destroyed and made
     # again) is not taken: a new one is made
     exchange._is_nccl = lambda group: True
@@ -861,8 +867,8 @@ def check_on_a_host_group(rank, world):
     finally:
         exchange._is_nccl = real_is_nccl
         exchange._HOST_GROUPS.pop(dist.group.WORLD.group_name, None)
-    return calls, host is not None and host is not dist.group.WORLD and fresh is not host, backend, \
-        [g is host for g in gathered_on]
+    return (calls, host is not None and host is not dist.group.WORLD and fresh is not host, type(host).__name__,
+            len(on_ring), [h is host for h in hosts])
 
 
 @pytest.mark.world(2)
@@ -870,15 +876,52 @@ def test_rank_check_of_an_nccl_group_gathers_on_a_host_group(worlds):
     """An NCCL group's agreement check is a host all-gather over a gloo twin of the group
     (no GPU synchronization), made once and reused (not for a new group of the same name);
     disagreements still raise everywhere and the ring works after them."""
-    for rank, (calls, own_group, backend, on_host) in enumerate(worlds(2).run(check_on_a_host_group,
-                                                                                timeout=60)):
+    for rank, (calls, own_group, kind, on_ring, on_host) in enumerate(worlds(2).run(check_on_a_host_group,
+                                                                                      timeout=60)):
         for caught, after in calls:
             assert caught is not None and caught[0] == "ValueError", (rank, caught)
             assert "disagree on band_hi (from causal, window_size):" in caught[1], (rank, caught)
             assert after is None, after
-        assert own_group and backend == "gloo", (rank, own_group, backend)
+        assert own_group and kind == "ProcessGroupGloo", (rank, own_group, kind)
+        assert on_ring == 0, (rank, on_ring)
         # each of the 2 calls: its check, then _ring_still_works's 3 unshard checks and valid call
         assert len(on_host) == 2 * 5 and all(on_host), (rank, on_host)
+
+
+def host_group_of_a_world_made_again(rank, world):
+    """Make the world twice more on the store it was made on (as torchrun's agent keeps
+    it), taking the world for NCCL; each time, an all-gather on its host group. Rank 1
+    comes late to each, so that a twin that found its peer's address of the world before
+    (the keys ``dist.new_group`` would reuse) fails. Leaves a world as it found one."""
+    from ringflash import exchange
+    store = dist.distributed_c10d._get_default_store().underlying_store
+    real_is_nccl, gathered = exchange._is_nccl, []
+    exchange._is_nccl = lambda group: True
+    try:
+        for again in range(3):
+            if again:
+                dist.destroy_process_group()
+                dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                        timeout=timedelta(seconds=20))
+            if rank == 1:
+                time.sleep(0.5)
+            mine, everyone = torch.tensor([rank, again]), [torch.empty(2, dtype=torch.int64) for _ in range(world)]
+            exchange.host_all_gather(everyone, mine, dist.group.WORLD)
+            gathered.append(torch.stack(everyone).tolist())
+    finally:
+        exchange._is_nccl = real_is_nccl
+        exchange._HOST_GROUPS.pop(dist.group.WORLD.group_name, None)
+    return gathered
+
+
+@pytest.mark.world(2)
+def test_a_world_made_again_gets_a_host_group_that_works(worlds):
+    """The process group destroyed and made again on the same store (a test module's
+    fixture, an elastic restart under torchrun): the NCCL group's host twin is made anew
+    under keys of its own, and its all-gather works (``dist.new_group``'s twin failed
+    here: "Connection reset by peer", 2 x H200 and on the CPU)."""
+    for rank, gathered in enumerate(worlds(2).run(host_group_of_a_world_made_again, timeout=90)):
+        assert gathered == [[[0, again], [1, again]] for again in range(3)], (rank, gathered)
 
 
 @pytest.mark.world(4)
