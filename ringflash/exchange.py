@@ -131,50 +131,37 @@ def _is_nccl(group) -> bool:
     return "nccl" in str(dist.get_backend(group)).lower()
 
 
-# Per NCCL process group, by name: (that group, its gloo twin over the same ranks). A group
-# made after the process group was destroyed and initialized again may reuse a name; the
-# twin of the old group is then not taken for it.
+# Per NCCL group name: (the group, its gloo twin); a new group of that name gets a new twin.
 _HOST_GROUPS: dict[str, tuple] = {}
 
 
 def host_group(group):
     """The group for host-side collectives of ``group``'s ranks: ``group`` itself on gloo;
-    for NCCL, a gloo twin over the same ranks with the same timeout (a
-    ``dist.ProcessGroupGloo``: call its ``allgather`` directly, or ``host_all_gather``),
-    made on the first call (by every member: ring calls run in lockstep) and kept. An NCCL
-    all-gather of a few ints makes the host wait for every kernel queued before it, and the
-    GPU then idles while the host launches what comes next (0.5-1.9 ms a fwd+bwd on 2 x
-    H200; docs/notes/documents.md, "Documents, fourth round").
-
-    The twin's keys in the store start with a prefix its ranks draw at random and agree on
-    (one all-reduce over ``group``, when it is made). ``dist.new_group`` would name it from
-    the ranks and the number of groups alive, and after the world is destroyed and made
-    again on a store that outlives it (torchrun's) that name comes back: the new twin's
-    ranks then read the old twin's addresses from the store and its first all-gather fails
-    with "Connection reset by peer" or hangs until the timeout (seen on 2 x H200 when a
-    test module made its world again, 2026-11-28; tests/test_ring.py,
-    ``test_a_world_made_again_gets_a_host_group_that_works``)."""
+    for NCCL a gloo twin (``dist.ProcessGroupGloo``, called by ``host_all_gather``) over
+    the same ranks with its timeout, made on the first call (by every member: ring calls
+    run in lockstep) and kept: an NCCL all-gather makes the host wait for every kernel
+    queued before it (0.5-1.9 ms a fwd+bwd on 2 x H200; docs/notes/documents.md,
+    "Documents, fourth round"). Its store keys are its own: the k-th twin of these ranks
+    (each member adds one to a count, and none starts the next before all joined this one)
+    is keyed by k. ``dist.new_group`` names groups from their ranks and the groups alive, so
+    after the world is made again on a store that outlives it (torchrun's) the old twin's
+    addresses were read and the all-gather failed or hung (2 x H200, 2026-11-28)."""
     if not _is_nccl(group):
         return group
     name = group.group_name
     if name not in _HOST_GROUPS or _HOST_GROUPS[name][0] is not group:
-        _HOST_GROUPS[name] = (group, _gloo_twin(group))
+        ranks = dist.get_process_group_ranks(group)
+        store = dist.distributed_c10d._get_default_store()
+        key = "ringflash/host/" + ",".join(map(str, ranks))
+        made = (store.add(key, 1) - 1) // len(ranks)
+        twin = dist.ProcessGroupGloo(dist.PrefixStore(f"{key}/{made}/", store), dist.get_rank(group),
+                                     len(ranks), _timeout(group) or dist.default_pg_timeout)
+        _HOST_GROUPS[name] = (group, twin)
     return _HOST_GROUPS[name][1]
 
 
-def _gloo_twin(group):
-    """A gloo backend over ``group``'s ranks, under store keys of its own (``host_group``)."""
-    on_gpu = _is_nccl(group) and torch.cuda.is_available()
-    draw = torch.tensor([int.from_bytes(os.urandom(7), "little")], dtype=torch.int64,
-                        device=torch.device("cuda", torch.cuda.current_device()) if on_gpu else "cpu")
-    dist.all_reduce(draw, op=dist.ReduceOp.MAX, group=group)  # the same prefix on every rank
-    store = dist.PrefixStore(f"ringflash/host/{int(draw.item())}/", dist.distributed_c10d._get_default_store())
-    timeout = _timeout(group) or dist.default_pg_timeout
-    return dist.ProcessGroupGloo(store, dist.get_rank(group), dist.get_world_size(group), timeout)
-
-
 def host_all_gather(outputs: list[torch.Tensor], tensor: torch.Tensor, group) -> None:
-    """``dist.all_gather(outputs, tensor, group)`` on ``group``'s host group (CPU tensors)."""
+    """``dist.all_gather(outputs, tensor, group)`` on ``host_group(group)`` (CPU tensors)."""
     host = host_group(group)
     if host is group:
         dist.all_gather(outputs, tensor, group=group)

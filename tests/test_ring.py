@@ -888,21 +888,64 @@ def test_rank_check_of_an_nccl_group_gathers_on_a_host_group(worlds):
         assert len(on_host) == 2 * 5 and all(on_host), (rank, on_host)
 
 
+class _KeysSet(dist.Store):
+    """A store that passes every call on to ``inner`` and remembers the keys this rank set."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.keys = inner, set()
+
+    def set(self, key, value):
+        self.keys.add(key)
+        return self.inner.set(key, value)
+
+    def get(self, key):
+        return self.inner.get(key)
+
+    def add(self, key, amount):
+        return self.inner.add(key, amount)
+
+    def wait(self, keys, *timeout):
+        return self.inner.wait(keys, *timeout)
+
+    def check(self, keys):
+        return self.inner.check(keys)
+
+    def compare_set(self, key, expected, desired):
+        return self.inner.compare_set(key, expected, desired)
+
+    def delete_key(self, key):
+        return self.inner.delete_key(key)
+
+    def num_keys(self):
+        return self.inner.num_keys()
+
+    def set_timeout(self, timeout):
+        return self.inner.set_timeout(timeout)
+
+
 def host_group_of_a_world_made_again(rank, world):
-    """Make the world twice more on the store it was made on (as torchrun's agent keeps
-    it), taking the world for NCCL; each time, an all-gather on its host group. Rank 1
-    comes late to each, so that a twin that found its peer's address of the world before
-    (the keys ``dist.new_group`` would reuse) fails. Leaves a world as it found one."""
+    """Make the world three times on one store (as torchrun's agent keeps it), taking it
+    for NCCL; each time, an all-gather on its host group. Rank 1 comes late to each, so
+    that a twin that found its peer's address of the world before (the keys
+    ``dist.new_group`` would reuse) fails. The world's own gloo group would too, so each
+    rank deletes the keys it set while the world was made before it is made again (the
+    twins' stay). Leaves a world of the same ranks."""
     from ringflash import exchange
-    store = dist.distributed_c10d._get_default_store().underlying_store
+    tcp = dist.distributed_c10d._get_default_store().underlying_store
+    store = _KeysSet(dist.PrefixStore("made again", tcp))
     real_is_nccl, gathered = exchange._is_nccl, []
     exchange._is_nccl = lambda group: True
+    made = set()  # the keys this rank set while the world was made
     try:
         for again in range(3):
-            if again:
-                dist.destroy_process_group()
-                dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                        timeout=timedelta(seconds=20))
+            for key in made:
+                store.delete_key(key)
+            dist.barrier()  # no rank makes the world again before every rank's keys are gone
+            dist.destroy_process_group()
+            store.keys.clear()
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=20))
+            made = set(store.keys)
             if rank == 1:
                 time.sleep(0.5)
             mine, everyone = torch.tensor([rank, again]), [torch.empty(2, dtype=torch.int64) for _ in range(world)]
