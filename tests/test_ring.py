@@ -959,8 +959,8 @@ def host_group_of_a_world_made_again(rank, world):
 
 @pytest.mark.world(2)
 def test_a_world_made_again_gets_a_host_group_that_works(worlds):
-    """The process group destroyed and made again on the same store (a test module's
-    fixture, an elastic restart under torchrun): the NCCL group's host twin is made anew
+    """The process group destroyed and made again on the same store (as a test module's
+    fixture does under torchrun): the NCCL group's host twin is made anew
     under keys of its own, and its all-gather works (``dist.new_group``'s twin failed
     here: "Connection reset by peer", 2 x H200 and on the CPU)."""
     for rank, gathered in enumerate(worlds(2).run(host_group_of_a_world_made_again, timeout=90)):
