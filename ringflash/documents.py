@@ -112,7 +112,7 @@ def _assign(bounds: torch.Tensor, seqlen: int, world: int, spread: float, fill: 
     split; and the documents placed whole nowhere (no rank had room), which the pour cut
     wherever the ranks' room ended."""
     docs = _documents(bounds)
-    heavy = _heavy(docs.lengths, seqlen // world, world, spread, force)
+    heavy = _heavy(docs, seqlen // world, world, spread, force)
     spans, splits, poured, _ = _spans(docs, seqlen, world, heavy, fill)
     return [_spans_to_runs(s) for s in spans], splits, poured
 
@@ -406,7 +406,7 @@ def _spanned(docs: _Documents, seqlen: int, world: int, fills: tuple, every: boo
         before = None
         for spread in _SPREADS:
             if spread not in heavies:  # the same for every way
-                heavies[spread] = _heavy(docs.lengths, seqlen // world, world, spread)
+                heavies[spread] = _heavy(docs, seqlen // world, world, spread)
             heavy = heavies[spread]
             if heavy == before:  # the spread before split the same documents: the same candidate
                 continue
@@ -451,7 +451,7 @@ def _made(bounds: torch.Tensor, seqlen: int, world: int, fills: tuple = _FILLS) 
     key, spans, runs, splits, spread, poured = min(_spanned(docs, seqlen, world, fills, False, True),
                                                    key=lambda candidate: candidate[0])  # the first least
     if key[0] == 1 and key[2] == 0 and poured and fills == _FILLS:  # zigzag, uneven: split what it poured too
-        heavy = _heavy(docs.lengths, seqlen // world, world, spread, tuple(poured))
+        heavy = _heavy(docs, seqlen // world, world, spread, tuple(poured))
         spans_again, splits_again, _, loads = _spans(docs, seqlen, world, heavy, None)
         again, runs_again = _judged(docs, spans_again, world, 0, loads)
         if again < key:

@@ -66,11 +66,10 @@ def _documents(bounds: torch.Tensor) -> _Documents:
                       sorted((d for d in range(len(lengths)) if lengths[d]), key=lambda d: -work[d]))
 
 
-def _heavy(lengths: list[int], n: int, world: int, spread: float, force: tuple = ()) -> list[int]:
+def _heavy(docs: _Documents, n: int, world: int, spread: float, force: tuple = ()) -> list[int]:
     """What ``documents._assign`` splits: documents over n tokens or ``spread`` x a rank's pairs, and ``force``."""
-    work = [length * (length + 1) / 2 for length in lengths]
-    share = sum(work) / world
-    return [d for d, length in enumerate(lengths) if length > n or (length and work[d] > spread * share) or d in force]
+    work, limit = docs.work, spread * (docs.total / world)
+    return [d for d, length in enumerate(docs.lengths) if length > n or (length and work[d] > limit) or d in force]
 
 
 def _cut_in_ring_order(start: int, length: int, limit: float, reserve: int, spans: list, room: list,

@@ -126,7 +126,7 @@ def test_pairs_counted_as_placed_are_those_of_the_runs():
         docs = _documents(torch.tensor([0, *_lognormal_sigma(seqlen - 37, median, 1.5, seed)]).cumsum(0))
         for fill in (None, *_FILLS):
             for spread in _SPREADS:
-                heavy = _heavy(docs.lengths, seqlen // world, world, spread)
+                heavy = _heavy(docs, seqlen // world, world, spread)
                 spans, _, _, pairs = _spans(docs, seqlen, world, heavy, fill)
                 assert pairs == [_rank_work(docs.bounds, _spans_to_runs(rank)) for rank in spans], (world, fill, spread)
 
