@@ -153,6 +153,8 @@ def _steps(shared: dict, world: int) -> int:
     piece whose queries see it (``layouts.active_steps`` counts the same from the pairs)."""
     far = 0
     for pieces in shared.values():
+        if far == world - 1:  # the farthest a hop goes (a document split zigzag reaches it)
+            break
         first = {r: min(p.start for p in ps) for r, ps in pieces.items()}
         last = {r: max(p.start + p.length for p in ps) for r, ps in pieces.items()}
         far = max([far] + [(q - k) % world for q in pieces for k in pieces if k != q and first[k] < last[q]])
@@ -171,8 +173,10 @@ class DocumentLayout(Layout):
     kind = "documents"  # its maker's name, for the ring's ops (``layouts.layout_from_spec``)
 
     def __init__(self, bounds: torch.Tensor, seqlen: int, world: int, runs: list[list[Piece]],
-                 splits: int, spread: float, variant: str = ""):
+                 splits: int, spread: float, variant: str = "", shared: Optional[dict] = None):
         self.bounds, self.seqlen, self.world, self.runs = bounds, seqlen, world, runs
+        if shared is not None:  # (``shared`` as its maker found it: the cached property's value)
+            self.__dict__["shared"] = shared
         self._bounds = bounds.tolist()
         self.splits, self.spread = splits, spread
         self.local_len = seqlen // world
@@ -334,8 +338,9 @@ def document_layout(cu_seqlens, seqlen: int, group=None, *, world: Optional[int]
     tests); with a group, it must be the group's. Block masks are not served with it
     (ValueError). Host time (one core, no GPU, bench_masks.py's documents, 2026-11-28):
     0.2-2.5 ms at 32k-1M tokens over 2 or 8 ranks, 2-8 ms over 64 (a rank's own positions,
-    made on first use, included; the pieces shared between ranks, made on first use by
-    ``pairs`` or ``steps``, not; docs/notes/documents.md, "Host time, third round").
+    made on first use, included; the pieces shared between ranks, kept from choosing the
+    layout where a balanced candidate was taken, else made on first use by ``pairs`` or
+    ``steps``, not; docs/notes/documents.md, "Host time, third round").
     """
     seqlen = positive_int(seqlen, "seqlen")
     bounds = check_cu_seqlens(cu_seqlens, seqlen)
@@ -374,15 +379,17 @@ def _keep(key: tuple, layout: DocumentLayout) -> DocumentLayout:
 
 
 def _judged(docs: _Documents, spans: list[list[tuple[int, int]]], world: int, way: int,
-            loads: list[int]) -> tuple[tuple, Optional[list]]:
+            loads: list[int]) -> tuple[tuple, Optional[tuple]]:
     """A candidate's key (the least is taken): (0, its ring steps, way) where its busiest
     rank (``loads``: each rank's causal pairs) is within ``_BALANCED`` of the mean, else (1,
-    busiest over mean, way); and its runs where the steps needed them (else None)."""
+    busiest over mean, way); and where the steps needed them, its runs and shared pieces
+    (``DocumentLayout``'s), else None."""
     worst = max(loads) / max(sum(loads) / world, 1)
     if worst > _BALANCED:
         return (1, round(worst, 9), way), None
     runs = [_spans_to_runs(s) for s in spans]
-    return (0, _steps(_shared_pieces(docs.bounds, runs), world), way), runs
+    shared = _shared_pieces(docs.bounds, runs)
+    return (0, _steps(shared, world), way), (runs, shared)
 
 
 def _candidates(bounds: torch.Tensor, seqlen: int, world: int, fills: tuple = _FILLS, every: bool = False):
@@ -390,13 +397,14 @@ def _candidates(bounds: torch.Tensor, seqlen: int, world: int, fills: tuple = _F
     way of splitting (zigzag; in ring order at each of ``fills``) those of ``_SPREADS`` up to
     the first balanced one but those splitting the documents of the spread before (``_heavy``);
     none after one balanced in two steps or fewer. ``every``: all (research/layout_choice.py)."""
-    for key, spans, runs, splits, spread, poured in _spanned(_documents(bounds), seqlen, world, fills, every):
-        yield key, runs if runs is not None else [_spans_to_runs(s) for s in spans], splits, spread, poured
+    for key, spans, judged, splits, spread, poured in _spanned(_documents(bounds), seqlen, world, fills, every):
+        yield key, judged[0] if judged is not None else [_spans_to_runs(s) for s in spans], splits, spread, poured
 
 
 def _spanned(docs: _Documents, seqlen: int, world: int, fills: tuple, every: bool, prune: bool = False):
-    """``_candidates``, each as (key, spans, runs or None, splits, spread, poured): the runs
-    are sorted only where judging needed them (``_made`` sorts the one it takes). ``prune``:
+    """``_candidates``, each as (key, spans, (runs, shared pieces) or None, splits, spread,
+    poured): the runs are sorted only where judging needed them (``_made`` sorts the one it
+    takes), and its shared pieces kept for the layout. ``prune``:
     leave out the candidates found, as they are made, uneven and no less than the least key
     so far (``_beaten``): they would not be taken, and only a balanced one stops a way."""
     done, heavies, least = False, {}, None
@@ -416,9 +424,9 @@ def _spanned(docs: _Documents, seqlen: int, world: int, fills: tuple, every: boo
             if made is None:  # uneven, so neither balanced nor a reason to stop
                 continue
             spans, splits, poured, loads = made
-            key, runs = _judged(docs, spans, world, way, loads)
+            key, judged = _judged(docs, spans, world, way, loads)
             least = key if least is None else min(least, key)
-            yield key, spans, runs, splits, spread, poured
+            yield key, spans, judged, splits, spread, poured
             done = done or key[:2] <= (0, 2)
             if key[0] == 0 and not every:
                 break
@@ -448,17 +456,17 @@ def _made(bounds: torch.Tensor, seqlen: int, world: int, fills: tuple = _FILLS) 
     way). ``fills=()``: zigzag only, the layout before documents were cut in ring order
     (the cost model's calibration counts the layout its measured rows ran)."""
     docs = _documents(bounds)
-    key, spans, runs, splits, spread, poured = min(_spanned(docs, seqlen, world, fills, False, True),
-                                                   key=lambda candidate: candidate[0])  # the first least
+    key, spans, judged, splits, spread, poured = min(_spanned(docs, seqlen, world, fills, False, True),
+                                                     key=lambda candidate: candidate[0])  # the first least
     if key[0] == 1 and key[2] == 0 and poured and fills == _FILLS:  # zigzag, uneven: split what it poured too
         heavy = _heavy(docs, seqlen // world, world, spread, tuple(poured))
         spans_again, splits_again, _, loads = _spans(docs, seqlen, world, heavy, None)
-        again, runs_again = _judged(docs, spans_again, world, 0, loads)
+        again, judged_again = _judged(docs, spans_again, world, 0, loads)
         if again < key:
-            spans, runs, splits = spans_again, runs_again, splits_again
-    if runs is None:
-        runs = [_spans_to_runs(s) for s in spans]
+            spans, judged, splits = spans_again, judged_again, splits_again
+    runs, shared = judged if judged is not None else ([_spans_to_runs(s) for s in spans], None)
     if fills != _FILLS:  # not what document_layout makes: a name of its own, not found by spec
-        return remember(DocumentLayout(bounds, seqlen, world, runs, splits, spread, variant=f";fills={fills}"))
-    layout = DocumentLayout(bounds, seqlen, world, runs, splits, spread)
+        return remember(DocumentLayout(bounds, seqlen, world, runs, splits, spread, variant=f";fills={fills}",
+                                       shared=shared))
+    layout = DocumentLayout(bounds, seqlen, world, runs, splits, spread, shared=shared)
     return remember(_keep(tuple(layout.spec.tolist()), layout))

@@ -154,6 +154,21 @@ def test_candidates_given_up_would_not_be_taken(monkeypatch):
         assert world == 4 or any(given_up), (world, seqlen, seed)
 
 
+def test_shared_pieces_kept_from_the_choice_are_those_of_the_runs():
+    """Where ``_made`` takes a balanced candidate, the pieces shared between ranks that judging
+    it counted are kept as the layout's ``shared`` (not made again on the ring's first plan):
+    they equal those made from its runs, and are kept on most of these draws."""
+    from ringflash import documents
+    kept = 0
+    for world, seqlen, median, seed in [(2, 1 << 16, 2048, 0), (4, 1 << 17, 2048, 1), (8, 1 << 18, 512, 2),
+                                        (8, 1 << 18, 8192, 3), (16, 1 << 18, 2048, 4), (3, 3 * 8192, 256, 5)]:
+        cu = torch.tensor([0, *_lognormal_sigma(seqlen - 5, median, 1.5, seed)]).cumsum(0)
+        layout = documents._made(cu, seqlen, world)
+        kept += "shared" in vars(layout)
+        assert layout.shared == documents._shared_pieces(cu.tolist(), layout.runs), (world, seqlen, seed)
+    assert kept >= 3, kept
+
+
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_balanced_on_lognormal_documents(world):
     """Causal pairs per rank within 6% of the mean (block_stripe's own balance is within 2%
