@@ -129,6 +129,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="mask of the profiled call (default: causal, or none with --profile-noncausal)")
     p.add_argument("--profile-heads-parallel", type=int, default=1,
                    help="U of the profiled call's U x (world / U) grid (1: the ring alone)")
+    p.add_argument("--profile-kv-heads", type=int, default=None,
+                   help="kv heads of the profiled call (default: --heads, i.e. MHA)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: a smoke test of the script over gloo (small sizes, fp32, seconds)")
     args = p.parse_args(argv)
@@ -623,7 +625,7 @@ def profile(args, ctx: Ctx) -> None:
     mask = args.profile_mask or ("none" if args.profile_noncausal else "causal")
     layouts = {"none": args.noncausal_layouts, "causal": args.causal_layouts, "documents": args.document_layouts}
     name = args.profile_layout or layouts[mask][0]
-    cfg = Cfg(args.batch, args.profile_seqlen, args.heads, args.heads, args.head_dim, mask)
+    cfg = Cfg(args.batch, args.profile_seqlen, args.heads, args.profile_kv_heads or args.heads, args.head_dim, mask)
     group = ctx.grid(args.profile_heads_parallel)
     layout = layout_of(cfg, name, group)
     full = make_full(cfg, cli.DTYPES[args.dtype], ctx.device, args.seed)

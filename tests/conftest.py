@@ -85,3 +85,33 @@ def worlds():
     cache = Worlds()
     yield cache
     cache.close()
+
+
+@pytest.fixture(scope="session")
+def nccl_world():
+    """The NCCL world of this torchrun launch, made once a session: its device.
+
+    Skips without CUDA or outside torchrun. Once, not a module at a time: a world destroyed
+    and made again on torchrun's store, which outlives it, gets the old world's group name
+    and store keys, and a rank that reads the NCCL id before rank 0 has written the new one
+    joins the dead communicator (4 x H200, 2026-11-28: three ranks 300 s in
+    ``init_process_group`` when a world went from tests/test_heads_gpu.py to
+    tests/test_ring_gpu.py). A world that some test made already is left to it."""
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    if not HAS_CUDA:
+        pytest.skip("needs CUDA")
+    if not all(name in os.environ for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK")):
+        pytest.skip("multi-GPU test: run under torchrun (WORLD_SIZE/RANK/LOCAL_RANK unset)")
+    for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        os.environ.setdefault(name, "0" if name == "NCCL_NVLS_ENABLE" else "1")
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    owner = not dist.is_initialized()
+    if owner:
+        dist.init_process_group("nccl", device_id=device, timeout=timedelta(minutes=5))
+    yield device
+    if owner and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -9,10 +9,11 @@ compile-bound from a cold Triton cache, and the worlds compile different kernels
 or as one world, every process running pytest (``torchrun --nproc-per-node=4 -m pytest
 tests/test_ring_gpu.py -q``: over 9 minutes from a cold cache on 4 H200s).
 
-Skipped without CUDA or outside torchrun. The module initializes NCCL itself. Every
-rank runs the same tests in the same order, all collectives of a test come before its
-assertions, and the verdict is agreed on by an all-reduce, so a failure on one rank
-fails the test on every rank instead of leaving the others in a collective.
+Skipped without CUDA or outside torchrun. The session makes the NCCL world once
+(conftest.nccl_world). Every rank runs the same tests in the same order, all collectives
+of a test come before its assertions, and the verdict is agreed on by an all-reduce, so a
+failure on one rank fails the test on every rank instead of leaving the others in a
+collective.
 
 Two checks:
 - small (seqlen_local 512, 4 heads): ring vs the float64 oracle on the gathered full
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import math
 import os
-from datetime import timedelta
 
 import pytest
 import torch
@@ -50,32 +50,14 @@ RATIO = 1.5  # ring error <= RATIO * single-GPU error + SLACK
 SLACK = {F32: 1e-5, F16: 1e-4, BF16: 1e-4}
 
 
-def _under_torchrun() -> bool:
-    return all(name in os.environ for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"))
-
-
 @pytest.fixture(scope="module")
-def nccl():
-    """The NCCL world of this torchrun launch (initialized here if nobody has)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    if not _under_torchrun():
-        pytest.skip("multi-GPU ring test: run under torchrun (WORLD_SIZE/RANK/LOCAL_RANK unset)")
-    for name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
-        os.environ.setdefault(name, "0" if name == "NCCL_NVLS_ENABLE" else "1")
-    local_rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank)
-    owner = not dist.is_initialized()
-    if owner:
-        dist.init_process_group("nccl", device_id=device, timeout=timedelta(minutes=5))
+def nccl(nccl_world):
+    """The NCCL world's device (conftest.nccl_world), TF32 off for the module: fp32 means
+    IEEE fp32, kernels and oracle."""
     tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means IEEE fp32, kernels and oracle
-    yield device
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield nccl_world
     torch.backends.cuda.matmul.allow_tf32 = tf32
-    if owner:
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 def _agree(failures: list[str]) -> None:
