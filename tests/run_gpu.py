@@ -15,9 +15,12 @@ pytest summaries (one a rank), the whole log of a world that failed, and the wal
 Exit status 0 when every world passed. ``--deadline S``: no test is claimed S seconds
 after the launch (a world has claimed its next test while it runs one, so it may start
 one more); the worlds finish and report as usual, and the launcher says how many were
-claimed. For a command under an outer time limit: a world killed by it prints nothing,
-a world stopped by the deadline its summary and its failures' names. Cold, on 4 H200s (2026-11-27): test_ring_gpu.py in
-222 s at --nproc 4 and 176 s at --nproc 2 (as one world it did not finish in 530 s).
+claimed. Stopped (SIGTERM, as from an outer ``timeout``, or SIGINT), the launcher stops
+the worlds and still reports: each world's summaries so far (none where pytest had not
+finished), the test it was running, and the end of its log. Cold, on 4 H200s
+(2026-11-27): test_ring_gpu.py in 222 s at --nproc 4 and 176 s at --nproc 2 (as one world
+it did not finish in 530 s); on 2026-11-28 with tests/test_heads_gpu.py, 44 tests in
+about 350 s at --nproc 4.
 
 The same file is the pytest plugin the launcher loads (``-p run_gpu``): while
 RINGFLASH_TEST_QUEUE names the queue's folder it replaces pytest's test loop. Rank 0 of each
@@ -33,6 +36,7 @@ import fcntl
 import itertools
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -47,6 +51,9 @@ DEADLINE = "RINGFLASH_TEST_DEADLINE"  # time.time() after which no test starts (
 STOP = sys.maxsize  # the index claim returns past the deadline: beyond every test
 SUMMARY = re.compile(r"\d+ (passed|failed|errors?|skipped)|no tests ran")  # a rank's last line
 WAIT_S = 3600.0  # a rank waits this long for its rank 0's next index, then fails
+RUNNING = "running"  # the file naming the test a world runs (in its folder of the queue)
+STOP_WAIT_S = 10.0  # a stopped launcher waits this long for each world to end, then kills it
+LOG_LINES = 40  # of a world's log, the last lines a stopped launcher prints
 
 
 def claim(folder: str, deadline: float | None = None) -> int:
@@ -99,11 +106,14 @@ def pytest_runtestloop(session):
     if session.testsfailed and not session.config.option.continue_on_collection_errors:
         raise session.Interrupted(f"{session.testsfailed} errors during collection")
     items = session.items
-    claimed = indices(folder, int(os.environ.get(WORLD, "0")), int(os.environ.get("RANK", "0")))
+    world, rank = int(os.environ.get(WORLD, "0")), int(os.environ.get("RANK", "0"))
+    claimed = indices(folder, world, rank)
     current = next(claimed)
     while current < len(items):
         following = next(claimed)  # claimed ahead: pytest tears fixtures down by the next item
         item = items[current]
+        if rank == 0:
+            mark_running(folder, world, item.nodeid)
         item.config.hook.pytest_runtest_protocol(
             item=item, nextitem=items[following] if following < len(items) else None)
         if session.shouldfail:
@@ -111,7 +121,35 @@ def pytest_runtestloop(session):
         if session.shouldstop:
             raise session.Interrupted(session.shouldstop)
         current = following
+    if rank == 0:
+        mark_running(folder, world, "")
     return True
+
+
+def mark_running(folder: str, world: int, nodeid: str) -> None:
+    """Write the test world ``world`` runs now (``RUNNING`` in its folder; "": none), which
+    the launcher names for a world it stops."""
+    path = os.path.join(folder, f"world{world}", RUNNING)
+    with open(path + ".tmp", "w") as f:
+        f.write(nodeid)
+    os.replace(path + ".tmp", path)
+
+
+def running(folder: str, world: int) -> str:
+    """The test world ``world`` was running ("" if none, or none started)."""
+    try:
+        with open(os.path.join(folder, f"world{world}", RUNNING)) as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
+
+
+class _Stopped(Exception):
+    """The launcher was told to stop (SIGTERM, as from an outer ``timeout``; or SIGINT)."""
+
+
+def _stop(signum, frame):
+    raise _Stopped(signal.Signals(signum).name)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,17 +184,38 @@ def main(argv: list[str] | None = None) -> int:
         log = open(os.path.join(logs, f"world{world}.log"), "w")
         runs.append((subprocess.Popen(command, env=dict(env, **{WORLD: str(world)}),
                                       stdout=log, stderr=subprocess.STDOUT), log))
+    stopped = None
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for process, _ in runs:
+            process.wait()
+    except _Stopped as why:
+        stopped = str(why)
+        for process, _ in runs:
+            if process.poll() is None:
+                process.terminate()  # torchrun passes it on to its ranks
+        for process, _ in runs:
+            try:
+                process.wait(timeout=STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     status = 0
     for world, (process, log) in enumerate(runs):
-        code = process.wait()
+        code = process.returncode
         log.close()
         with open(log.name) as f:
             lines = f.read().splitlines()
         summaries = [line.strip("= ") for line in lines if SUMMARY.search(line)]
-        print(f"world {world}: exit {code}: " + ("; ".join(summaries) or "no pytest summary"))
+        at = running(queue, world)
+        print(f"world {world}: exit {code}: " + ("; ".join(summaries) or "no pytest summary")
+              + (f"; stopped by {stopped} while running {at}" if stopped and at else ""))
         if code:
             status = status or code
-            print("\n".join(lines), file=sys.stderr)
+            print("\n".join(lines[-LOG_LINES:] if stopped else lines), file=sys.stderr)
     if args.deadline is not None:
         claimed = ""
         if os.path.exists(os.path.join(queue, "next")):

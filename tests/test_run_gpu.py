@@ -46,3 +46,34 @@ def test_no_test_starts_past_the_deadline(tmp_path, monkeypatch):
     assert claim(folder) == STOP
     monkeypatch.setenv(DEADLINE, str(time.time() + 60))
     assert claim(folder) == 3  # nothing was counted past the deadline
+
+
+def test_a_stopped_launcher_names_the_test_each_world_was_running(tmp_path):
+    """SIGTERM (an outer ``timeout``) to the launcher: the worlds are stopped and it still
+    reports, naming the test a world was in (here one that sleeps), within seconds."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    tests = tmp_path / "test_sleepy.py"
+    tests.write_text("import time\n\ndef test_quick():\n    pass\n\ndef test_sleeps():\n    time.sleep(600)\n")
+    logs = tmp_path / "logs"
+    here = os.path.dirname(os.path.abspath(__file__))
+    launcher = subprocess.Popen([sys.executable, os.path.join(here, "run_gpu.py"), "--nproc", "1", "--worlds", "1",
+                                 "--logs", str(logs), str(tests)],
+                                cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    marker = None
+    while time.monotonic() < deadline and launcher.poll() is None:
+        marker = next(logs.glob("queue-*/world0/running"), None)
+        if marker is not None and marker.read_text().endswith("test_sleeps"):
+            break
+        time.sleep(0.2)
+    assert launcher.poll() is None, launcher.communicate()
+    assert marker is not None and marker.read_text().endswith("test_sleeps")
+    launcher.send_signal(signal.SIGTERM)
+    out, err = launcher.communicate(timeout=60)
+    assert "stopped by SIGTERM while running" in out and "test_sleeps" in out, (out, err)
+    assert launcher.returncode != 0
