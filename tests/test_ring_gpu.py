@@ -30,7 +30,6 @@ Two checks:
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
