@@ -46,6 +46,7 @@ def ring_trace() -> dict:
         annotation("ringflash.fwd", 0, 100),
         annotation("ringflash.bwd", 100, 150),
         {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "pid": 1, "tid": 1, "ts": 0, "dur": 500},
+        {"ph": "X", "cat": "user_annotation", "name": "ringflash.fwd", "pid": 1, "tid": 1, "ts": -30, "dur": 40},
     ]}
 
 
@@ -62,6 +63,9 @@ def test_peer_copies_are_communication_local_copies_are_not():
     assert step == approx({"attention": 0.1, "merge": 0.0, "other": 0.01, "comm": 0.1,
                            "exposed_comm": 0.03, "gpu_busy": 0.14, "gpu_span": 0.15, "wall": 0.2,
                            "idle": 0.06})
+    # idle 60 us: 10 between the GPU's operations (130-140), 30 before its first (the host
+    # began the forward at -30), the rest after its last
+    assert got["step"]["gaps"] == pytest.approx(0.01) and got["step"]["lead"] == pytest.approx(0.03)
 
 
 def test_phases_clip_the_events_to_their_windows():

@@ -100,7 +100,10 @@ def trace_breakdown(trace: dict, wall_ms: Optional[float] = None, phases=("ringf
     memsets are other). exposed_comm: time when communication runs and nothing else does,
     i.e. communication the compute did not hide. idle: wall time with nothing running on
     the GPU (launch gaps, host work). Per phase too when the trace has the phases' GPU
-    annotations.
+    annotations. The step's idle time in two known parts: gaps, the GPU idle between its
+    first and last operation; lead, from the host's start of the first phase (its CPU
+    annotation) to the GPU's first operation (host work before anything is queued: the
+    rank check, planning, launches), None without that annotation.
     """
     work = gpu_work(trace)
 
@@ -123,10 +126,14 @@ def trace_breakdown(trace: dict, wall_ms: Optional[float] = None, phases=("ringf
             wall = (hi - lo) / 1e3
         out["wall"] = wall
         out["idle"] = None if wall is None else max(wall - busy, 0.0)
+        out["gaps"] = out["gpu_span"] - busy
         return out
 
     result = {"step": summarize(wall=wall_ms)}
     events = [e for e in trace.get("traceEvents", []) if isinstance(e, dict) and e.get("ph") == "X"]
+    starts = [float(e["ts"]) for e in events if e.get("name") == phases[0] and e.get("cat") == "user_annotation"]
+    first_gpu = min((s for _, s, _ in work), default=None)
+    result["step"]["lead"] = None if not starts or first_gpu is None else (first_gpu - min(starts)) / 1e3
     for ph in phases:
         windows = [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
                    if e.get("name") == ph and e.get("cat") == "gpu_user_annotation"]
@@ -174,9 +181,10 @@ def profile_report(infos: list[dict]) -> str:
     cols = [("rank", "rank"), ("phase", "phase"), ("wall", "wall ms", ".2f"),
             ("attention", "attn kern ms", ".2f"), ("merge", "merge ms", ".2f"), ("other", "other ms", ".2f"),
             ("comm", "comm ms", ".2f"), ("exposed_comm", "exposed comm ms", ".2f"),
-            ("idle", "gpu idle ms", ".2f")]
+            ("idle", "gpu idle ms", ".2f"), ("gaps", "of it gaps ms", ".2f"), ("lead", "host lead ms", ".2f")]
     lines = ["From the trace (GPU time by class; comm = NCCL kernels, the copy ring's barriers and peer "
-             "copies; exposed comm = comm running while nothing else is):"]
+             "copies; exposed comm = comm running while nothing else is; gaps = GPU idle between its first "
+             "and last operation; host lead = the host's start of the call to the GPU's first operation):"]
     lines.append(format_table(rows, cols) if rows else "  (no trace breakdown)")
     ka_rows = [{"rank": i["rank"], **i["key_averages"]} for i in infos if "key_averages" in i]
     if ka_rows:
