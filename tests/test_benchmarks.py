@@ -243,6 +243,18 @@ def test_scripts_build_their_command_line(script, monkeypatch, capsys):
     assert capsys.readouterr().out.startswith("usage: ")
 
 
+def test_chunk_rule_pairs_every_setting_measured_both_ways(capsys):
+    """benchmarks/research/chunk_rule.py finds each setting the committed chunk files hold
+    with one chunk and with two, and prints the rule's choice for each."""
+    module = _load(BENCH / "research", "chunk_rule")
+    found = module.pairs()
+    assert len(found) == 8 and all(one["head_chunks"] == 1 and two["head_chunks"] == 2 for _, one, two in found)
+    assert all(all(one[k] == two[k] for k in module.KEY) for _, one, two in found)
+    module.main()
+    out = capsys.readouterr().out
+    assert out.count(" right") + out.count(" wrong") == 8 and "mesh_h200x4_chunks_gqa.json" in out
+
+
 def test_bench_scale_counts_what_any_attention_keeps():
     """bench_scale's ``kept_gib``: q, out, dout, dq (32 heads) and k, v, dk, dv (8 kv heads)
     of 128 bf16 elements a row, lse in fp32: 41,088 bytes a token."""
