@@ -326,7 +326,7 @@ def run_ringflash(cfg: Cfg, layout: str, transport: str, full, ref: Optional[dic
         if heads_parallel == 1:
             res["exposed_comm_ms"] = 0.0  # no all-to-all
             return res
-        res["head_chunks"] = chunks_used(cfg, grid)
+        res["head_chunks"] = chunks_used(cfg, grid, resolved)
         if res.get("fwdbwd_ms") is not None:
             if ring_only is None or not ring_only:
                 ring_only = _ring_only(cfg, resolved, full, ctx, args, grid, ring_only)
@@ -336,17 +336,18 @@ def run_ringflash(cfg: Cfg, layout: str, transport: str, full, ref: Optional[dic
     return res
 
 
-def distinct_chunks(cfg: Cfg, heads_parallel: int, ctx: Ctx, args) -> list[str]:
-    """The --head-chunks values of a grid's rows, less those giving a chunk count an earlier
-    one gives (each kind of call once); "auto" alone for the ring (U = 1)."""
+def distinct_chunks(cfg: Cfg, heads_parallel: int, layout: str, ctx: Ctx, args) -> list[str]:
+    """The --head-chunks values of a grid's rows on ``layout``, less those giving a chunk
+    count an earlier one gives (each kind of call once); "auto" alone for the ring (U = 1)."""
     if heads_parallel == 1:
         return ["auto"]
     from ringflash.groups import resolve_grid
 
-    grid, seen, values = resolve_grid(ctx.grid(heads_parallel)), set(), []
+    group = ctx.grid(heads_parallel)
+    grid, resolved, seen, values = resolve_grid(group), layout_of(cfg, layout, group), set(), []
     for value in args.head_chunks:
         with cli.env_var("RINGFLASH_HEAD_CHUNKS", value):
-            count = chunks_used(cfg, grid)
+            count = chunks_used(cfg, grid, resolved)
         if count not in seen:
             seen.add(count)
             values.append(value)
@@ -364,13 +365,13 @@ def layout_of(cfg: Cfg, name: str, group):
     return ringflash.document_layout(bounds, cfg.seqlen, group)
 
 
-def chunks_used(cfg: Cfg, grid) -> int:
-    """The chunks of heads a rank's call on ``grid`` splits into (``ringflash.heads.head_chunks``
-    under the current RINGFLASH_HEAD_CHUNKS)."""
-    from ringflash.heads import head_chunks, kv_index
+def chunks_used(cfg: Cfg, grid, layout) -> int:
+    """The chunks of heads a rank's call on ``grid`` with ``layout`` splits into
+    (``ringflash.heads.grid_chunks`` under the current RINGFLASH_HEAD_CHUNKS)."""
+    from ringflash.heads import grid_chunks
 
-    entries = kv_index(cfg.heads, cfg.kv_heads, grid.heads_world).shape[1]
-    return head_chunks(entries, cfg.batch * cfg.seqlen // grid.world * cfg.heads)
+    q = torch.empty(cfg.batch, cfg.seqlen // grid.world, cfg.heads, cfg.head_dim, dtype=torch.bfloat16, device="meta")
+    return grid_chunks(q, cfg.kv_heads, grid, layout, (None, 0) if cfg.causal else (None, None))
 
 
 def _run_ringflash(cfg: Cfg, name: str, layout, full, ref: Optional[dict], ctx: Ctx, args, group) -> dict:
@@ -597,7 +598,7 @@ def benchmark(args, ctx: Ctx, save=None) -> list[dict]:
                         for transport in args.transports:
                             ring_only = {}  # timed once for every --head-chunks row
                             runs += [run_ringflash(cfg, layout, transport, full, ref, ctx, args, u, chunks, ring_only)
-                                     for chunks in distinct_chunks(cfg, u, ctx, args)]
+                                     for chunks in distinct_chunks(cfg, u, layout, ctx, args)]
             elif impl == "ringflash_1gpu":
                 runs = [run_ringflash_1gpu(cfg, full, ctx, args)]
             elif cfg.mask == "documents":

@@ -52,7 +52,7 @@ import torch
 
 from .cost import H100, PASS_SHARES, Costs, Mask, Problem, RingCounts, _schedule_times, rank_times, ring_counts
 from .documents import document_layout
-from .heads import head_chunks, kv_index
+from .heads import ALLTOALL_CALL_MS, ALLTOALL_GBPS, chunks_pay, head_chunks, kv_index, unchunked_alltoall_ms
 
 
 class GridCosts(NamedTuple):
@@ -74,7 +74,7 @@ class GridCosts(NamedTuple):
 # every measured grid configuration of mesh_h200x4.json and mesh_h200x2.json (``alltoall_ms``:
 # the 9 exchanges of one unchunked forward+backward timed alone, 1-9 GB a rank; U = 2 and 4):
 # least squares on the relative error, every one within 6%.
-NVLINK = GridCosts(alltoall_gbps=335.0, alltoall_ms=0.0625)
+NVLINK = GridCosts(alltoall_gbps=ALLTOALL_GBPS, alltoall_ms=ALLTOALL_CALL_MS)  # (heads.py's: its chunks' rule)
 
 
 class Exchange(NamedTuple):
@@ -224,8 +224,11 @@ def grid_times(ring: RingCounts, heads_world: int, problem: Problem = Problem(),
         raise ValueError(f"world {world} is not heads_world x ring_world = {heads_world} x {r}")
     costs = ring_link(costs, heads_world * r, r, grid)
     whole = problem._replace(heads=problem.heads // heads_world, kv_heads=entries)
-    if chunks is None:
-        chunks = head_chunks(entries, seqlen // r * whole.heads) if heads_world > 1 else 1
+    if chunks is None:  # the library's choice, its rule's all-to-alls at NVLINK whatever ``grid``
+        alltoall = unchunked_alltoall_ms(seqlen // (heads_world * r), problem.heads, entries, problem.head_dim,
+                                         problem.dtype_bytes, heads_world)
+        chunks = head_chunks(entries, seqlen // r * whole.heads,
+                             lambda: chunks_pay(alltoall, ring.steps)) if heads_world > 1 else 1
     calls = exchanges(heads_world, r, seqlen, problem, chunks, lse_grad)
     ring_ms = rank_times(ring, costs, whole)
     if heads_world == 1:

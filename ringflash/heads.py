@@ -32,9 +32,12 @@ forward and backward itself, in its own order. The copies into the send buffers 
 the arrived results to their heads run on a side stream, beside the kernels, and where U
 divides the kv heads no kv head is picked or summed, only rearranged. What stays exposed is
 the first chunk's trip out, the last chunk's trip home, and a tail of each chunk's
-launches. C = 1 (nothing to split, RINGFLASH_HEAD_CHUNKS=1, or under torch.compile,
-which traces the exchanges as functional collectives and orders them itself) takes the
-composed path: differentiable exchanges around the ring's autograd op.
+launches, while the second chunk runs the ring's steps again. So C = 2 only where the
+half of the all-to-alls it hides outweighs what the steps cost again (``chunks_pay``, the
+cost model's rule: at (2, 2), 128k, 32 heads two chunks, 8 kv heads one). C = 1 (nothing to
+split, chunks that would not pay, RINGFLASH_HEAD_CHUNKS=1, or under torch.compile, which
+traces the exchanges as functional collectives and orders them itself) takes the composed
+path: differentiable exchanges around the ring's autograd op.
 RINGFLASH_HEAD_CHUNKS (read at each call) exists to compare the two paths: tests hold them
 to the same bits, benchmarks time what the overlap hides.
 
@@ -67,6 +70,7 @@ from einops import rearrange
 from .groups import Grid, group_name
 from .kernels import eager, no_double_backward
 from .kernels.masks import tensor_memo
+from .layouts import active_steps
 from .ops import ring_attn, ring_attn_backward_impl, ring_attn_forward_impl
 
 CHUNKS_ENV = "RINGFLASH_HEAD_CHUNKS"
@@ -75,6 +79,16 @@ CHUNKS_ENV = "RINGFLASH_HEAD_CHUNKS"
 # measured (docs/performance.md, "Copies aside").
 MAX_CHUNKS = 2
 MIN_CHUNK_ROWS = 1 << 16  # query rows x heads of one chunk's kernels (B U L H / U / C): a full GPU
+# Whether two chunks pay (``chunks_pay``): they hide about half of the all-to-alls and run the
+# ring's steps once more, each step's fixed costs again: the cost model's step_ms + 2 message_ms
+# (cost.H100: 0.4031 + 2 x 0.2446 ms; tests/test_heads.py holds them equal). Measured on 4 x
+# H200 in pairs, one chunk against two, the rule is right or level in 7 of 8 (128k, (2, 2) and
+# (4, 1), 32/32 and 32/8 heads: benchmarks/research/chunk_rule.py; docs/performance.md, "One
+# head chunk or two"): at (2, 2) with 8 kv heads one chunk is 9-18% faster on packed documents.
+CHUNK_STEP_MS = 0.8923
+# The all-to-alls within a node, as the cost model prices them (cost_grid.NVLINK, fitted to the
+# unchunked calls' all-to-alls timed alone on 2 and 4 x H200).
+ALLTOALL_GBPS, ALLTOALL_CALL_MS = 335.0, 0.0625
 MEMORY_SHARE = 0.25  # of a GPU's memory, the most a ring alone's own buffers take before it chunks
 
 
@@ -102,15 +116,52 @@ def _wanted_chunks() -> Optional[int]:
     raise ValueError(f"{CHUNKS_ENV} must be 'auto' or a positive integer, got {wanted!r}")
 
 
-def head_chunks(entries: int, rows: int) -> int:
+def head_chunks(entries: int, rows: int, pays: Optional[Callable[[], bool]] = None) -> int:
     """How many chunks a rank's heads split into: a divisor of ``entries`` (the kv entries a
     rank receives, kv_index's n), so each chunk has whole GQA groups and at least one kv head.
     RINGFLASH_HEAD_CHUNKS=k asks for k (the largest such divisor up to k; 1: no overlap).
     By default the largest up to MAX_CHUNKS whose chunks keep MIN_CHUNK_ROWS of the ``rows``
-    (B x U L x H / U) a rank's ring computes; 1 for a small call, which has nothing to hide."""
+    (B x U L x H / U) a rank's ring computes; 1 for a small call, which has nothing to hide,
+    and where ``pays`` (asked only then) says chunks do not pay (``chunks_pay``)."""
     wanted = _wanted_chunks()
     cap, least = (MAX_CHUNKS, MIN_CHUNK_ROWS) if wanted is None else (wanted, 0)
-    return max(c for c in range(1, min(cap, entries) + 1) if entries % c == 0 and (c == 1 or rows // c >= least))
+    chunks = max(c for c in range(1, min(cap, entries) + 1) if entries % c == 0 and (c == 1 or rows // c >= least))
+    return 1 if wanted is None and chunks > 1 and pays is not None and not pays() else chunks
+
+
+def chunks_pay(alltoall_ms: float, steps: int) -> bool:
+    """Whether a grid call's heads in two chunks beat one: half its all-to-alls
+    (``unchunked_alltoall_ms``), which the chunks hide, against ``steps`` x CHUNK_STEP_MS,
+    what the ring's ``steps`` cost again in the second chunk."""
+    return alltoall_ms / 2 > steps * CHUNK_STEP_MS
+
+
+def unchunked_alltoall_ms(tokens: int, heads: int, entries: int, head_dim: int, element_size: int,
+                          world: int) -> float:
+    """ms of the all-to-alls of one unchunked forward+backward of a grid rank holding
+    ``tokens`` tokens (batch x local length) of ``heads`` query heads, receiving ``entries``
+    kv entries (``kv_index``), over a heads group of ``world`` ranks, as the cost model prices
+    them (``cost_grid.exchanges`` and ``exchange_ms`` at ``cost_grid.NVLINK``): q, k, v out,
+    out and lse home, dout out, dq, dk, dv home; each sends (U - 1) pieces, one a rank, and
+    costs ALLTOALL_CALL_MS besides. Segment ids (all-gathered once) and dlse left out."""
+    q_piece = tokens * heads // world * head_dim * element_size
+    kv_piece, lse_piece = tokens * entries * head_dim * element_size, tokens * heads // world * 4
+    sent = (world - 1) * (4 * q_piece + 4 * kv_piece + lse_piece)
+    return sent / (ALLTOALL_GBPS * 1e6) + 9 * ALLTOALL_CALL_MS
+
+
+def grid_chunks(q: torch.Tensor, kv_heads: int, grid: Grid, layout, band) -> int:
+    """The chunks of heads a grid call on q (B, L, H, D) with ``kv_heads`` runs in
+    (``head_chunks``), its rule fed with the call's all-to-alls and the steps its ring runs
+    over ring shards of U L rows (``layouts.active_steps``). Shapes, layout and band alone
+    decide, which every rank of the grid agrees on, as the chunks must be the same on all."""
+    batch, local, heads, head_dim = q.shape
+    entries = kv_index(heads, kv_heads, grid.heads_world).shape[1]
+
+    def pays() -> bool:
+        alltoall = unchunked_alltoall_ms(batch * local, heads, entries, head_dim, q.element_size(), grid.heads_world)
+        return chunks_pay(alltoall, active_steps(layout, grid.ring_world, grid.heads_world * local, band))
+    return head_chunks(entries, batch * local * heads, pays)
 
 
 def ring_buffer_bytes(q: torch.Tensor, k: torch.Tensor) -> int:
@@ -160,7 +211,7 @@ def ring_over_heads(q, k, v, grid: Grid, segments, block_mask, *, softmax_scale:
     head-split tensors, chunked and overlapped with the exchanges where it can be."""
     world, heads, rank = grid.heads_world, q.shape[2], grid.heads_rank
     per_rank, kv = heads // world, kv_index(heads, k.shape[2], world)
-    chunks = head_chunks(kv.shape[1], q.shape[0] * q.shape[1] * heads) if eager(q, k, v) else 1
+    chunks = grid_chunks(q, k.shape[2], grid, layout, band) if eager(q, k, v) else 1
     segments2 = None if segments is None else _gather_tokens(segments, grid.heads, world)
     blocks = [_head_rows(block_mask, rank * per_rank + c * per_rank // chunks, per_rank // chunks)
               for c in range(chunks)]

@@ -227,3 +227,16 @@ def test_predict_scaling_grid_tables(capsys, monkeypatch):
     assert "grid calibration" in printed and "best" in printed
     assert {(r["gpus"], r["heads_parallel"]) for r in records} == {(2, 1), (2, 2), (4, 1), (4, 2), (4, 4)}
     assert all(0 < r["predicted_efficiency"] <= 1 for r in records)
+
+
+@pytest.mark.parametrize("u, h, hkv", [(2, 32, 32), (2, 32, 8), (4, 32, 8), (8, 32, 8), (4, 8, 1),
+                                                (4, 12, 3), (8, 64, 8)])
+def test_the_chunks_rule_prices_the_all_to_alls_as_the_model(u, h, hkv):
+    """heads.unchunked_alltoall_ms, which the library's chunk rule reads, is cost_grid's price
+    of an unchunked call's exchanges at NVLINK (no segment ids, no dlse)."""
+    r, seqlen = 2, 65536 * u
+    problem = cost.Problem(heads=h, kv_heads=hkv, head_dim=128)
+    entries = heads.kv_index(h, hkv, u).shape[1]
+    model = sum(cost_grid.exchange_ms(x) for x in cost_grid.exchanges(u, r, seqlen, problem, 1))
+    got = heads.unchunked_alltoall_ms(seqlen // (u * r), h, entries, 128, problem.dtype_bytes, u)
+    assert got == pytest.approx(model, rel=1e-12)

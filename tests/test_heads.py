@@ -358,6 +358,34 @@ def test_head_chunks_keep_whole_kv_entries(monkeypatch):
         head_chunks(4, big)
 
 
+def test_two_chunks_only_where_they_pay(monkeypatch):
+    """heads.chunks_pay, the cost model's rule, on the settings measured in pairs on 4 x H200
+    at 128k (benchmarks/research/chunk_rule.py): two chunks for 32/32 heads on (2, 2) and
+    (4, 1) and for 32/8 on (4, 1), one for 32/8 on (2, 2), whose all-to-alls are smaller than
+    what its two steps cost again; head_chunks asks the rule only where its default would
+    split, and not at all under RINGFLASH_HEAD_CHUNKS."""
+    import types
+
+    from ringflash import cost
+    from ringflash.heads import CHUNK_STEP_MS, CHUNKS_ENV, MIN_CHUNK_ROWS, grid_chunks, head_chunks
+    monkeypatch.delenv(CHUNKS_ENV, raising=False)
+    assert CHUNK_STEP_MS == pytest.approx(cost.H100.step_ms + 2 * cost.H100.message_ms, abs=1e-12)
+    for (u, r, kv_heads), chunks in {(2, 2, 32): 2, (4, 1, 32): 2, (2, 2, 8): 1, (4, 1, 8): 2}.items():
+        q = torch.empty(1, 131072 // (u * r), 32, 128, dtype=torch.bfloat16, device="meta")
+        grid = types.SimpleNamespace(heads_world=u, ring_world=r)
+        assert grid_chunks(q, kv_heads, grid, "zigzag", (None, 0)) == chunks, (u, r, kv_heads)
+        q_small = q[:, :1024]  # too few rows to split (MIN_CHUNK_ROWS)
+        assert grid_chunks(q_small, kv_heads, grid, "zigzag", (None, 0)) == 1
+    big = 4 * MIN_CHUNK_ROWS
+
+    def never():
+        raise AssertionError("asked")
+    assert head_chunks(16, big, lambda: False) == 1 and head_chunks(16, big, lambda: True) == 2
+    assert head_chunks(16, MIN_CHUNK_ROWS, never) == 1 and head_chunks(1, big, never) == 1  # nothing to split
+    monkeypatch.setenv(CHUNKS_ENV, "2")
+    assert head_chunks(16, big, never) == 2
+
+
 def test_ring_alone_chunks_its_heads_only_when_its_buffers_would_not_fit(monkeypatch):
     """memory_chunks: the ring's own buffers (56 KiB a local token at 32 / 8 heads, head_dim
     128, bf16) within a quarter of an 80 GB GPU: none up to 256k local tokens, 2 chunks at
