@@ -160,7 +160,11 @@ def grid_chunks(q: torch.Tensor, kv_heads: int, grid: Grid, layout, band) -> int
 
     def pays() -> bool:
         alltoall = unchunked_alltoall_ms(batch * local, heads, entries, head_dim, q.element_size(), grid.heads_world)
-        return chunks_pay(alltoall, active_steps(layout, grid.ring_world, grid.heads_world * local, band))
+        # (a document layout's own count of its causal steps, the same and which its ring's plan
+        # asks for anyway: a new layout every batch costs no search of its steps here)
+        steps = layout.steps if getattr(layout, "kind", None) == "documents" and tuple(band) == (None, 0) else active_steps(
+            layout, grid.ring_world, grid.heads_world * local, band)
+        return chunks_pay(alltoall, steps)
     return head_chunks(entries, batch * local * heads, pays)
 
 

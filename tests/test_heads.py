@@ -364,9 +364,11 @@ def test_two_chunks_only_where_they_pay(monkeypatch):
     (4, 1) and for 32/8 on (4, 1), one for 32/8 on (2, 2), whose all-to-alls are smaller than
     what its two steps cost again; head_chunks asks the rule only where its default would
     split, and not at all under RINGFLASH_HEAD_CHUNKS."""
+    import itertools
     import types
 
     from ringflash import cost
+    from ringflash.layouts import active_steps
     from ringflash.heads import CHUNK_STEP_MS, CHUNKS_ENV, MIN_CHUNK_ROWS, grid_chunks, head_chunks
     monkeypatch.delenv(CHUNKS_ENV, raising=False)
     assert CHUNK_STEP_MS == pytest.approx(cost.H100.step_ms + 2 * cost.H100.message_ms, abs=1e-12)
@@ -376,6 +378,14 @@ def test_two_chunks_only_where_they_pay(monkeypatch):
         assert grid_chunks(q, kv_heads, grid, "zigzag", (None, 0)) == chunks, (u, r, kv_heads)
         q_small = q[:, :1024]  # too few rows to split (MIN_CHUNK_ROWS)
         assert grid_chunks(q_small, kv_heads, grid, "zigzag", (None, 0)) == 1
+    # a document layout's steps, its own count (2 over a ring of two), as active_steps counts them
+    lengths = [5000, 40000, 300, 70000, 15772]
+    bounds = torch.tensor([0, *itertools.accumulate(lengths)])
+    layout = ringflash.document_layout(bounds, 131072, world=2)
+    assert layout.steps == active_steps(layout, 2, 65536, (None, 0))
+    for kv_heads, chunks in ((32, 2), (8, 1)):
+        q = torch.empty(1, 32768, 32, 128, dtype=torch.bfloat16, device="meta")
+        assert grid_chunks(q, kv_heads, types.SimpleNamespace(heads_world=2, ring_world=2), layout, (None, 0)) == chunks
     big = 4 * MIN_CHUNK_ROWS
 
     def never():
