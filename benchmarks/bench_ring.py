@@ -368,10 +368,11 @@ def layout_of(cfg: Cfg, name: str, group):
 def chunks_used(cfg: Cfg, grid, layout) -> int:
     """The chunks of heads a rank's call on ``grid`` with ``layout`` splits into
     (``ringflash.heads.grid_chunks`` under the current RINGFLASH_HEAD_CHUNKS)."""
-    from ringflash.heads import grid_chunks
+    from ringflash.heads import grid_chunks, kv_index
 
     q = torch.empty(cfg.batch, cfg.seqlen // grid.world, cfg.heads, cfg.head_dim, dtype=torch.bfloat16, device="meta")
-    return grid_chunks(q, cfg.kv_heads, grid, layout, (None, 0) if cfg.causal else (None, None))
+    entries = kv_index(cfg.heads, cfg.kv_heads, grid.heads_world).shape[1]
+    return grid_chunks(q, entries, grid, layout, (None, 0) if cfg.causal else (None, None))
 
 
 def _run_ringflash(cfg: Cfg, name: str, layout, full, ref: Optional[dict], ctx: Ctx, args, group) -> dict:

@@ -150,20 +150,20 @@ def unchunked_alltoall_ms(tokens: int, heads: int, entries: int, head_dim: int, 
     return sent / (ALLTOALL_GBPS * 1e6) + 9 * ALLTOALL_CALL_MS
 
 
-def grid_chunks(q: torch.Tensor, kv_heads: int, grid: Grid, layout, band) -> int:
-    """The chunks of heads a grid call on q (B, L, H, D) with ``kv_heads`` runs in
-    (``head_chunks``), its rule fed with the call's all-to-alls and the steps its ring runs
-    over ring shards of U L rows (``layouts.active_steps``). Shapes, layout and band alone
-    decide, which every rank of the grid agrees on, as the chunks must be the same on all."""
+def grid_chunks(q: torch.Tensor, entries: int, grid: Grid, layout, band) -> int:
+    """The chunks of heads a grid call on q (B, L, H, D) runs in, a rank receiving
+    ``entries`` kv entries (``kv_index``'s n): ``head_chunks``, its rule fed with the call's
+    all-to-alls and the steps its ring runs over ring shards of U L rows
+    (``layouts.active_steps``). Shapes, layout and band alone decide, which every rank of
+    the grid agrees on, as the chunks must be the same on all."""
     batch, local, heads, head_dim = q.shape
-    entries = kv_index(heads, kv_heads, grid.heads_world).shape[1]
 
     def pays() -> bool:
         alltoall = unchunked_alltoall_ms(batch * local, heads, entries, head_dim, q.element_size(), grid.heads_world)
-        # (a document layout's own count of its causal steps, the same and which its ring's plan
-        # asks for anyway: a new layout every batch costs no search of its steps here)
-        steps = layout.steps if getattr(layout, "kind", None) == "documents" and tuple(band) == (None, 0) else active_steps(
-            layout, grid.ring_world, grid.heads_world * local, band)
+        if getattr(layout, "kind", None) == "documents" and tuple(band) == (None, 0):
+            steps = layout.steps  # its own count, the same, which its ring's plan asks for anyway
+        else:
+            steps = active_steps(layout, grid.ring_world, grid.heads_world * local, band)
         return chunks_pay(alltoall, steps)
     return head_chunks(entries, batch * local * heads, pays)
 
@@ -215,7 +215,7 @@ def ring_over_heads(q, k, v, grid: Grid, segments, block_mask, *, softmax_scale:
     head-split tensors, chunked and overlapped with the exchanges where it can be."""
     world, heads, rank = grid.heads_world, q.shape[2], grid.heads_rank
     per_rank, kv = heads // world, kv_index(heads, k.shape[2], world)
-    chunks = grid_chunks(q, k.shape[2], grid, layout, band) if eager(q, k, v) else 1
+    chunks = grid_chunks(q, kv.shape[1], grid, layout, band) if eager(q, k, v) else 1
     segments2 = None if segments is None else _gather_tokens(segments, grid.heads, world)
     blocks = [_head_rows(block_mask, rank * per_rank + c * per_rank // chunks, per_rank // chunks)
               for c in range(chunks)]

@@ -374,18 +374,18 @@ def test_two_chunks_only_where_they_pay(monkeypatch):
     assert CHUNK_STEP_MS == pytest.approx(cost.H100.step_ms + 2 * cost.H100.message_ms, abs=1e-12)
     for (u, r, kv_heads), chunks in {(2, 2, 32): 2, (4, 1, 32): 2, (2, 2, 8): 1, (4, 1, 8): 2}.items():
         q = torch.empty(1, 131072 // (u * r), 32, 128, dtype=torch.bfloat16, device="meta")
-        grid = types.SimpleNamespace(heads_world=u, ring_world=r)
-        assert grid_chunks(q, kv_heads, grid, "zigzag", (None, 0)) == chunks, (u, r, kv_heads)
+        grid, entries = types.SimpleNamespace(heads_world=u, ring_world=r), kv_index(32, kv_heads, u).shape[1]
+        assert grid_chunks(q, entries, grid, "zigzag", (None, 0)) == chunks, (u, r, kv_heads)
         q_small = q[:, :1024]  # too few rows to split (MIN_CHUNK_ROWS)
-        assert grid_chunks(q_small, kv_heads, grid, "zigzag", (None, 0)) == 1
+        assert grid_chunks(q_small, entries, grid, "zigzag", (None, 0)) == 1
     # a document layout's steps, its own count (2 over a ring of two), as active_steps counts them
     lengths = [5000, 40000, 300, 70000, 15772]
     bounds = torch.tensor([0, *itertools.accumulate(lengths)])
     layout = ringflash.document_layout(bounds, 131072, world=2)
     assert layout.steps == active_steps(layout, 2, 65536, (None, 0))
-    for kv_heads, chunks in ((32, 2), (8, 1)):
+    for entries, chunks in ((16, 2), (4, 1)):  # 32 and 8 kv heads over U = 2
         q = torch.empty(1, 32768, 32, 128, dtype=torch.bfloat16, device="meta")
-        assert grid_chunks(q, kv_heads, types.SimpleNamespace(heads_world=2, ring_world=2), layout, (None, 0)) == chunks
+        assert grid_chunks(q, entries, types.SimpleNamespace(heads_world=2, ring_world=2), layout, (None, 0)) == chunks
     big = 4 * MIN_CHUNK_ROWS
 
     def never():

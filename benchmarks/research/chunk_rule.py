@@ -64,8 +64,7 @@ def main() -> None:
         entries = heads.kv_index(one["heads"], one["kv_heads"], u).shape[1]
         estimate = heads.unchunked_alltoall_ms(local, one["heads"], entries, one["head_dim"], 2, u)
         q = torch.empty(1, local, one["heads"], one["head_dim"], dtype=torch.bfloat16, device="meta")
-        taken = heads.grid_chunks(q, one["kv_heads"], types.SimpleNamespace(heads_world=u, ring_world=r),
-                                  layout, band)
+        taken = heads.grid_chunks(q, entries, types.SimpleNamespace(heads_world=u, ring_world=r), layout, band)
         faster = 2 if two["fwdbwd_ms"] < one["fwdbwd_ms"] else 1
         gain = one["fwdbwd_ms"] / two["fwdbwd_ms"] - 1
         rows.append(dict(file=name, grid=f"({u}, {r})", heads=f"{one['heads']}/{one['kv_heads']}", mask=one["mask"],
