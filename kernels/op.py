@@ -4,6 +4,7 @@ autograd -> the public ``flash_attn``. Outside torch.compile the public function
 same implementations through a plain ``torch.autograd.Function`` (``eager_function``),
 which skips the custom ops' dispatch."""
 
+import inspect
 from typing import Optional
 
 import torch
@@ -37,7 +38,10 @@ def eager(*tensors: Optional[torch.Tensor]) -> bool:
 def eager_function(name: str, forward, setup_context, backward) -> type:
     """A torch.autograd.Function over a custom op's implementation ``forward`` and the
     ``setup_context`` / ``backward`` registered for it: the same inputs, outputs, saved
-    tensors and gradients, without the op's dispatch."""
+    tensors and gradients, without the op's dispatch. ``forward`` keeps its signature made
+    once (``__signature__``): Function.apply binds every call's arguments to it (with a
+    setup_context), and ``inspect.signature`` would make it again each time."""
+    forward.__signature__ = inspect.signature(forward)
     return type(name, (torch.autograd.Function,), {
         "forward": staticmethod(forward), "setup_context": staticmethod(setup_context),
         "backward": staticmethod(backward)})
